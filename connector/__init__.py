@@ -1,0 +1,18 @@
+"""xPyD's KV connector for vLLM 0.32: load it with
+``"kv_connector": "P2pNcclConnector", "kv_connector_module_path": "connector"``.
+
+The facade is imported lazily so that pieces without a vLLM dependency (the
+transport, the buffer, request-id parsing) import on their own.
+"""
+
+from typing import Any
+
+__all__ = ["P2pNcclConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "P2pNcclConnector":
+        from connector.connector import P2pNcclConnector
+
+        return P2pNcclConnector
+    raise AttributeError(name)

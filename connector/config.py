@@ -1,0 +1,93 @@
+"""Typed view of the connector's slice of vLLM's --kv-transfer-config."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+SendType = Literal["PUT", "PUT_ASYNC", "GET"]
+SEND_TYPES: tuple[str, ...] = ("PUT", "PUT_ASYNC", "GET")
+
+
+def _proxies(extra: dict[str, Any]) -> tuple[str, ...]:
+    """Upstream uses proxy_ip/proxy_port; we also accept a list under "proxies"."""
+    out: list[str] = []
+    if extra.get("proxy_ip") and extra.get("proxy_port"):
+        out.append(f"{extra['proxy_ip']}:{int(extra['proxy_port'])}")
+    for addr in extra.get("proxies", []) or []:
+        if addr not in out:
+            out.append(str(addr))
+    return tuple(out)
+
+
+def _flag(value: Any) -> bool:
+    """A boolean option; JSON strings like "false" or "0" mean False (bool() says True)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    role: str  # kv_producer | kv_consumer | kv_both
+    kv_ip: str
+    kv_port: int
+    http_host: str
+    http_port: int | None
+    proxies: tuple[str, ...]
+    send_type: SendType
+    kv_buffer_size: int
+    kv_load_timeout_s: float
+    send_timeout_s: float
+    buffer_ttl_s: float
+    heartbeat_interval_s: float
+    transport: str
+    discovery_secret: str | None
+    # Test hook: honour kv_transfer_params["xpyd_debug_corrupt_kv"] on load. Off
+    # unless explicitly enabled, so clients cannot corrupt a production instance.
+    allow_debug_corruption: bool
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    @property
+    def advertised_address(self) -> str:
+        """The zmq address peers (and the proxy's request ids) use for rank 0."""
+        return f"{self.kv_ip}:{self.kv_port}"
+
+    @staticmethod
+    def from_vllm(kv_transfer_config: Any) -> "ConnectorConfig":
+        extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
+        send_type = str(extra.get("send_type", "PUT_ASYNC")).upper()
+        if send_type not in SEND_TYPES:
+            raise ValueError(f"send_type must be one of {SEND_TYPES}, got {send_type!r}")
+        role = kv_transfer_config.kv_role
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"unsupported kv_role {role!r}")
+        # vLLM 0.32 rejects top-level kv_ip / kv_buffer_size, so they live here.
+        kv_ip = str(extra.get("kv_ip", "127.0.0.1"))
+        http_port = extra.get("http_port")
+        secret = extra.get("discovery_secret") or os.environ.get("XPYD_DISCOVERY_SECRET")
+        return ConnectorConfig(
+            role=role,
+            kv_ip=kv_ip,
+            kv_port=int(kv_transfer_config.kv_port),
+            http_host=str(extra.get("http_host", kv_ip)),
+            http_port=int(http_port) if http_port is not None else None,
+            proxies=_proxies(extra),
+            send_type=send_type,  # type: ignore[arg-type]
+            kv_buffer_size=int(float(extra.get("kv_buffer_size", 1e9))),
+            kv_load_timeout_s=float(extra.get("kv_load_timeout_s", 30.0)),
+            send_timeout_s=float(extra.get("send_timeout_s", 10.0)),
+            buffer_ttl_s=float(extra.get("buffer_ttl_s", 60.0)),
+            heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 3.0)),
+            transport=str(extra.get("transport", "auto")),
+            discovery_secret=str(secret) if secret else None,
+            allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
+        )

@@ -1,0 +1,49 @@
+"""What the scheduler process tells the worker processes each step.
+
+This module is the only thing the two sides share: plain picklable dataclasses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Producer: ship the prompt's blocks of one request to its decode instance."""
+
+    req_id: str  # engine request id (local to this instance)
+    transfer_key: str
+    decode_addr: str  # rank-0 kv address; the worker adds its rank
+    prefill_addr: str
+    block_ids: tuple[int, ...]  # whole blocks covering the prompt, in order
+    num_tokens: int  # prompt length
+    # False for PUT (synchronous) and GET (copied into P's buffer): the scheduler
+    # frees blocks at once. True for PUT_ASYNC: freed after get_finished says so.
+    delay_free: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Consumer: fill local blocks from the KV the producer sent."""
+
+    req_id: str
+    transfer_key: str
+    prefill_addr: str
+    # Destination blocks and which of the producer's blocks go there: block i of
+    # the prompt lands in dst_block_ids[i - first_block].
+    dst_block_ids: tuple[int, ...]
+    first_block: int
+    num_tokens: int  # tokens loaded (prompt minus local hit minus last token)
+    corrupt_for_test: bool = False
+
+
+@dataclass(slots=True)
+class P2pConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    # Requests preempted this step: their in-flight sends must finish before
+    # the blocks are reused.
+    preempted: list[str] = field(default_factory=list)

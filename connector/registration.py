@@ -1,0 +1,79 @@
+"""Announces this instance to the xPyD proxies (the discovery heartbeat).
+
+Runs in the scheduler process, where the load figures live (one per engine,
+rank-0 semantics). Announces only once the instance's own HTTP server answers
+/health, so a proxy never routes to an instance that cannot take requests yet.
+"""
+
+from __future__ import annotations
+
+from connector.log import get_logger
+import threading
+import urllib.request
+from collections.abc import Callable
+
+import zmq
+
+from connector.config import ConnectorConfig
+from proxy.protocol import Load, Registration, encode
+
+logger = get_logger(__name__)
+
+LoadReport = Callable[[], tuple[int, int, float]]
+
+
+class Registrar:
+    def __init__(self, cfg: ConnectorConfig, load_report: LoadReport) -> None:
+        self._cfg = cfg
+        self._load_report = load_report
+        self._stop = threading.Event()
+        self._ctx = zmq.Context.instance()
+        self._thread = threading.Thread(target=self._run, name="xpyd-registrar", daemon=True)
+        self._thread.start()
+
+    def _registration(self, leave: bool = False) -> Registration:
+        running, waiting, usage = self._load_report()
+        return Registration(
+            role="P" if self._cfg.role == "kv_producer" else "D",
+            http_address=f"{self._cfg.http_host}:{self._cfg.http_port}",
+            zmq_address=self._cfg.advertised_address,
+            load=Load(running, waiting, usage),
+            leave=leave,
+        )
+
+    def _healthy(self) -> bool:
+        url = f"http://{self._cfg.http_host}:{self._cfg.http_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:  # noqa: S310 (own loopback/http host)
+                return r.status == 200
+        except OSError:
+            return False
+
+    def _send_all(self, sockets: dict[str, zmq.Socket], msg: bytes) -> None:
+        for addr, sock in sockets.items():
+            try:
+                sock.send(msg, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("discovery heartbeat dropped proxy=%s (queue full)", addr)
+
+    def _run(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        for addr in self._cfg.proxies:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 500)
+            s.setsockopt(zmq.SNDHWM, 4)
+            s.connect(f"tcp://{addr}")
+            sockets[addr] = s
+        try:
+            while not self._stop.is_set():
+                if self._healthy():
+                    self._send_all(sockets, encode(self._registration(), self._cfg.discovery_secret))
+                self._stop.wait(self._cfg.heartbeat_interval_s)
+            self._send_all(sockets, encode(self._registration(leave=True), self._cfg.discovery_secret))
+        finally:
+            for s in sockets.values():
+                s.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3.0)

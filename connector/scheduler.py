@@ -1,0 +1,181 @@
+"""Scheduler-side half of the connector (runs in vLLM's EngineCore process).
+
+Decides, per request, what to load (consumer) or send (producer), and tells the
+workers through ``P2pConnectorMetadata``. Shares nothing else with them.
+"""
+
+from __future__ import annotations
+
+from connector.log import get_logger
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from connector import request_id
+from connector.config import ConnectorConfig
+from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connector.registration import Registrar
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    tid: request_id.TransferId
+    num_prompt_tokens: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class P2pScheduler:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, start_registrar: bool = True) -> None:
+        self._cfg = cfg
+        self._block_size = block_size
+        self._kv_cache_manager: KVCacheManager | None = None
+        # Producer: requests whose prompt still has to be sent, and sends planned.
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._saving: dict[str, SaveSpec] = {}
+        # Consumer: loads to announce in the next metadata, and what each
+        # request got (so a preempted or failed one is never loaded twice).
+        self._new_loads: list[LoadSpec] = []
+        self._loaded: dict[str, LoadSpec] = {}
+        # Load figures for the heartbeat.
+        self._live: set[str] = set()
+        self._running = 0
+        self._registrar = (
+            Registrar(cfg, self.load_report) if start_registrar and cfg.proxies and cfg.http_port else None
+        )
+
+    def bind(self, kv_cache_manager: "KVCacheManager") -> None:
+        self._kv_cache_manager = kv_cache_manager
+
+    def load_report(self) -> tuple[int, int, float]:
+        """(running, waiting, kv_usage) for the discovery heartbeat."""
+        usage = 0.0
+        if self._kv_cache_manager is not None:
+            try:
+                usage = float(self._kv_cache_manager.usage)
+            except Exception:  # usage is best effort
+                usage = 0.0
+        running = self._running
+        return running, max(0, len(self._live) - running), min(1.0, max(0.0, usage))
+
+    # ---- which side of a transfer this instance is on ----
+    def _consumes(self, tid: request_id.TransferId) -> bool:
+        if not self._cfg.is_consumer:
+            return False
+        return self._cfg.role != "kv_both" or tid.decode_addr == self._cfg.advertised_address
+
+    def _produces(self, tid: request_id.TransferId) -> bool:
+        if not self._cfg.is_producer:
+            return False
+        return self._cfg.role != "kv_both" or tid.prefill_addr == self._cfg.advertised_address
+
+    # ---- vLLM hooks ----
+    def on_new_request(self, request: "Request") -> None:
+        self._live.add(request.request_id)
+        tid = request_id.parse(request.request_id)
+        if tid is not None and self._produces(tid):
+            self._outgoing[request.request_id] = _Outgoing(tid, request.num_prompt_tokens)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if request.request_id in self._loaded:
+            return 0, False  # loaded (or failed) once already: recompute locally
+        tid = request_id.parse(request.request_id)
+        if tid is None or not self._consumes(tid):
+            return 0, False
+        # Leave the last prompt token to compute: D must run one forward step to
+        # produce logits for the first output token.
+        n = request.num_tokens - 1 - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        return n, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        tid = request_id.parse(request.request_id)
+        if tid is None:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        local = request.num_tokens - 1 - num_external_tokens  # block-aligned local hit
+        first = local // self._block_size
+        last = _cdiv(local + num_external_tokens, self._block_size)
+        params = request.kv_transfer_params or {}
+        spec = LoadSpec(
+            req_id=request.request_id,
+            transfer_key=tid.key,
+            prefill_addr=tid.prefill_addr,
+            dst_block_ids=tuple(block_ids[first:last]),
+            first_block=first,
+            num_tokens=num_external_tokens,
+            corrupt_for_test=self._cfg.allow_debug_corruption
+            and bool(params.get("xpyd_debug_corrupt_kv", False)),
+        )
+        self._new_loads.append(spec)
+        self._loaded[request.request_id] = spec
+        logger.info("kv load planned req=%s transfer=%s local_hit=%d external=%d blocks=%d",
+                    request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
+        meta = P2pConnectorMetadata(loads=self._new_loads)
+        self._new_loads = []
+        self._running = len(scheduler_output.num_scheduled_tokens)
+        if self._outgoing:
+            computed_before: dict[str, int] = {
+                r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
+            }
+            cached = scheduler_output.scheduled_cached_reqs
+            computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
+            for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+                out = self._outgoing.get(rid)
+                if out is None or rid not in computed_before:
+                    continue
+                if computed_before[rid] + n_sched < out.num_prompt_tokens:
+                    continue  # chunked prefill: prompt not complete yet
+                meta.saves.append(self._plan_save(rid, out))
+                del self._outgoing[rid]
+        if scheduler_output.preempted_req_ids:
+            meta.preempted = [r for r in scheduler_output.preempted_req_ids if r in self._saving]
+        return meta
+
+    def _plan_save(self, rid: str, out: _Outgoing) -> SaveSpec:
+        assert self._kv_cache_manager is not None, "kv cache manager not bound"
+        n_blocks = _cdiv(out.num_prompt_tokens, self._block_size)
+        block_ids = self._kv_cache_manager.get_block_ids(rid)[0][:n_blocks]
+        spec = SaveSpec(
+            req_id=rid,
+            transfer_key=out.tid.key,
+            decode_addr=out.tid.decode_addr,
+            prefill_addr=out.tid.prefill_addr,
+            block_ids=tuple(block_ids),
+            num_tokens=out.num_prompt_tokens,
+            delay_free=self._cfg.send_type == "PUT_ASYNC",
+        )
+        self._saving[rid] = spec
+        logger.info("kv send planned req=%s transfer=%s tokens=%d blocks=%d to=%s mode=%s",
+                    rid, spec.transfer_key, spec.num_tokens, len(block_ids), spec.decode_addr,
+                    self._cfg.send_type)
+        return spec
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._live.discard(rid)
+        self._outgoing.pop(rid, None)  # finished before its prompt completed
+        save = self._saving.pop(rid, None)
+        if save is not None:
+            return save.delay_free, {"xpyd": {"transfer_key": save.transfer_key, "sent_tokens": save.num_tokens}}
+        load = self._loaded.pop(rid, None)
+        if load is not None:
+            return False, {"xpyd": {"transfer_key": load.transfer_key, "loaded_tokens": load.num_tokens}}
+        return False, None
+
+    def shutdown(self) -> None:
+        if self._registrar is not None:
+            self._registrar.stop()

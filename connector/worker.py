@@ -1,0 +1,73 @@
+"""Worker-side half of the connector (runs in each vLLM worker process)."""
+
+from __future__ import annotations
+
+from connector.log import get_logger
+from typing import Any
+
+import torch
+
+from connector import layout as kvlayout
+from connector.config import ConnectorConfig
+from connector.engine import KVEngine, PollResult
+from connector.metadata import P2pConnectorMetadata
+
+logger = get_logger(__name__)
+
+
+def init_cpu_amx() -> None:
+    """On CPU, initialise AMX before the first forward pass.
+
+    With --enforce-eager and an explicit KV size vLLM skips its warm-up, and a
+    decode instance's very first forward is a 1-token step after loading remote
+    KV: the worker died with SIGILL there until AMX was initialised first.
+    """
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is None:
+        return
+    try:
+        init()
+    except Exception as e:  # not every CPU has AMX; that is fine
+        logger.debug("AMX init skipped: %s", e)
+
+
+class P2pWorker:
+    def __init__(self, cfg: ConnectorConfig, vllm_config: Any, rank: int) -> None:
+        self._cfg = cfg
+        self._vllm_config = vllm_config
+        self._rank = rank
+        self.engine: KVEngine | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        if first.device.type == "cpu":
+            init_cpu_amx()
+        block_layout = kvlayout.detect(self._vllm_config, kv_caches)
+        self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout)
+
+    def _engine(self) -> KVEngine:
+        if self.engine is None:
+            raise RuntimeError("register_kv_caches was not called")
+        return self.engine
+
+    def start_load_kv(self, meta: P2pConnectorMetadata) -> None:
+        for spec in meta.loads:
+            self._engine().add_load(spec)
+
+    def wait_for_save(self, meta: P2pConnectorMetadata) -> None:
+        for spec in meta.saves:
+            self._engine().save(spec)
+
+    def handle_preemptions(self, meta: P2pConnectorMetadata) -> None:
+        if meta.preempted:
+            self._engine().wait_sends(meta.preempted)
+
+    def poll(self, finished_req_ids: set[str]) -> PollResult:
+        if self.engine is None:
+            return PollResult()
+        return self.engine.poll(finished_req_ids)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

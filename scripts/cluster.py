@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Start and stop a local xPyD system: proxy + prefill + decode vLLM (CPU build).
+
+Used by the README's bring-up command, the end-to-end tests and the benchmarks.
+Every server listens on 127.0.0.1; every process we start runs in its own
+session and is stopped by its PID (process group), nothing else is touched.
+
+    python scripts/cluster.py up            # start, answer one curl, keep running
+    python scripts/cluster.py up --once     # start, answer one curl, stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / ".models" / "tiny-llama"
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    kv_port: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group (vLLM's engine children included)."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once: a crash, for fault tests."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def kv_transfer_config(
+    role: str,
+    kv_port: int,
+    http_port: int,
+    proxy_port: int | None,
+    send_type: str = "PUT_ASYNC",
+    **extra: object,
+) -> dict:
+    """The --kv-transfer-config an existing P2pNcclConnector deployment uses, plus
+    kv_connector_module_path. vLLM 0.32 rejects top-level kv_ip/kv_buffer_size, so
+    those sit in kv_connector_extra_config."""
+    ec: dict[str, object] = {"http_port": http_port, "send_type": send_type, "kv_ip": HOST,
+                             "kv_buffer_size": 1e9}
+    if proxy_port is not None:
+        ec.update(proxy_ip=HOST, proxy_port=proxy_port, heartbeat_interval_s=1.0)
+    ec.update(extra)
+    return {
+        "kv_connector": "P2pNcclConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": role,
+        "kv_port": kv_port,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": ec,
+    }
+
+
+def start_vllm(
+    name: str,
+    port: int,
+    log_dir: Path,
+    model: Path = DEFAULT_MODEL,
+    kv_config: dict | None = None,
+    max_num_batched_tokens: int | None = None,
+    cpus: str | None = None,
+    extra_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Server:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny-llama",
+        "--host", HOST, "--port", str(port),
+        "--dtype", "bfloat16", "--max-model-len", "4096", "--seed", "0",
+        "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 1024 * 1024),
+    ]
+    if max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    cmd += extra_args or []
+    if cpus:
+        cmd = ["taskset", "-c", cpus] + cmd
+    penv = dict(os.environ)
+    penv.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the byte flag
+    penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if not cpus else cpus.replace(",", "|"))
+    penv.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    penv["PYTHONPATH"] = f"{ROOT}{os.pathsep}{penv.get('PYTHONPATH', '')}"
+    penv.update(env or {})
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    logf = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=penv,
+                            start_new_session=True, cwd=ROOT)
+    logf.close()
+    return Server(name, port, proc, log_path,
+                  kv_port=(kv_config or {}).get("kv_port"))
+
+
+def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[str] | None = None) -> Server:
+    cmd = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
+           "--discovery-host", HOST, "--discovery-port", str(discovery_port)] + (extra_args or [])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "proxy.log"
+    logf = open(log_path, "wb")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, cwd=ROOT)
+    logf.close()
+    return Server("proxy", port, proc, log_path)
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback)
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def wait_until(servers: list[Server], path: str, timeout: float) -> None:
+    """Poll GET path on each server until 200; fail fast if one exits."""
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            if not s.alive():
+                raise RuntimeError(f"{s.name} exited early (rc={s.proc.returncode}):\n{s.log()[-4000:]}")
+            try:
+                if http_get(s.url + path, timeout=1.0)[0] == 200:
+                    pending.remove(s)
+            except OSError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {timeout}s: {[s.name for s in pending]}")
+        if pending:
+            time.sleep(0.5)
+
+
+def post_json(url: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[int, dict]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (loopback)
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def up(args: argparse.Namespace) -> int:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", str(DEFAULT_MODEL)],
+                   check=True)
+    log_dir = Path(args.log_dir)
+    proxy = start_proxy(args.port, args.discovery_port, log_dir)
+    p = start_vllm("prefill", 8100, log_dir,
+                   kv_config=kv_transfer_config("kv_producer", 21001, 8100, args.discovery_port))
+    d = start_vllm("decode", 8200, log_dir,
+                   kv_config=kv_transfer_config("kv_consumer", 22001, 8200, args.discovery_port))
+    servers = [proxy, p, d]
+    try:
+        print(f"starting proxy :{args.port}, prefill :8100, decode :8200 (logs in {log_dir}) ...", flush=True)
+        wait_until([proxy], "/health", 30)
+        wait_until([p, d], "/health", args.timeout)
+        wait_until([proxy], "/ready", 30)
+        curl = (f"curl -s http://{HOST}:{args.port}/v1/completions -H 'Content-Type: application/json' "
+                "-d '{\"model\": \"tiny-llama\", \"prompt\": \"The quick brown fox\", \"max_tokens\": 8, "
+                "\"temperature\": 0}'")
+        print(f"ready. $ {curl}", flush=True)
+        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
+        print(out.stdout, flush=True)
+        if not args.once:
+            print("running; Ctrl-C to stop", flush=True)
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        return 0 if '"choices"' in out.stdout else 1
+    finally:
+        for s in reversed(servers):
+            s.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="proxy + 1 prefill + 1 decode on 127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--discovery-port", type=int, default=30001)
+    u.add_argument("--log-dir", default=str(ROOT / ".logs"))
+    u.add_argument("--timeout", type=float, default=300)
+    u.add_argument("--once", action="store_true", help="stop after the first answer")
+    args = ap.parse_args()
+    if args.cmd == "up":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        return up(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""A real xPyD system for the end-to-end tests: proxy + P + D + a colocated
+baseline, all vLLM CPU-build servers on 127.0.0.1 with free ports."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cluster  # noqa: E402  (scripts/cluster.py)
+
+from connector.transport.tcp import TcpTransport  # noqa: E402
+
+# Small on purpose so the fault tests run in seconds.
+KV_LOAD_TIMEOUT_S = 6.0
+SEND_TIMEOUT_S = 3.0
+BUFFER_TTL_S = 8.0
+MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p+1 free too (kv_port + rank for up to 2 ranks)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
+@dataclass
+class E2ECluster:
+    proxy: cluster.Server
+    prefill: cluster.Server
+    decode: cluster.Server
+    colocated: cluster.Server
+    discovery_port: int
+    log_dir: Path
+
+    def servers(self) -> list[cluster.Server]:
+        return [self.proxy, self.prefill, self.decode, self.colocated]
+
+    def kv_addr(self, s: cluster.Server) -> str:
+        return f"127.0.0.1:{s.kv_port}"
+
+    def engine_stats(self, s: cluster.Server) -> dict:
+        """Buffer accounting of a server's rank-0 KV engine, over its control socket."""
+        t = TcpTransport()
+        try:
+            reply, _ = t.call(self.kv_addr(s), {"op": "stats"}, timeout_s=5.0)
+        finally:
+            t.close()
+        return reply
+
+    def stop(self) -> None:
+        for s in self.servers():
+            s.stop()
+
+
+def start(log_dir: Path, timeout: float = 600.0) -> E2ECluster:
+    disc = free_port()
+    proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5"])
+    common = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS)
+    p_port, d_port = free_port(), free_port()
+    p_kv, d_kv = free_port_pair(), free_port_pair()
+    timeouts = dict(kv_load_timeout_s=KV_LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S,
+                    buffer_ttl_s=BUFFER_TTL_S)
+    prefill = cluster.start_vllm(
+        "prefill", p_port, log_dir,
+        kv_config=cluster.kv_transfer_config("kv_producer", p_kv, p_port, disc, **timeouts), **common)
+    decode = cluster.start_vllm(
+        "decode", d_port, log_dir,
+        kv_config=cluster.kv_transfer_config("kv_consumer", d_kv, d_port, disc,
+                                             allow_debug_corruption=True, **timeouts), **common)
+    colocated = cluster.start_vllm("colocated", free_port(), log_dir, **common)
+    c = E2ECluster(proxy, prefill, decode, colocated, disc, log_dir)
+    try:
+        cluster.wait_until([proxy], "/health", 60)
+        cluster.wait_until([prefill, decode, colocated], "/health", timeout)
+        deadline = time.monotonic() + 30
+        while cluster.http_get(proxy.url + "/ready")[0] != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError("proxy never saw P and D register")
+            time.sleep(0.3)
+    except BaseException:
+        c.stop()
+        raise
+    return c
