@@ -222,7 +222,7 @@ class KVEngine:
                 logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ms=%.1f",
                             spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
                             nbytes, peer, (time.monotonic() - t0) * 1e3)
-        except (TransportError, OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - the sender thread must survive any one send
             logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                            spec.req_id, spec.transfer_key, peer, e)
         finally:
@@ -266,7 +266,7 @@ class KVEngine:
         """Copy a payload into the cache; returns an error or None."""
         spec, h = load.spec, payload.header
         mine = self._layout.describe()
-        for k in ("dtype", "block_shape"):
+        for k in ("layout", "dtype", "block_shape"):
             if h.get(k) != mine[k]:
                 return f"{k} mismatch: peer {h.get(k)} vs local {mine[k]}"
         if h.get("layers") != self._layer_names:
@@ -278,6 +278,12 @@ class KVEngine:
         last = spec.first_block + len(spec.dst_block_ids)
         if int(h.get("num_blocks", 0)) < last:
             return f"peer sent {h.get('num_blocks')} blocks, need {last}"
+        # Check every tensor before writing any, so a bad payload leaves the cache untouched.
+        if sum(runs) != h.get("num_blocks"):
+            return "payload runs do not add up to num_blocks"
+        for t, n in zip(payload.tensors, runs * len(self._layer_names)):
+            if str(t.dtype).removeprefix("torch.") != self._layout.dtype or tuple(t.shape) != (n, *self._layout.block_shape):
+                return f"payload tensor {t.dtype}{list(t.shape)} does not match its header"
         for i, name in enumerate(self._layer_names):
             parts = payload.tensors[i * per_layer:(i + 1) * per_layer]
             src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=kvlayout.BLOCK_AXIS)
@@ -313,7 +319,10 @@ class KVEngine:
                 continue
             payload = self._recv.pop(key)
             if payload is not None:
-                err = self._apply(load, payload)
+                try:
+                    err = self._apply(load, payload)
+                except Exception as e:  # noqa: BLE001 - a peer's bad payload must not kill the worker
+                    err = f"malformed payload: {type(e).__name__}: {e}"
                 del self._loads[rid]
                 out.finished_recving.add(rid)
                 if err:
