@@ -1,0 +1,14 @@
+"""Shared fixtures. The tests' helper modules (e2e_cluster, e2e_client,
+proxy_helpers, fake_vllm) live beside the tests and import as top-level modules."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny model's tokenizer (end-to-end tests)."""
+    from e2e_client import load_tokenizer
+
+    return load_tokenizer()
