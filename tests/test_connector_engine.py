@@ -1,0 +1,647 @@
+"""KVEngine, the worker-side control plane: two real engines in one process, each with
+a real TcpTransport on a free loopback port, moving blocks between small fake KV
+caches (2 layers of [16 blocks, 2 heads, 16 tokens, 64] bf16)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import zmq
+
+from connector import layout as kvlayout
+from connector.config import ConnectorConfig
+from connector.engine import KVEngine, PollResult
+from connector.metadata import LoadSpec, SaveSpec
+from connector.transport.base import TransportError
+from connector.transport.tcp import TcpTransport
+
+HOST = "127.0.0.1"
+SHAPE = (16, 2, 16, 64)  # [blocks, kv heads, tokens per block, content]
+TOK = SHAPE[2]
+KEY = "0123456789abcdef0123456789abcdef"
+WAIT_S = 10.0  # upper bound for anything that should happen "soon" on a loaded 2-core box
+
+# Source blocks of a 77-token prompt (5 blocks), deliberately non-contiguous: runs
+# (3, 4), (9), (1), (12).
+SRC_IDS = (3, 4, 9, 1, 12)
+N_PROMPT = 5 * TOK - 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def make_caches(seed: int, shape=SHAPE, dtype=torch.bfloat16, names=("model.layers.0.self_attn.attn",
+                                                                    "model.layers.1.self_attn.attn")):
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=gen).to(dtype) for n in names}
+
+
+def make_cfg(role: str, send_type: str, port: int, **over) -> ConnectorConfig:
+    base = {
+        "role": role, "kv_ip": HOST, "kv_port": port, "http_host": HOST, "http_port": None,
+        "proxies": (), "send_type": send_type, "kv_buffer_size": 10**8, "kv_load_timeout_s": 5.0,
+        "send_timeout_s": 2.0, "buffer_ttl_s": 60.0, "heartbeat_interval_s": 3.0, "transport": "tcp",
+        "discovery_secret": None, "allow_debug_corruption": False,
+    }
+    return ConnectorConfig(**{**base, **over})
+
+
+@pytest.fixture
+def engines():
+    """start(role, send_type, ...) -> KVEngine on a free port; all closed afterwards."""
+    started: list[KVEngine] = []
+
+    def start(role: str, send_type: str = "PUT_ASYNC", caches=None, layout=None, rank: int = 0,
+              seed: int = 0, **over) -> KVEngine:
+        caches = caches if caches is not None else make_caches(seed)
+        layout = layout or kvlayout.detect(None, caches)
+        for _ in range(5):  # a free port can be taken by someone else before we bind it
+            cfg = make_cfg(role, send_type, free_port() - rank, **over)
+            try:
+                eng = KVEngine(cfg, rank, caches, layout, transport=TcpTransport())
+            except TransportError:
+                continue
+            # For the assertions below.
+            eng.caches, eng.cfg, eng.block_layout = caches, cfg, layout
+            started.append(eng)
+            return eng
+        raise RuntimeError("no free port")
+
+    yield start
+    for eng in started:
+        eng.close()
+
+
+@pytest.fixture
+def client():
+    cli = TcpTransport()
+    yield cli
+    cli.close()
+
+
+def rank0(eng: KVEngine) -> str:
+    """The advertised (rank-0) address the scheduler puts in the specs."""
+    return eng.cfg.advertised_address
+
+
+def save_spec(prod: KVEngine, cons_addr: str, req_id="P-req", key=KEY, block_ids=SRC_IDS,
+              num_tokens=N_PROMPT, delay_free=True) -> SaveSpec:
+    return SaveSpec(req_id=req_id, transfer_key=key, decode_addr=cons_addr, prefill_addr=rank0(prod),
+                    block_ids=tuple(block_ids), num_tokens=num_tokens, delay_free=delay_free)
+
+
+def load_spec(prod_addr: str, dst_ids, first_block: int, req_id="D-req", key=KEY, corrupt=False) -> LoadSpec:
+    n = N_PROMPT - 1 - first_block * TOK
+    return LoadSpec(req_id=req_id, transfer_key=key, prefill_addr=prod_addr, dst_block_ids=tuple(dst_ids),
+                    first_block=first_block, num_tokens=n, corrupt_for_test=corrupt)
+
+
+def poll_until(eng: KVEngine, cond: Callable[[PollResult], bool], timeout: float = WAIT_S,
+               finished: set[str] = frozenset()) -> tuple[PollResult, float]:
+    """Poll (like a worker step) until cond(accumulated result); returns it and the time."""
+    acc = PollResult()
+    deadline = time.monotonic() + timeout
+    while True:
+        r = eng.poll(set(finished))
+        acc.finished_sending |= r.finished_sending
+        acc.finished_recving |= r.finished_recving
+        acc.failed_recving |= r.failed_recving
+        if cond(acc):
+            return acc, time.monotonic()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {acc}")
+        time.sleep(0.01)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = WAIT_S) -> float:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+def assert_loaded(cons: KVEngine, before: dict, prod: KVEngine, dst_ids, src_ids) -> None:
+    """dst blocks are byte-identical to the source blocks; every other block unchanged."""
+    for name, cache in cons.caches.items():
+        for d, s in zip(dst_ids, src_ids, strict=True):
+            assert torch.equal(bits(cache[d]), bits(prod.caches[name][s])), (name, d, s)
+        others = [b for b in range(cache.shape[0]) if b not in dst_ids]
+        assert torch.equal(bits(cache[others]), bits(before[name][others]))
+
+
+def snapshot(caches: dict) -> dict:
+    return {k: v.clone() for k, v in caches.items()}
+
+
+def assert_untouched(eng: KVEngine, before: dict) -> None:
+    for name, cache in eng.caches.items():
+        assert torch.equal(bits(cache), bits(before[name])), name
+
+
+ZERO = {"recv_bytes": 0, "recv_items": 0, "send_bytes": 0, "send_items": 0, "pending_sends": 0,
+        "pending_loads": 0}
+
+
+# ================================================================ transfers
+
+
+@pytest.mark.parametrize("first_block, dst_ids", [(0, (0, 15, 5, 6, 8)), (2, (7, 2, 11))],
+                         ids=["no-hit", "prefix-hit"])
+def test_put_async_roundtrip(engines, first_block, dst_ids):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    src_before, dst_before = snapshot(prod.caches), snapshot(cons.caches)
+
+    prod.save(save_spec(prod, rank0(cons)))
+    cons.add_load(load_spec(rank0(prod), dst_ids, first_block))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set() and res.finished_sending == set()
+    assert_loaded(cons, dst_before, prod, dst_ids, SRC_IDS[first_block:])
+    assert_untouched(prod, src_before)
+    assert cons.stats() == ZERO
+
+    # The producer reports the send only for requests the scheduler finished, once.
+    assert prod.stats()["pending_sends"] == 1
+    for _ in range(3):
+        assert prod.poll(set()).finished_sending == set()
+    assert prod.poll({"P-req"}).finished_sending == {"P-req"}
+    assert prod.poll({"P-req"}).finished_sending == set()
+    assert prod.poll(set()).finished_sending == set()
+    assert prod.stats() == ZERO
+
+
+def test_put_async_finished_before_the_send_completes(engines):
+    """The scheduler finished the request while its send is in flight: reported once done."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    prod.save(save_spec(prod, rank0(cons)))
+    first = prod.poll({"P-req"}).finished_sending  # vLLM passes a finished id once
+    if not first:  # the usual case: the send is still going
+        res, _ = poll_until(prod, lambda r: bool(r.finished_sending))
+        first = res.finished_sending
+    assert first == {"P-req"}
+    # Later steps no longer carry the id: nothing more.
+    assert prod.poll(set()).finished_sending == set()
+    assert prod.stats() == ZERO
+    assert cons.stats()["recv_items"] == 1  # waiting for its request
+
+
+def test_put_sync_roundtrip(engines):
+    prod = engines("kv_producer", "PUT", seed=1)
+    cons = engines("kv_consumer", "PUT", seed=2)
+    dst_before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    # Synchronous: the payload is at the consumer when save() returns.
+    assert cons.stats()["recv_items"] == 1
+    assert prod.stats() == ZERO
+    assert prod.poll({"P-req"}).finished_sending == set()  # blocks were never held
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    assert cons.stats() == ZERO
+
+
+@pytest.mark.parametrize("consumer_first", [False, True], ids=["producer-first", "consumer-first"])
+def test_get_roundtrip(engines, consumer_first):
+    prod = engines("kv_producer", "GET", seed=1)
+    cons = engines("kv_consumer", "GET", seed=2)
+    dst_before = snapshot(cons.caches)
+    spec = load_spec(rank0(prod), (7, 2, 11), 2)
+    if consumer_first:
+        # D asks before P has its copy: "not ready", D asks again until it is.
+        cons.add_load(spec)
+        t_end = time.monotonic() + 0.2
+        while time.monotonic() < t_end:
+            assert cons.poll(set()) == PollResult()
+            time.sleep(0.02)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    if not consumer_first:
+        assert prod.stats()["send_items"] == 1
+        # GET copies: the source blocks may be reused at once.
+        for t in prod.caches.values():
+            t.zero_()
+        cons.add_load(spec)
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    if consumer_first:
+        assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    else:
+        src = make_caches(1)  # the values P had when it saved
+        for name, cache in cons.caches.items():
+            for d, s in zip((7, 2, 11), SRC_IDS[2:]):
+                assert torch.equal(bits(cache[d]), bits(src[name][s]))
+    assert prod.poll({"P-req"}).finished_sending == set()
+    assert prod.stats() == ZERO and cons.stats() == ZERO
+
+
+def test_rank_addressing(engines):
+    """Worker rank r listens on port+r and sends to the peer's port+r."""
+    prod = engines("kv_producer", "PUT_ASYNC", rank=1, seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", rank=1, seed=2)
+    assert cons.address == f"{HOST}:{cons.cfg.kv_port + 1}"
+    dst_before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons)))
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+
+
+def test_debug_corruption_zeroes_the_loaded_blocks(engines):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons)))
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2, corrupt=True))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    for name, cache in cons.caches.items():
+        assert not cache[[7, 2, 11]].any()
+        others = [b for b in range(16) if b not in (7, 2, 11)]
+        assert torch.equal(bits(cache[others]), bits(before[name][others]))
+
+
+def test_specs_from_the_real_scheduler(engines):
+    """P2pScheduler's SaveSpec/LoadSpec (prefix hit on D) drive the engines correctly."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import (
+        CachedRequestData,
+        NewRequestData,
+        SchedulerOutput,
+    )
+    from vllm.v1.request import Request
+
+    from connector.scheduler import P2pScheduler
+
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    xid = f"___prefill_addr_{rank0(prod)}___decode_addr_{rank0(cons)}_{KEY}"
+    p_req = Request(f"cmpl-{xid}-0-aaaaaaaa", list(range(N_PROMPT)), SamplingParams(max_tokens=1), None)
+    d_req = Request(f"cmpl-{xid}-0-bbbbbbbb", list(range(N_PROMPT)), SamplingParams(max_tokens=8), None)
+
+    class KVM:
+        usage = 0.0
+
+        def get_block_ids(self, rid):
+            return (list(SRC_IDS) + [0],)
+
+    def out(rid, computed, n):
+        return SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(rid, None, [], None, None, ([],), computed, None)],
+            scheduled_cached_reqs=CachedRequestData.make_empty(), num_scheduled_tokens={rid: n},
+            total_num_scheduled_tokens=n, scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+            finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+    ps = P2pScheduler(prod.cfg, TOK, start_registrar=False)
+    ps.bind(KVM())
+    ps.on_new_request(p_req)
+    (save,) = ps.build_connector_meta(out(p_req.request_id, 0, N_PROMPT)).saves
+
+    ds = P2pScheduler(cons.cfg, TOK, start_registrar=False)
+    ds.on_new_request(d_req)
+    d_blocks = [14, 13, 7, 2, 11]  # 14, 13: local prefix hit of 32 tokens
+    n, is_async = ds.get_num_new_matched_tokens(d_req, 2 * TOK)
+    assert is_async
+    ds.update_state_after_alloc(d_req, KVCacheBlocks(([KVCacheBlock(b) for b in d_blocks],)), n)
+    (load,) = ds.build_connector_meta(out(d_req.request_id, 2 * TOK, 0)).loads
+
+    dst_before = snapshot(cons.caches)
+    prod.save(save)
+    cons.add_load(load)
+    res, _ = poll_until(cons, lambda r: d_req.request_id in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    assert ps.request_finished(p_req, [])[0] is True
+    assert prod.poll({p_req.request_id}).finished_sending == {p_req.request_id}
+
+
+# ================================================================ failures
+
+
+@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "GET"])
+def test_load_timeout_without_producer(engines, send_type):
+    timeout = 0.8
+    cons = engines("kv_consumer", send_type, kv_load_timeout_s=timeout, send_timeout_s=0.3)
+    before = snapshot(cons.caches)
+    dead = f"{HOST}:{free_port()}"  # nobody listens there
+    t0 = time.monotonic()
+    cons.add_load(load_spec(dead, (7, 2, 11), 2))
+    res, t_done = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.finished_recving == {"D-req"} and res.failed_recving == {"D-req"}
+    assert t_done - t0 >= timeout  # not before the timeout
+    assert t_done - t0 < timeout + WAIT_S
+    assert_untouched(cons, before)
+    assert cons.stats() == ZERO
+    assert cons.poll(set()) == PollResult()  # reported once
+
+
+def test_abort_while_waiting(engines, client):
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    before = snapshot(cons.caches)
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    assert cons.poll(set()) == PollResult()
+    res = cons.poll({"D-req"})  # the scheduler finished (aborted) it
+    assert res.finished_recving == {"D-req"} and res.failed_recving == set()
+    assert cons.stats() == ZERO
+    # A payload arriving afterwards is refused, not kept until its TTL.
+    prod.save(save_spec(prod, rank0(cons)))
+    prod.wait_sends(["P-req"])
+    assert prod.poll({"P-req"}).finished_sending == {"P-req"}
+    reply, _ = client.call(cons.address, {"op": "put", "key": KEY}, [torch.zeros(1, 2, 16, 64)], timeout_s=5)
+    assert reply["ok"] is False and "gone" in reply["error"]
+    assert cons.poll(set()) == PollResult()
+    assert cons.stats() == ZERO and prod.stats() == ZERO
+    assert_untouched(cons, before)
+
+
+def test_abort_after_payload_arrived(engines):
+    cons = engines("kv_consumer", "PUT")
+    prod = engines("kv_producer", "PUT", seed=1)
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    assert cons.stats()["recv_items"] == 1
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res = cons.poll({"D-req"})  # finished in the same step: the blocks are being freed
+    assert res.finished_recving == {"D-req"} and res.failed_recving == set()
+    assert_untouched(cons, before)
+    assert cons.stats() == ZERO
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_send_to_dead_peer(engines, scheduler_first):
+    send_timeout = 0.5
+    prod = engines("kv_producer", "PUT_ASYNC", send_timeout_s=send_timeout, seed=1)
+    dead = f"{HOST}:{free_port()}"
+    t0 = time.monotonic()
+    prod.save(save_spec(prod, dead))
+    if scheduler_first:
+        # Finished right away; the send cannot have given up yet.
+        assert prod.poll({"P-req"}).finished_sending == set()
+        res, t_done = poll_until(prod, lambda r: bool(r.finished_sending))
+        assert res.finished_sending == {"P-req"}
+        assert send_timeout * 0.8 <= t_done - t0 < send_timeout + WAIT_S
+    else:
+        prod.wait_sends(["P-req"])  # what a preemption does; bounded by send_timeout
+        assert time.monotonic() - t0 < send_timeout + WAIT_S
+        assert prod.poll(set()).finished_sending == set()  # not before the scheduler finished it
+        assert prod.poll({"P-req"}).finished_sending == {"P-req"}
+    assert prod.poll({"P-req"}).finished_sending == set()
+    assert prod.stats() == ZERO
+
+
+def test_put_sync_to_dead_peer_returns(engines):
+    prod = engines("kv_producer", "PUT", send_timeout_s=0.5, seed=1)
+    t0 = time.monotonic()
+    prod.save(save_spec(prod, f"{HOST}:{free_port()}", delay_free=False))
+    assert time.monotonic() - t0 < 0.5 + WAIT_S
+    assert prod.poll({"P-req"}) == PollResult()
+    assert prod.stats() == ZERO
+
+
+def test_sender_survives_a_failing_send(engines):
+    """One send that raises (here: a block id outside the cache) must not stop the
+    sender thread; later sends still go out and every send is reported."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod.save(save_spec(prod, rank0(cons), req_id="bad", key="f" * 32, block_ids=(3, 99)))
+    prod.save(save_spec(prod, rank0(cons)))
+    res, _ = poll_until(prod, lambda r: r.finished_sending == {"bad", "P-req"}, finished={"bad", "P-req"})
+    dst_before = snapshot(cons.caches)
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    assert cons.stats() == ZERO and prod.stats() == ZERO
+
+
+@pytest.mark.parametrize("send_type", ["PUT", "PUT_ASYNC"])
+def test_buffer_full_refuses_and_consumer_times_out(engines, send_type):
+    cons = engines("kv_consumer", send_type, kv_buffer_size=1000, kv_load_timeout_s=0.5)
+    prod = engines("kv_producer", send_type, seed=1)
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons)))
+    prod.wait_sends(["P-req"])
+    prod.poll({"P-req"})
+    assert cons.stats() == ZERO  # refused, nothing kept
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert_untouched(cons, before)
+    assert cons.stats() == ZERO and prod.stats() == ZERO
+
+
+def test_get_producer_buffer_full(engines):
+    prod = engines("kv_producer", "GET", kv_buffer_size=1000, seed=1)
+    cons = engines("kv_consumer", "GET", kv_load_timeout_s=0.5, send_timeout_s=0.3)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    assert prod.stats() == ZERO
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert cons.stats() == ZERO
+
+
+def test_ttl_drops_unclaimed_payloads(engines):
+    ttl = 0.3
+    cons = engines("kv_consumer", "PUT", buffer_ttl_s=ttl, kv_load_timeout_s=0.3)
+    prod = engines("kv_producer", "GET", buffer_ttl_s=ttl, seed=1)
+    t0 = time.monotonic()
+    # D never asks for this one (its request never came).
+    prod.save(save_spec(prod, rank0(cons), key="a" * 32, delay_free=False))
+    # P pushed this one, its request never came.
+    pusher = engines("kv_producer", "PUT", seed=3)
+    pusher.save(save_spec(pusher, rank0(cons), delay_free=False))
+    assert cons.stats()["recv_items"] == 1 and prod.stats()["send_items"] == 1
+
+    def gone():
+        cons.poll(set())  # a worker keeps stepping; an idle one does not have to
+        prod.poll(set())
+        return cons.stats() == ZERO and prod.stats() == ZERO
+
+    t_gone = wait_for(gone)
+    assert t_gone - t0 >= ttl
+    # The request that shows up too late times out instead of loading stale data.
+    before = snapshot(cons.caches)
+    cons.add_load(load_spec(rank0(pusher), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert_untouched(cons, before)
+
+
+def test_ttl_expires_without_worker_steps(engines):
+    """An idle instance gets no poll() from vLLM; unclaimed payloads must still go."""
+    cons = engines("kv_consumer", "PUT", buffer_ttl_s=0.2)
+    prod = engines("kv_producer", "PUT", seed=1)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    assert cons.stats()["recv_items"] == 1
+    wait_for(lambda: cons.stats() == ZERO)
+
+
+# ================================================================ control plane
+
+
+def test_malformed_control_messages(engines, client):
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    addr = cons.address
+    call = lambda h, t=(): client.call(addr, h, list(t), timeout_s=5)[0]
+
+    r = call({"op": "bogus"})
+    assert r["ok"] is False and "unknown op" in r["error"]
+    r = call({})
+    assert r["ok"] is False and "unknown op" in r["error"]
+    r = call({"op": "put"}, [torch.zeros(2)])
+    assert r == {"ok": False, "error": "put without key"}
+    r = call({"op": "put", "key": 7})
+    assert r["ok"] is False
+    r = call({"op": "get"})
+    assert r["ok"] is False
+    r = call({"op": "get", "key": KEY})
+    assert r == {"ok": False, "error": "not ready"}
+    r = call({"op": "ping"})
+    assert r == {"ok": True, "address": addr}
+    r = call({"op": "stats"})
+    assert r == {"ok": True, **ZERO}
+    # Raw garbage on the socket: the transport answers, the engine keeps serving.
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    try:
+        s.connect(f"tcp://{addr}")
+        s.send_multipart([b"\xc1not msgpack"])
+        assert s.poll(5000)
+        s.recv_multipart()
+    finally:
+        s.close(linger=0)
+        ctx.term()
+
+    # Still serves real transfers afterwards.
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons)))
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+    assert call({"op": "stats"}) == {"ok": True, **ZERO}
+
+
+def _good_header(eng: KVEngine, runs=(2,), num_blocks=2) -> dict:
+    return {"op": "put", "key": KEY, "num_tokens": 2 * TOK, "num_blocks": num_blocks,
+            "layers": list(eng.caches), "runs": list(runs), **eng.block_layout.describe()}
+
+
+def _blocks(n, shape=SHAPE[1:], dtype=torch.bfloat16):
+    return torch.ones((n, *shape), dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["good", "tensor-shape", "tensor-dtype", "tensor-count", "runs-short", "num-blocks-type", "layers",
+     "too-few-blocks"],
+)
+def test_payload_not_matching_its_header_fails_the_load(engines, client, case):
+    """A peer's payload is checked before anything is written; a bad one fails the load
+    (vLLM recomputes) instead of raising in the worker or writing garbage."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    h, t = _good_header(cons), [_blocks(2), _blocks(2)]
+    if case == "tensor-shape":
+        t = [torch.ones(2, 2, 16, 32, dtype=torch.bfloat16)] * 2
+    elif case == "tensor-dtype":
+        t = [_blocks(2, dtype=torch.float16)] * 2
+    elif case == "tensor-count":
+        t = [_blocks(2)]
+    elif case == "runs-short":
+        h["runs"], t = [1], [_blocks(1), _blocks(1)]
+    elif case == "num-blocks-type":
+        h["num_blocks"] = "two"
+    elif case == "layers":
+        h["layers"] = ["a", "b"]
+    elif case == "too-few-blocks":
+        h, t = _good_header(cons, runs=(1,), num_blocks=1), [_blocks(1), _blocks(1)]
+    assert client.call(cons.address, h, t, timeout_s=5)[0] == {"ok": True}
+    before = snapshot(cons.caches)
+    cons.add_load(LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    if case == "good":
+        assert res.failed_recving == set()
+        for cache in cons.caches.values():
+            assert torch.equal(cache[[7, 2]], _blocks(2))
+    else:
+        assert res.failed_recving == {"D-req"}
+        assert_untouched(cons, before)
+    assert cons.stats() == ZERO
+
+
+def _mismatch(case: str):
+    """(consumer caches, consumer layout) that disagree with the default producer."""
+    caches = make_caches(2)
+    if case == "block-shape":
+        caches = make_caches(2, shape=(16, 2, 16, 32))
+    elif case == "dtype":
+        caches = make_caches(2, dtype=torch.float16)
+    elif case == "layers":
+        caches = make_caches(2, names=("layers.0.attn", "layers.1.attn"))
+    elif case == "layer-count":
+        caches = make_caches(2, names=("model.layers.0.self_attn.attn",))
+    lay = kvlayout.detect(None, caches)
+    if case == "layout-name":
+        lay = dataclasses.replace(lay, layout="HND")
+    return caches, lay
+
+
+@pytest.mark.parametrize("case", ["block-shape", "dtype", "layout-name", "layers", "layer-count"])
+def test_layout_mismatch_fails_the_load(engines, case):
+    caches, lay = _mismatch(case)
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=caches, layout=lay)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons)))
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.finished_recving == {"D-req"} and res.failed_recving == {"D-req"}
+    assert_untouched(cons, before)
+    assert cons.stats() == ZERO
+    assert prod.poll({"P-req"}).finished_sending == {"P-req"}
+
+
+def test_strided_layout_roundtrip(engines):
+    """Blocks that are not one byte run (a permuted physical layout) go gathered."""
+    def strided(seed):
+        c = make_caches(seed)
+        return {k: v.transpose(0, 1).contiguous().transpose(0, 1) for k, v in c.items()}
+
+    pc, cc = strided(1), strided(2)
+    prod = engines("kv_producer", "PUT_ASYNC", caches=pc)
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=cc)
+    assert not prod.block_layout.contiguous_blocks
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons)))
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+
+
+def test_close_is_prompt(engines):
+    eng = engines("kv_consumer", "PUT_ASYNC")
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 5.0

@@ -1,0 +1,441 @@
+"""P2pScheduler, the scheduler-side half of the connector, driven the way vLLM 0.32's
+scheduler drives it.
+
+The vLLM side uses vLLM's own Request, KVCacheBlocks and SchedulerOutput dataclasses;
+only the KV cache manager is a double (``get_block_ids(req_id)`` and ``usage``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+from connector.config import ConnectorConfig
+from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connector.scheduler import P2pScheduler
+
+BS = 128  # the CPU backend's default block size
+KEY = "0123456789abcdef0123456789abcdef"
+KEY2 = "fedcba9876543210fedcba9876543210"
+P_ADDR = "127.0.0.1:21001"
+D_ADDR = "127.0.0.1:22001"
+OTHER = "127.0.0.1:23001"
+
+
+def pd_id(key: str = KEY, p: str = P_ADDR, d: str = D_ADDR, chat: bool = False, suffix: str = "1a2b3c4d") -> str:
+    xid = f"___prefill_addr_{p}___decode_addr_{d}_{key}"
+    return f"chatcmpl-{xid}-{suffix}" if chat else f"cmpl-{xid}-0-{suffix}"
+
+
+def make_cfg(role: str, send_type: str = "PUT_ASYNC", addr: str | None = None,
+             allow_debug_corruption: bool = False) -> ConnectorConfig:
+    addr = addr or (P_ADDR if role == "kv_producer" else D_ADDR)
+    host, _, port = addr.rpartition(":")
+    return ConnectorConfig(
+        role=role, kv_ip=host, kv_port=int(port), http_host=host, http_port=None, proxies=(),
+        send_type=send_type, kv_buffer_size=10**9, kv_load_timeout_s=30.0, send_timeout_s=10.0,
+        buffer_ttl_s=60.0, heartbeat_interval_s=3.0, transport="tcp", discovery_secret=None,
+        allow_debug_corruption=allow_debug_corruption,
+    )
+
+
+def make_req(rid: str, n_prompt: int, kv_transfer_params: dict | None = None) -> Request:
+    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None
+    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=16, extra_args=extra), None)
+
+
+def kv_blocks(ids) -> KVCacheBlocks:
+    return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
+
+
+@dataclass
+class FakeKVCacheManager:
+    """Stands in for vLLM's KVCacheManager: the two members the connector reads."""
+
+    blocks: dict[str, list[int]] = field(default_factory=dict)
+    usage: float = 0.0
+    calls: list[str] = field(default_factory=list)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        self.calls.append(request_id)
+        return (list(self.blocks[request_id]),)
+
+
+def sched_out(new=(), cached=(), resumed=(), preempted=None, finished=()) -> SchedulerOutput:
+    """new/cached: (req_id, num_computed_tokens_before_this_step, num_scheduled_tokens)."""
+    new_reqs = [
+        NewRequestData(req_id=r, prompt_token_ids=None, mm_features=[], sampling_params=None,
+                       pooling_params=None, block_ids=([],), num_computed_tokens=c, lora_request=None)
+        for r, c, _ in new
+    ]
+    cached_reqs = CachedRequestData(
+        req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed), new_token_ids=[],
+        all_token_ids={}, new_block_ids=[None] * len(cached),
+        num_computed_tokens=[c for _, c, _ in cached], num_output_tokens=[0] * len(cached),
+    )
+    num_sched = {r: n for r, _, n in [*new, *cached]}
+    return SchedulerOutput(
+        scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs, num_scheduled_tokens=num_sched,
+        total_num_scheduled_tokens=sum(num_sched.values()), scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={}, finished_req_ids=set(finished), free_encoder_mm_hashes=[],
+        preempted_req_ids=set(preempted) if preempted is not None else None,
+    )
+
+
+def consumer(**kw) -> P2pScheduler:
+    return P2pScheduler(make_cfg("kv_consumer", **kw), BS, start_registrar=False)
+
+
+def producer(send_type: str = "PUT_ASYNC", kvm: FakeKVCacheManager | None = None, **kw) -> P2pScheduler:
+    s = P2pScheduler(make_cfg("kv_producer", send_type=send_type, **kw), BS, start_registrar=False)
+    s.bind(kvm or FakeKVCacheManager())
+    return s
+
+
+def admit(s: P2pScheduler, req: Request, num_computed: int, block_ids) -> tuple[int, bool]:
+    """What vLLM does for a waiting request: ask, allocate, report the allocation."""
+    n, is_async = s.get_num_new_matched_tokens(req, num_computed)
+    s.update_state_after_alloc(req, kv_blocks(block_ids), n)
+    return n, is_async
+
+
+# ======================================================================== consumer
+
+
+def test_consumer_plain_request_is_not_loaded():
+    s = consumer()
+    req = make_req("cmpl-3f1c2a9d-0-1a2b3c4d", 300)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    s.update_state_after_alloc(req, kv_blocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 300)]))
+    assert meta.loads == [] and meta.saves == []
+    assert s.request_finished(req, [1, 2, 3]) == (False, None)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_consumer_pd_request_is_loaded_async(chat):
+    s = consumer()
+    req = make_req(pd_id(chat=chat), 300)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (299, True)
+    # Side-effect free: asking again (e.g. the allocation failed) answers the same
+    # and plans nothing.
+    assert s.get_num_new_matched_tokens(req, 0) == (299, True)
+    assert s.build_connector_meta(sched_out()).loads == []
+    s.update_state_after_alloc(req, kv_blocks([7, 3, 9]), 299)
+    meta = s.build_connector_meta(sched_out())
+    assert meta.loads == [LoadSpec(req_id=req.request_id, transfer_key=KEY, prefill_addr=P_ADDR,
+                                   dst_block_ids=(7, 3, 9), first_block=0, num_tokens=299)]
+
+
+def test_consumer_prefix_hit_loads_only_the_rest_once():
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    n, is_async = admit(s, req, 128, [11, 4, 6])  # block 11 is the local hit
+    assert (n, is_async) == (171, True)
+    meta = s.build_connector_meta(sched_out())
+    assert len(meta.loads) == 1
+    spec = meta.loads[0]
+    assert spec.first_block == 1
+    assert spec.dst_block_ids == (4, 6)
+    assert spec.num_tokens == 171
+    assert (spec.req_id, spec.transfer_key, spec.prefill_addr) == (req.request_id, KEY, P_ADDR)
+    assert not spec.corrupt_for_test
+    # Announced only once.
+    assert s.build_connector_meta(sched_out()).loads == []
+    assert s.build_connector_meta(sched_out(cached=[(req.request_id, 299, 1)])).loads == []
+
+
+@pytest.mark.parametrize(
+    "n_prompt, computed, blocks, want",
+    [
+        # (prompt, local hit, allocated blocks) -> (n, first_block, dst)
+        (257, 0, [5, 6, 7], (256, 0, (5, 6))),  # last token alone in block 2: computed on D
+        (256, 0, [5, 6], (255, 0, (5, 6))),
+        (256, 128, [5, 6], (127, 1, (6,))),
+        (129, 128, [5, 6], (0, None, None)),  # only the last token is left: nothing to load
+        (1, 0, [5], (0, None, None)),
+    ],
+)
+def test_consumer_block_arithmetic(n_prompt, computed, blocks, want):
+    s = consumer()
+    req = make_req(pd_id(), n_prompt)
+    s.on_new_request(req)
+    n, is_async = admit(s, req, computed, blocks)
+    meta = s.build_connector_meta(sched_out())
+    assert n == want[0] and is_async == (want[0] > 0)
+    if want[1] is None:
+        assert meta.loads == []
+    else:
+        (spec,) = meta.loads
+        assert (spec.num_tokens, spec.first_block, spec.dst_block_ids) == want
+
+
+def test_consumer_never_loads_a_request_twice():
+    """Preempted after the load, or the load failed and vLLM recomputes: vLLM resets
+    num_computed_tokens to 0 and asks again; the answer must be "compute it"."""
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    admit(s, req, 0, [1, 2, 3])
+    assert len(s.build_connector_meta(sched_out()).loads) == 1
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(req, 128) == (0, False)
+    s.update_state_after_alloc(req, kv_blocks([4, 5, 6]), 0)
+    assert s.build_connector_meta(sched_out(new=[(req.request_id, 0, 300)])).loads == []
+
+
+def test_consumer_request_finished_reports_loaded_tokens():
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    admit(s, req, 128, [11, 4, 6])
+    s.build_connector_meta(sched_out())
+    assert s.request_finished(req, [11, 4, 6]) == (
+        False, {"xpyd": {"transfer_key": KEY, "loaded_tokens": 171}})
+    # Its state is gone.
+    assert s.request_finished(req, [11, 4, 6]) == (False, None)
+
+
+def test_consumer_abort_before_allocation():
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (299, True)
+    assert s.request_finished(req, []) == (False, None)
+    assert s.build_connector_meta(sched_out()).loads == []
+
+
+def test_producer_role_does_not_consume():
+    s = producer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_kv_both_consumes_only_when_decode_address_is_its_own():
+    s = P2pScheduler(make_cfg("kv_both", addr=D_ADDR), BS, start_registrar=False)
+    s.bind(FakeKVCacheManager(blocks={}))
+    mine = make_req(pd_id(KEY, p=OTHER, d=D_ADDR), 300)
+    theirs = make_req(pd_id(KEY2, p=OTHER, d=OTHER), 300)
+    for r in (mine, theirs):
+        s.on_new_request(r)
+    assert s.get_num_new_matched_tokens(mine, 0) == (299, True)
+    assert s.get_num_new_matched_tokens(theirs, 0) == (0, False)
+
+
+def test_kv_both_produces_only_when_prefill_address_is_its_own():
+    kvm = FakeKVCacheManager(blocks={})
+    s = P2pScheduler(make_cfg("kv_both", addr=P_ADDR), BS, start_registrar=False)
+    s.bind(kvm)
+    mine = make_req(pd_id(KEY, p=P_ADDR, d=OTHER), 200)
+    theirs = make_req(pd_id(KEY2, p=OTHER, d=OTHER), 200)
+    kvm.blocks = {mine.request_id: [1, 2], theirs.request_id: [3, 4]}
+    for r in (mine, theirs):
+        s.on_new_request(r)
+    meta = s.build_connector_meta(sched_out(new=[(mine.request_id, 0, 200), (theirs.request_id, 0, 200)]))
+    assert [sv.req_id for sv in meta.saves] == [mine.request_id]
+    assert meta.saves[0].decode_addr == OTHER
+
+
+@pytest.mark.parametrize(
+    "allow, params, corrupt",
+    [
+        (False, {"xpyd_debug_corrupt_kv": True}, False),  # clients cannot corrupt production
+        (True, {"xpyd_debug_corrupt_kv": True}, True),
+        (True, {"xpyd_debug_corrupt_kv": False}, False),
+        (True, None, False),
+        (True, {}, False),
+    ],
+)
+def test_debug_corruption_needs_the_config_switch(allow, params, corrupt):
+    s = consumer(allow_debug_corruption=allow)
+    req = make_req(pd_id(), 300, kv_transfer_params=params)
+    s.on_new_request(req)
+    admit(s, req, 0, [1, 2, 3])
+    (spec,) = s.build_connector_meta(sched_out()).loads
+    assert spec.corrupt_for_test is corrupt
+
+
+def test_metadata_is_picklable():
+    """The metadata crosses process boundaries (EngineCore -> workers)."""
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    admit(s, req, 128, [11, 4, 6])
+    meta = s.build_connector_meta(sched_out(preempted={"x"}))
+    meta.saves.append(SaveSpec("r", KEY, D_ADDR, P_ADDR, (1, 2), 200, True))
+    back = pickle.loads(pickle.dumps(meta))
+    assert isinstance(back, P2pConnectorMetadata)
+    assert (back.saves, back.loads, back.preempted) == (meta.saves, meta.loads, meta.preempted)
+
+
+# ======================================================================== producer
+
+
+def test_producer_saves_only_in_the_step_that_completes_the_prompt():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), 300)
+    rid = req.request_id
+    # Lookahead/spare blocks beyond the prompt must not be sent.
+    kvm.blocks[rid] = [5, 2, 8, 13]
+    s.on_new_request(req)
+    # Chunked prefill with a 128-token budget: 128 + 128 + 44.
+    assert s.build_connector_meta(sched_out(new=[(rid, 0, 128)])).saves == []
+    assert s.build_connector_meta(sched_out(cached=[(rid, 128, 128)])).saves == []
+    assert kvm.calls == []
+    meta = s.build_connector_meta(sched_out(cached=[(rid, 256, 44)]))
+    assert meta.saves == [SaveSpec(req_id=rid, transfer_key=KEY, decode_addr=D_ADDR, prefill_addr=P_ADDR,
+                                   block_ids=(5, 2, 8), num_tokens=300, delay_free=True)]
+    # Decode steps: no more saves.
+    assert s.build_connector_meta(sched_out(cached=[(rid, 300, 1)])).saves == []
+    assert s.build_connector_meta(sched_out(cached=[(rid, 301, 1)])).saves == []
+
+
+def test_producer_prefix_hit_saves_all_prompt_blocks_at_once():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), 300)
+    kvm.blocks[req.request_id] = [40, 41, 9]  # 40, 41: local prefix hit
+    s.on_new_request(req)
+    (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 256, 44)])).saves
+    assert spec.block_ids == (40, 41, 9) and spec.num_tokens == 300
+
+
+def test_producer_ignores_plain_requests_and_other_steps():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    plain = make_req("cmpl-3f1c2a9d-0-1a2b3c4d", 300)
+    pd = make_req(pd_id(), 100)
+    kvm.blocks = {plain.request_id: [1, 2, 3], pd.request_id: [4]}
+    s.on_new_request(plain)
+    s.on_new_request(pd)
+    # pd is not scheduled this step: nothing for it.
+    meta = s.build_connector_meta(sched_out(new=[(plain.request_id, 0, 300)]))
+    assert meta.saves == []
+    meta = s.build_connector_meta(sched_out(cached=[(plain.request_id, 300, 1)], new=[(pd.request_id, 0, 100)]))
+    assert [x.req_id for x in meta.saves] == [pd.request_id]
+    assert s.request_finished(plain, [1, 2, 3]) == (False, None)
+
+
+def test_consumer_role_never_saves():
+    s = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False)
+    s.bind(FakeKVCacheManager())
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert s.build_connector_meta(sched_out(new=[(req.request_id, 0, 300)])).saves == []
+
+
+def test_producer_resumed_after_preemption_mid_prefill_saves_once():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), 300)
+    rid = req.request_id
+    kvm.blocks[rid] = [1, 2, 3]
+    s.on_new_request(req)
+    assert s.build_connector_meta(sched_out(new=[(rid, 0, 128)])).saves == []
+    # Preempted before the prompt completed: no save in flight to wait for.
+    meta = s.build_connector_meta(sched_out(preempted={rid}))
+    assert meta.saves == [] and meta.preempted == []
+    # Resumed with new blocks, recomputed from scratch in one step.
+    kvm.blocks[rid] = [7, 8, 9]
+    meta = s.build_connector_meta(sched_out(cached=[(rid, 0, 300)], resumed={rid}))
+    assert [x.block_ids for x in meta.saves] == [(7, 8, 9)]
+    assert s.build_connector_meta(sched_out(cached=[(rid, 300, 1)])).saves == []
+
+
+def test_producer_preempted_with_save_in_flight():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), 300)
+    other = make_req(pd_id(KEY2), 300)
+    rid = req.request_id
+    kvm.blocks = {rid: [1, 2, 3], other.request_id: [4, 5, 6]}
+    s.on_new_request(req)
+    s.on_new_request(other)
+    assert len(s.build_connector_meta(sched_out(new=[(rid, 0, 300)])).saves) == 1
+    # Preempted while decoding: the worker must finish the send before its blocks
+    # are reused. `other` (no save yet) and unknown ids are not listed.
+    meta = s.build_connector_meta(sched_out(preempted={rid, other.request_id, "cmpl-x-0-1"}))
+    assert meta.preempted == [rid]
+    # Resumed and recomputed (prompt + outputs): the prompt was sent already.
+    meta = s.build_connector_meta(sched_out(cached=[(rid, 0, 302)], resumed={rid}))
+    assert meta.saves == []
+    assert s.build_connector_meta(sched_out(preempted=set())).preempted == []
+    # Still exactly one transfer, reported when it finishes.
+    assert s.request_finished(req, [1, 2, 3]) == (True, {"xpyd": {"transfer_key": KEY, "sent_tokens": 300}})
+    # Once finished it is no longer listed on preemption.
+    assert s.build_connector_meta(sched_out(preempted={rid})).preempted == []
+
+
+def test_producer_request_finished_before_prompt_completed():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), 300)
+    rid = req.request_id
+    kvm.blocks[rid] = [1, 2, 3]
+    s.on_new_request(req)
+    assert s.build_connector_meta(sched_out(new=[(rid, 0, 128)])).saves == []
+    assert s.request_finished(req, [1]) == (False, None)
+    # Even if the id showed up completing the prompt afterwards: no save, ever.
+    assert s.build_connector_meta(sched_out(cached=[(rid, 128, 172)])).saves == []
+    assert kvm.calls == []
+
+
+@pytest.mark.parametrize("send_type, delay_free", [("PUT_ASYNC", True), ("PUT", False), ("GET", False)])
+def test_producer_delay_free_by_send_type(send_type, delay_free):
+    kvm = FakeKVCacheManager()
+    s = producer(send_type, kvm=kvm)
+    req = make_req(pd_id(), 200)
+    kvm.blocks[req.request_id] = [3, 1]
+    s.on_new_request(req)
+    (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves
+    assert spec.delay_free is delay_free
+    assert s.request_finished(req, [3, 1]) == (
+        delay_free, {"xpyd": {"transfer_key": KEY, "sent_tokens": 200}})
+
+
+def test_load_report():
+    kvm = FakeKVCacheManager(usage=0.25)
+    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False)
+    assert s.load_report() == (0, 0, 0.0)  # not bound yet
+    s.bind(kvm)
+    reqs = [make_req(f"cmpl-plain{i}-0-1a2b3c4d", 10) for i in range(3)]
+    for r in reqs:
+        s.on_new_request(r)
+    assert s.load_report() == (0, 3, 0.25)
+    s.build_connector_meta(sched_out(new=[(reqs[0].request_id, 0, 10), (reqs[1].request_id, 0, 10)]))
+    assert s.load_report() == (2, 1, 0.25)
+    s.request_finished(reqs[2], [])
+    assert s.load_report() == (2, 0, 0.25)
+    s.request_finished(reqs[0], [])
+    s.build_connector_meta(sched_out(cached=[(reqs[1].request_id, 10, 1)]))
+    assert s.load_report() == (1, 0, 0.25)
+    kvm.usage = 1.7
+    assert s.load_report()[2] == 1.0
+    kvm.usage = -0.5
+    assert s.load_report()[2] == 0.0
+
+    class Broken:
+        @property
+        def usage(self):
+            raise RuntimeError("no block pool")
+
+    s.bind(Broken())
+    assert s.load_report() == (1, 0, 0.0)
+
+
+def test_no_registrar_without_proxies_or_when_disabled():
+    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=True)  # no proxies configured
+    assert s._registrar is None
+    s.shutdown()
