@@ -63,6 +63,10 @@ class KVBuffer:
             self._used += payload.nbytes
             return None
 
+    def peek(self, key: str) -> Payload | None:
+        with self._lock:
+            return self._items.get(key)
+
     def pop(self, key: str) -> Payload | None:
         with self._lock:
             p = self._items.pop(key, None)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -106,6 +107,10 @@ class P2pNcclConnector(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
         self._scheduler.bind(kv_cache_manager)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(set(connector_output.failed_recving or ()))
 
     def on_new_request(self, request: "Request") -> None:
         assert self._scheduler is not None

@@ -45,6 +45,27 @@ class _Send:
     spec: SaveSpec
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    # queued -> sending -> done, or queued -> cancelled (preempted before it
+    # started: its blocks are about to be reused, so it must never start).
+    state: str = "queued"
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> bool:
+        """Sender thread: move queued -> sending; False if it was cancelled."""
+        with self.lock:
+            if self.state != "queued":
+                return False
+            self.state = "sending"
+            return True
+
+    def cancel(self) -> bool:
+        """Worker thread: cancel if not started; False if already sending/done."""
+        with self.lock:
+            if self.state != "queued":
+                return False
+            self.state = "cancelled"
+        self.done.set()
+        return True
 
 
 @dataclass(slots=True)
@@ -137,11 +158,18 @@ class KVEngine:
                 return {"ok": False, "error": refused}, []
             return {"ok": True}, []
         if op == "get":
+            # Not popped: a reply lost to a timeout must be retrievable again.
+            # D sends "release" once it holds the payload; the TTL covers the rest.
             key = header.get("key")
-            payload = self._sendbuf.pop(key) if isinstance(key, str) else None
+            payload = self._sendbuf.peek(key) if isinstance(key, str) else None
             if payload is None:
                 return {"ok": False, "error": "not ready"}, []
             return {"ok": True, **payload.header}, payload.tensors
+        if op == "release":
+            key = header.get("key")
+            if isinstance(key, str):
+                self._sendbuf.pop(key)
+            return {"ok": True}, []
         if op == "ping":
             return {"ok": True, "address": self.address}, []
         if op == "stats":
@@ -207,6 +235,8 @@ class KVEngine:
                 next_sweep = time.monotonic() + _SWEEP_S
 
     def _do_send(self, send: _Send) -> None:
+        if not send.claim():
+            return  # cancelled by a preemption before it started
         spec = send.spec
         peer = rank_address(spec.decode_addr, self._rank)
         t0 = time.monotonic()
@@ -229,14 +259,26 @@ class KVEngine:
             send.done.set()
 
     def wait_sends(self, req_ids: list[str]) -> None:
-        """Block until sends reading these requests' blocks are over (preemption)."""
-        deadline = time.monotonic() + self._cfg.send_timeout_s + 1.0
+        """Preemption: no send may read these requests' blocks after we return.
+
+        A queued send is cancelled (it would otherwise start later, on reused
+        blocks); one already on the wire ends within send_timeout_s, since
+        every transport call has that deadline.
+        """
         for rid in req_ids:
             send = self._sends.get(rid)
-            if send is not None:
-                send.done.wait(timeout=max(0.0, deadline - time.monotonic()))
+            if send is None or send.cancel():
+                continue
+            if not send.done.wait(timeout=self._cfg.send_timeout_s + 1.0):
+                logger.error("kv send still running after its deadline req=%s", rid)
 
     # ---- consumer (worker thread) ----
+    def discard(self, keys: list[str]) -> None:
+        """Transfers no request will load (full local prefix hit, finished before
+        admission): drop what arrived and refuse what still comes."""
+        for key in keys:
+            self._recv.discard(key)
+
     def add_load(self, spec: LoadSpec) -> None:
         now = time.monotonic()
         self._loads[spec.req_id] = _Load(spec, now + self._cfg.kv_load_timeout_s, now)
@@ -245,6 +287,7 @@ class KVEngine:
                              name="xpyd-kv-get", daemon=True).start()
 
     def _fetch(self, spec: LoadSpec, deadline: float) -> None:
+        """GET mode: pull from P until it answers or the load deadline passes."""
         peer = rank_address(spec.prefill_addr, self._rank)
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
@@ -253,14 +296,21 @@ class KVEngine:
                     timeout_s=max(0.05, min(self._cfg.send_timeout_s, deadline - time.monotonic())),
                 )
             except TransportError as e:
-                logger.warning("kv get failed transfer=%s peer=%s error=%s", spec.transfer_key, peer, e)
-                return
+                logger.warning("kv get retry transfer=%s peer=%s error=%s", spec.transfer_key, peer, e)
+                self._stop.wait(_GET_RETRY_S * 10)
+                continue
             if reply.get("ok"):
                 header = {k: v for k, v in reply.items() if k != "ok"}
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                self._recv.put(spec.transfer_key, Payload(header, tensors, nbytes))
+                refused = self._recv.put(spec.transfer_key, Payload(header, tensors, nbytes))
+                if refused:
+                    logger.warning("kv get refused locally transfer=%s reason=%s", spec.transfer_key, refused)
+                try:
+                    self._transport.call(peer, {"op": "release", "key": spec.transfer_key}, timeout_s=1.0)
+                except TransportError:
+                    pass  # P's TTL frees it
                 return
-            time.sleep(_GET_RETRY_S)
+            self._stop.wait(_GET_RETRY_S)
 
     def _apply(self, load: _Load, payload: Payload) -> str | None:
         """Copy a payload into the cache; returns an error or None."""

@@ -47,3 +47,5 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     # Requests preempted this step: their in-flight sends must finish before
     # the blocks are reused.
     preempted: list[str] = field(default_factory=list)
+    # Consumer: transfer keys no request will load; the worker drops their KV.
+    discard: list[str] = field(default_factory=list)

@@ -45,6 +45,9 @@ class P2pScheduler:
         # request got (so a preempted or failed one is never loaded twice).
         self._new_loads: list[LoadSpec] = []
         self._loaded: dict[str, LoadSpec] = {}
+        self._failed_loads: set[str] = set()  # from the workers' failed_recving
+        # Transfer keys no request will load: the workers drop their payloads.
+        self._discard: list[str] = []
         # Load figures for the heartbeat.
         self._live: set[str] = set()
         self._running = 0
@@ -124,8 +127,9 @@ class P2pScheduler:
                     request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
-        meta = P2pConnectorMetadata(loads=self._new_loads)
+        meta = P2pConnectorMetadata(loads=self._new_loads, discard=self._discard)
         self._new_loads = []
+        self._discard = []
         self._running = len(scheduler_output.num_scheduled_tokens)
         if self._outgoing:
             computed_before: dict[str, int] = {
@@ -164,16 +168,34 @@ class P2pScheduler:
                     self._cfg.send_type)
         return spec
 
+    def update_connector_output(self, failed_recving: set[str]) -> None:
+        self._failed_loads.update(r for r in failed_recving if r in self._loaded)
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Returns (delay_free, kv_transfer_params); the params reach the client's
+        response as ``kv_transfer_params: {"xpyd": {...}}``."""
         rid = request.request_id
         self._live.discard(rid)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
         save = self._saving.pop(rid, None)
         if save is not None:
-            return save.delay_free, {"xpyd": {"transfer_key": save.transfer_key, "sent_tokens": save.num_tokens}}
+            # With PUT_ASYNC the send may still be running: this says what was
+            # handed to the sender, not what arrived.
+            return save.delay_free, {"xpyd": {"transfer_key": save.transfer_key,
+                                              "send_type": self._cfg.send_type,
+                                              "prompt_tokens": save.num_tokens}}
         load = self._loaded.pop(rid, None)
         if load is not None:
-            return False, {"xpyd": {"transfer_key": load.transfer_key, "loaded_tokens": load.num_tokens}}
+            failed = rid in self._failed_loads
+            self._failed_loads.discard(rid)
+            return False, {"xpyd": {"transfer_key": load.transfer_key,
+                                    "loaded_tokens": 0 if failed else load.num_tokens,
+                                    "load_failed": failed}}
+        tid = request_id.parse(rid)
+        if tid is not None and self._consumes(tid):
+            # A P/D request that loaded nothing (full local prefix hit, or gone
+            # before admission): P may still push its KV; drop it on arrival.
+            self._discard.append(tid.key)
         return False, None
 
     def shutdown(self) -> None:

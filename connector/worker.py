@@ -51,6 +51,8 @@ class P2pWorker:
         return self.engine
 
     def start_load_kv(self, meta: P2pConnectorMetadata) -> None:
+        if meta.discard:
+            self._engine().discard(meta.discard)
         for spec in meta.loads:
             self._engine().add_load(spec)
 

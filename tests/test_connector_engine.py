@@ -645,3 +645,55 @@ def test_close_is_prompt(engines):
     t0 = time.monotonic()
     eng.close()
     assert time.monotonic() - t0 < 5.0
+
+
+# ================================================================ added by the lead
+
+
+def test_get_reply_can_be_fetched_again_until_released(engines, client):
+    """P keeps its GET copy until D releases it: a reply lost to a timeout is not
+    a lost transfer."""
+    prod = engines("kv_producer", "GET", seed=1)
+    prod.save(save_spec(prod, "127.0.0.1:1", delay_free=False))
+    for _ in range(2):
+        reply, tensors = client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=WAIT_S)
+        assert reply["ok"] and tensors
+    assert prod.stats()["send_items"] == 1
+    reply, _ = client.call(rank0(prod), {"op": "release", "key": KEY}, timeout_s=WAIT_S)
+    assert reply["ok"]
+    assert prod.stats() == ZERO
+
+
+def test_get_retries_until_producer_is_reachable(engines):
+    """D's pull survives transport errors (P not up yet) within the load deadline."""
+    cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=1.0)
+    cons.add_load(load_spec(f"127.0.0.1:{free_port()}", (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving, timeout=5.0)
+    assert res.failed_recving == {"D-req"}  # the deadline, not the first error, ended it
+    assert cons.stats() == ZERO
+
+
+def test_preemption_cancels_a_queued_send(engines):
+    """A send still queued when its request is preempted never starts: its blocks
+    are about to be reused."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=1.0)
+    dead = f"127.0.0.1:{free_port()}"
+    prod.save(save_spec(prod, dead, req_id="first", key="a" * 32))  # occupies the sender
+    prod.save(save_spec(prod, dead, req_id="victim", key="b" * 32))
+    t0 = time.monotonic()
+    prod.wait_sends(["victim"])
+    assert time.monotonic() - t0 < 0.5  # cancelled, not waited for
+    res, _ = poll_until(prod, lambda r: {"first", "victim"} <= r.finished_sending,
+                        finished={"first", "victim"})
+    assert prod.stats() == ZERO
+
+
+def test_discarded_transfer_is_dropped_and_refused_later(engines, client):
+    prod = engines("kv_producer", "PUT", seed=1)
+    cons = engines("kv_consumer", "PUT", seed=2)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    assert cons.stats()["recv_items"] == 1
+    cons.discard([KEY])
+    assert cons.stats() == ZERO
+    prod.save(save_spec(prod, rank0(cons), req_id="again", delay_free=False))  # a late duplicate
+    assert cons.stats() == ZERO

@@ -201,7 +201,7 @@ def test_consumer_request_finished_reports_loaded_tokens():
     admit(s, req, 128, [11, 4, 6])
     s.build_connector_meta(sched_out())
     assert s.request_finished(req, [11, 4, 6]) == (
-        False, {"xpyd": {"transfer_key": KEY, "loaded_tokens": 171}})
+        False, {"xpyd": {"transfer_key": KEY, "loaded_tokens": 171, "load_failed": False}})
     # Its state is gone.
     assert s.request_finished(req, [11, 4, 6]) == (False, None)
 
@@ -373,7 +373,7 @@ def test_producer_preempted_with_save_in_flight():
     assert meta.saves == []
     assert s.build_connector_meta(sched_out(preempted=set())).preempted == []
     # Still exactly one transfer, reported when it finishes.
-    assert s.request_finished(req, [1, 2, 3]) == (True, {"xpyd": {"transfer_key": KEY, "sent_tokens": 300}})
+    assert s.request_finished(req, [1, 2, 3]) == (True, {"xpyd": {"transfer_key": KEY, "send_type": "PUT_ASYNC", "prompt_tokens": 300}})
     # Once finished it is no longer listed on preemption.
     assert s.build_connector_meta(sched_out(preempted={rid})).preempted == []
 
@@ -402,7 +402,7 @@ def test_producer_delay_free_by_send_type(send_type, delay_free):
     (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves
     assert spec.delay_free is delay_free
     assert s.request_finished(req, [3, 1]) == (
-        delay_free, {"xpyd": {"transfer_key": KEY, "sent_tokens": 200}})
+        delay_free, {"xpyd": {"transfer_key": KEY, "send_type": send_type, "prompt_tokens": 200}})
 
 
 def test_load_report():
@@ -439,3 +439,45 @@ def test_no_registrar_without_proxies_or_when_disabled():
     s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=True)  # no proxies configured
     assert s._registrar is None
     s.shutdown()
+
+
+# ================================================================ outcome & cleanup
+
+
+def test_consumer_failed_load_is_reported_as_such():
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    admit(s, req, 0, [1, 2, 3])
+    s.build_connector_meta(sched_out())
+    s.update_connector_output({req.request_id, "some-other-request"})
+    assert s.request_finished(req, [1, 2, 3]) == (
+        False, {"xpyd": {"transfer_key": KEY, "loaded_tokens": 0, "load_failed": True}})
+
+
+def test_consumer_pd_request_that_loaded_nothing_discards_its_transfer():
+    """Full local hit or gone before admission: P may still push; D must drop it."""
+    s = consumer()
+    full_hit = make_req(pd_id(), 129)
+    s.on_new_request(full_hit)
+    assert s.get_num_new_matched_tokens(full_hit, 128) == (0, False)
+    s.request_finished(full_hit, [5, 6])
+    other = "f" * 32
+    never_admitted = make_req(pd_id(key=other), 300)
+    s.on_new_request(never_admitted)
+    s.request_finished(never_admitted, [])
+    plain = make_req("cmpl-plain-0-1a2b3c4d", 300)
+    s.on_new_request(plain)
+    s.request_finished(plain, [])
+    assert s.build_connector_meta(sched_out()).discard == [KEY, other]
+    assert s.build_connector_meta(sched_out()).discard == []  # announced once
+
+
+def test_consumer_loaded_request_does_not_discard():
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    admit(s, req, 0, [1, 2, 3])
+    s.build_connector_meta(sched_out())
+    s.request_finished(req, [1, 2, 3])
+    assert s.build_connector_meta(sched_out()).discard == []

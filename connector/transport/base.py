@@ -1,0 +1,66 @@
+"""Transport interface: a generic "message + tensors" RPC between connector instances.
+
+The KV connector's engine builds PUT / PUT_ASYNC / GET on top of :class:`Transport`; a
+transport only moves one header dict plus a list of tensors to a peer and brings back the
+peer handler's reply. Implementations: :class:`connector.transport.tcp.TcpTransport`
+(pyzmq, any host); an NCCL transport can slot in behind the same interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["Handler", "Transport", "TransportError"]
+
+
+class TransportError(RuntimeError):
+    """Transport-level failure: peer unreachable, timeout, malformed reply, transport closed.
+
+    Application-level failures (a handler that raised, a request the server could not
+    decode) are *not* raised: they come back as a reply header with ``ok`` False.
+    """
+
+
+# handler(header, tensors) -> (reply_header, reply_tensors); runs in the server thread.
+Handler = Callable[[dict, list[torch.Tensor]], tuple[dict, list[torch.Tensor]]]
+
+
+class Transport(ABC):
+    """One endpoint: optionally a server (``start``) and a client for any number of peers."""
+
+    name: str
+
+    @abstractmethod
+    def start(self, bind_host: str, port: int, handler: Handler) -> None:
+        """Bind a server at ``bind_host:port`` and serve calls with ``handler``.
+
+        For every incoming call the transport runs ``handler(header, tensors)`` in its
+        server thread and sends back the returned ``(reply_header, reply_tensors)``.
+        """
+
+    @abstractmethod
+    def call(
+        self,
+        peer: str,
+        header: dict,
+        tensors: Sequence[torch.Tensor] = (),
+        timeout_s: float = 5.0,
+    ) -> tuple[dict, list[torch.Tensor]]:
+        """Send ``header`` + ``tensors`` to ``peer`` ("host:port") and wait for the reply.
+
+        Thread-safe. Raises :class:`TransportError` on timeout, unreachable peer or a
+        malformed reply.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the server thread and close all sockets. Idempotent."""
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
