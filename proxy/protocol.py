@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac as _hmac
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,8 +123,9 @@ def decode(
     http_address = _check_address(fields.get("http_address"), "http_address")
     zmq_address = _check_address(fields.get("zmq_address"), "zmq_address")
     ts = fields.get("ts")
-    if ts is not None and not isinstance(ts, (int, float)):
-        raise ProtocolError("ts must be a number")
+    # NaN must be refused here: it would pass the clock-skew comparison below.
+    if ts is not None and (not isinstance(ts, (int, float)) or not math.isfinite(ts)):
+        raise ProtocolError("ts must be a finite number")
     if secret is not None:
         given = fields.get("hmac")
         if not isinstance(given, str):

@@ -1,0 +1,1 @@
+"""xPyD proxy: an OpenAI-compatible prefill/decode router with ZMQ discovery."""

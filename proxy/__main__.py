@@ -1,0 +1,36 @@
+"""`python -m proxy` / `xpyd-proxy`: load the config and serve until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from proxy.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"xpyd-proxy: configuration error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    # Imported late: --help and config errors should not pay for FastAPI/uvicorn imports.
+    from proxy.server import ProxyServer
+
+    server = ProxyServer(cfg)
+    logging.getLogger("xpyd.proxy").info(
+        "starting host=%s port=%s discovery_port=%s prefill_policy=%s decode_policy=%s "
+        "upstream_client=%s auth=%s signed_discovery=%s",
+        cfg.host, cfg.port, cfg.discovery_port, cfg.prefill_policy, cfg.decode_policy,
+        cfg.upstream_client, bool(cfg.api_key), bool(cfg.discovery_secret),
+    )  # fmt: skip
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

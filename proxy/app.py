@@ -1,0 +1,180 @@
+"""The FastAPI application: lifespan wiring, the small endpoints, JSON errors everywhere."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
+
+from proxy.config import ProxyConfig
+from proxy.discovery import Discovery
+from proxy.errors import ProxyError, error_dict, upstream_error_body
+from proxy.metrics import Metrics
+from proxy.registry import Registry
+from proxy.routing import CHAT, COMPLETIONS, Receive, Router, Scope, Send
+from proxy.upstream import Upstream, UpstreamError, make_upstream
+
+log = logging.getLogger("xpyd.proxy")
+
+
+class ProxyState:
+    """Everything one proxy owns; hung on app.state.proxy (no module-level state)."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.registry = Registry(cfg.heartbeat_timeout)
+        self.metrics = Metrics(self.registry)
+        self.upstream: Upstream = make_upstream(cfg.upstream_client, cfg.connect_timeout)
+        self.discovery = Discovery(
+            self.registry,
+            self.metrics,
+            cfg.discovery_host,
+            cfg.discovery_port,
+            cfg.discovery_secret,
+        )
+        self.router = Router(cfg, self.registry, self.metrics, self.upstream)
+        self.draining = False
+
+    async def start(self) -> None:
+        await self.upstream.start()
+        await self.discovery.start()
+
+    async def stop(self) -> None:
+        await self.discovery.stop()
+        await self.upstream.close()
+
+
+def _json_error(status: int, message: str, code: Any = None, headers=None) -> JSONResponse:
+    return JSONResponse(error_dict(message, status, code), status_code=status, headers=headers)
+
+
+def create_app(cfg: ProxyConfig) -> FastAPI:
+    state = ProxyState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        try:
+            yield
+        finally:
+            await state.stop()
+
+    app = FastAPI(
+        title="xPyD proxy",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.proxy = state
+    router = state.router
+
+    # The hot routes are raw ASGI apps (Starlette calls a non-function endpoint directly).
+    app.router.routes.append(Route(COMPLETIONS, router.endpoint(COMPLETIONS), methods=["POST"]))
+    app.router.routes.append(Route(CHAT, router.endpoint(CHAT), methods=["POST"]))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        return _json_error(exc.status_code, message, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _json_error(400, str(exc.errors()), "invalid_request")
+
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> Response:
+        return Response(
+            exc.raw if exc.raw is not None else exc.body(),
+            status_code=exc.status,
+            media_type="application/json",
+            headers=exc.headers or None,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error path=%s", request.url.path)
+        return _json_error(500, f"internal proxy error: {type(exc).__name__}", "internal_error")
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        p, d = state.registry.count("P"), state.registry.count("D")
+        body = {"ready": False, "prefill": p, "decode": d, "draining": state.draining}
+        if state.draining:
+            return JSONResponse(body, status_code=503)
+        body["ready"] = p > 0 and d > 0
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/instances")
+    async def instances(request: Request) -> list:
+        router.check_auth(request.scope["headers"])
+        now = time.time()
+        return [inst.to_json(now) for inst in state.registry.all()]
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        router.check_auth(request.scope["headers"])
+        # Any live instance serves the same model; prefer D, which answers clients anyway.
+        live = state.registry.live("D") or state.registry.live("P")
+        if not live:
+            raise ProxyError(503, "no instance is available", "no_instance")
+        headers = {}
+        auth = request.headers.get("authorization")
+        if auth is not None:
+            headers["authorization"] = auth
+        errors = []
+        for inst in live[:3]:
+            try:
+                resp = await state.upstream.request("GET", inst.url + "/v1/models", None, headers)
+                try:
+                    data = await resp.read()
+                finally:
+                    await resp.aclose()
+            except UpstreamError as e:
+                state.metrics.upstream_error(inst.role, inst.http_address, e.kind)
+                errors.append(f"{inst.http_address}: {e}")
+                continue
+            if 200 <= resp.status < 300:
+                return Response(data, status_code=resp.status, media_type="application/json")
+            body = upstream_error_body(resp.status, data, "models", inst.http_address)
+            return Response(body, status_code=resp.status, media_type="application/json")
+        raise ProxyError(
+            502, "no instance answered /v1/models: " + "; ".join(errors), "upstream_error"
+        )
+
+    return app
+
+
+def fast_path(app: FastAPI) -> Any:
+    """Wrap the app so the two completion routes skip Starlette's middleware and routing.
+
+    Every other request (and lifespan) still goes through FastAPI."""
+    router: Router = app.state.proxy.router
+    routes = {COMPLETIONS: router.endpoint(COMPLETIONS), CHAT: router.endpoint(CHAT)}
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = routes.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return asgi

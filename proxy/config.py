@@ -1,0 +1,211 @@
+"""Proxy configuration: one typed dataclass, loaded from CLI > XPYD_* env > YAML > defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any
+
+ENV_PREFIX = "XPYD_"
+POLICIES = ("round_robin", "least_loaded")
+
+
+class ConfigError(ValueError):
+    """A configuration value that is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    discovery_host: str = "0.0.0.0"
+    discovery_port: int = 30001
+    # Shared secret that registrations must be signed with (HMAC); None accepts unsigned.
+    discovery_secret: str | None = None
+    heartbeat_timeout: float = 10.0
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    # Clients must send "Authorization: Bearer <api_key>" when set.
+    api_key: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Per-phase deadlines, seconds.
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 600.0
+    # For a non-streaming request D's first byte comes with the whole answer: be generous.
+    decode_ttfb_timeout: float = 600.0
+    stream_idle_timeout: float = 120.0
+    # Extra prefill attempts on another P after a connect error or timeout.
+    prefill_retries: int = 2
+    # An instance that refused a connection is avoided for this long (unless it is the only one).
+    failure_cooldown: float = 2.0
+    shutdown_grace_s: float = 30.0
+    log_level: str = "info"
+    # Runtime choices (see README for the measurements behind the defaults).
+    upstream_client: str = "native"
+    loop: str = "auto"
+    http: str = "auto"
+
+    def validate(self) -> ProxyConfig:
+        for name in ("port", "discovery_port"):
+            value = getattr(self, name)
+            if not 0 <= value < 65536:
+                raise ConfigError(f"{name} must be in 0..65535, got {value}")
+        for name in (
+            "heartbeat_timeout",
+            "connect_timeout",
+            "prefill_timeout",
+            "decode_ttfb_timeout",
+            "stream_idle_timeout",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.failure_cooldown < 0 or self.shutdown_grace_s < 0:
+            raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
+        if self.max_body_bytes <= 0:
+            raise ConfigError("max_body_bytes must be > 0")
+        if self.prefill_retries < 0:
+            raise ConfigError("prefill_retries must be >= 0")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ConfigError(f"{name} must be one of {', '.join(POLICIES)}")
+        choices = {
+            "upstream_client": ("native", "aiohttp", "httpx"),
+            "loop": ("auto", "uvloop", "asyncio"),
+            "http": ("auto", "httptools", "h11"),
+            "log_level": ("debug", "info", "warning", "error", "critical"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}")
+        return self
+
+
+HELP = MappingProxyType(
+    {
+        "host": "address to serve the OpenAI API on",
+        "port": "HTTP port (0 picks a free one)",
+        "discovery_host": "address the ZMQ discovery ROUTER binds to",
+        "discovery_port": "ZMQ discovery port instances register on",
+        "discovery_secret": "shared secret; registrations without a valid HMAC are dropped",
+        "heartbeat_timeout": "seconds without a heartbeat before an instance is removed",
+        "prefill_policy": "P selection policy",
+        "decode_policy": "D selection policy",
+        "api_key": "require 'Authorization: Bearer KEY' from clients",
+        "max_body_bytes": "largest accepted request body (413 above)",
+        "connect_timeout": "seconds to connect to an instance",
+        "prefill_timeout": "seconds for P to answer the prefill request",
+        "decode_ttfb_timeout": "seconds to D's first body byte (non-streaming: whole answer)",
+        "stream_idle_timeout": "max seconds between two chunks of D's stream",
+        "prefill_retries": "extra attempts on another P after a connect error or timeout",
+        "failure_cooldown": "seconds to avoid an instance that refused a connection",
+        "shutdown_grace_s": "on SIGTERM, seconds to let in-flight requests finish",
+        "log_level": "logging level",
+        "upstream_client": "HTTP client for P/D requests: native (fastest), aiohttp, httpx",
+        "loop": "event loop implementation",
+        "http": "HTTP/1.1 server parser",
+    }
+)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="xpyd-proxy",
+        description="OpenAI-compatible prefill/decode proxy for vLLM with ZMQ discovery. "
+        "Every flag can also be set in the YAML --config file (snake_case key) "
+        "or as an XPYD_<NAME> environment variable; precedence: flag > env > file > default.",
+    )
+    parser.add_argument("--config", default=None, help="YAML config file (env XPYD_CONFIG)")
+    for f in fields(ProxyConfig):
+        kwargs: dict[str, Any] = {"default": None, "dest": f.name}
+        if f.name in ("prefill_policy", "decode_policy"):
+            kwargs["choices"] = POLICIES
+        kwargs["type"] = _scalar_type(f)
+        kwargs["help"] = f"{HELP.get(f.name, '')} (default: {f.default})"
+        parser.add_argument(_flag(f.name), **kwargs)
+    return parser
+
+
+def _scalar_type(f: dataclasses.Field) -> type:
+    t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if t.startswith("int"):
+        return int
+    if t.startswith("float"):
+        return float
+    return str
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Convert an env string or YAML value to the field's type, or raise ConfigError."""
+    kind = _scalar_type(f)
+    optional = "None" in str(f.type)
+    if value is None or (isinstance(value, str) and value == "" and optional):
+        if optional:
+            return None
+        raise ConfigError(f"{f.name} ({source}) must not be empty")
+    try:
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{f.name} ({source}) must be {kind.__name__}, got {value!r}") from None
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{f.name} ({source}) must be a string, got {value!r}")
+    return str(value)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml  # only needed with --config
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping")
+    known = {f.name for f in fields(ProxyConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"unknown key {key!r} in {path}")
+        out[name] = value
+    return out
+
+
+def load_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ProxyConfig:
+    """Resolve each field as: CLI flag > XPYD_* env var > YAML file > dataclass default."""
+    env = os.environ if env is None else env
+    args = build_parser().parse_args(argv)
+    config_path = args.config or env.get(ENV_PREFIX + "CONFIG")
+    from_file = _read_yaml(config_path) if config_path else {}
+    values: dict[str, Any] = {}
+    for f in fields(ProxyConfig):
+        cli = getattr(args, f.name)
+        env_key = ENV_PREFIX + f.name.upper()
+        if cli is not None:
+            values[f.name] = cli
+        elif env_key in env:
+            values[f.name] = _coerce(f, env[env_key], env_key)
+        elif f.name in from_file:
+            values[f.name] = _coerce(f, from_file[f.name], str(config_path))
+    return ProxyConfig(**values).validate()

@@ -1,0 +1,115 @@
+"""OpenAI-style error JSON: every failure the proxy answers has this shape, never HTML."""
+
+from __future__ import annotations
+
+import json
+from types import MappingProxyType
+from typing import Any
+
+# HTTP status -> OpenAI error "type".
+_TYPES = MappingProxyType(
+    {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        405: "invalid_request_error",
+        413: "invalid_request_error",
+        422: "invalid_request_error",
+        429: "rate_limit_error",
+        502: "upstream_error",
+        503: "service_unavailable",
+        504: "timeout_error",
+    }
+)
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_dict(
+    message: str, status: int, code: str | int | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type(status),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+
+
+def error_body(
+    message: str, status: int, code: str | int | None = None, param: str | None = None
+) -> bytes:
+    return json.dumps(error_dict(message, status, code, param)).encode()
+
+
+class ProxyError(Exception):
+    """Raised inside the request path; turned into an OpenAI error response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | int | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+        # A ready-made OpenAI error body (relayed from an instance), sent instead of body().
+        self.raw = raw
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.status, self.code, self.param)
+
+
+def is_openai_error(data: Any) -> bool:
+    return (
+        isinstance(data, dict)
+        and isinstance(data.get("error"), dict)
+        and isinstance(data["error"].get("message"), str)
+    )
+
+
+def upstream_error_body(status: int, body: bytes, phase: str, instance: str) -> bytes:
+    """Relay an instance's error: as is when it is OpenAI error JSON, else wrapped in one."""
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        data = None
+    if is_openai_error(data):
+        return body
+    if isinstance(data, dict) and data.get("object") == "error" and "message" in data:
+        # vLLM's older flat ErrorResponse: lift it into {"error": {...}}.
+        return json.dumps(
+            {
+                "error": {
+                    "message": str(data.get("message")),
+                    "type": data.get("type") or error_type(status),
+                    "param": data.get("param"),
+                    "code": data.get("code", status),
+                }
+            }
+        ).encode()
+    if isinstance(data, dict) and isinstance(data.get("detail"), (str, list)):
+        text = json.dumps(data["detail"]) if isinstance(data["detail"], list) else data["detail"]
+    else:
+        text = body[:1000].decode("utf-8", "replace").strip()
+    message = f"{phase} instance {instance} answered HTTP {status}"
+    if text:
+        message += f": {text}"
+    return error_body(message, status, code=f"{phase}_error")
+
+
+def sse_error_event(message: str, status: int, code: str) -> bytes:
+    """A mid-stream failure: one SSE data event carrying OpenAI error JSON."""
+    return b"data: " + error_body(message, status, code) + b"\n\n"

@@ -1,0 +1,103 @@
+"""Prometheus metrics, on a per-app CollectorRegistry so several proxies can share a process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.registry import Registry
+
+# Sub-millisecond buckets matter: proxy overhead and prefill of short prompts live there.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+PHASES = ("queue", "prefill", "decode_ttfb", "decode")
+
+
+class _InstanceCollector(Collector):
+    """Live instances and per-instance in-flight requests, read from the registry at scrape
+    time so the request path pays nothing for them."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        live = GaugeMetricFamily("xpyd_instances", "Live instances by role", labels=["role"])
+        for role in ("P", "D"):
+            live.add_metric([role], self._registry.count(role))
+        yield live
+        inflight = GaugeMetricFamily(
+            "xpyd_instance_in_flight",
+            "Requests the proxy has in flight per instance",
+            labels=["role", "instance"],
+        )
+        for inst in self._registry.all():
+            inflight.add_metric([inst.role, inst.http_address], inst.in_flight)
+        yield inflight
+
+
+class Metrics:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "xpyd_requests", "Client requests by route and status", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "xpyd_request_duration_seconds",
+            "End-to-end request latency by route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            "xpyd_phase_duration_seconds",
+            "Per-phase latency: queue, prefill, decode_ttfb (D's first byte), decode (D total)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "xpyd_upstream_errors",
+            "Failed upstream calls by instance and kind",
+            ["role", "instance", "kind"],
+            registry=r,
+        )
+        self.discovery = Counter(
+            "xpyd_discovery_messages",
+            "Discovery messages by result (accepted, left, malformed, unauthorized)",
+            ["result"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "xpyd_client_disconnects", "Clients that went away before their answer", registry=r
+        )
+        self.prefill_retries = Counter(
+            "xpyd_prefill_retries", "Prefill attempts retried on another P", registry=r
+        )
+        r.register(_InstanceCollector(registry))
+        # Label children are cached: .labels() costs more than the observation itself.
+        self._req_children: dict[tuple[str, int], Counter] = {}
+        self._lat_children: dict[str, Histogram] = {}
+        self.phase_children = {p: self.phase.labels(p) for p in PHASES}
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        key = (route, status)
+        child = self._req_children.get(key)
+        if child is None:
+            child = self._req_children[key] = self.requests.labels(route, str(status))
+        child.inc()
+        lat = self._lat_children.get(route)
+        if lat is None:
+            lat = self._lat_children[route] = self.latency.labels(route)
+        lat.observe(seconds)
+
+    def upstream_error(self, role: str, instance: str, kind: str) -> None:
+        self.upstream_errors.labels(role, instance, kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""Instance selection policies. P and D each get their own policy object."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from proxy.registry import Instance
+
+# One in-flight request counts as much as this many in-flight prompt tokens.
+TOKENS_PER_REQUEST = 1024.0
+# Weight of the instance-reported KV cache usage (0..1): a full cache means preemption.
+KV_USAGE_WEIGHT = 4.0
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[Instance], prompt_tokens: int) -> Instance:
+        """Pick one of the non-empty candidates for a request of ~prompt_tokens."""
+        ...
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, candidates: Sequence[Instance], prompt_tokens: int) -> Instance:
+        i = self._next % len(candidates)
+        self._next = i + 1
+        return candidates[i]
+
+
+def load_score(inst: Instance) -> float:
+    """Lower is better. The proxy's own in-flight count is exact for its requests; the
+    heartbeat's running+waiting also covers other clients' requests, so take the max."""
+    queued = inst.in_flight
+    kv = 0.0
+    load = inst.load
+    if load is not None:
+        reported = load.running + load.waiting
+        if reported > queued:
+            queued = reported
+        kv = load.kv_usage
+    return queued + inst.in_flight_tokens / TOKENS_PER_REQUEST + KV_USAGE_WEIGHT * kv
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def __init__(self) -> None:
+        self._start = 0
+
+    def choose(self, candidates: Sequence[Instance], prompt_tokens: int) -> Instance:
+        n = len(candidates)
+        # Scan from a rotating start so that ties spread round-robin.
+        start = self._start % n
+        self._start = start + 1
+        best = candidates[start]
+        best_score = load_score(best)
+        for k in range(1, n):
+            inst = candidates[(start + k) % n]
+            score = load_score(inst)
+            if score < best_score:
+                best, best_score = inst, score
+        return best
+
+
+def make_policy(name: str) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_loaded":
+        return LeastLoaded()
+    raise ValueError(f"unknown policy {name!r}")
+
+
+def estimate_prompt_tokens(body: dict) -> int:
+    """Rough prompt size: ~4 characters per token for text, exact for token ids."""
+    prompt = body.get("prompt")
+    if prompt is not None:
+        if isinstance(prompt, str):
+            return len(prompt) // 4 + 1
+        total = 0
+        for p in prompt:
+            if isinstance(p, str):
+                total += len(p) // 4 + 1
+            elif isinstance(p, list):
+                total += len(p)
+            else:
+                total += 1
+        return total
+    chars = 0
+    for msg in body.get("messages") or ():
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    chars += len(part["text"])
+    return chars // 4 + 1

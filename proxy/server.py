@@ -1,0 +1,71 @@
+"""Running the proxy under uvicorn, with a graceful drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+
+from proxy.app import ProxyState, create_app, fast_path
+from proxy.config import ProxyConfig
+
+log = logging.getLogger("xpyd.proxy")
+
+
+class ProxyServer(uvicorn.Server):
+    """uvicorn.Server that marks the proxy as draining on a signal (so /ready answers 503)
+    and, unlike uvicorn, does not re-raise the signal afterwards: a drained proxy exits 0."""
+
+    def __init__(self, cfg: ProxyConfig, handle_signals: bool = True) -> None:
+        app = create_app(cfg)
+        self.proxy: ProxyState = app.state.proxy
+        self.handle_signals = handle_signals
+        config = uvicorn.Config(
+            fast_path(app),
+            host=cfg.host,
+            port=cfg.port,
+            loop=cfg.loop,
+            http=cfg.http,
+            lifespan="on",
+            log_level=cfg.log_level,
+            access_log=False,  # per-request logging costs more than the proxying itself
+            proxy_headers=False,  # X-Forwarded-* rewriting: unused here, and per-request work
+            server_header=False,
+            timeout_graceful_shutdown=cfg.shutdown_grace_s,
+            # Clients (load balancers, SDKs) keep connections open between requests.
+            timeout_keep_alive=30,
+            backlog=4096,
+        )
+        super().__init__(config)
+
+    @property
+    def port(self) -> int:
+        """The bound HTTP port (useful with port 0)."""
+        return self.servers[0].sockets[0].getsockname()[1]
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if not self.handle_signals:
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.proxy.draining:
+            log.info(
+                "signal received, draining signal=%s grace_s=%s in_flight=%d",
+                signal.Signals(sig).name,
+                self.config.timeout_graceful_shutdown,
+                sum(i.in_flight for i in self.proxy.registry.live("D")),
+            )
+        self.proxy.draining = True
+        super().handle_exit(sig, frame)

@@ -1,0 +1,68 @@
+"""The interface the router uses to talk to P/D instances, and its implementations.
+
+"native" (proxy/httpclient.py, the default) is a minimal pooled HTTP/1.1 client on asyncio
++ httptools; "aiohttp" and "httpx" wrap those libraries (imported only when chosen). All
+keep pooled keep-alive connections and close the connection when a response is abandoned,
+which is how vLLM learns that a request was cancelled (it aborts it on disconnect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+# Below uvicorn's default keep-alive (5 s): reusing a connection the server is about to
+# close would fail a request that never reached it.
+KEEPALIVE_S = 4.0
+
+
+class UpstreamError(Exception):
+    """A failed upstream call. kind: connect (refused/unreachable, safe to retry),
+    connect_timeout, disconnect (dropped before/while answering), protocol."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class UpstreamResponse(Protocol):
+    status: int
+    content_type: str
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def at_eof(self) -> bool:
+        """True when the whole body has arrived and been handed out (False if unknown)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the response; an unread one closes its connection (upstream aborts)."""
+        ...
+
+
+class Upstream(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def request(
+        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> UpstreamResponse: ...
+
+
+def make_upstream(kind: str, connect_timeout: float) -> Upstream:
+    if kind == "native":
+        from proxy.httpclient import NativeUpstream
+
+        return NativeUpstream(connect_timeout)
+    if kind == "aiohttp":
+        from proxy.upstream_aiohttp import AiohttpUpstream
+
+        return AiohttpUpstream(connect_timeout)
+    if kind == "httpx":
+        from proxy.upstream_httpx import HttpxUpstream
+
+        return HttpxUpstream(connect_timeout)
+    raise ValueError(f"unknown upstream client {kind!r}")

@@ -1,0 +1,370 @@
+#!/usr/bin/env python3
+"""Benchmark the xPyD proxy against talking to the decode instance directly.
+
+Starts fake P and D instances (tests/fake_vllm.py) and the proxy as separate processes,
+then, for each concurrency, runs the load generator (its own process: keep-alive raw
+HTTP/1.1 connections, streaming completions of --tokens tokens) first straight at D, then
+through the proxy. Prints req/s, latency and the added latency p50/p99, and the proxy's CPU
+per request (from /proc/<pid>/stat), each with its ratio to the direct run.
+
+    .venv/bin/python scripts/bench_proxy.py                    # c = 1, 16, 64; ~90 s
+    .venv/bin/python scripts/bench_proxy.py --rounds 3 --duration 2 --variants \
+        native/uvloop/httptools aiohttp/uvloop/httptools native/asyncio/httptools
+
+With --variants, one proxy per variant (each with its own fake P and D) runs side by side
+and --rounds interleaves the measurements (medians reported), so that load from other
+processes on a shared machine hits every variant alike. Loopback only; every process it
+starts is stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE = os.path.join(ROOT, "tests", "fake_vllm.py")
+HZ = os.sysconf("SC_CLK_TCK")
+
+# ---------------------------------------------------------------------------- load generator
+
+
+class _Client(asyncio.Protocol):
+    """One keep-alive connection; one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future | None = None
+        self.header_end = -1
+        self.length: int | None = None
+        self.lost = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError("connection lost"))
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        if self.header_end < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.header_end = end + 4
+            head = bytes(buf[:end]).lower()
+            i = head.find(b"content-length:")
+            if i >= 0:
+                j = head.find(b"\r\n", i)
+                self.length = int(head[i + 15 : j if j > 0 else len(head)])
+        body_len = len(buf) - self.header_end
+        if self.length is not None:
+            done = body_len >= self.length
+        else:  # chunked: nothing follows the terminating chunk (no pipelining)
+            done = buf.endswith(b"0\r\n\r\n") and (body_len == 5 or buf.endswith(b"\r\n0\r\n\r\n"))
+        if done and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(bytes(buf))
+
+    async def request(self, data: bytes) -> bytes:
+        if self.lost or self.transport.is_closing():
+            raise ConnectionError("connection closed by the server")
+        self.buf = bytearray()
+        self.header_end = -1
+        self.length = None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        return await self.waiter
+
+
+async def _loadgen(
+    host: str, port: int, path: str, body: bytes, concurrency: int, duration: float, warmup: float
+) -> dict:
+    loop = asyncio.get_running_loop()
+    req = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    conns = []
+    for _ in range(concurrency):
+        _, proto = await loop.create_connection(_Client, host, port)
+        conns.append(proto)
+    latencies: list[float] = []
+    errors = 0
+    t_start = time.perf_counter()
+    t_measure = t_start + warmup
+    t_end = t_measure + duration
+
+    async def worker(i: int) -> None:
+        nonlocal errors
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= t_end:
+                return
+            try:
+                resp = await asyncio.wait_for(conns[i].request(req), 30)
+            except (TimeoutError, ConnectionError):
+                errors += 1  # counted, then carry on over a fresh connection
+                conns[i].transport.close()
+                _, conns[i] = await loop.create_connection(_Client, host, port)
+                continue
+            t1 = time.perf_counter()
+            ok = resp.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in resp
+            if t0 >= t_measure:
+                if ok:
+                    latencies.append(t1 - t0)
+                else:
+                    errors += 1
+
+    await asyncio.gather(*(worker(i) for i in range(len(conns))))
+    for c in conns:
+        c.transport.close()
+    latencies.sort()
+    n = len(latencies)
+
+    def pct(q: float) -> float:
+        return latencies[min(n - 1, int(q * n))] * 1000 if n else float("nan")
+
+    return {"n": n, "errors": errors, "rps": n / duration, "p50": pct(0.5), "p99": pct(0.99)}
+
+
+def loadgen_main(args: argparse.Namespace) -> None:
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    body = json.dumps(
+        {
+            "model": "fake-model",
+            "prompt": "Hello, my name is",
+            "max_tokens": args.tokens,
+            "stream": True,
+        }
+    ).encode()
+    result = run(
+        _loadgen(
+            args.host,
+            args.port,
+            "/v1/completions",
+            body,
+            args.concurrency,
+            args.duration,
+            args.warmup,
+        )
+    )
+    print(json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------- orchestration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / HZ  # utime + stime
+
+
+@dataclass
+class Run:
+    rps: float
+    p50: float
+    p99: float
+    errors: int
+    cpu_ms: float  # CPU of the measured process per request
+
+
+def median_run(runs: list[Run]) -> Run:
+    med = statistics.median
+    return Run(
+        med(r.rps for r in runs),
+        med(r.p50 for r in runs),
+        med(r.p99 for r in runs),
+        sum(r.errors for r in runs),
+        med(r.cpu_ms for r in runs),
+    )
+
+
+def wait_http(port: int, path: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                s.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode())
+                if s.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"port {port}{path} not ready after {timeout}s")
+
+
+def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
+    cmd = [sys.executable, os.path.abspath(__file__), "--loadgen", "--port", str(port),
+           "--concurrency", str(c), "--duration", str(args.duration), "--warmup",
+           str(args.warmup), "--tokens", str(args.tokens)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    # CPU is sampled around the measured window only (the load generator reports the same).
+    time.sleep(args.warmup)
+    cpu0 = cpu_seconds(pid)
+    out, _ = proc.communicate(timeout=args.duration + args.warmup + 60)
+    cpu1 = cpu_seconds(pid)
+    r = json.loads(out.strip().splitlines()[-1])
+    n = max(1, r["n"])
+    return Run(r["rps"], r["p50"], r["p99"], r["errors"], (cpu1 - cpu0) * 1000 / n)
+
+
+@dataclass
+class Setup:
+    """One proxy variant with its own fake P and D (each proxy has its own discovery port)."""
+
+    variant: str
+    d_port: int
+    d_proc: subprocess.Popen
+    proxy_port: int
+    proxy_proc: subprocess.Popen
+
+
+def start_setup(variant: str, procs: list[subprocess.Popen]) -> Setup:
+    client, loop, http = variant.split("/")
+    py = sys.executable
+    disc, p_port, d_port, proxy_port = free_port(), free_port(), free_port(), free_port()
+
+    def spawn(cmd: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        return p
+
+    fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
+    spawn(fake + ["P", "--port", str(p_port)])
+    d_proc = spawn(fake + ["D", "--port", str(d_port)])
+    proxy = spawn([py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
+                   "--discovery-host", "127.0.0.1", "--discovery-port", str(disc),
+                   "--log-level", "warning", "--upstream-client", client, "--loop", loop,
+                   "--http", http])  # fmt: skip
+    return Setup(variant, d_port, d_proc, proxy_port, proxy)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in reversed(procs):
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def bench(args: argparse.Namespace) -> int:
+    procs: list[subprocess.Popen] = []
+    variants = args.variants or [f"{args.upstream_client}/{args.loop}/{args.http}"]
+    try:
+        setups = [start_setup(v, procs) for v in variants]
+        for s in setups:
+            wait_http(s.d_port, "/health")
+            wait_http(s.proxy_port, "/ready")
+        base = setups[0]
+        direct: dict[int, list[Run]] = {c: [] for c in args.concurrency}
+        via: dict[tuple[str, int], list[Run]] = {
+            (s.variant, c): [] for s in setups for c in args.concurrency
+        }
+        # Rounds interleave direct and every variant, alternating their order, so that load
+        # from other processes on a shared machine hits all of them alike.
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                order = setups if r % 2 == 0 else setups[::-1]
+                direct[c].append(measure(base.d_port, base.d_proc.pid, c, args))
+                for s in order:
+                    via[(s.variant, c)].append(measure(s.proxy_port, s.proxy_proc.pid, c, args))
+                print(f"  round {r + 1}/{args.rounds} c={c}: direct {direct[c][-1].rps:.0f} req/s, "
+                      + ", ".join(f"{s.variant} {via[(s.variant, c)][-1].rps:.0f}" for s in setups),
+                      file=sys.stderr, flush=True)  # fmt: skip
+        for s in setups:
+            s.proxy_proc.send_signal(signal.SIGTERM)
+            if s.proxy_proc.wait(timeout=30) != 0:
+                print(f"proxy {s.variant} exited {s.proxy_proc.returncode}: "
+                      f"{s.proxy_proc.stderr.read()[-2000:]}", file=sys.stderr)  # fmt: skip
+        results = {
+            s.variant: {
+                c: (median_run(direct[c]), median_run(via[(s.variant, c)]))
+                for c in args.concurrency
+            }
+            for s in setups
+        }
+        report(results, args)
+    finally:
+        stop_all(procs)
+    return 0
+
+
+def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namespace) -> None:
+    rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
+    print(f"\nxPyD proxy benchmark: streaming completions, {args.tokens} tokens, fake P/D "
+          f"instances, {os.cpu_count()} CPUs, {args.duration:g}s per point{rounds}")  # fmt: skip
+    print("direct = load generator -> D;  proxy = load generator -> proxy -> P then D")
+    hdr = (f"{'variant':<26} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
+           f"{'p50 d':>6} {'p50 px':>6} {'+p50':>6} {'+p99':>6} {'x p50':>5} | "
+           f"{'D cpu':>6} {'px cpu':>6} {'x':>4} | err")  # fmt: skip
+    print(hdr)
+    print(f"{'':<26} {'':>3} | {'req/s':>7} {'req/s':>7} {'':>5} | {'ms':>6} {'ms':>6} "
+          f"{'ms':>6} {'ms':>6} {'':>5} | {'ms/req':>6} {'ms/req':>6} {'':>4} |")  # fmt: skip
+    print("-" * len(hdr))
+    for variant, rows in results.items():
+        for c, (d, p) in rows.items():
+            cpu_x = p.cpu_ms / d.cpu_ms if d.cpu_ms else float("nan")
+            print(f"{variant:<26} {c:>3} | {d.rps:>7.0f} {p.rps:>7.0f} {p.rps / d.rps:>5.2f} | "
+                  f"{d.p50:>6.2f} {p.p50:>6.2f} {p.p50 - d.p50:>6.2f} {p.p99 - d.p99:>6.2f} "
+                  f"{p.p50 / d.p50:>5.2f} | {d.cpu_ms:>6.3f} {p.cpu_ms:>6.3f} {cpu_x:>4.1f} | "
+                  f"{d.errors + p.errors}")  # fmt: skip
+    print(
+        "ratio = proxy/direct req/s; +p50/+p99 = latency the proxy adds; x p50 = proxy/direct "
+        "p50; D cpu = fake D's CPU per request in the direct run; x = proxy CPU / D CPU"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--duration", type=float, default=3.0, help="measured seconds per point")
+    ap.add_argument("--warmup", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--upstream-client", default="native", choices=("native", "aiohttp", "httpx"))
+    ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
+    ap.add_argument("--http", default="httptools", choices=("httptools", "h11"))
+    ap.add_argument("--variants", nargs="*", help="client/loop/http combinations to compare")
+    # internal: load generator mode
+    ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.loadgen:
+        args.concurrency = args.concurrency[0]
+        loadgen_main(args)
+        return 0
+    return bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,608 @@
+"""A fake vLLM instance: the test double for the other side of the proxy.
+
+A real HTTP/1.1 server on loopback (asyncio + httptools, no framework, so it is cheap
+enough to be the benchmark's backend too) that registers over real ZMQ with
+proxy.protocol.encode, answers /v1/completions and /v1/chat/completions in vLLM's exact
+shapes (stream and not), /v1/models and /health, records every request, and can be told
+to fail: a status, a delay, a hang, a broken or stalled stream.
+
+In-process:  fake = FakeVLLM("P", proxy="127.0.0.1:5555"); await fake.start() ... await fake.stop()
+Subprocess:  python tests/fake_vllm.py --role D --port 8200 --proxy 127.0.0.1:5555
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httptools
+import zmq
+import zmq.asyncio
+
+try:
+    from proxy.protocol import Load, Registration, encode
+except ImportError:  # run as a script from a checkout that is not installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from proxy.protocol import Load, Registration, encode
+
+
+@dataclass
+class Fault:
+    """What to do wrong. Applies to the next `times` matching requests (None: all)."""
+
+    status: int | None = None  # answer this HTTP status with error_body
+    error_body: bytes | None = None  # default: vLLM's error JSON
+    content_type: str = "application/json"
+    delay: float = 0.0  # before the response headers
+    hang: bool = False  # never answer (until the client goes away)
+    fail_after: int | None = None  # stream: drop the connection after N data events
+    stall_after: int | None = None  # stream: send N events then nothing more
+    token_delay: float | None = None  # stream: seconds between events
+    times: int | None = None
+    paths: tuple[str, ...] = ()  # only these paths (empty: all)
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    json: Any
+    received_at: float
+    cancelled: bool = False  # the client went away before the answer was complete
+    completed: bool = False
+    status: int | None = None
+    sent: bytearray = field(default_factory=bytearray)  # response body bytes, unframed
+    fault_closed: bool = False  # we dropped the connection on purpose (fail_after)
+
+    @property
+    def request_id(self) -> str | None:
+        return self.headers.get("x-request-id")
+
+
+@dataclass
+class _Request:
+    method: str = ""
+    url: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    body: list[bytes] = field(default_factory=list)
+    keep_alive: bool = True
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, fake: FakeVLLM) -> None:
+        self.fake = fake
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.req: _Request | None = None
+        self.queue: list[_Request] = []
+        self.task: asyncio.Task | None = None
+        self.closed = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.fake._conns.add(self)
+        self.fake.accepted += 1
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.fake._conns.discard(self)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.req = _Request()
+
+    def on_url(self, url: bytes) -> None:
+        self.req.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.req.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self.req.body.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self.req
+        req.method = self.parser.get_method().decode()
+        req.keep_alive = self.parser.should_keep_alive()
+        self.queue.append(req)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._serve_queue())
+
+    async def _serve_queue(self) -> None:
+        while self.queue and not self.closed:
+            req = self.queue.pop(0)
+            await self.fake._handle(self, req)
+            if not req.keep_alive and not self.closed:
+                self.transport.close()
+                return
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+
+class FakeVLLM:
+    def __init__(
+        self,
+        role: str,
+        proxy: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        zmq_address: str | None = None,
+        model: str = "fake-model",
+        heartbeat_interval: float = 0.2,
+        secret: str | None = None,
+        load: Load | None = None,
+        token_delay: float = 0.0,
+        record: bool = True,
+        register: bool = True,
+    ) -> None:
+        self.role = role
+        self.proxy = proxy
+        self.host = host
+        self.port = port
+        self._zmq_address = zmq_address
+        self.model = model
+        self.heartbeat_interval = heartbeat_interval
+        self.secret = secret
+        self.load = load
+        self.token_delay = token_delay
+        self.record = record
+        self.register_enabled = register
+        self.fault: Fault | None = None
+        self.requests: list[Recorded] = []
+        self.served = 0
+        self.accepted = 0  # TCP connections accepted
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[_Conn] = set()
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._hb_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def zmq_address(self) -> str:
+        # The connector's KV address in real life; any distinct host:port here.
+        return self._zmq_address or f"{self.host}:{(self.port + 10000) % 65536 or 1}"
+
+    @zmq_address.setter
+    def zmq_address(self, value: str) -> None:
+        self._zmq_address = value
+
+    async def start(self) -> FakeVLLM:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Conn(self), self.host, self.port, backlog=1024, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        if self.proxy and self.register_enabled:
+            self.start_heartbeats()
+        return self
+
+    def start_heartbeats(self) -> None:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(f"tcp://{self.proxy}")
+        if self._hb_task is None or self._hb_task.done():
+            self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    def stop_heartbeats(self) -> None:
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+            self._hb_task = None
+
+    async def stop(self, leave: bool = False) -> None:
+        self.stop_heartbeats()
+        if leave:
+            await self.send_registration(leave=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self._sock = self._ctx = None
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self._conns):
+                conn.transport.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.send_registration()
+            except zmq.ZMQError:
+                pass
+            await asyncio.sleep(self.heartbeat_interval)
+
+    def registration(self, leave: bool = False) -> Registration:
+        return Registration(
+            role=self.role,
+            http_address=self.http_address,
+            zmq_address=self.zmq_address,
+            load=self.load,
+            leave=leave,
+        )
+
+    async def send_registration(self, leave: bool = False) -> None:
+        await self.send_raw(encode(self.registration(leave), self.secret))
+
+    async def send_raw(self, payload: bytes | list[bytes]) -> None:
+        """Send any bytes to the proxy's discovery socket (for malformed-message tests)."""
+        if self._sock is None:
+            self.start_heartbeats() if self.register_enabled else None
+        if self._sock is None:  # registration disabled: a socket just for this
+            self._ctx = zmq.asyncio.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(f"tcp://{self.proxy}")
+        frames = payload if isinstance(payload, list) else [payload]
+        await self._sock.send_multipart(frames)
+
+    # ------------------------------------------------------------------ queries for tests
+
+    def paths(self) -> list[str]:
+        return [r.path for r in self.requests]
+
+    def completions(self) -> list[Recorded]:
+        return [r for r in self.requests if r.path.startswith("/v1/") and r.method == "POST"]
+
+    # ------------------------------------------------------------------ HTTP handling
+
+    def _take_fault(self, path: str) -> Fault | None:
+        fault = self.fault
+        if fault is None or (fault.paths and path not in fault.paths):
+            return None
+        if fault.times is not None:
+            if fault.times <= 0:
+                return None
+            fault.times -= 1
+        return fault
+
+    async def _handle(self, conn: _Conn, req: _Request) -> None:
+        path = req.url.decode().split("?", 1)[0]
+        body = b"".join(req.body)
+        parsed: Any = None
+        if body:
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                parsed = None
+        rec = Recorded(req.method, path, req.headers, body, parsed, time.monotonic())
+        if self.record:
+            self.requests.append(rec)
+        try:
+            await self._respond(conn, req, path, parsed, rec)
+        except asyncio.CancelledError:
+            rec.cancelled = True
+            return
+        if rec.fault_closed:
+            return
+        if conn.closed:
+            rec.cancelled = True
+        else:
+            rec.completed = True
+        self.served += 1
+
+    def _head(self, status: int, content_type: str, length: int | None, keep_alive: bool) -> bytes:
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
+        lines = [
+            b"HTTP/1.1 %d %s" % (status, reason.get(status, "Status").encode()),
+            b"server: fake-vllm",
+            b"content-type: " + content_type.encode(),
+        ]
+        if length is None:
+            lines.append(b"transfer-encoding: chunked")
+        else:
+            lines.append(b"content-length: %d" % length)
+        if not keep_alive:
+            lines.append(b"connection: close")
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    def _send_json(
+        self,
+        conn: _Conn,
+        req: _Request,
+        rec: Recorded,
+        status: int,
+        payload: bytes,
+        content_type: str = "application/json",
+    ) -> None:
+        rec.status = status
+        if self.record:
+            rec.sent += payload
+        conn.write(self._head(status, content_type, len(payload), req.keep_alive) + payload)
+
+    async def _respond(
+        self, conn: _Conn, req: _Request, path: str, body: Any, rec: Recorded
+    ) -> None:
+        if req.method == "GET" and path == "/health":
+            return self._send_json(conn, req, rec, 200, b"")
+        if req.method == "GET" and path == "/v1/models":
+            data = {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "vllm",
+                        "root": self.model,
+                        "parent": None,
+                        "max_model_len": 2048,
+                    }
+                ],
+            }
+            return self._send_json(conn, req, rec, 200, json.dumps(data).encode())
+        if req.method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+            return self._send_json(conn, req, rec, 404, b'{"detail":"Not Found"}')
+        fault = self._take_fault(path)
+        if fault is not None:
+            if fault.delay:
+                await asyncio.sleep(fault.delay)
+            if fault.hang:
+                await asyncio.sleep(3600)
+            if fault.status is not None:
+                payload = fault.error_body
+                if payload is None:
+                    payload = json.dumps(
+                        {
+                            "error": {
+                                "message": f"fake {self.role} failure",
+                                "type": "BadRequestError",
+                                "param": None,
+                                "code": fault.status,
+                            }
+                        }
+                    ).encode()
+                return self._send_json(conn, req, rec, fault.status, payload, fault.content_type)
+        if not isinstance(body, dict):
+            return self._send_json(
+                conn,
+                req,
+                rec,
+                400,
+                json.dumps(
+                    {
+                        "error": {
+                            "message": "bad json",
+                            "type": "BadRequestError",
+                            "param": None,
+                            "code": 400,
+                        }
+                    }
+                ).encode(),
+            )
+        chat = path == "/v1/chat/completions"
+        n_tokens = body.get("max_completion_tokens") if chat else None
+        n_tokens = n_tokens or body.get("max_tokens") or 16
+        n_tokens = max(1, min(int(n_tokens), 4096))
+        rid = req.headers.get("x-request-id") or uuid.uuid4().hex
+        if body.get("stream"):
+            rec.status = 200
+            await self._stream(conn, req, rec, chat, rid, n_tokens, body, fault)
+        else:
+            self._send_json(conn, req, rec, 200, self._full(chat, rid, n_tokens, body))
+
+    def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
+        text = "".join(f" t{i}" for i in range(n))
+        usage = {
+            "prompt_tokens": 5,
+            "total_tokens": 5 + n,
+            "completion_tokens": n,
+            "prompt_tokens_details": None,
+        }
+        created = int(time.time())
+        if chat:
+            data = {
+                "id": f"chatcmpl-{rid}-{os.urandom(4).hex()}",
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "tool_calls": [],
+                            "reasoning_content": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": usage,
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            }
+        else:
+            data = {
+                "id": f"cmpl-{rid}-0-{os.urandom(4).hex()}",
+                "object": "text_completion",
+                "created": created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                ],
+                "usage": usage,
+                "kv_transfer_params": None,
+            }
+        return json.dumps(data).encode()
+
+    def stream_events(self, chat: bool, rid: str, n: int, body: dict) -> list[bytes]:
+        """The SSE events vLLM sends for this request, [DONE] included."""
+        created = int(time.time())
+        model = json.dumps(self.model)
+        suffix = os.urandom(4).hex()
+        if chat:
+            ident = json.dumps(f"chatcmpl-{rid}-{suffix}")
+            head = (
+                '{"id":%s,"object":"chat.completion.chunk","created":%d,"model":%s,"choices":['
+                % (ident, created, model)
+            )
+            events = [
+                head + '{"index":0,"delta":{"role":"assistant","content":""},'
+                '"logprobs":null,"finish_reason":null}]}'
+            ]
+            mid = '{"index":0,"delta":{"content":" t%d"},"logprobs":null,"finish_reason":null}]}'
+            last = (
+                '{"index":0,"delta":{"content":" t%d"},"logprobs":null,'
+                '"finish_reason":"length","stop_reason":null}]}'
+            )
+        else:
+            ident = json.dumps(f"cmpl-{rid}-0-{suffix}")
+            head = '{"id":%s,"object":"text_completion","created":%d,"model":%s,"choices":[' % (
+                ident,
+                created,
+                model,
+            )
+            events = []
+            mid = (
+                '{"index":0,"text":" t%d","logprobs":null,"finish_reason":null,'
+                '"stop_reason":null}]}'
+            )
+            last = (
+                '{"index":0,"text":" t%d","logprobs":null,"finish_reason":"length",'
+                '"stop_reason":null}]}'
+            )
+        for i in range(n):
+            events.append(head + ((last if i == n - 1 else mid) % i))
+        opts = body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage"):
+            events.append(
+                head + '],"usage":{"prompt_tokens":5,"total_tokens":%d,'
+                '"completion_tokens":%d}}' % (5 + n, n)
+            )
+        out = [b"data: " + e.encode() + b"\n\n" for e in events]
+        out.append(b"data: [DONE]\n\n")
+        return out
+
+    async def _stream(
+        self,
+        conn: _Conn,
+        req: _Request,
+        rec: Recorded,
+        chat: bool,
+        rid: str,
+        n: int,
+        body: dict,
+        fault: Fault | None,
+    ) -> None:
+        events = self.stream_events(chat, rid, n, body)
+        conn.write(self._head(200, "text/event-stream; charset=utf-8", None, req.keep_alive))
+        delay = self.token_delay
+        if fault is not None and fault.token_delay is not None:
+            delay = fault.token_delay
+        for i, event in enumerate(events):
+            if fault is not None:
+                if fault.fail_after is not None and i >= fault.fail_after:
+                    rec.fault_closed = True
+                    conn.transport.close()  # mid-stream failure: no terminating chunk
+                    return
+                if fault.stall_after is not None and i >= fault.stall_after:
+                    await asyncio.sleep(3600)
+            if conn.closed:
+                raise asyncio.CancelledError()
+            if self.record:
+                rec.sent += event
+            conn.write(_chunk(event))
+            if delay:
+                await asyncio.sleep(delay)
+        conn.write(b"0\r\n\r\n")
+
+
+# ---------------------------------------------------------------------- subprocess mode
+
+
+async def _main(args: argparse.Namespace) -> None:
+    fake = FakeVLLM(
+        args.role,
+        proxy=args.proxy,
+        host=args.host,
+        port=args.port,
+        zmq_address=args.zmq_address,
+        model=args.model,
+        heartbeat_interval=args.heartbeat_interval,
+        secret=args.secret,
+        token_delay=args.token_delay,
+        record=False,
+    )
+    await fake.start()
+    print(f"READY {fake.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await fake.stop(leave=bool(args.proxy))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=("P", "D"), required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--proxy", default=None, help="proxy discovery address host:port")
+    parser.add_argument("--zmq-address", default=None)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--secret", default=None)
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--uvloop", action="store_true")
+    args = parser.parse_args(argv)
+    if args.uvloop:
+        import uvloop
+
+        uvloop.run(_main(args))
+    else:
+        asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

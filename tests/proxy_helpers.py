@@ -1,0 +1,130 @@
+"""Helpers for the proxy tests: a real proxy (uvicorn on loopback, port 0) in the test's
+event loop, fake vLLM instances registering with it over real ZMQ, bounded polling."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fake_vllm import FakeVLLM, Fault  # noqa: E402
+from proxy.config import ProxyConfig  # noqa: E402
+from proxy.server import ProxyServer  # noqa: E402
+
+__all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port"]
+
+REQUEST_ID_RE = (
+    r"^___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_(?P<uuid>[0-9a-f]{32})$"
+)
+
+
+async def wait_until(
+    predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01, what: str = ""
+) -> Any:
+    """Poll predicate until truthy; fail the test after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ProxyHandle:
+    server: ProxyServer
+    url: str
+    discovery: str  # host:port of the ZMQ ROUTER
+    client: httpx.AsyncClient
+    _fakes: list[FakeVLLM] = field(default_factory=list)
+
+    @property
+    def state(self):
+        return self.server.proxy
+
+    @property
+    def registry(self):
+        return self.server.proxy.registry
+
+    async def fake(self, role: str, **kwargs: Any) -> FakeVLLM:
+        """Start a fake instance registering with this proxy, and wait until it is live."""
+        fake = FakeVLLM(role, proxy=self.discovery, **kwargs)
+        self._fakes.append(fake)
+        await fake.start()
+        if kwargs.get("register", True):
+            await wait_until(
+                lambda: any(i.http_address == fake.http_address for i in self.registry.live(role)),
+                what=f"{role} {fake.http_address} registered",
+            )
+        return fake
+
+    async def pd(self, **kwargs: Any) -> tuple[FakeVLLM, FakeVLLM]:
+        return await self.fake("P", **kwargs), await self.fake("D", **kwargs)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """Value of one sample from /metrics (0.0 if absent)."""
+        text = (await self.client.get("/metrics")).text
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            key, value = line.rsplit(" ", 1)
+            sample, _, label_text = key.partition("{")
+            got = ",".join(sorted(label_text.rstrip("}").split(","))) if label_text else ""
+            if sample == name and got == want:
+                return float(value)
+        return 0.0
+
+
+@asynccontextmanager
+async def running_proxy(**overrides: Any) -> AsyncIterator[ProxyHandle]:
+    values: dict[str, Any] = dict(
+        host="127.0.0.1",
+        port=0,
+        discovery_host="127.0.0.1",
+        discovery_port=0,
+        log_level="warning",
+        shutdown_grace_s=1.0,
+    )
+    # Run the whole suite against another upstream client with XPYD_TEST_UPSTREAM_CLIENT.
+    if os.environ.get("XPYD_TEST_UPSTREAM_CLIENT"):
+        values["upstream_client"] = os.environ["XPYD_TEST_UPSTREAM_CLIENT"]
+    if os.environ.get("XPYD_TEST_HTTP"):  # h11 instead of httptools
+        values["http"] = os.environ["XPYD_TEST_HTTP"]
+    values.update(overrides)
+    cfg = ProxyConfig(**values).validate()
+    server = ProxyServer(cfg, handle_signals=False)
+    task = asyncio.get_running_loop().create_task(server.serve())
+    await wait_until(lambda: server.started or task.done(), timeout=10, what="proxy started")
+    if task.done():
+        task.result()
+        raise AssertionError("proxy exited during startup")
+    url = f"http://127.0.0.1:{server.port}"
+    # verify=False: plain-HTTP loopback only, and it skips ~90 ms of CA loading per client.
+    async with httpx.AsyncClient(base_url=url, timeout=10.0, verify=False) as client:
+        handle = ProxyHandle(server, url, f"127.0.0.1:{server.proxy.discovery.port}", client)
+        try:
+            yield handle
+        finally:
+            for fake in handle._fakes:
+                await fake.stop()
+            server.should_exit = True
+            await asyncio.wait_for(task, timeout=10)

@@ -1,0 +1,120 @@
+"""Config loading: CLI flag > XPYD_* env > YAML file > default; validation; entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from proxy.config import ConfigError, ProxyConfig, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_defaults():
+    cfg = load_config([], env={})
+    assert cfg == ProxyConfig()
+    assert cfg.heartbeat_timeout == 10.0
+    assert cfg.prefill_policy == "round_robin"
+
+
+def test_precedence_cli_over_env_over_yaml_over_default(tmp_path):
+    path = tmp_path / "proxy.yaml"
+    path.write_text(
+        "port: 9001\n"
+        "discovery-port: 9101\n"  # dashes accepted too
+        "heartbeat_timeout: 3\n"
+        "decode_policy: least_loaded\n"
+        "api_key: from-file\n"
+    )
+    env = {"XPYD_PORT": "9002", "XPYD_HEARTBEAT_TIMEOUT": "4.5"}
+    cfg = load_config(["--config", str(path), "--port", "9003"], env=env)
+    assert cfg.port == 9003  # CLI
+    assert cfg.heartbeat_timeout == 4.5  # env beats file
+    assert cfg.discovery_port == 9101  # file
+    assert cfg.decode_policy == "least_loaded"  # file
+    assert cfg.api_key == "from-file"
+    assert cfg.prefill_policy == "round_robin"  # default
+
+
+def test_config_file_from_env(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("prefill_policy: least_loaded\n")
+    cfg = load_config([], env={"XPYD_CONFIG": str(path), "XPYD_API_KEY": "k"})
+    assert cfg.prefill_policy == "least_loaded"
+    assert cfg.api_key == "k"
+
+
+def test_every_field_has_flag_and_env():
+    from dataclasses import fields
+
+    from proxy.config import build_parser
+
+    flags = {a.dest for a in build_parser()._actions}
+    for f in fields(ProxyConfig):
+        assert f.name in flags
+        env_cfg = load_config([], env={})  # sanity: defaults load
+        assert getattr(env_cfg, f.name) == f.default
+
+
+def test_example_config_loads():
+    cfg = load_config(["--config", os.path.join(ROOT, "configs", "proxy.yaml")], env={})
+    assert isinstance(cfg, ProxyConfig)
+
+
+@pytest.mark.parametrize(
+    "argv, env, text",
+    [
+        (["--port", "70000"], {}, "port"),
+        (["--heartbeat-timeout", "0"], {}, "heartbeat_timeout"),
+        ([], {"XPYD_PORT": "abc"}, "XPYD_PORT"),
+        ([], {"XPYD_PREFILL_POLICY": "random"}, "prefill_policy"),
+        ([], {"XPYD_MAX_BODY_BYTES": "-1"}, "max_body_bytes"),
+        ([], {"XPYD_UPSTREAM_CLIENT": "requests"}, "upstream_client"),
+    ],
+)
+def test_invalid_values_rejected(argv, env, text):
+    with pytest.raises(ConfigError, match=text):
+        load_config(argv, env=env)
+
+
+def test_unknown_yaml_key_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("prot: 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(["--config", str(path)], env={})
+
+
+def test_yaml_must_be_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(["--config", str(path)], env={})
+
+
+def test_empty_env_clears_optional():
+    cfg = load_config(["--api-key", "x"], env={})
+    assert cfg.api_key == "x"
+    assert load_config([], env={"XPYD_API_KEY": ""}).api_key is None
+
+
+def test_cli_config_error_exit_code():
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy", "--port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "port" in proc.stderr
+
+
+def test_console_script_declared():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        meta = tomllib.load(fh)
+    assert meta["project"]["scripts"]["xpyd-proxy"] == "proxy.__main__:main"

@@ -1,0 +1,339 @@
+"""Failures and bad input: always OpenAI error JSON with the right status, never a 200 that
+hides a failure; retries, deadlines, cancellation, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from proxy.protocol import Registration, encode
+from proxy_helpers import Fault, free_port, running_proxy, wait_until
+
+COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
+STREAM = {**COMPLETION, "stream": True}
+
+
+def assert_error(resp, status: int, code=None) -> dict:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+async def register_dead(px, role: str) -> str:
+    """Register an instance whose HTTP port refuses connections."""
+    addr = f"127.0.0.1:{free_port()}"
+    sender = await px.fake(role, register=False)
+    await sender.send_raw(encode(Registration(role, addr, f"127.0.0.1:{free_port()}")))
+    await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
+    return addr
+
+
+async def open_raw(px, path: str, body: dict):
+    """A raw client connection with one request sent, for disconnect tests."""
+    host, port = px.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data = json.dumps(body).encode()
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    return reader, writer
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD_INPUT = [
+    (b"{not json", "invalid_json"),
+    (b"", "invalid_json"),
+    (b"\xff\xfe", "invalid_json"),
+    (b"[1, 2]", "invalid_body"),
+    (b'"text"', "invalid_body"),
+    (b'{"max_tokens": 5}', "missing_field"),
+    (b'{"prompt": "a", "messages": [{"role": "user"}], "max_tokens": -5}', "invalid_field"),
+    (b'{"prompt": "a", "messages": [{"role": "user"}], "stream": "true"}', "invalid_field"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_bad_input_is_400(path):
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        for content, code in BAD_INPUT:
+            resp = await px.client.post(path, content=content)
+            assert_error(resp, 400, code)
+        assert not p.completions() and not d.completions()
+        assert await px.metric("xpyd_requests_total", route=path, status="400") == len(BAD_INPUT)
+
+
+async def test_body_too_large_is_413():
+    async with running_proxy(max_body_bytes=1000) as px:
+        p, d = await px.pd()
+        big = {"prompt": "x" * 2000}
+        assert_error(await px.client.post("/v1/completions", json=big), 413, "request_too_large")
+
+        async def chunked():  # no Content-Length: the limit applies while reading
+            for _ in range(4):
+                yield b" " * 400
+            yield b'{"prompt": "a"}'
+
+        resp = await px.client.post("/v1/completions", content=chunked())
+        assert_error(resp, 413, "request_too_large")
+        assert (await px.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        assert len(p.completions()) == 1
+
+
+# ---------------------------------------------------------------- no instances
+
+
+async def test_no_prefill_or_decode_is_503():
+    async with running_proxy() as px:
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 503, "no_prefill_instance"
+        )
+        p = await px.fake("P")
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 503, "no_decode_instance"
+        )
+        assert not p.completions()
+
+
+# ---------------------------------------------------------------- prefill failures
+
+
+async def test_prefill_500_is_relayed_and_decode_never_called():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.fault = Fault(status=500)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        err = assert_error(resp, 500)
+        assert err["message"] == "fake P failure"  # vLLM's error JSON, relayed as is
+        assert resp.headers["x-request-id"] == p.completions()[0].request_id
+        assert not d.completions()
+        assert (
+            await px.metric(
+                "xpyd_upstream_errors_total", role="P", instance=p.http_address, kind="http_500"
+            )
+            == 1
+        )
+
+
+async def test_prefill_400_relayed_and_html_error_wrapped():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.fault = Fault(status=400, times=1)
+        assert_error(await px.client.post("/v1/completions", json=COMPLETION), 400)
+        p.fault = Fault(
+            status=502, error_body=b"<html>Bad Gateway</html>", content_type="text/html"
+        )
+        err = assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 502, "prefill_error"
+        )
+        assert "Bad Gateway" in err["message"] and p.http_address in err["message"]
+        assert not d.completions()
+
+
+async def test_unreachable_prefill_is_retried_on_another():
+    async with running_proxy() as px:
+        dead = await register_dead(px, "P")  # first in the table: round robin tries it first
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200
+        assert resp.headers["x-xpyd-prefill-instance"] == p.http_address
+        # The id names the P that did the prefill, and D got that same id.
+        assert p.completions()[0].request_id == d.completions()[0].request_id
+        assert (
+            await px.metric("xpyd_upstream_errors_total", role="P", instance=dead, kind="connect")
+            == 1
+        )
+        assert await px.metric("xpyd_prefill_retries_total") == 1
+        # The refused instance now cools down: the next requests go straight to the good one.
+        for _ in range(2):
+            assert (await px.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        assert (
+            await px.metric("xpyd_upstream_errors_total", role="P", instance=dead, kind="connect")
+            == 1
+        )
+
+
+async def test_all_prefill_unreachable_is_502():
+    async with running_proxy(prefill_retries=2) as px:
+        await register_dead(px, "P")
+        d = await px.fake("D")
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 502, "prefill_unreachable"
+        )
+        assert not d.completions()
+
+
+async def test_prefill_timeout_retries_then_504():
+    async with running_proxy(prefill_timeout=0.3) as px:
+        slow, fast = await px.fake("P"), await px.fake("P")
+        d = await px.fake("D")
+        slow.fault = Fault(hang=True)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200  # retried on the other P
+        assert resp.headers["x-xpyd-prefill-instance"] == fast.http_address
+        await wait_until(lambda: slow.completions()[0].cancelled, what="slow P saw the abort")
+        fast.fault = Fault(hang=True)
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 504, "prefill_timeout"
+        )
+        assert len(d.completions()) == 1
+
+
+# ---------------------------------------------------------------- decode failures
+
+
+async def test_decode_error_before_first_byte_is_relayed():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=503, times=1)
+        assert_error(await px.client.post("/v1/completions", json=STREAM), 503)
+        d.fault = Fault(status=500, error_body=b"Internal Server Error", content_type="text/plain")
+        err = assert_error(
+            await px.client.post("/v1/completions", json=STREAM), 500, "decode_error"
+        )
+        assert "Internal Server Error" in err["message"]
+
+
+async def test_decode_unreachable_is_502():
+    async with running_proxy() as px:
+        await px.fake("P")
+        await register_dead(px, "D")
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 502, "decode_unreachable"
+        )
+
+
+async def test_decode_first_byte_timeout_is_504():
+    async with running_proxy(decode_ttfb_timeout=0.3) as px:
+        p, d = await px.pd()
+        d.fault = Fault(stall_after=0)  # headers, then nothing
+        assert_error(await px.client.post("/v1/completions", json=STREAM), 504, "decode_timeout")
+        await wait_until(lambda: d.completions()[0].cancelled, what="D saw the abort")
+
+
+async def test_decode_fails_mid_stream_sends_error_event():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(fail_after=3)
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})
+        assert resp.status_code == 200  # the status left before the failure
+        events = [e for e in resp.text.split("\n\n") if e]
+        assert len(events) == 4
+        assert all(json.loads(e[6:]).get("choices") for e in events[:3])
+        err = json.loads(events[3].removeprefix("data: "))["error"]
+        assert err["code"] == "decode_midstream" and set(err) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
+        assert "[DONE]" not in resp.text
+        assert (
+            await px.metric(
+                "xpyd_upstream_errors_total", role="D", instance=d.http_address, kind="midstream"
+            )
+            == 1
+        )
+
+
+async def test_decode_stream_idle_timeout():
+    async with running_proxy(stream_idle_timeout=0.3) as px:
+        p, d = await px.pd()
+        d.fault = Fault(stall_after=2)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        events = [e for e in resp.text.split("\n\n") if e]
+        assert json.loads(events[-1][6:])["error"]["code"] == "decode_timeout"
+        await wait_until(lambda: d.completions()[0].cancelled, what="D saw the abort")
+
+
+# ---------------------------------------------------------------- client disconnects
+
+
+async def test_client_disconnect_mid_stream_aborts_decode():
+    async with running_proxy() as px:
+        p, d = await px.pd(token_delay=0.05)
+        reader, writer = await open_raw(px, "/v1/completions", {**STREAM, "max_tokens": 200})
+        await asyncio.wait_for(reader.readuntil(b"data: "), 5)  # streaming has begun
+        writer.close()
+        await wait_until(lambda: d.completions()[0].cancelled, what="D saw the abort")
+        assert not d.completions()[0].completed
+        await wait_until(lambda: px.registry.live("D")[0].in_flight == 0)
+        assert await px.metric("xpyd_client_disconnects_total") == 1
+
+
+async def test_client_disconnect_during_prefill_aborts_and_skips_decode():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.fault = Fault(hang=True)
+        reader, writer = await open_raw(px, "/v1/completions", COMPLETION)
+        await wait_until(lambda: p.completions(), what="P got the prefill")
+        writer.close()
+        await wait_until(lambda: p.completions()[0].cancelled, what="P saw the abort")
+        await asyncio.sleep(0.05)  # give a wrongly-continuing proxy the chance to call D
+        assert not d.completions()
+        assert px.registry.live("P")[0].in_flight == 0
+
+
+async def test_client_disconnect_before_decode_first_byte():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(hang=True)
+        reader, writer = await open_raw(
+            px,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": True},
+        )
+        await wait_until(lambda: d.completions(), what="D got the request")
+        writer.close()
+        await wait_until(lambda: d.completions()[0].cancelled, what="D saw the abort")
+
+
+# ---------------------------------------------------------------- auth
+
+
+async def test_api_key():
+    async with running_proxy(api_key="sekret") as px:
+        p, d = await px.pd()
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 401, "invalid_api_key"
+        )
+        bad = await px.client.post(
+            "/v1/completions", json=COMPLETION, headers={"authorization": "Bearer nope"}
+        )
+        assert_error(bad, 401)
+        assert bad.headers["www-authenticate"] == "Bearer"
+        assert_error(await px.client.get("/v1/models"), 401)
+        assert_error(await px.client.get("/instances"), 401)
+        assert not p.completions() and not d.completions()
+        auth = {"authorization": "Bearer sekret"}
+        ok = await px.client.post(
+            "/v1/chat/completions",
+            headers=auth,
+            json={"messages": [{"role": "user", "content": "x"}]},
+        )
+        assert ok.status_code == 200
+        # The client's own header goes to the instances unchanged.
+        assert p.completions()[0].headers["authorization"] == "Bearer sekret"
+        assert d.completions()[0].headers["authorization"] == "Bearer sekret"
+        assert (await px.client.get("/v1/models", headers=auth)).status_code == 200
+        assert (await px.client.get("/instances", headers=auth)).status_code == 200
+        for open_path in ("/health", "/metrics"):
+            assert (await px.client.get(open_path)).status_code == 200
+        assert await px.metric("xpyd_requests_total", route="/v1/completions", status="401") == 2
+
+
+async def test_models_when_instances_unreachable_is_502():
+    async with running_proxy() as px:
+        await register_dead(px, "D")
+        assert_error(await px.client.get("/v1/models"), 502)

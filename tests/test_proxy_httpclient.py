@@ -1,0 +1,246 @@
+"""The proxy's native upstream HTTP client against real loopback servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.httpclient import HIGH_WATER, NativeUpstream
+from proxy.upstream import KEEPALIVE_S, UpstreamError
+from proxy_helpers import FakeVLLM, free_port
+
+
+class RawServer:
+    """A TCP server that answers each connection with a scripted coroutine."""
+
+    def __init__(self, handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> RawServer:
+        async def on_conn(reader, writer):
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+async def read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head + await reader.readexactly(length)
+
+
+@pytest.fixture
+async def client():
+    up = NativeUpstream(connect_timeout=2)
+    await up.start()
+    yield up
+    await up.close()
+
+
+async def test_keep_alive_reuse_and_wire_format(client):
+    fake = await FakeVLLM("D", register=False).start()
+    try:
+        base = f"http://{fake.http_address}"
+        for i in range(5):
+            resp = await client.request(
+                "POST", base + "/v1/completions", b'{"prompt":"x","max_tokens":2}',
+                {"content-type": "application/json", "x-request-id": f"r{i}"},
+            )  # fmt: skip
+            assert resp.status == 200 and resp.content_type == "application/json"
+            assert b'"text": " t0 t1"' in await resp.read()
+            await resp.aclose()
+        assert fake.accepted == 1  # one pooled connection for all five
+        rec = fake.requests[-1]
+        assert rec.headers["host"] == fake.http_address
+        assert rec.headers["x-request-id"] == "r4"
+        assert rec.headers["content-length"] == str(len(rec.body))
+        resp = await client.request("GET", base + "/v1/models", None, {})
+        assert resp.status == 200 and b"fake-model" in await resp.read()
+        await resp.aclose()
+    finally:
+        await fake.stop()
+
+
+async def test_streamed_chunks_arrive_incrementally(client):
+    fake = await FakeVLLM("D", register=False, token_delay=0.02).start()
+    try:
+        resp = await client.request(
+            "POST", f"http://{fake.http_address}/v1/completions",
+            b'{"prompt":"x","max_tokens":5,"stream":true}', {},
+        )  # fmt: skip
+        assert resp.content_type.startswith("text/event-stream")
+        chunks = [c async for c in resp.chunks()]
+        assert len(chunks) >= 3  # not one buffered blob
+        assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+        await resp.aclose()
+    finally:
+        await fake.stop()
+
+
+async def test_close_delimited_body_and_connection_close(client):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\nhello ")
+        await writer.drain()
+        writer.write(b"world")
+
+    async with RawServer(handler) as srv:
+        for _ in range(2):
+            resp = await client.request("POST", srv.url + "/x", b"{}", {})
+            assert await resp.read() == b"hello world"
+            await resp.aclose()
+        assert srv.connections == 2  # a close-delimited response is never reused
+
+
+async def test_errors_are_classified(client):
+    with pytest.raises(UpstreamError) as exc:
+        await client.request("POST", f"http://127.0.0.1:{free_port()}/x", b"{}", {})
+    assert exc.value.kind == "connect"
+
+    async def hangup(reader, writer):
+        await read_request(reader)
+
+    async with RawServer(hangup) as srv:
+        with pytest.raises(UpstreamError) as exc:
+            await client.request("POST", srv.url + "/x", b"{}", {})
+        assert exc.value.kind == "disconnect"
+
+    async def garbage(reader, writer):
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client gives up on us
+
+    async with RawServer(garbage) as srv:
+        with pytest.raises(UpstreamError) as exc:
+            await client.request("POST", srv.url + "/x", b"{}", {})
+        assert exc.value.kind == "protocol"
+
+    async def truncated(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nshort")
+
+    async with RawServer(truncated) as srv:
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})
+        with pytest.raises(UpstreamError) as exc:
+            await resp.read()
+        assert exc.value.kind == "disconnect"
+        await resp.aclose()
+
+
+async def test_abandoned_response_closes_connection(client):
+    closed = asyncio.Event()
+
+    async def endless(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await reader.read()  # returns at EOF: the client went away
+        closed.set()
+
+    async with RawServer(endless) as srv:
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})
+        assert await anext(resp.chunks()) == b"hello"
+        await resp.aclose()
+        await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_cancelled_request_closes_connection(client):
+    received, closed = asyncio.Event(), asyncio.Event()
+
+    async def silent(reader, writer):
+        await read_request(reader)
+        received.set()
+        await reader.read()
+        closed.set()
+
+    async with RawServer(silent) as srv:
+        task = asyncio.ensure_future(client.request("POST", srv.url + "/x", b"{}", {}))
+        await asyncio.wait_for(received.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(closed.wait(), 5)
+
+
+async def test_backpressure_pauses_reading(client):
+    total = 4 * 1024 * 1024
+    block = b"x" * 65536
+
+    async def big(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+        for _ in range(total // len(block)):
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with RawServer(big) as srv:
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})
+        received = 0
+        largest = 0
+        async for chunk in resp.chunks():
+            received += len(chunk)
+            largest = max(largest, len(chunk))
+            await asyncio.sleep(0.002)  # a slow consumer
+        assert received == total
+        # Reading pauses past the high-water mark (one socket read, <= 256 KiB, may overshoot)
+        # instead of buffering all 4 MiB.
+        assert largest <= HIGH_WATER + 256 * 1024 + 65536
+        await resp.aclose()
+
+
+async def test_idle_connections_expire():
+    fake = await FakeVLLM("D", register=False).start()
+    up = NativeUpstream(connect_timeout=2)
+    try:
+        url = f"http://{fake.http_address}/v1/models"
+        resp = await up.request("GET", url, None, {})
+        await resp.read()
+        await resp.aclose()
+        pool = up._pools[fake.http_address]
+        assert len(pool.idle) == 1
+        now = asyncio.get_running_loop().time()
+        assert pool.acquire(now + KEEPALIVE_S + 1) is None  # too old: closed, not reused
+        resp = await up.request("GET", url, None, {})
+        await resp.read()
+        await resp.aclose()
+        assert fake.accepted == 2
+    finally:
+        await up.close()
+        await fake.stop()
+
+
+async def test_connect_timeout(monkeypatch):
+    # A blackholed address cannot be simulated on loopback: make connecting hang instead.
+    loop = asyncio.get_running_loop()
+
+    async def hang(*args, **kwargs):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(loop, "create_connection", hang)
+    up = NativeUpstream(connect_timeout=0.1)
+    with pytest.raises(UpstreamError) as exc:
+        await asyncio.wait_for(up.request("GET", "http://127.0.0.1:9/x", None, {}), 5)
+    assert exc.value.kind == "connect_timeout"

@@ -1,0 +1,90 @@
+"""The official `openai` client, unchanged, against the proxy: completions and chat,
+streaming and not."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from proxy_helpers import running_proxy
+
+
+@pytest.fixture
+async def proxy_and_client():
+    async with running_proxy(api_key="sk-test") as px:
+        p, d = await px.pd()
+        client = openai.AsyncOpenAI(
+            base_url=px.url + "/v1", api_key="sk-test", max_retries=0, timeout=10
+        )
+        try:
+            yield px, p, d, client
+        finally:
+            await client.close()
+
+
+async def test_openai_client(proxy_and_client):
+    px, p, d, client = proxy_and_client
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["fake-model"]
+
+    comp = await client.completions.create(model="fake-model", prompt="Hello", max_tokens=4)
+    assert comp.choices[0].text == " t0 t1 t2 t3"
+    assert comp.usage.completion_tokens == 4
+
+    chunks = [
+        c
+        async for c in await client.completions.create(
+            model="fake-model", prompt="Hello", max_tokens=3, stream=True
+        )
+    ]
+    assert "".join(c.choices[0].text for c in chunks) == " t0 t1 t2"
+
+    chat = await client.chat.completions.create(
+        model="fake-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
+    assert chat.choices[0].message.content == " t0 t1"
+    assert chat.choices[0].finish_reason == "length"
+
+    stream = await client.chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == " t0 t1 t2" and usage.completion_tokens == 3
+
+    # Each request did both phases with the client's own key passed along.
+    assert len(p.completions()) == len(d.completions()) == 4
+    assert all(r.headers["authorization"] == "Bearer sk-test" for r in d.completions())
+    raw = await client.completions.with_raw_response.create(
+        model="fake-model", prompt="Hello", max_tokens=1
+    )
+    assert raw.headers["x-request-id"].startswith("___prefill_addr_")
+
+
+async def test_openai_client_sees_errors(proxy_and_client):
+    px, p, d, client = proxy_and_client
+    from proxy_helpers import Fault
+
+    p.fault = Fault(status=400)
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.completions.create(model="fake-model", prompt="x", max_tokens=2)
+    assert exc.value.status_code == 400
+    p.fault = None
+    d.fault = Fault(fail_after=2)
+    with pytest.raises(openai.APIError):
+        async for _ in await client.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "Hi"}], stream=True
+        ):
+            pass
+    bad = openai.AsyncOpenAI(base_url=px.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.completions.create(model="fake-model", prompt="x")
+    await bad.close()

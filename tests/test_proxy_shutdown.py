@@ -1,0 +1,142 @@
+"""SIGTERM: stop accepting, drain in-flight requests up to the grace period, exit 0.
+The proxy runs as a real `python -m proxy` subprocess; the fake instances run here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import httpx
+
+from proxy.app import create_app
+from proxy.config import ProxyConfig
+from proxy_helpers import FakeVLLM, free_port, wait_until
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def start_proxy(tmp_path, *extra: str):
+    port, disc = free_port(), free_port()
+    log = open(tmp_path / "proxy.log", "wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--discovery-host",
+        "127.0.0.1",
+        "--discovery-port",
+        str(disc),
+        *extra,
+        cwd=ROOT,
+        stdout=log,
+        stderr=log,
+    )
+    log.close()
+    return proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{disc}"
+
+
+async def wait_ready(client: httpx.AsyncClient, url: str, proc) -> None:
+    async def ready() -> bool:
+        try:
+            return (await client.get(url + "/ready")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await ready():
+        assert proc.returncode is None, "proxy exited during startup"
+        assert asyncio.get_running_loop().time() < deadline, "proxy not ready after 30s"
+        await asyncio.sleep(0.05)
+
+
+async def stop(proc) -> None:
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_sigterm_drains_in_flight_stream_and_exits_0(tmp_path):
+    proc, url, disc = await start_proxy(tmp_path, "--shutdown-grace-s", "10")
+    p = await FakeVLLM("P", proxy=disc).start()
+    d = await FakeVLLM("D", proxy=disc, token_delay=0.05).start()
+    try:
+        async with httpx.AsyncClient(timeout=20, verify=False) as client:
+            await wait_ready(client, url, proc)
+            body = {"prompt": "x", "max_tokens": 12, "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                chunks = r.aiter_bytes()
+                received = await anext(chunks)
+                proc.send_signal(signal.SIGTERM)
+                # New connections are refused while the old stream keeps flowing.
+                async with httpx.AsyncClient(timeout=2, verify=False) as other:
+
+                    async def refused() -> bool:
+                        try:
+                            await other.get(url + "/health")
+                        except httpx.TransportError:
+                            return True
+                        return False
+
+                    deadline = asyncio.get_running_loop().time() + 5
+                    while not await refused():
+                        assert asyncio.get_running_loop().time() < deadline
+                        await asyncio.sleep(0.02)
+                async for chunk in chunks:
+                    received += chunk
+            assert received.endswith(b"data: [DONE]\n\n")
+            assert received.count(b"data: ") == 13
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+        assert d.completions()[0].completed
+        log = (tmp_path / "proxy.log").read_text()
+        assert "draining" in log
+    finally:
+        await stop(proc)
+        await p.stop()
+        await d.stop()
+
+
+async def test_sigterm_grace_period_bounds_the_drain(tmp_path):
+    proc, url, disc = await start_proxy(tmp_path, "--shutdown-grace-s", "0.5")
+    p = await FakeVLLM("P", proxy=disc).start()
+    d = await FakeVLLM("D", proxy=disc, token_delay=0.2).start()
+    try:
+        async with httpx.AsyncClient(timeout=20, verify=False) as client:
+            await wait_ready(client, url, proc)
+            body = {"prompt": "x", "max_tokens": 500, "stream": True}  # ~100 s of tokens
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                chunks = r.aiter_bytes()
+                await anext(chunks)
+                proc.send_signal(signal.SIGTERM)
+                assert await asyncio.wait_for(proc.wait(), 20) == 0
+        # The proxy cut the stream at the deadline, and D saw the abort.
+        await wait_until(lambda: d.completions()[0].cancelled, timeout=5, what="D abort")
+    finally:
+        await stop(proc)
+        await p.stop()
+        await d.stop()
+
+
+async def test_ready_is_503_while_draining():
+    app = create_app(ProxyConfig())
+    state = app.state.proxy
+    state.registry.upsert(_reg("P"))
+    state.registry.upsert(_reg("D"))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        assert (await client.get("/ready")).status_code == 200
+        state.draining = True
+        r = await client.get("/ready")
+        assert r.status_code == 503 and r.json()["draining"] is True
+
+
+def _reg(role: str):
+    from proxy.protocol import Registration
+
+    return Registration(role, "127.0.0.1:1", "127.0.0.1:2")

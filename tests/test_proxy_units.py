@@ -1,0 +1,247 @@
+"""Unit tests: registry expiry, policies, request validation, prefill body, error JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from proxy.errors import ProxyError, upstream_error_body
+from proxy.policies import LeastLoaded, RoundRobin, estimate_prompt_tokens, make_policy
+from proxy.protocol import Load, Registration
+from proxy.registry import Registry
+from proxy.routing import CHAT, COMPLETIONS, make_request_id, prefill_body, validate_body
+
+
+def reg(role: str, port: int, zmq: int | None = None, load: Load | None = None) -> Registration:
+    return Registration(role, f"127.0.0.1:{port}", f"127.0.0.1:{zmq or port + 1000}", load)
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry_upsert_and_zmq_update():
+    r = Registry(heartbeat_timeout=10)
+    a = r.upsert(reg("P", 1), now=0)
+    assert r.live("P") == [a] and r.live("D") == []
+    b = r.upsert(reg("P", 1, zmq=5555), now=1)
+    assert b is a and a.zmq_address == "127.0.0.1:5555" and a.last_heartbeat == 1
+    assert r.count("P") == 1
+
+
+def test_registry_same_address_different_roles_are_distinct():
+    r = Registry(heartbeat_timeout=10)
+    r.upsert(reg("P", 1), now=0)
+    r.upsert(reg("D", 1), now=0)
+    assert r.count("P") == 1 and r.count("D") == 1
+
+
+def test_registry_expires_any_position():
+    r = Registry(heartbeat_timeout=10)
+    for port in (1, 2, 3):
+        r.upsert(reg("D", port), now=0)
+    r.upsert(reg("D", 1), now=8)
+    r.upsert(reg("D", 3), now=8)
+    gone = r.expire(now=12)  # the middle one is stale, the others are not
+    assert [i.http_address for i in gone] == ["127.0.0.1:2"]
+    assert [i.http_address for i in r.live("D")] == ["127.0.0.1:1", "127.0.0.1:3"]
+    r.expire(now=19)
+    assert r.count("D") == 0
+
+
+def test_registry_heartbeat_keeps_load():
+    r = Registry(heartbeat_timeout=10)
+    r.upsert(reg("D", 1, load=Load(2, 3, 0.5)), now=0)
+    inst = r.upsert(reg("D", 1), now=1)  # a heartbeat without load keeps the last one
+    assert inst.load == Load(2, 3, 0.5)
+    assert inst.to_json(now_wall=inst.last_heartbeat_wall)["load"] == {
+        "running": 2,
+        "waiting": 3,
+        "kv_usage": 0.5,
+    }
+
+
+# ---------------------------------------------------------------- policies
+
+
+def _instances(n: int):
+    r = Registry(heartbeat_timeout=10)
+    for port in range(1, n + 1):
+        r.upsert(reg("D", port), now=0)
+    return r.live("D")
+
+
+def test_round_robin_cycles():
+    insts = _instances(3)
+    rr = RoundRobin()
+    picks = [rr.choose(insts, 10).http_address[-1] for _ in range(6)]
+    assert picks == ["1", "2", "3", "1", "2", "3"]
+
+
+def test_least_loaded_prefers_fewer_in_flight_and_tokens():
+    a, b, c = _instances(3)
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
+    ll = LeastLoaded()
+    assert all(ll.choose([a, b, c], 10) is b for _ in range(3))
+    b.in_flight = 1
+    b.in_flight_tokens = 5000  # same request count as c, far more prompt tokens
+    assert ll.choose([a, b, c], 10) is c
+
+
+def test_least_loaded_uses_heartbeat_load():
+    a, b = _instances(2)
+    # b runs requests from other clients the proxy does not know about.
+    b.load = Load(running=8, waiting=4, kv_usage=0.9)
+    a.in_flight = 3
+    assert LeastLoaded().choose([a, b], 10) is a
+    # ...and a heartbeat never lowers the load below what the proxy itself has in flight.
+    a.load = Load(0, 0, 0.0)
+    b.load = Load(0, 0, 0.0)
+    assert LeastLoaded().choose([a, b], 10) is b
+
+
+def test_least_loaded_ties_spread_round_robin():
+    insts = _instances(3)
+    ll = LeastLoaded()
+    picks = {ll.choose(insts, 10).http_address for _ in range(3)}
+    assert len(picks) == 3
+
+
+def test_make_policy():
+    assert make_policy("round_robin").name == "round_robin"
+    assert make_policy("least_loaded").name == "least_loaded"
+    with pytest.raises(ValueError):
+        make_policy("random")
+
+
+def test_estimate_prompt_tokens():
+    assert estimate_prompt_tokens({"prompt": "x" * 400}) == 101
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+    assert estimate_prompt_tokens({"prompt": [[1, 2], [3]]}) == 3
+    assert estimate_prompt_tokens({"prompt": ["abcd", "abcd"]}) == 4
+    chat = {
+        "messages": [
+            {"role": "user", "content": "x" * 40},
+            {"role": "user", "content": [{"type": "text", "text": "y" * 40}]},
+        ]
+    }
+    assert estimate_prompt_tokens(chat) == 21
+
+
+# ---------------------------------------------------------------- validation and bodies
+
+
+@pytest.mark.parametrize(
+    "kind, body, param",
+    [
+        (COMPLETIONS, [], None),
+        (COMPLETIONS, "text", None),
+        (COMPLETIONS, {"model": "m"}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
+        (COMPLETIONS, {"prompt": [[1], []]}, "prompt"),
+        (COMPLETIONS, {"prompt": [True]}, "prompt"),
+        (COMPLETIONS, {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "a", "max_tokens": 1.5}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "a", "stream": "yes"}, "stream"),
+        (CHAT, {"model": "m"}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": ["hi"]}, "messages"),
+        (
+            CHAT,
+            {"messages": [{"role": "user"}], "max_completion_tokens": -1},
+            "max_completion_tokens",
+        ),
+    ],
+)
+def test_validate_rejects(kind, body, param):
+    with pytest.raises(ProxyError) as exc:
+        validate_body(kind, body)
+    assert exc.value.status == 400
+    assert exc.value.param == param
+    err = json.loads(exc.value.body())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(
+    "kind, body",
+    [
+        (COMPLETIONS, {"prompt": "a"}),
+        (COMPLETIONS, {"prompt": ["a", "b"], "max_tokens": None, "stream": None}),
+        (COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": 5, "stream": True}),
+        (COMPLETIONS, {"prompt": [[1, 2], [3]]}),
+        (COMPLETIONS, {"prompt_embeds": "base64..."}),
+        (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}),
+    ],
+)
+def test_validate_accepts(kind, body):
+    validate_body(kind, body)
+
+
+def test_prefill_body_completions():
+    body = {
+        "prompt": "a",
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 10,
+        "n": 2,
+        "temperature": 0.5,
+    }
+    pre = prefill_body(COMPLETIONS, body)
+    assert pre == {"prompt": "a", "max_tokens": 1, "stream": False, "n": 2, "temperature": 0.5}
+    assert body["max_tokens"] == 50 and body["stream"] is True  # original untouched
+
+
+def test_prefill_body_chat():
+    body = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9}
+    pre = prefill_body(CHAT, body)
+    assert pre["max_tokens"] == 1 and pre["max_completion_tokens"] == 1
+    assert pre["stream"] is False
+
+
+def test_request_id_format():
+    r = Registry(heartbeat_timeout=10)
+    p = r.upsert(Registration("P", "10.0.0.1:8100", "10.0.0.1:21001"), now=0)
+    d = r.upsert(Registration("D", "10.0.0.2:8200", "10.0.0.2:22001"), now=0)
+    rid = make_request_id(p, d)
+    assert re.fullmatch(
+        r"___prefill_addr_10\.0\.0\.1:21001___decode_addr_10\.0\.0\.2:22001_[0-9a-f]{32}", rid
+    )
+    assert make_request_id(p, d) != rid
+
+
+# ---------------------------------------------------------------- upstream errors
+
+
+def test_upstream_error_passthrough_and_wrapping():
+    vllm = json.dumps(
+        {"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+    ).encode()
+    assert upstream_error_body(400, vllm, "prefill", "h:1") == vllm
+    flat = json.dumps(
+        {"object": "error", "message": "old", "type": "X", "param": None, "code": 400}
+    ).encode()
+    assert json.loads(upstream_error_body(400, flat, "prefill", "h:1"))["error"]["message"] == "old"
+    html = b"<html><body>Internal Server Error</body></html>"
+    err = json.loads(upstream_error_body(500, html, "decode", "h:2"))["error"]
+    assert "decode instance h:2 answered HTTP 500" in err["message"]
+    assert err["type"] == "server_error" and err["code"] == "decode_error"
+    detail = json.loads(upstream_error_body(404, b'{"detail":"Not Found"}', "prefill", "h"))
+    assert "Not Found" in detail["error"]["message"]
+
+
+def test_protocol_rejects_non_finite_ts():
+    import math
+
+    import msgpack
+
+    from proxy.protocol import ProtocolError, decode, sign
+
+    fields = {"type": "P", "http_address": "h:1", "zmq_address": "h:2", "ts": math.nan}
+    fields["hmac"] = sign(fields, "k")
+    with pytest.raises(ProtocolError, match="finite"):
+        decode(msgpack.packb(fields), secret="k")
