@@ -39,6 +39,9 @@ class Transport(ABC):
 
         For every incoming call the transport runs ``handler(header, tensors)`` in its
         server thread and sends back the returned ``(reply_header, reply_tensors)``.
+        Handlers run one at a time. Received tensors are the handler's to keep. Reply
+        tensors may be sent after the handler returned (zero-copy): their memory must
+        not change afterwards, so return copies rather than views of live KV blocks.
         """
 
     @abstractmethod
@@ -52,7 +55,8 @@ class Transport(ABC):
         """Send ``header`` + ``tensors`` to ``peer`` ("host:port") and wait for the reply.
 
         Thread-safe. Raises :class:`TransportError` on timeout, unreachable peer or a
-        malformed reply.
+        malformed reply. ``timeout_s`` covers the whole exchange, payloads included.
+        Once ``call`` returns or raises, the transport no longer reads ``tensors``.
         """
 
     @abstractmethod

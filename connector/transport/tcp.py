@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 TENSORS_KEY = "tensors"
 ID_KEY = "_id"
 RESERVED_KEYS = (TENSORS_KEY, ID_KEY)
-_RELEASE_WAIT_S = 2.0  # bound on waiting for libzmq to drop a failed call's send buffers
+_RELEASE_WAIT_S = 0.5  # bound on waiting for libzmq to drop a failed call's send buffers (ms in practice)
 
 _DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
     {

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Benchmark the tcp transport between two processes on loopback against a memory copy.
+
+    python scripts/bench_transport.py [--sizes 1,4,16,64,256] [--repeats 5]
+
+Payload: ``--layers`` bf16 tensors shaped like vLLM CPU KV-cache blocks
+``[n_blocks, kv_heads, block_size, 2*head_dim]``, n_blocks chosen so the total is the
+requested size. For each size it times (median of ``--repeats``):
+
+* PUT  - client sends the tensors, server replies with an empty header;
+* GET  - client sends an empty header, server replies with the tensors (pre-built);
+* copy_ - ``dst.copy_(src)`` into preallocated tensors in this process (the memcpy bar);
+* clone - ``src.clone()`` (allocates, so includes page faults like a fresh receive buffer);
+* raw   - the same bytes over a plain TCP socket (``sendall`` -> ``recv_into`` a reused
+          buffer) between the same two processes: the kernel's loopback ceiling.
+
+Repeats are interleaved (PUT, GET, raw, copy_, clone, PUT, ...) so that load from other
+processes on a shared machine hits all columns alike. torch runs single-threaded by
+default (``--torch-threads``), so copy_ is a plain one-core memcpy like each TCP side.
+
+Before timing, each size is checked once for bit-identity in both directions (sha256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connector.transport import TcpTransport  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _sha(tensors) -> list[str]:
+    return [hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest() for t in tensors]
+
+
+def _kv_tensors(size_mib: int, args, seed: int) -> list[torch.Tensor]:
+    block_bytes = args.kv_heads * args.block_size * 2 * args.head_dim * 2  # bf16
+    n_blocks = max(1, size_mib * MiB // (block_bytes * args.layers))
+    gen = torch.Generator().manual_seed(seed)
+    shape = (n_blocks, args.kv_heads, args.block_size, 2 * args.head_dim)
+    return [torch.randn(shape, generator=gen, dtype=torch.float32).to(torch.bfloat16) for _ in range(args.layers)]
+
+
+# ---------------------------------------------------------------------------- server process
+
+
+def _raw_sink(lsock: socket.socket, stop: threading.Event) -> None:
+    """Plain-TCP baseline: read a length-prefixed payload into a reused buffer, ack 1 byte."""
+    conn, _ = lsock.accept()
+    buf = bytearray()
+    with conn:
+        while not stop.is_set():
+            head = conn.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                return
+            n = struct.unpack("<Q", head)[0]
+            if len(buf) < n:
+                buf = bytearray(n)
+            view, got = memoryview(buf), 0
+            while got < n:
+                k = conn.recv_into(view[got:n])
+                if not k:
+                    return
+                got += k
+            conn.sendall(b"k")
+
+
+def serve(args) -> None:
+    torch.set_num_threads(args.torch_threads)
+    stop = threading.Event()
+    store: dict[int, list[torch.Tensor]] = {}
+
+    def handler(header, tensors):
+        op = header["op"]
+        if op == "put":
+            return ({"sha256": _sha(tensors)} if header.get("verify") else {}), []
+        if op == "get":
+            size = header["size_mib"]
+            if size not in store:
+                store.clear()
+                store[size] = _kv_tensors(size, args, seed=size)
+            reply = {"sha256": _sha(store[size])} if header.get("verify") else {}
+            return reply, store[size]
+        if op == "stop":
+            stop.set()
+        return {}, []
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_sink, args=(lsock, stop), daemon=True).start()
+    srv = TcpTransport(sock_buf_bytes=args.sock_buf)
+    srv.start("127.0.0.1", 0, handler)
+    print(srv.bound_port, lsock.getsockname()[1], flush=True)
+    stop.wait(timeout=600)
+    srv.close()
+    lsock.close()
+
+
+# ---------------------------------------------------------------------------- client
+
+
+def run(args) -> int:
+    torch.set_num_threads(args.torch_threads)
+    cmd = [sys.executable, __file__, "--serve", *sys.argv[1:]]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout=60)
+        if not line or len(line[0].split()) != 2:
+            print("server did not start", file=sys.stderr)
+            return 1
+        port, raw_port = (int(x) for x in line[0].split())
+        peer = f"127.0.0.1:{port}"
+        raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
+        cli = TcpTransport(sock_buf_bytes=args.sock_buf)
+        print(
+            f"tcp transport, 2 processes on loopback; torch threads={torch.get_num_threads()}, "
+            f"cpus={os.cpu_count()}, median of {args.repeats} interleaved repeats; GB/s = 1e9 B/s"
+        )
+        hdr = (
+            f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'raw':>6} {'copy_':>6} {'clone':>6}"
+            f" {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7}"
+        )
+        print(hdr)
+        print("-" * len(hdr))
+        ok_all = True
+        for size in args.sizes:
+            src = _kv_tensors(size, args, seed=size)
+            nbytes = sum(t.numel() * t.element_size() for t in src)
+            timeout = 30 + nbytes / 1e8  # generous: >= 0.1 GB/s
+            # Bit-identity once per size, both directions (this also warms everything up).
+            reply, _ = cli.call(peer, {"op": "put", "verify": True}, src, timeout_s=timeout)
+            put_ok = reply.get("sha256") == _sha(src)
+            reply, got = cli.call(peer, {"op": "get", "size_mib": size, "verify": True}, timeout_s=timeout)
+            get_ok = reply.get("sha256") == _sha(got) == _sha(src)
+            del got
+            ok_all &= put_ok and get_ok
+            dst = [torch.empty_like(t) for t in src]
+            views = [t.reshape(-1).view(torch.uint8).numpy() for t in src]
+
+            def put():
+                cli.call(peer, {"op": "put"}, src, timeout_s=timeout)
+
+            def get():
+                cli.call(peer, {"op": "get", "size_mib": size}, timeout_s=timeout)
+
+            def raw_tcp():
+                raw.sendall(struct.pack("<Q", nbytes))
+                for v in views:
+                    raw.sendall(v)
+                assert raw.recv(1) == b"k"
+
+            def copy_():
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+
+            def clone():
+                return [s.clone() for s in src]
+
+            fns = (put, get, raw_tcp, copy_, clone)
+            for fn in fns:  # warm-up
+                fn()
+            times: list[list[float]] = [[] for _ in fns]
+            for _ in range(args.repeats):
+                for fn, ts in zip(fns, times):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append(time.perf_counter() - t0)
+            put_g, get_g, raw_g, copy_g, clone_g = (nbytes / statistics.median(ts) / 1e9 for ts in times)
+            shape = f"{len(src)}x{list(src[0].shape)}"
+            flag = "" if put_ok and get_ok else "  MISMATCH"
+            print(
+                f"{nbytes / MiB:4.0f} {shape:>20} {put_g:6.2f} {get_g:6.2f} {raw_g:6.2f} {copy_g:6.2f} {clone_g:6.2f}"
+                f" {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%}{flag}",
+                flush=True,
+            )
+            del src, dst, views
+        cli.call(peer, {"op": "stop"}, timeout_s=10)
+        cli.close()
+        raw.close()
+        proc.wait(timeout=30)
+        print("bit-identical round trips (sha256, both directions):", "yes" if ok_all else "NO")
+        return 0 if ok_all else 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1,4,16,64,256", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=4, help="KV tensors per payload")
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--sock-buf", type=int, default=None, help="SO_SNDBUF/SO_RCVBUF bytes (default: kernel autotuning)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (copy_/clone)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve(args)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
