@@ -92,10 +92,6 @@ class P2pNcclConnector(KVConnectorBase_V1):
             failed_recving=r.failed_recving,
         )
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending or None, r.finished_recving or None
-
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()

@@ -332,7 +332,8 @@ class KVEngine:
         if sum(runs) != h.get("num_blocks"):
             return "payload runs do not add up to num_blocks"
         for t, n in zip(payload.tensors, runs * len(self._layer_names)):
-            if str(t.dtype).removeprefix("torch.") != self._layout.dtype or tuple(t.shape) != (n, *self._layout.block_shape):
+            dtype = str(t.dtype).removeprefix("torch.")
+            if dtype != self._layout.dtype or tuple(t.shape) != (n, *self._layout.block_shape):
                 return f"payload tensor {t.dtype}{list(t.shape)} does not match its header"
         for i, name in enumerate(self._layer_names):
             parts = payload.tensors[i * per_layer:(i + 1) * per_layer]

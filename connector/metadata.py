@@ -21,7 +21,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]  # whole blocks covering the prompt, in order
     num_tokens: int  # prompt length
     # False for PUT (synchronous) and GET (copied into P's buffer): the scheduler
-    # frees blocks at once. True for PUT_ASYNC: freed after get_finished says so.
+    # frees blocks at once. True for PUT_ASYNC: freed after the worker reports the send finished.
     delay_free: bool
 
 
