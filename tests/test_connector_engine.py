@@ -697,3 +697,19 @@ def test_discarded_transfer_is_dropped_and_refused_later(engines, client):
     assert cons.stats() == ZERO
     prod.save(save_spec(prod, rank0(cons), req_id="again", delay_free=False))  # a late duplicate
     assert cons.stats() == ZERO
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "GET"])
+def test_cuda_caches_roundtrip_over_tcp(engines, send_type):
+    """CUDA KV caches: tcp stages blocks through host memory both ways, bytes intact."""
+    prod_caches = {k: v.cuda() for k, v in make_caches(1).items()}
+    cons_caches = {k: v.cuda() for k, v in make_caches(2).items()}
+    prod = engines("kv_producer", send_type, caches=prod_caches)
+    cons = engines("kv_consumer", send_type, caches=cons_caches)
+    dst_before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons), delay_free=send_type == "PUT_ASYNC"))
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
