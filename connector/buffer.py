@@ -7,13 +7,14 @@ server thread and the vLLM worker thread, hence the lock.
 
 from __future__ import annotations
 
-from connector.log import get_logger
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from connector.log import get_logger
 
 logger = get_logger(__name__)
 

@@ -70,7 +70,9 @@ class P2pNcclConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous (before the first forward)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
         return  # whole blocks are shipped once the prompt is complete (wait_for_save)
 
     def wait_for_save(self) -> None:

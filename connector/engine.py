@@ -15,7 +15,6 @@ Every wait is bounded: sends by ``send_timeout_s``, loads by
 
 from __future__ import annotations
 
-from connector.log import get_logger
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ import torch
 from connector import layout as kvlayout
 from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
+from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.request_id import rank_address
 from connector.transport import Transport, TransportError

@@ -7,7 +7,6 @@ rank-0 semantics). Announces only once the instance's own HTTP server answers
 
 from __future__ import annotations
 
-from connector.log import get_logger
 import threading
 import urllib.request
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from collections.abc import Callable
 import zmq
 
 from connector.config import ConnectorConfig
+from connector.log import get_logger
 from proxy.protocol import Load, Registration, encode
 
 logger = get_logger(__name__)

@@ -6,12 +6,12 @@ workers through ``P2pConnectorMetadata``. Shares nothing else with them.
 
 from __future__ import annotations
 
-from connector.log import get_logger
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector import request_id
 from connector.config import ConnectorConfig
+from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar
 

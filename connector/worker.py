@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from connector.log import get_logger
 from typing import Any
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
+from connector.log import get_logger
 from connector.metadata import P2pConnectorMetadata
 
 logger = get_logger(__name__)

@@ -190,7 +190,8 @@ def run(args) -> int:
                 f" {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%}{flag}",
                 flush=True,
             )
-            del src, dst, views
+            # Release this size's buffers before allocating the next one.
+            src = dst = views = None  # noqa: F841
         cli.call(peer, {"op": "stop"}, timeout_s=10)
         cli.close()
         raw.close()

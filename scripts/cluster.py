@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,25 @@ class Server:
         self.proc.wait(timeout=10)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A free port p with p+1 free too (kv_port + rank for two ranks)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind((HOST, p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")
+
+
 def kv_transfer_config(
     role: str,
     kv_port: int,
@@ -129,7 +149,8 @@ def start_vllm(
         cmd = ["taskset", "-c", cpus] + cmd
     penv = dict(os.environ)
     penv.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the byte flag
-    penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if not cpus else cpus.replace(",", "|"))
+    # One list for a single-rank server ("0,1"); "|" would separate per-rank lists.
+    penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus or "nobind")
     penv.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     penv["PYTHONPATH"] = f"{ROOT}{os.pathsep}{penv.get('PYTHONPATH', '')}"
     penv.update(env or {})

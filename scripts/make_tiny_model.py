@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 # Keep the tokenizers trainer single-threaded: deterministic and polite on shared cores.
@@ -32,12 +33,6 @@ SCRIPT_VERSION = 1
 STAMP = ".xpyd-tiny-model.json"
 
 VOCAB_SIZE = 1024
-HIDDEN = 128
-INTERMEDIATE = 256
-LAYERS = 2
-HEADS = 4
-KV_HEADS = 2
-HEAD_DIM = HIDDEN // HEADS  # 32
 MAX_POS = 4096
 INIT_STD = 0.02
 
@@ -132,7 +127,25 @@ def build_tokenizer():
     return tok
 
 
-def build_weights(seed: int, vocab: int) -> dict:
+@dataclass(frozen=True)
+class Dims:
+    """Model size. The default is the test model; benchmarks ask for bigger ones."""
+
+    hidden: int = 128
+    intermediate: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads  # 32 for the default
+
+
+TINY = Dims()
+
+
+def build_weights(seed: int, vocab: int, dims: Dims = TINY) -> dict:
     import numpy as np
     import torch
 
@@ -145,33 +158,34 @@ def build_weights(seed: int, vocab: int) -> dict:
     def ones(n: int):
         return torch.ones(n, dtype=torch.bfloat16)
 
-    w = {"model.embed_tokens.weight": normal(vocab, HIDDEN)}
-    for i in range(LAYERS):
+    h, hd, inter = dims.hidden, dims.head_dim, dims.intermediate
+    w = {"model.embed_tokens.weight": normal(vocab, h)}
+    for i in range(dims.layers):
         p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = normal(HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.k_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.v_proj.weight"] = normal(KV_HEADS * HEAD_DIM, HIDDEN)
-        w[p + "self_attn.o_proj.weight"] = normal(HIDDEN, HEADS * HEAD_DIM)
-        w[p + "mlp.gate_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
-        w[p + "mlp.up_proj.weight"] = normal(INTERMEDIATE, HIDDEN)
-        w[p + "mlp.down_proj.weight"] = normal(HIDDEN, INTERMEDIATE)
-        w[p + "input_layernorm.weight"] = ones(HIDDEN)
-        w[p + "post_attention_layernorm.weight"] = ones(HIDDEN)
-    w["model.norm.weight"] = ones(HIDDEN)
-    w["lm_head.weight"] = normal(vocab, HIDDEN)
+        w[p + "self_attn.q_proj.weight"] = normal(dims.heads * hd, h)
+        w[p + "self_attn.k_proj.weight"] = normal(dims.kv_heads * hd, h)
+        w[p + "self_attn.v_proj.weight"] = normal(dims.kv_heads * hd, h)
+        w[p + "self_attn.o_proj.weight"] = normal(h, dims.heads * hd)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, h)
+        w[p + "mlp.up_proj.weight"] = normal(inter, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, inter)
+        w[p + "input_layernorm.weight"] = ones(h)
+        w[p + "post_attention_layernorm.weight"] = ones(h)
+    w["model.norm.weight"] = ones(h)
+    w["lm_head.weight"] = normal(vocab, h)
     return w
 
 
-def model_config(vocab: int, bos_id: int, eos_id: int, pad_id: int) -> dict:
+def model_config(vocab: int, bos_id: int, eos_id: int, pad_id: int, dims: Dims = TINY) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "hidden_size": dims.hidden,
+        "intermediate_size": dims.intermediate,
+        "num_hidden_layers": dims.layers,
+        "num_attention_heads": dims.heads,
+        "num_key_value_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
         "hidden_act": "silu",
         "vocab_size": vocab,
         "max_position_embeddings": MAX_POS,
@@ -195,10 +209,12 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _is_current(out: Path, seed: int) -> bool:
+def _is_current(out: Path, seed: int, dims: Dims) -> bool:
     try:
         stamp = json.loads((out / STAMP).read_text())
         if stamp.get("script_version") != SCRIPT_VERSION or stamp.get("seed") != seed:
+            return False
+        if stamp.get("dims", asdict(TINY)) != asdict(dims):
             return False
         hashes = stamp["sha256"]
         return set(hashes) == set(FILES) and all(_sha256(out / f) == h for f, h in hashes.items())
@@ -216,10 +232,10 @@ def _json(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def make_model(out: Path, seed: int = 0, force: bool = False) -> bool:
+def make_model(out: Path, seed: int = 0, force: bool = False, dims: Dims = TINY) -> bool:
     """Write the model into ``out``; returns False when an up-to-date model was already there."""
     out = Path(out)
-    if not force and _is_current(out, seed):
+    if not force and _is_current(out, seed, dims):
         return False
     out.mkdir(parents=True, exist_ok=True)
     (out / STAMP).unlink(missing_ok=True)  # incomplete until the stamp is rewritten
@@ -231,7 +247,7 @@ def make_model(out: Path, seed: int = 0, force: bool = False) -> bool:
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     specials = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
 
-    _write(out / "config.json", _json(model_config(vocab, ids[BOS], ids[EOS], ids[PAD])))
+    _write(out / "config.json", _json(model_config(vocab, ids[BOS], ids[EOS], ids[PAD], dims)))
     _write(
         out / "generation_config.json",
         _json({"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}),
@@ -251,11 +267,12 @@ def make_model(out: Path, seed: int = 0, force: bool = False) -> bool:
         ),
     )
     _write(out / "special_tokens_map.json", _json({**specials, "additional_special_tokens": SPECIAL_TOKENS[4:]}))
-    _write(out / "model.safetensors", save(build_weights(seed, vocab), metadata={"format": "pt"}))
+    _write(out / "model.safetensors", save(build_weights(seed, vocab, dims), metadata={"format": "pt"}))
 
     stamp = {
         "script_version": SCRIPT_VERSION,
         "seed": seed,
+        **({} if dims == TINY else {"dims": asdict(dims)}),  # the test model's stamp stays as it was
         "sha256": {f: _sha256(out / f) for f in FILES},
     }
     _write(out / STAMP, _json(stamp))
@@ -267,9 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="output directory")
     ap.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    for f in fields(Dims):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default,
+                        help=f"model {f.name.replace('_', ' ')} (default {f.default})")
     args = ap.parse_args(argv)
+    dims = Dims(**{f.name: getattr(args, f.name) for f in fields(Dims)})
     t0 = time.monotonic()
-    made = make_model(args.out, args.seed, args.force)
+    made = make_model(args.out, args.seed, args.force, dims)
     state = "wrote" if made else "up to date:"
     print(f"tiny model {state} {args.out} (seed {args.seed}, {time.monotonic() - t0:.2f}s)")
     return 0

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import time
 
-import httpx
-
 import e2e_cluster
+import httpx
 
 MODEL_DIR = e2e_cluster.ROOT / ".models" / "tiny-llama"
 BLOCK = 128

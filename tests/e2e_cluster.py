@@ -3,7 +3,6 @@ baseline, all vLLM CPU-build servers on 127.0.0.1 with free ports."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import cluster  # noqa: E402  (scripts/cluster.py)
+from cluster import free_port, free_port_pair  # noqa: E402,F401  (re-exported to tests)
 
 from connector.transport.tcp import TcpTransport  # noqa: E402
 
@@ -21,25 +21,6 @@ KV_LOAD_TIMEOUT_S = 6.0
 SEND_TIMEOUT_S = 3.0
 BUFFER_TTL_S = 8.0
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A port p with p+1 free too (kv_port + rank for up to 2 ranks)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 @dataclass

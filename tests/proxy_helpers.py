@@ -18,6 +18,7 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fake_vllm import FakeVLLM, Fault  # noqa: E402
+
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.server import ProxyServer  # noqa: E402
 

@@ -501,7 +501,9 @@ def test_ttl_expires_without_worker_steps(engines):
 def test_malformed_control_messages(engines, client):
     cons = engines("kv_consumer", "PUT_ASYNC")
     addr = cons.address
-    call = lambda h, t=(): client.call(addr, h, list(t), timeout_s=5)[0]
+
+    def call(h, t=()):
+        return client.call(addr, h, list(t), timeout_s=5)[0]
 
     r = call({"op": "bogus"})
     assert r["ok"] is False and "unknown op" in r["error"]

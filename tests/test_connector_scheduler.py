@@ -373,7 +373,8 @@ def test_producer_preempted_with_save_in_flight():
     assert meta.saves == []
     assert s.build_connector_meta(sched_out(preempted=set())).preempted == []
     # Still exactly one transfer, reported when it finishes.
-    assert s.request_finished(req, [1, 2, 3]) == (True, {"xpyd": {"transfer_key": KEY, "send_type": "PUT_ASYNC", "prompt_tokens": 300}})
+    assert s.request_finished(req, [1, 2, 3]) == (
+        True, {"xpyd": {"transfer_key": KEY, "send_type": "PUT_ASYNC", "prompt_tokens": 300}})
     # Once finished it is no longer listed on preemption.
     assert s.build_connector_meta(sched_out(preempted={rid})).preempted == []
 

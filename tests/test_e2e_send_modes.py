@@ -8,11 +8,10 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-import pytest
-
 import e2e_cluster
-from e2e_cluster import free_port, free_port_pair
+import pytest
 from e2e_client import body_for, generate, make_prompt
+from e2e_cluster import free_port, free_port_pair
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm

@@ -12,10 +12,9 @@ import time
 import uuid
 from pathlib import Path
 
+import e2e_cluster
 import httpx
 import pytest
-
-import e2e_cluster
 from e2e_client import BLOCK, MODEL_DIR, body_for, generate, make_prompt, metric, poll
 from e2e_cluster import E2ECluster
 

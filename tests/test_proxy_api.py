@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-
 from proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
@@ -233,11 +232,11 @@ async def test_fastapi_app_serves_completions_without_fast_path():
     """create_app() alone is a complete app: the completion routes are mounted in FastAPI
     too (fast_path() only lets uvicorn skip Starlette's routing for them)."""
     import httpx
+    from proxy_helpers import FakeVLLM
 
     from proxy.app import create_app
     from proxy.config import ProxyConfig
     from proxy.protocol import Registration
-    from proxy_helpers import FakeVLLM
 
     app = create_app(ProxyConfig())
     state = app.state.proxy

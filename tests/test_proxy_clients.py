@@ -8,7 +8,6 @@ import asyncio
 import json
 
 import pytest
-
 from proxy_helpers import Fault, free_port, running_proxy, wait_until
 
 

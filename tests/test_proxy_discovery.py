@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from proxy_helpers import running_proxy, wait_until
 
 from proxy.protocol import Load, Registration, encode
-from proxy_helpers import running_proxy, wait_until
 
 
 def _addresses(registry, role):

@@ -7,9 +7,9 @@ import asyncio
 import json
 
 import pytest
+from proxy_helpers import Fault, free_port, running_proxy, wait_until
 
 from proxy.protocol import Registration, encode
-from proxy_helpers import Fault, free_port, running_proxy, wait_until
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from proxy_helpers import FakeVLLM, free_port
 
 from proxy.httpclient import HIGH_WATER, NativeUpstream
 from proxy.upstream import KEEPALIVE_S, UpstreamError
-from proxy_helpers import FakeVLLM, free_port
 
 
 class RawServer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from proxy_helpers import running_proxy
 
 

@@ -9,10 +9,10 @@ import signal
 import sys
 
 import httpx
+from proxy_helpers import FakeVLLM, free_port, wait_until
 
 from proxy.app import create_app
 from proxy.config import ProxyConfig
-from proxy_helpers import FakeVLLM, free_port, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -19,6 +19,7 @@ SCRIPT = REPO / "scripts" / "make_tiny_model.py"
 def _load_script():
     spec = importlib.util.spec_from_file_location("make_tiny_model", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 

@@ -151,7 +151,8 @@ def test_two_processes_bit_identical(client):
         reader = threading.Thread(target=lambda: port_line.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout=60)
-        assert port_line and port_line[0].strip().isdigit(), proc.stderr.read() if proc.poll() is not None else "no port"
+        why = proc.stderr.read() if proc.poll() is not None else "no port"
+        assert port_line and port_line[0].strip().isdigit(), why
         peer = f"{HOST}:{int(port_line[0])}"
         gen = torch.Generator().manual_seed(2)
         payload = [

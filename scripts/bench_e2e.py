@@ -1,0 +1,689 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark on vLLM (CPU build): disaggregated (proxy + P + D) vs colocated.
+
+Two numbers from the issue, each as a ratio against colocated baselines measured in the
+same run on the same two cores:
+
+* TTFT of a ~1k-token prompt at concurrency 1 (bar: disaggregated <= 1.2x colocated);
+* decode inter-token latency (ITL) p99 of a streaming "victim" request while long prompts
+  keep arriving (bar: disaggregated <= 0.5x colocated): the reason disaggregation exists.
+
+Servers, all on 127.0.0.1 with free ports, logs in a temp dir:
+
+* colocated-1omp: one vLLM, no connector, all its processes on cores 0,1, one OMP compute
+  thread on core 0: what vLLM's own "auto" binding picks on a 2-core box (it keeps a core
+  for the API server and the busy-polling scheduler);
+* colocated-2omp: the same with OMP compute threads on both cores (--no-omp2 skips it);
+* prefill P pinned to core 0 and decode D pinned to core 1 (everything of each instance on
+  its core, one OMP thread each), with the xPyD connector; the proxy (`python -m proxy`)
+  unpinned by default (--proxy-cpus); this load generator unpinned.
+* "1-core vLLM": P or D hit straight with plain requests (no proxy, no KV transfer), i.e.
+  one of two 1-core colocated replicas, as a third reference.
+
+Measurements never overlap: one setup is measured while the others sit idle, and the
+setups take turns request by request (TTFT) or round by round (ITL) so drifting load from
+other tenants of a shared machine hits them alike. The long prompts arrive open loop at
+the same rate for every setup (auto: the slowest setup busy ~60%).
+
+    .venv/bin/python scripts/bench_e2e.py            # full run (~5-7 min on 2 cores)
+    .venv/bin/python scripts/bench_e2e.py --quick    # fewer samples (~4 min)
+    .venv/bin/python scripts/bench_e2e.py --model tiny
+
+--model bench (default) generates `.models/bench-llama-h768-l4` (Llama, hidden 768, 4
+layers, 12 heads / 4 KV heads, ~25M parameters, the tiny model's tokenizer) with
+scripts/make_tiny_model.py's code, so that a 1k-token prefill costs 150-300 ms on one core
+like a small real model instead of the tiny model's few ms, where fixed HTTP costs would
+dominate. Loopback only; every loop is bounded in count and time; every process started
+here is stopped by its process group at the end, also on error, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import cluster  # noqa: E402  (scripts/cluster.py)
+
+MODEL_NAME = "tiny-llama"  # cluster.start_vllm serves every model under this name
+BENCH_DIMS = {"hidden": 768, "intermediate": 2048, "layers": 4, "heads": 12, "kv_heads": 4}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def ensure_model(kind: str) -> Path:
+    """The tiny test model, or a bigger random Llama built with make_tiny_model's code
+    (same tokenizer, same weight recipe) under its own directory."""
+    import make_tiny_model as mtm  # scripts/make_tiny_model.py
+
+    if kind == "tiny":
+        out = cluster.DEFAULT_MODEL
+        mtm.make_model(out)
+        return out
+    d = BENCH_DIMS
+    out = ROOT / ".models" / f"bench-llama-h{d['hidden']}-l{d['layers']}"
+    mtm.make_model(out, seed=0, dims=mtm.Dims(**d))
+    return out
+
+
+class Prompts:
+    """Distinct prompts of an exact token count (tokenized with the model's tokenizer);
+    each starts with a unique tag, so no two share even their first KV block."""
+
+    def __init__(self, model_dir: Path, seed: int) -> None:
+        import make_tiny_model as mtm
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.words = mtm._WORDS
+        self.rng = random.Random(seed)
+        self.n = 0
+
+    def make(self, n_tokens: int) -> str:
+        self.n += 1
+        words = [f"Case {self.n} {self.rng.randrange(10**6)}:"]
+        words += [self.rng.choice(self.words) for _ in range(int(n_tokens * 1.1))]
+        ids = self.tok(" ".join(words))["input_ids"]
+        while len(ids) < n_tokens:  # short: add words
+            words += [self.rng.choice(self.words) for _ in range(n_tokens - len(ids) + 8)]
+            ids = self.tok(" ".join(words))["input_ids"]
+        # Trim to exactly n_tokens (BOS included), then back to text; re-check the count.
+        for cut in range(n_tokens, n_tokens - 16, -1):
+            text = self.tok.decode(ids[1:cut], skip_special_tokens=True)
+            if len(self.tok(text)["input_ids"]) == n_tokens:
+                return text
+        return self.tok.decode(ids[1:n_tokens], skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- client
+
+
+@dataclass
+class StreamResult:
+    t_send: float
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # completion tokens so far, per chunk
+    prompt_tokens: int = 0
+    headers: dict = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.t_send
+
+    def gaps(self) -> list[float]:
+        c = self.chunk_times
+        return [b - a for a, b in itertools.pairwise(c)]
+
+
+def completion_body(prompt: str, max_tokens: int, stream: bool) -> dict:
+    b = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+         "ignore_eos": True, "stream": stream,
+         # Special tokens as text: every token yields a non-empty chunk.
+         "skip_special_tokens": False}
+    if stream:
+        b["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return b
+
+
+async def stream_one(client, url: str, prompt: str, max_tokens: int, timeout: float) -> StreamResult:
+    """One streaming completion; a timestamp per SSE data chunk that carries a token."""
+    res = StreamResult(time.perf_counter())
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url + "/v1/completions",
+                                     json=completion_body(prompt, max_tokens, True)) as r:
+                res.headers = dict(r.headers)
+                if r.status_code != 200:
+                    res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                    return res
+                async for line in r.aiter_lines():
+                    now = time.perf_counter()
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = str(chunk["error"])[:300]
+                        return res
+                    usage = chunk.get("usage") or {}
+                    res.prompt_tokens = usage.get("prompt_tokens", res.prompt_tokens)
+                    if chunk.get("choices"):
+                        res.chunk_times.append(now)
+                        res.chunk_tokens.append(usage.get("completion_tokens", len(res.chunk_times)))
+    except Exception as e:  # noqa: BLE001 - timeouts, resets...: reported, not raised
+        res.error = res.error or f"{type(e).__name__}: {e}"
+    if not res.chunk_times and not res.error:
+        res.error = "no token chunk"
+    return res
+
+
+async def post_one(client, url: str, prompt: str, max_tokens: int, timeout: float) -> str | None:
+    try:
+        r = await client.post(url + "/v1/completions", json=completion_body(prompt, max_tokens, False),
+                              timeout=timeout)
+        return None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+@dataclass
+class Background:
+    """Long prompts sent to one setup while a victim decodes: open loop (one arrival every
+    `interval` seconds, at most `concurrency` in flight) or closed loop (interval 0:
+    `concurrency` workers back to back). Bounded by max_requests and by the caller's stop."""
+
+    client: object
+    url: str
+    prompts: Prompts
+    tokens: int
+    max_tokens: int
+    concurrency: int
+    interval: float
+    max_requests: int
+    timeout: float
+    sent: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _one(self, prompt: str) -> None:
+        self.sent.append(time.perf_counter())
+        err = await post_one(self.client, self.url, prompt, self.max_tokens, self.timeout)
+        if err:
+            self.errors.append(err)
+
+    async def run(self) -> None:
+        # Prompts are tokenized up front: nothing CPU-heavy in the loop.
+        pool = [self.prompts.make(self.tokens) for _ in range(self.max_requests)]
+        sem = asyncio.Semaphore(self.concurrency)
+        tasks: list[asyncio.Task] = []
+
+        async def guarded(p: str) -> None:
+            try:
+                await self._one(p)
+            finally:
+                sem.release()
+
+        for p in pool:
+            if self.stop.is_set():
+                break
+            await sem.acquire()
+            if self.stop.is_set():
+                sem.release()
+                break
+            tasks.append(asyncio.create_task(guarded(p)))
+            if self.interval > 0:
+                try:
+                    await asyncio.wait_for(self.stop.wait(), self.interval)
+                except TimeoutError:
+                    pass
+        if tasks:  # drain: the next measurement starts on an idle system
+            await asyncio.wait(tasks, timeout=self.timeout)
+
+
+# ----------------------------------------------------------------------------- stats
+
+
+def pct(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def ms(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x * 1000:.1f}"
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def pin_process_tree(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of a running process (sched_setaffinity takes one thread)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+def machine_facts() -> list[str]:
+    la = os.getloadavg()
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            mem = [ln for ln in f if ln.startswith(("MemTotal", "MemAvailable"))]
+        mem_s = ", ".join(" ".join(m.split()[:2]) for m in mem)
+    except OSError:
+        mem_s = "?"
+    return [f"nproc={os.cpu_count()} ({model}); load average at start "
+            f"{la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; {mem_s}; python {platform.python_version()}"]
+
+
+class CpuMeter:
+    """How much of the machine others used while we measured: /proc/stat busy time minus
+    the CPU time of our own processes (this one and the servers' sessions)."""
+
+    HZ = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, sessions: list[int]) -> None:
+        self.sessions = set(sessions)
+        self.start = self._sample()
+
+    @staticmethod
+    def _stat() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...
+        return v[0] + v[1] + v[2] + v[5] + v[6], v[7] if len(v) > 7 else 0
+
+    def _ours(self) -> int:
+        total = 0
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(d) == os.getpid() or int(fields[3]) in self.sessions:  # fields[3]: session id
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total
+
+    def _sample(self) -> tuple[float, int, int, int]:
+        busy, steal = self._stat()
+        return time.monotonic(), busy, steal, self._ours()
+
+    def report(self) -> str:
+        t1, b1, s1, o1 = self._sample()
+        t0, b0, s0, o0 = self.start
+        cap = (t1 - t0) * self.HZ * (os.cpu_count() or 1)
+        ours, others = (o1 - o0) / cap, ((b1 - b0) - (o1 - o0)) / cap
+        return (f"CPU while measuring ({t1 - t0:.0f}s, share of all {os.cpu_count()} cores): ours {ours:.0%}, "
+                f"other tenants {max(others, 0.0):.0%}, steal {(s1 - s0) / cap:.0%}")
+
+
+@dataclass
+class Setup:
+    name: str
+    url: str
+
+
+async def warmup(client, setups: list[Setup], prompts: Prompts, args) -> dict[str, float]:
+    """First passes of new shapes are slow (oneDNN primitives, AMX init): run each shape
+    the bench uses on every setup once, plus a short mixed load. Returns each setup's
+    latency for one long (background) prompt, measured after the warm-up."""
+    for s in setups:
+        for n in (args.victim_prompt_tokens, args.ttft_tokens, args.bg_tokens):
+            r = await stream_one(client, s.url, prompts.make(n), 8, 300)
+            if r.error:
+                raise RuntimeError(f"warm-up on {s.name} failed: {r.error}")
+        bg = Background(client, s.url, prompts, args.bg_tokens, args.bg_max_tokens, args.bg_concurrency,
+                        0.0, 2, 300)
+        task = asyncio.create_task(bg.run())
+        await stream_one(client, s.url, prompts.make(args.victim_prompt_tokens), 16, 300)
+        bg.stop.set()
+        await task
+    lat = {}
+    for s in setups:
+        xs = []
+        for _ in range(3):
+            t = time.perf_counter()
+            err = await post_one(client, s.url, prompts.make(args.bg_tokens), args.bg_max_tokens, 300)
+            if err:
+                raise RuntimeError(f"long prompt on {s.name} failed: {err}")
+            xs.append(time.perf_counter() - t)
+        lat[s.name] = min(xs)
+    return lat
+
+
+async def measure_ttft(client, setups: list[Setup], prompts: Prompts, args, ref: Setup) -> dict:
+    out: dict = {s.name: [] for s in setups + [ref]}
+    for i in range(args.ttft_n):
+        prompt = prompts.make(args.ttft_tokens)  # same text to every setup: separate servers, no cache hit
+        k = i % len(setups)
+        order = setups[k:] + setups[:k]  # rotate: no setup always goes first
+        # The reference (P straight, no proxy, no transfer) gets its own prompt: P also
+        # serves the disaggregated request, and a repeated prompt would hit its prefix cache.
+        for s, p in [(s, prompt) for s in order] + [(ref, prompts.make(args.ttft_tokens))]:
+            r = await stream_one(client, s.url, p, args.ttft_max_tokens, 300)
+            if r.error:
+                raise RuntimeError(f"TTFT request to {s.name} failed: {r.error}")
+            out[s.name].append(r)
+            await asyncio.sleep(args.pause)
+    return out
+
+
+async def measure_victim(client, s: Setup, prompts: Prompts, args,
+                         interference: bool) -> tuple[StreamResult, Background | None]:
+    prompt = prompts.make(args.victim_prompt_tokens)
+    bg = None
+    task = None
+    if interference:
+        bg = Background(client, s.url, prompts, args.bg_tokens, args.bg_max_tokens, args.bg_concurrency,
+                        args.bg_interval, args.bg_max_requests, 300)
+        task = asyncio.create_task(bg.run())
+        for _ in range(500):  # prompts are tokenized first; then the first long prompt goes out
+            if bg.sent:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(args.bg_lead)  # let it get going before the victim starts
+    try:
+        r = await stream_one(client, s.url, prompt, args.victim_tokens, 600)
+    finally:
+        if bg is not None:
+            bg.stop.set()
+            await asyncio.wait_for(task, 600)
+    if r.error:
+        raise RuntimeError(f"victim on {s.name} failed: {r.error}")
+    if bg is not None and bg.errors:
+        raise RuntimeError(f"background on {s.name} failed: {bg.errors[:3]}")
+    return r, bg
+
+
+async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: Prompts) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.monotonic()
+        long_lat = await warmup(client, setups + [d_ref], prompts, args)
+        if args.bg_interval < 0:  # auto: one arrival rate for all, sustainable by all
+            args.bg_interval = round(max(long_lat[s.name] for s in setups) / args.bg_util, 2)
+        print(f"  warm-up done ({time.monotonic() - t0:.0f}s); one {args.bg_tokens}-token prompt takes "
+              + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in long_lat.items())
+              + f"; long prompts will arrive every {args.bg_interval}s", flush=True)
+        t0 = time.monotonic()
+        ttft = await measure_ttft(client, setups, prompts, args, p_ref)
+        print(f"  TTFT done ({time.monotonic() - t0:.0f}s)", flush=True)
+        t0 = time.monotonic()
+        victims: dict[tuple[str, bool], list[tuple[StreamResult, Background | None]]] = {}
+        for rnd in range(args.victims):
+            k = rnd % len(setups)
+            order = setups[k:] + setups[:k]
+            for interference in (False, True):
+                for s in order:
+                    res = await measure_victim(client, s, prompts, args, interference)
+                    victims.setdefault((s.name, interference), []).append(res)
+                    await asyncio.sleep(args.pause)
+            res = await measure_victim(client, d_ref, prompts, args, False)
+            victims.setdefault((d_ref.name, False), []).append(res)
+            await asyncio.sleep(args.pause)
+        print(f"  ITL done ({time.monotonic() - t0:.0f}s)", flush=True)
+    return {"ttft": ttft, "victims": victims, "long_lat": long_lat}
+
+
+def kv_waits(decode_log: str) -> list[float]:
+    """D's 'kv loaded ... wait_ms=X' lines (connector/engine.py)."""
+    out = []
+    for line in decode_log.splitlines():
+        if "kv loaded" in line and "wait_ms=" in line:
+            try:
+                out.append(float(line.rsplit("wait_ms=", 1)[1].split()[0]))
+            except (ValueError, IndexError):
+                pass
+    return out
+
+
+def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
+           decode_log: str, notes: list[str]) -> list[str]:
+    colos, dis = [s.name for s in setups[:-1]], setups[-1].name
+    tt = res["ttft"]
+    t = {k: [r.ttft for r in v] for k, v in tt.items()}
+    ptoks = sorted({r.prompt_tokens for r in tt[dis]})
+
+    def itl(name: str, interf: bool) -> list[float]:
+        return [g for r, _ in res["victims"][(name, interf)] for g in r.gaps()]
+
+    one = "1-core vLLM"  # P (TTFT) or D (idle ITL) hit straight: one colocated 1-core replica
+    base = [*colos, one]
+    short = {c: c.replace("colocated-", "colo-") for c in colos} | {one: "1-core"}
+    hdr = ("metric (ms; ratio = disagg / baseline)", *(f"{short[c]}" for c in base), "disagg",
+           *(f"/{short[c]}" for c in base))
+    rows = []
+    bars = []
+
+    def row(label: str, fn, values: dict[str, list[float] | None], bar: tuple[str, float] | None = None) -> None:
+        v = {k: (fn(x) if x else float("nan")) for k, x in values.items()}
+        ratios = {c: v[dis] / v[c] if v[c] > 0 else float("nan") for c in base}
+        rows.append((label, *(ms(v[c]) for c in base), ms(v[dis]),
+                     *("n/a" if math.isnan(r) else f"{r:.2f}x" for r in ratios.values())))
+        if bar is not None:
+            what, limit = bar
+            verdicts = [f"vs {c} {ratios[c]:.2f}x {'MET' if ratios[c] <= limit else 'NOT MET'}"
+                        for c in base if not math.isnan(ratios[c])]
+            bars.append(f"  {what} <= {limit}x colocated: " + "; ".join(verdicts))
+
+    t.setdefault(one, t[p_ref.name])
+    row(f"TTFT, {'/'.join(map(str, ptoks))}-token prompt, c=1: median", statistics.median, t,
+        ("TTFT median", 1.2))
+    row("TTFT: p90", lambda x: pct(x, 90), t)
+    row("TTFT: min", min, t)
+    for interf, tag in ((False, "ITL, no other load"), (True, "ITL, long prompts arriving")):
+        vals = {k: itl(k, interf) for k in colos + [dis]}
+        vals[one] = None if interf else itl(d_ref.name, False)
+        row(f"{tag}: p50", lambda x: pct(x, 50), vals)
+        row(f"{tag}: p90", lambda x: pct(x, 90), vals)
+        row(f"{tag}: p99", lambda x: pct(x, 99), vals, ("ITL p99 under long prompts", 0.5) if interf else None)
+        row(f"{tag}: max", max, vals)
+    w = [max(len(r[i]) for r in [*rows, hdr]) for i in range(len(hdr))]
+    fmt = "  ".join(f"{{:<{x}}}" if i == 0 else f"{{:>{x}}}" for i, x in enumerate(w))
+    lines = [fmt.format(*hdr), fmt.format(*("-" * x for x in w))]
+    lines += [fmt.format(*r) for r in rows]
+    lines.append("")
+    lines.append("bars:")
+    lines += bars
+    lines.append("")
+    lines.append("references and breakdown:")
+    lines.append("  1-core vLLM = TTFT on P and idle ITL on D hit straight (plain requests: no proxy, "
+                 "no KV transfer); what one of two 1-core colocated replicas would do at concurrency 1")
+    hd = [r.headers for r in tt[dis]]
+    try:
+        q = statistics.median(float(h["x-xpyd-queue-ms"]) for h in hd)
+        pre = statistics.median(float(h["x-xpyd-prefill-ms"]) for h in hd)
+        dttfb = statistics.median(float(h["x-xpyd-decode-ttfb-ms"]) for h in hd)
+        lines.append(f"  disaggregated TTFT split (proxy timing headers, medians): proxy queue {q:.1f} ms, "
+                     f"P answers the prefill {pre:.1f} ms, D's first byte {dttfb:.1f} ms later "
+                     f"(D's HTTP + KV load + 1-token step), the rest (client<->proxy, relay) "
+                     f"{statistics.median(t[dis]) * 1000 - q - pre - dttfb:.1f} ms")
+    except (KeyError, ValueError, statistics.StatisticsError):
+        lines.append("  (no proxy timing headers)")
+    waits = kv_waits(decode_log)
+    if waits:
+        lines.append(f"  D waited for the KV (connector log, all {len(waits)} transfers): median "
+                     f"{statistics.median(waits):.1f} ms, max {max(waits):.1f} ms")
+    lines.append(f"  one {args.bg_tokens}-token prompt (max_tokens {args.bg_max_tokens}), after warm-up: "
+                 + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in res["long_lat"].items()))
+    lines.append("victims:")
+    for interf in (False, True):
+        for name in colos + [dis] + ([] if interf else [d_ref.name]):
+            vs = res["victims"][(name, interf)]
+            gaps = sum(len(r.gaps()) for r, _ in vs)
+            toks = sum(r.chunk_tokens[-1] for r, _ in vs) / max(1, sum(len(r.chunk_times) for r, _ in vs))
+            extra = ""
+            if interf:
+                arrivals, window = 0, 0.0
+                for r, bg in vs:
+                    t_a, t_b = r.chunk_times[0], r.chunk_times[-1]
+                    arrivals += sum(1 for x in bg.sent if t_a <= x <= t_b)
+                    window += t_b - t_a
+                extra = (f"; {arrivals} long prompts arrived in {window:.1f}s of victim decode "
+                         f"({arrivals / max(window, 1e-9):.2f}/s)")
+            lines.append(f"  {name:>14}, {'long prompts' if interf else 'no load'}: {len(vs)} victims, "
+                         f"{gaps} gaps, {toks:.2f} tokens/chunk, victim TTFT median "
+                         f"{ms(statistics.median(r.ttft for r, _ in vs))} ms{extra}")
+    lines.append("")
+    lines += notes
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer samples (TTFT n=8, 2 shorter victims)")
+    ap.add_argument("--model", choices=("bench", "tiny"), default="bench")
+    ap.add_argument("--ttft-n", type=int, default=16, help="TTFT prompts per setup")
+    ap.add_argument("--ttft-tokens", type=int, default=1024)
+    ap.add_argument("--ttft-max-tokens", type=int, default=1)
+    ap.add_argument("--victims", type=int, default=4, help="victim requests per setup and condition")
+    ap.add_argument("--victim-tokens", type=int, default=None,
+                    help="default 256 (bench model), 1024 (tiny: decode steps are ~4x shorter); --quick halves it")
+    ap.add_argument("--victim-prompt-tokens", type=int, default=64)
+    ap.add_argument("--bg-tokens", type=int, default=1792, help="long prompt length (fits one 2048-token step)")
+    ap.add_argument("--bg-max-tokens", type=int, default=1)
+    ap.add_argument("--bg-concurrency", type=int, default=2, help="max long prompts in flight")
+    ap.add_argument("--bg-interval", type=float, default=-1,
+                    help="seconds between long-prompt arrivals (open loop); 0 = closed loop; "
+                         "default: auto, the slowest setup's long-prompt latency / --bg-util")
+    ap.add_argument("--bg-util", type=float, default=0.6,
+                    help="auto interval: target busy fraction of the slowest setup")
+    ap.add_argument("--bg-max-requests", type=int, default=60, help="cap per victim")
+    ap.add_argument("--bg-lead", type=float, default=0.3, help="seconds of load before the victim starts")
+    ap.add_argument("--pause", type=float, default=1.1,
+                    help="seconds between measurements: vLLM's engine and worker spin-wait for 1 s "
+                         "after each step, which would steal CPU from the next setup measured")
+    ap.add_argument("--no-omp2", action="store_true",
+                    help="skip the second colocated baseline (2 OMP threads on cores 0,1)")
+    ap.add_argument("--proxy-cpus", default=None, help="pin the proxy, e.g. 1 (default: unpinned)")
+    ap.add_argument("--startup-timeout", type=float, default=480)
+    ap.add_argument("--log-dir", default=None, help="default: a temp dir, removed after a clean run")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.victim_tokens is None:
+        args.victim_tokens = (1024 if args.model == "tiny" else 256) // (2 if args.quick else 1)
+    if args.quick:
+        args.ttft_n, args.victims = 8, 2
+    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, ROOT)] + sys.argv)
+
+    facts = machine_facts()
+    print("$ " + cmd, flush=True)
+    print(facts[0], flush=True)
+    if (os.cpu_count() or 0) < 2:
+        print("needs at least 2 CPUs (P and D on separate cores)", file=sys.stderr)
+        return 2
+
+    def on_term(signum, frame):  # stop the servers on SIGTERM too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="xpyd-bench-e2e-"))
+    servers: list[cluster.Server] = []
+    ok = False
+    try:
+        t0 = time.monotonic()
+        model = ensure_model(args.model)
+        prompts = Prompts(model, args.seed)
+        mcfg = json.loads((model / "config.json").read_text())
+        disc = cluster.free_port()
+        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir)
+        servers.append(proxy)
+        common = {"model": model, "log_dir": log_dir}
+        # VLLM_CPU_OMP_THREADS_BIND is explicit everywhere. Note "a|b" means one list per
+        # rank: start_vllm's default for cpus="0,1" is "0|1", which gives rank 0 core 0 only.
+        # colocated-1omp: what vLLM's own "auto" binding picks on this 2-core box (one OMP
+        # thread, the other core left to the API server and scheduler), all of its
+        # processes allowed on both cores.
+        colos = [cluster.start_vllm("colocated-1omp", cluster.free_port(), cpus="0,1",
+                                    env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, **common)]
+        if not args.no_omp2:  # both cores for the OMP threads
+            colos.append(cluster.start_vllm("colocated-2omp", cluster.free_port(), cpus="0,1",
+                                            env={"VLLM_CPU_OMP_THREADS_BIND": "0,1"}, **common))
+        servers += colos
+        p_port, d_port = cluster.free_port(), cluster.free_port()
+        prefill = cluster.start_vllm(
+            "prefill", p_port, cpus="0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+            kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p_port, disc), **common)
+        servers.append(prefill)
+        decode = cluster.start_vllm(
+            "decode", d_port, cpus="1", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc), **common)
+        servers.append(decode)
+        proxy_where = f"cores {args.proxy_cpus}" if args.proxy_cpus else "unpinned"
+        print(f"starting {', '.join(c.name for c in colos)} (cores 0,1), prefill (core 0), decode (core 1), "
+              f"proxy ({proxy_where}); model {model.name}; logs in {log_dir} ...", flush=True)
+        cluster.wait_until([proxy], "/health", 60)
+        if args.proxy_cpus:
+            pin_process_tree(proxy.proc.pid, {int(c) for c in args.proxy_cpus.split(",")})
+        cluster.wait_until(colos + [prefill, decode], "/health", args.startup_timeout)
+        deadline = time.monotonic() + 60
+        while cluster.http_get(proxy.url + "/ready")[0] != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError("proxy never saw P and D register")
+            time.sleep(0.3)
+        print(f"  servers up ({time.monotonic() - t0:.0f}s)", flush=True)
+        binds = []
+        for s in colos + [prefill, decode]:
+            line = next((ln for ln in s.log().splitlines() if "local_rank=0, core ids=" in ln), "?")
+            binds.append(f"{s.name} {line.split('local_rank=0, ')[-1].strip()}")
+        setups = [Setup(c.name, c.url) for c in colos] + [Setup("disaggregated", proxy.url)]
+        p_ref, d_ref = Setup("P alone", prefill.url), Setup("D alone", decode.url)
+        meter = CpuMeter([srv.proc.pid for srv in servers])
+        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts))
+        cpu_line = meter.report()
+        notes = facts + [
+            f"model {model.name}: Llama, hidden {mcfg['hidden_size']}, {mcfg['num_hidden_layers']} layers, "
+            f"{mcfg['num_attention_heads']} heads / {mcfg['num_key_value_heads']} KV heads, "
+            f"intermediate {mcfg['intermediate_size']}, vocab {mcfg['vocab_size']}; bf16, --enforce-eager, "
+            "default max-num-batched-tokens (2048 on CPU), prefix caching on",
+            "OMP threads (from the logs): " + "; ".join(binds)
+            + f"; all colocated processes on cores 0,1; proxy {proxy_where}; load generator unpinned",
+            f"TTFT: {args.ttft_n} distinct prompts, the same text to each setup, rotating order, "
+            f"max_tokens {args.ttft_max_tokens}, time to the first SSE chunk with a token",
+            f"ITL: {args.victims} victims per setup/condition, {args.victim_prompt_tokens}-token prompt, "
+            f"{args.victim_tokens} tokens (ignore_eos), gaps between successive SSE chunks; load = "
+            f"{args.bg_tokens}-token prompts, max_tokens {args.bg_max_tokens}, "
+            + (f"one every {args.bg_interval}s (open loop, <= {args.bg_concurrency} in flight)"
+               if args.bg_interval > 0 else f"{args.bg_concurrency} back to back (closed loop)")
+            + ", to the colocated server / through the proxy",
+            (f"load average at end {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+             f"total {time.monotonic() - t0:.0f}s; {cpu_line}"),
+        ]
+        print(flush=True)
+        for line in report(args, res, setups, p_ref, d_ref, decode.log(), notes):
+            print(line, flush=True)
+        ok = True
+        return 0
+    except KeyboardInterrupt:
+        print(f"interrupted; stopping servers (logs in {log_dir})", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - reported; the servers are stopped below
+        print(f"bench failed: {type(e).__name__}: {e}\nlogs kept in {log_dir}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s in reversed(servers):
+            try:
+                s.stop()
+            except Exception as e:  # noqa: BLE001 - keep stopping the others
+                print(f"stopping {s.name}: {e}", file=sys.stderr)
+        if ok and not args.log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
