@@ -59,6 +59,7 @@ def test_disaggregated_equals_colocated(sys_: E2ECluster, tokenizer, n_tokens, e
         usage = last["usage"]
         xpyd = last["kv_transfer_params"]["xpyd"]
         assert xpyd["loaded_tokens"] == usage["prompt_tokens"] - 1
+        assert xpyd["load_failed"] is False
 
 
 def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer):
@@ -128,6 +129,9 @@ def test_decode_recomputes_when_kv_never_comes(sys_: E2ECluster, tokenizer):
     assert got == want
     assert e2e_cluster.KV_LOAD_TIMEOUT_S * 0.9 <= elapsed <= e2e_cluster.KV_LOAD_TIMEOUT_S + 15
     assert "kv load timed out" in sys_.decode.log()
+    # The response says the load failed (D recomputed), not that it loaded the prompt.
+    assert data["kv_transfer_params"]["xpyd"]["load_failed"] is True
+    assert data["kv_transfer_params"]["xpyd"]["loaded_tokens"] == 0
     assert poll(lambda: _idle(sys_, sys_.decode), timeout=5)
 
 
