@@ -143,6 +143,15 @@ def assert_loaded(cons: KVEngine, before: dict, prod: KVEngine, dst_ids, src_ids
         assert torch.equal(bits(cache[others]), bits(before[name][others]))
 
 
+def load_and_check(cons: KVEngine, prod: KVEngine, before: dict) -> None:
+    """D loads the prompt's blocks 2.. (a 2-block local hit) into (7, 2, 11); they must
+    arrive intact and nothing else may change."""
+    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+
+
 def snapshot(caches: dict) -> dict:
     return {k: v.clone() for k, v in caches.items()}
 
@@ -209,10 +218,7 @@ def test_put_sync_roundtrip(engines):
     assert cons.stats()["recv_items"] == 1
     assert prod.stats() == ZERO
     assert prod.poll({"P-req"}).finished_sending == set()  # blocks were never held
-    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
-    assert res.failed_recving == set()
-    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    load_and_check(cons, prod, dst_before)
     assert cons.stats() == ZERO
 
 
@@ -256,10 +262,7 @@ def test_rank_addressing(engines):
     assert cons.address == f"{HOST}:{cons.cfg.kv_port + 1}"
     dst_before = snapshot(cons.caches)
     prod.save(save_spec(prod, rank0(cons)))
-    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
-    assert res.failed_recving == set()
-    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    load_and_check(cons, prod, dst_before)
 
 
 def test_debug_corruption_zeroes_the_loaded_blocks(engines):
@@ -425,10 +428,7 @@ def test_sender_survives_a_failing_send(engines):
     prod.save(save_spec(prod, rank0(cons)))
     res, _ = poll_until(prod, lambda r: r.finished_sending == {"bad", "P-req"}, finished={"bad", "P-req"})
     dst_before = snapshot(cons.caches)
-    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
-    assert res.failed_recving == set()
-    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    load_and_check(cons, prod, dst_before)
     assert cons.stats() == ZERO and prod.stats() == ZERO
 
 
@@ -538,10 +538,7 @@ def test_malformed_control_messages(engines, client):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     before = snapshot(cons.caches)
     prod.save(save_spec(prod, rank0(cons)))
-    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
-    assert res.failed_recving == set()
-    assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+    load_and_check(cons, prod, before)
     assert call({"op": "stats"}) == {"ok": True, **ZERO}
 
 
@@ -636,10 +633,7 @@ def test_strided_layout_roundtrip(engines):
     assert not prod.block_layout.contiguous_blocks
     before = snapshot(cons.caches)
     prod.save(save_spec(prod, rank0(cons)))
-    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
-    assert res.failed_recving == set()
-    assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+    load_and_check(cons, prod, before)
 
 
 def test_close_is_prompt(engines):
@@ -711,7 +705,4 @@ def test_cuda_caches_roundtrip_over_tcp(engines, send_type):
     cons = engines("kv_consumer", send_type, caches=cons_caches)
     dst_before = snapshot(cons.caches)
     prod.save(save_spec(prod, rank0(cons), delay_free=send_type == "PUT_ASYNC"))
-    cons.add_load(load_spec(rank0(prod), (7, 2, 11), 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
-    assert res.failed_recving == set()
-    assert_loaded(cons, dst_before, prod, (7, 2, 11), SRC_IDS[2:])
+    load_and_check(cons, prod, dst_before)
