@@ -19,12 +19,20 @@ from connector.log import get_logger
 logger = get_logger(__name__)
 
 
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @dataclass(slots=True)
 class Payload:
     header: dict[str, Any]
     tensors: list[torch.Tensor]
     nbytes: int
     created: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(cls, header: dict[str, Any], tensors: list[torch.Tensor]) -> "Payload":
+        return cls(header, tensors, tensor_bytes(tensors))
 
 
 class KVBuffer:

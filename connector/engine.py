@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from connector import layout as kvlayout
-from connector.buffer import KVBuffer, Payload
+from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
@@ -44,7 +44,6 @@ _SWEEP_S = 0.5
 class _Send:
     spec: SaveSpec
     done: threading.Event = field(default_factory=threading.Event)
-    ok: bool = False
     # queued -> sending -> done, or queued -> cancelled (preempted before it
     # started: its blocks are about to be reused, so it must never start).
     state: str = "queued"
@@ -151,8 +150,7 @@ class KVEngine:
             key = header.get("key")
             if not isinstance(key, str):
                 return {"ok": False, "error": "put without key"}, []
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            refused = self._recv.put(key, Payload(header, tensors, nbytes))
+            refused = self._recv.put(key, Payload.of(header, tensors))
             if refused:
                 logger.warning("refused kv transfer=%s reason=%s", key, refused)
                 return {"ok": False, "error": refused}, []
@@ -204,8 +202,7 @@ class KVEngine:
         """Called after the forward pass that completed the prompt."""
         if self._cfg.send_type == "GET":
             header, tensors = self._payload(spec, copy=True)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            refused = self._sendbuf.put(spec.transfer_key, Payload(header, tensors, nbytes))
+            refused = self._sendbuf.put(spec.transfer_key, Payload.of(header, tensors))
             if refused:
                 logger.warning("GET buffer refused transfer=%s reason=%s", spec.transfer_key, refused)
             return
@@ -243,12 +240,11 @@ class KVEngine:
         try:
             header, tensors = self._payload(spec, copy=False)
             reply, _ = self._transport.call(peer, header, tensors, timeout_s=self._cfg.send_timeout_s)
-            send.ok = bool(reply.get("ok"))
-            if not send.ok:
+            if not reply.get("ok"):
                 logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
                                spec.req_id, spec.transfer_key, peer, reply.get("error"))
             else:
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                nbytes = tensor_bytes(tensors)
                 logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ms=%.1f",
                             spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
                             nbytes, peer, (time.monotonic() - t0) * 1e3)
@@ -301,8 +297,7 @@ class KVEngine:
                 continue
             if reply.get("ok"):
                 header = {k: v for k, v in reply.items() if k != "ok"}
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                refused = self._recv.put(spec.transfer_key, Payload(header, tensors, nbytes))
+                refused = self._recv.put(spec.transfer_key, Payload.of(header, tensors))
                 if refused:
                     logger.warning("kv get refused locally transfer=%s reason=%s", spec.transfer_key, refused)
                 try:
