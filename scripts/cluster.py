@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,6 @@ class Server:
     proc: subprocess.Popen
     log_path: Path
     kv_port: int | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -122,6 +121,21 @@ def kv_transfer_config(
     }
 
 
+def _spawn(name: str, port: int, cmd: list[str], log_dir: Path, env: dict[str, str],
+           drop_env: tuple[str, ...] = (), kv_port: int | None = None) -> Server:
+    """Start cmd in its own session (so stop() can signal the whole group), output
+    to log_dir/name.log, with this repo importable in every child process."""
+    penv = {k: v for k, v in os.environ.items() if k not in drop_env}
+    penv["PYTHONPATH"] = f"{ROOT}{os.pathsep}{penv.get('PYTHONPATH', '')}"
+    penv.update(env)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=penv,
+                                start_new_session=True, cwd=ROOT)
+    return Server(name, port, proc, log_path, kv_port=kv_port)
+
+
 def start_vllm(
     name: str,
     port: int,
@@ -147,35 +161,20 @@ def start_vllm(
     cmd += extra_args or []
     if cpus:
         cmd = ["taskset", "-c", cpus] + cmd
-    penv = dict(os.environ)
-    penv.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the byte flag
-    # One list for a single-rank server ("0,1"); "|" would separate per-rank lists.
-    penv.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus or "nobind")
-    penv.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    penv["PYTHONPATH"] = f"{ROOT}{os.pathsep}{penv.get('PYTHONPATH', '')}"
-    penv.update(env or {})
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{name}.log"
-    logf = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=penv,
-                            start_new_session=True, cwd=ROOT)
-    logf.close()
-    return Server(name, port, proc, log_path,
+    penv = {
+        # One list for a single-rank server ("0,1"); "|" would separate per-rank lists.
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus or "nobind"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+        **(env or {}),
+    }
+    return _spawn(name, port, cmd, log_dir, penv, drop_env=("VLLM_CPU_KVCACHE_SPACE",),  # overrides the byte flag
                   kv_port=(kv_config or {}).get("kv_port"))
 
 
 def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[str] | None = None) -> Server:
     cmd = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
            "--discovery-host", HOST, "--discovery-port", str(discovery_port)] + (extra_args or [])
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / "proxy.log"
-    logf = open(log_path, "wb")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, cwd=ROOT)
-    logf.close()
-    return Server("proxy", port, proc, log_path)
+    return _spawn("proxy", port, cmd, log_dir, {})
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -203,17 +202,6 @@ def wait_until(servers: list[Server], path: str, timeout: float) -> None:
             raise TimeoutError(f"not ready after {timeout}s: {[s.name for s in pending]}")
         if pending:
             time.sleep(0.5)
-
-
-def post_json(url: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[int, dict]:
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (loopback)
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
 
 
 def up(args: argparse.Namespace) -> int:
