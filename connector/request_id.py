@@ -1,28 +1,57 @@
-"""Transfer identity: P and D agree on a key although vLLM gives them different
-engine request ids (it appends a random suffix per instance).
+"""The request-id wire format, built (proxy) and parsed (connector) here only.
 
 The proxy sends ``X-Request-Id: ___prefill_addr_{P}___decode_addr_{D}_{uuid hex}``
-to both. vLLM embeds that in the engine id (``cmpl-<id>-0-<8 hex>`` for
-completions, ``chatcmpl-<id>-<8 hex>`` for chat), so we search for the pattern
-rather than strip known prefixes: the same code handles both endpoints and any
-future prefix. The 32-hex uuid is the transfer key.
+to P and D. vLLM turns that header into engine ids of its own:
+
+- completions: ``cmpl-{id}-{prompt index}-{8 hex}`` (one per prompt of a batch),
+- chat: ``chatcmpl-{id}-{8 hex}``,
+- ``n > 1``: children ``{child index}_{parent id}`` of each of those,
+- with ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` the ``-{8 hex}`` suffix is absent.
+
+The random suffix differs between P and D, so the transfer key is the uuid plus
+the prompt index: every prompt of a batch has its own transfer, and the ``n``
+children of one prompt share one. We search for the pattern rather than strip
+known prefixes, so the same code handles every endpoint and future prefixes.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
+# A prompt index has at most 7 digits, the random suffix exactly 8 hex digits:
+# that tells a completion's "-{index}" from a chat's all-digit "-{suffix}".
 _PATTERN = re.compile(
-    r"___prefill_addr_(?P<prefill>[^\s]+?:\d+)___decode_addr_(?P<decode>[^\s]+?:\d+)_(?P<key>[0-9a-f]{32})"
+    r"___prefill_addr_(?P<prefill>\S+?:\d+)___decode_addr_(?P<decode>\S+?:\d+)"
+    r"_(?P<uuid>[0-9a-f]{32})(?:-(?P<index>\d{1,7}))?(?:-[0-9a-f]{8})?$"
 )
 
 
 @dataclass(frozen=True, slots=True)
 class TransferId:
-    key: str  # the proxy's uuid hex; identical on P and D
+    uuid: str  # the proxy's uuid hex; identical on P and D
+    prompt_index: int  # which prompt of a batch (0 for chat and single prompts)
     prefill_addr: str  # P's kv host:port (rank 0)
     decode_addr: str  # D's kv host:port (rank 0)
+
+    @property
+    def key(self) -> str:
+        """What P and D call this transfer: one per prompt, shared by its n children."""
+        return f"{self.uuid}-{self.prompt_index}"
+
+
+def new_uuid() -> str:
+    """uuid.uuid4().hex without building a UUID object (a third of the cost)."""
+    b = bytearray(os.urandom(16))
+    b[6] = (b[6] & 0x0F) | 0x40  # version 4
+    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
+    return b.hex()
+
+
+def build(prefill_addr: str, decode_addr: str, uuid: str | None = None) -> str:
+    """The X-Request-Id the proxy sends to P and D for one client request."""
+    return f"___prefill_addr_{prefill_addr}___decode_addr_{decode_addr}_{uuid or new_uuid()}"
 
 
 def parse(request_id: str) -> TransferId | None:
@@ -30,7 +59,12 @@ def parse(request_id: str) -> TransferId | None:
     m = _PATTERN.search(request_id)
     if m is None:
         return None
-    return TransferId(key=m["key"], prefill_addr=m["prefill"], decode_addr=m["decode"])
+    return TransferId(
+        uuid=m["uuid"],
+        prompt_index=int(m["index"] or 0),
+        prefill_addr=m["prefill"],
+        decode_addr=m["decode"],
+    )
 
 
 def rank_address(addr: str, rank: int) -> str:

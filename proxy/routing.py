@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from connector import request_id
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, sse_error_event, upstream_error_body
 from proxy.metrics import Metrics
@@ -149,20 +149,15 @@ def prefill_body(kind: str, body: dict) -> dict:
     # vLLM rejects min_tokens > max_tokens; prefill only needs one token anyway.
     if pre.get("min_tokens"):
         pre.pop("min_tokens")
+    # The n samples of a prompt share its KV: P computes the prompt once, D fans out.
+    pre.pop("n", None)
+    pre.pop("best_of", None)
     return pre
-
-
-def uuid4_hex() -> str:
-    """uuid.uuid4().hex without building a UUID object (a third of the cost)."""
-    b = bytearray(os.urandom(16))
-    b[6] = (b[6] & 0x0F) | 0x40  # version 4
-    b[8] = (b[8] & 0x3F) | 0x80  # RFC 4122 variant
-    return b.hex()
 
 
 def make_request_id(prefill: Instance, decode: Instance) -> str:
     # The connector parses this exact shape to learn where the KV cache goes.
-    return f"___prefill_addr_{prefill.zmq_address}___decode_addr_{decode.zmq_address}_{uuid4_hex()}"
+    return request_id.build(prefill.zmq_address, decode.zmq_address)
 
 
 class _Endpoint:

@@ -24,17 +24,18 @@ XID = f"___prefill_addr_{P_ADDR}___decode_addr_{D_ADDR}_{KEY}"
 
 
 @pytest.mark.parametrize(
-    "engine_id",
+    "engine_id, index",
     [
-        f"cmpl-{XID}-0-1a2b3c4d",  # /v1/completions
-        f"chatcmpl-{XID}-1a2b3c4d",  # /v1/chat/completions
-        XID,  # bare (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
-        f"future-prefix-{XID}-7-deadbeef",
+        (f"cmpl-{XID}-0-1a2b3c4d", 0),  # /v1/completions
+        (f"chatcmpl-{XID}-1a2b3c4d", 0),  # /v1/chat/completions
+        (XID, 0),  # bare (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
+        (f"future-prefix-{XID}-7-deadbeef", 7),
     ],
 )
-def test_parse_completion_and_chat_ids(engine_id):
+def test_parse_completion_and_chat_ids(engine_id, index):
     tid = request_id.parse(engine_id)
-    assert tid == request_id.TransferId(key=KEY, prefill_addr=P_ADDR, decode_addr=D_ADDR)
+    assert tid == request_id.TransferId(uuid=KEY, prompt_index=index, prefill_addr=P_ADDR, decode_addr=D_ADDR)
+    assert tid.key == f"{KEY}-{index}"
 
 
 def test_parse_same_key_on_both_instances():
@@ -47,7 +48,7 @@ def test_parse_same_key_on_both_instances():
 def test_parse_hostnames_and_ipv6():
     tid = request_id.parse(f"cmpl-___prefill_addr_p-host.local:9000___decode_addr_[::1]:9100_{KEY}-0-12345678")
     assert tid is not None
-    assert (tid.prefill_addr, tid.decode_addr, tid.key) == ("p-host.local:9000", "[::1]:9100", KEY)
+    assert (tid.prefill_addr, tid.decode_addr, tid.uuid) == ("p-host.local:9000", "[::1]:9100", KEY)
 
 
 @pytest.mark.parametrize(
@@ -236,12 +237,13 @@ def test_buffer_put_pop_and_accounting():
     assert buf.used_bytes == 60 and len(buf) == 1 and buf.contains("a")
     assert "duplicate" in buf.put("a", _payload(10))
     assert "full" in buf.put("b", _payload(41))  # 60 + 41 > 100
-    assert buf.put("b", _payload(40)) is None  # exactly full is fine
+    assert "full" in buf.failure("b")  # a load waiting for "b" fails at once
+    assert buf.put("c", _payload(40)) is None  # exactly full is fine
     assert buf.used_bytes == 100
     assert buf.pop("a").nbytes == 60
     assert buf.pop("a") is None
     assert buf.used_bytes == 40 and len(buf) == 1
-    buf.pop("b")
+    buf.pop("c")
     assert buf.used_bytes == 0 and len(buf) == 0
 
 
@@ -270,6 +272,50 @@ def test_buffer_ttl_expiry():
     assert buf.used_bytes == 0 and len(buf) == 0
 
 
+def test_buffer_reservation_bounds_memory_before_the_bytes_come():
+    buf = KVBuffer("t", capacity_bytes=100, ttl_s=60)
+    assert buf.reserve("a", 70) is None
+    assert buf.reserved_bytes == 70 and buf.used_bytes == 0
+    assert "full" in buf.reserve("b", 31)  # 70 promised + 31 > 100, refused before any byte
+    assert "full" in buf.failure("b")
+    assert "duplicate" in buf.reserve("a", 1)
+    assert buf.put("a", _payload(70)) is None  # fills its reservation
+    assert (buf.reserved_bytes, buf.used_bytes) == (0, 70)
+    assert buf.failure("a") is None
+
+
+def test_buffer_payload_must_match_its_reservation():
+    buf = KVBuffer("t", capacity_bytes=100, ttl_s=60)
+    buf.reserve("a", 10)
+    assert "does not match" in buf.put("a", _payload(11))
+    assert buf.reserved_bytes == 0 and buf.used_bytes == 0
+    assert "does not match" in buf.failure("a")
+
+
+def test_buffer_fail_is_ignored_once_the_payload_is_here():
+    buf = KVBuffer("t", capacity_bytes=100, ttl_s=60)
+    buf.put("here", _payload(10))
+    assert buf.fail("here", "sender gave up") is False
+    assert buf.failure("here") is None and buf.contains("here")
+    buf.reserve("coming", 20)
+    assert buf.fail("coming", "sender gave up: timeout") is True
+    assert buf.reserved_bytes == 0 and buf.failure("coming") == "sender gave up: timeout"
+    assert "already failed" in buf.put("coming", _payload(20))  # a late payload is not kept
+
+
+def test_buffer_expiry_records_why():
+    buf = KVBuffer("t", capacity_bytes=100, ttl_s=5, reservation_ttl_s=1)
+    now = time.monotonic()
+    buf.put("old", _payload(10, created=now - 10))
+    buf.reserve("stalled", 10)
+    assert sorted(buf.expire(now + 2)) == ["old", "stalled"]
+    assert "TTL" in buf.failure("old")
+    assert "never came" in buf.failure("stalled")
+    assert (buf.used_bytes, buf.reserved_bytes) == (0, 0)
+    buf.expire(now + 20)  # failure records live one TTL
+    assert buf.failure("old") is None
+
+
 # ---------------------------------------------------------------- facade
 
 
@@ -285,3 +331,10 @@ def test_facade_imports_and_is_a_vllm_connector():
 
     with pytest.raises(AttributeError):
         connector.NoSuchThing  # noqa: B018
+
+
+def test_facade_declines_sleep_mode():
+    """vLLM 0.33 asks; sleep mode would free the caches our engine serves from."""
+    from connector import P2pNcclConnector
+
+    assert P2pNcclConnector.supports_sleep_mode(None) is False

@@ -192,7 +192,8 @@ def test_prefill_body_completions():
         "temperature": 0.5,
     }
     pre = prefill_body(COMPLETIONS, body)
-    assert pre == {"prompt": "a", "max_tokens": 1, "stream": False, "n": 2, "temperature": 0.5}
+    # n samples share one prompt: P computes it once (n dropped), D fans out.
+    assert pre == {"prompt": "a", "max_tokens": 1, "stream": False, "temperature": 0.5}
     assert body["max_tokens"] == 50 and body["stream"] is True  # original untouched
 
 

@@ -1,0 +1,56 @@
+"""The request-id wire format: what the proxy builds, the connector parses back,
+through every engine-id shape vLLM makes of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector import request_id
+
+P, D = "127.0.0.1:21001", "[::1]:22001"
+
+
+def test_build_then_parse_round_trips():
+    u = request_id.new_uuid()
+    rid = request_id.build(P, D, u)
+    tid = request_id.parse(rid)
+    assert tid == request_id.TransferId(uuid=u, prompt_index=0, prefill_addr=P, decode_addr=D)
+    assert tid.key == f"{u}-0"
+    assert request_id.build(P, D) != request_id.build(P, D)  # fresh uuid each time
+
+
+@pytest.mark.parametrize(
+    "shape, index",
+    [
+        ("cmpl-{id}-0-1a2b3c4d", 0),  # completions, randomised (vLLM's default)
+        ("cmpl-{id}-1-1a2b3c4d", 1),  # second prompt of a batch
+        ("cmpl-{id}-12-00000000", 12),
+        ("chatcmpl-{id}-1a2b3c4d", 0),  # chat
+        ("chatcmpl-{id}-12345678", 0),  # chat whose random suffix is all digits
+        ("cmpl-{id}-3", 3),  # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
+        ("chatcmpl-{id}", 0),
+        ("1_cmpl-{id}-2-deadbeef", 2),  # child 1 of n>1, prompt 2
+        ("0_chatcmpl-{id}-deadbeef", 0),
+        ("{id}", 0),  # the header itself
+    ],
+)
+def test_engine_id_shapes(shape, index):
+    u = request_id.new_uuid()
+    tid = request_id.parse(shape.format(id=request_id.build(P, D, u)))
+    assert tid is not None
+    assert (tid.uuid, tid.prompt_index, tid.prefill_addr, tid.decode_addr) == (u, index, P, D)
+
+
+def test_children_of_one_prompt_share_a_key_and_prompts_do_not():
+    rid = request_id.build(P, D)
+    keys = {request_id.parse(f"{c}_cmpl-{rid}-0-abcdef01").key for c in range(3)}
+    assert len(keys) == 1
+    assert request_id.parse(f"cmpl-{rid}-1-abcdef01").key not in keys
+
+
+@pytest.mark.parametrize("rid", ["cmpl-plain-0-1a2b3c4d", "", "___prefill_addr_x:1___decode_addr_y:2_nothex",
+                                 "___prefill_addr_x:1___decode_addr_y:2_" + "a" * 32 + "-0-1a2b3c4d-junk"])
+def test_plain_or_malformed_ids_are_not_transfers(rid):
+    assert request_id.parse(rid) is None
+
+
