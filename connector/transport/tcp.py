@@ -32,6 +32,8 @@ import numpy as np
 import torch
 import zmq
 
+from connector.affinity import CpuPlan, pin_current_thread
+
 from .base import Handler, Transport, TransportError
 
 __all__ = ["TcpTransport"]
@@ -195,6 +197,9 @@ class TcpTransport(Transport):
         sock_buf_bytes: SO_SNDBUF/SO_RCVBUF; ``None`` keeps the kernel's autotuning.
         max_idle_per_peer: idle client sockets kept per peer for reuse.
         poll_interval_s: how often the server thread checks for ``close()``.
+        cpus: CPUs for the server thread and libzmq's I/O threads (see ``connector.affinity``).
+        max_msg_bytes: the server drops (and disconnects) a peer sending a larger frame,
+            so a rogue peer cannot make it allocate more than the KV buffer allows.
     """
 
     name = "tcp"
@@ -206,12 +211,20 @@ class TcpTransport(Transport):
         sock_buf_bytes: int | None = None,
         max_idle_per_peer: int = 4,
         poll_interval_s: float = 0.05,
+        cpus: CpuPlan | None = None,
+        max_msg_bytes: int | None = None,
     ) -> None:
         self._hwm = hwm
+        self._cpus = cpus
+        self._max_msg_bytes = max_msg_bytes
         self._sock_buf_bytes = sock_buf_bytes
         self._max_idle = max_idle_per_peer
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._ctx = zmq.Context(io_threads=1)
+        if cpus is not None:
+            # libzmq starts its I/O threads with the first socket: set before that.
+            for cpu in sorted(cpus.cpus):
+                self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._lock = threading.Lock()  # guards everything below
         self._idle: dict[str, list[zmq.Socket]] = {}
         self._inflight = 0
@@ -253,6 +266,8 @@ class TcpTransport(Transport):
         sock = self._ctx.socket(zmq.ROUTER)
         try:
             self._configure(sock, bind_host.strip("[]"))
+            if self._max_msg_bytes:
+                sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)
             if port == 0:
                 self.bound_port = sock.bind_to_random_port(f"tcp://{bind_host}")
             else:
@@ -271,6 +286,7 @@ class TcpTransport(Transport):
         logger.info("tcp transport serving", extra={"bind": f"{bind_host}:{self.bound_port}"})
 
     def _serve(self, sock: zmq.Socket, handler: Handler) -> None:
+        pin_current_thread(self._cpus)
         try:
             while not self._stop.is_set():
                 try:
