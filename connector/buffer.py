@@ -1,8 +1,15 @@
 """A byte-accounted, TTL-bounded store of KV payloads keyed by transfer key.
 
-D keeps what P pushed until the matching request asks for it; P (GET mode)
-keeps copies until D pulls them. Both sides are touched by the transport's
+D keeps what P pushed until the matching requests took it; P (GET mode) keeps
+copies until D pulls them. Memory is bounded *before* it is spent: a sender
+first reserves the payload's size (``reserve``), and only then ships the bytes
+(``put`` fills the reservation). Both sides are touched by the transport's
 server thread and the vLLM worker thread, hence the lock.
+
+Besides payloads it remembers, for a TTL, two kinds of keys:
+- tombstones: the transfer's requests are gone; a late payload is dropped.
+- failures: the transfer will not come (refused, expired, given up by the
+  sender); a load waiting for it fails at once instead of at its deadline.
 """
 
 from __future__ import annotations
@@ -35,39 +42,91 @@ class Payload:
         return cls(header, tensors, tensor_bytes(tensors))
 
 
+@dataclass(slots=True)
+class _Reservation:
+    nbytes: int
+    expires: float
+
+
 class KVBuffer:
-    def __init__(self, name: str, capacity_bytes: int, ttl_s: float) -> None:
+    def __init__(self, name: str, capacity_bytes: int, ttl_s: float, reservation_ttl_s: float | None = None) -> None:
         self._name = name
         self._capacity = capacity_bytes
         self._ttl = ttl_s
+        self._reservation_ttl = reservation_ttl_s if reservation_ttl_s is not None else ttl_s
         self._lock = threading.Lock()
         self._items: dict[str, Payload] = {}
-        self._used = 0
-        # Keys whose request is gone: a late payload for them is dropped, not kept
-        # until the TTL. Maps key -> expiry (monotonic).
-        self._tombstones: dict[str, float] = {}
+        self._reserved: dict[str, _Reservation] = {}
+        self._used = 0  # bytes of stored payloads
+        self._reserved_bytes = 0  # bytes promised to payloads on their way
+        self._tombstones: dict[str, float] = {}  # key -> expiry
+        self._failures: dict[str, tuple[str, float]] = {}  # key -> (reason, expiry)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
 
     @property
     def used_bytes(self) -> int:
         with self._lock:
             return self._used
 
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved_bytes
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
 
-    def put(self, key: str, payload: Payload) -> str | None:
-        """Store a payload; returns None on success or the reason it was refused."""
+    def _fail_locked(self, key: str, reason: str) -> None:
+        self._failures[key] = (reason, time.monotonic() + self._ttl)
+
+    def _refusal_locked(self, key: str, nbytes: int) -> str | None:
+        if key in self._tombstones:
+            return "request already gone"
+        if key in self._items or key in self._reserved:
+            return "duplicate transfer"
+        if key in self._failures:
+            return f"transfer already failed: {self._failures[key][0]}"
+        if self._used + self._reserved_bytes + nbytes > self._capacity:
+            return (f"{self._name} buffer full ({self._used}+{self._reserved_bytes} reserved"
+                    f"+{nbytes} > {self._capacity} bytes)")
+        return None
+
+    def reserve(self, key: str, nbytes: int) -> str | None:
+        """Promise room for a payload of nbytes; None, or why not. A transfer
+        refused for room is recorded as failed: its load must not wait for it."""
         with self._lock:
-            if key in self._tombstones:
-                return "request already gone"
-            if key in self._items:
-                return "duplicate transfer"
-            if self._used + payload.nbytes > self._capacity:
-                return (
-                    f"{self._name} buffer full ({self._used}+{payload.nbytes}"
-                    f" > {self._capacity} bytes)"
-                )
+            refused = self._refusal_locked(key, nbytes)
+            if refused is None:
+                self._reserved[key] = _Reservation(nbytes, time.monotonic() + self._reservation_ttl)
+                self._reserved_bytes += nbytes
+            elif refused.startswith(f"{self._name} buffer full"):
+                self._fail_locked(key, refused)
+            return refused
+
+    def put(self, key: str, payload: Payload) -> str | None:
+        """Store a payload into its reservation (or, unreserved, if it fits);
+        returns None on success or the reason it was refused."""
+        with self._lock:
+            res = self._reserved.get(key)
+            if res is not None:
+                if payload.nbytes != res.nbytes:
+                    del self._reserved[key]
+                    self._reserved_bytes -= res.nbytes
+                    reason = f"payload of {payload.nbytes} bytes does not match its reservation of {res.nbytes}"
+                    self._fail_locked(key, reason)
+                    return reason
+                del self._reserved[key]
+                self._reserved_bytes -= res.nbytes
+            else:
+                refused = self._refusal_locked(key, payload.nbytes)
+                if refused is not None:
+                    if refused.startswith(f"{self._name} buffer full"):
+                        self._fail_locked(key, refused)
+                    return refused
             self._items[key] = payload
             self._used += payload.nbytes
             return None
@@ -87,27 +146,56 @@ class KVBuffer:
         with self._lock:
             return key in self._items
 
+    def fail(self, key: str, reason: str) -> bool:
+        """The sender says this transfer will not come. Ignored (False) when the
+        payload is already here: what arrived is still good."""
+        with self._lock:
+            if key in self._items:
+                return False
+            res = self._reserved.pop(key, None)
+            if res is not None:
+                self._reserved_bytes -= res.nbytes
+            self._fail_locked(key, reason)
+            return True
+
+    def failure(self, key: str) -> str | None:
+        """Why this transfer will not come, or None."""
+        with self._lock:
+            f = self._failures.get(key)
+            return f[0] if f else None
+
     def discard(self, key: str) -> None:
-        """Drop a payload and refuse later ones for the same key."""
+        """Drop a payload (or its reservation) and refuse later ones for the same key."""
         with self._lock:
             p = self._items.pop(key, None)
             if p is not None:
                 self._used -= p.nbytes
+            res = self._reserved.pop(key, None)
+            if res is not None:
+                self._reserved_bytes -= res.nbytes
             self._tombstones[key] = time.monotonic() + self._ttl
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Drop payloads older than the TTL; returns their keys."""
+        """Drop payloads older than the TTL and reservations whose bytes never
+        came; both are recorded as failed. Returns the dropped keys."""
         now = time.monotonic() if now is None else now
-        dropped: list[str] = []
+        dropped: list[tuple[str, str]] = []
         with self._lock:
             for key, p in list(self._items.items()):
                 if now - p.created > self._ttl:
                     del self._items[key]
                     self._used -= p.nbytes
-                    dropped.append(key)
-            for key, until in list(self._tombstones.items()):
-                if until < now:
-                    del self._tombstones[key]
-        for key in dropped:
-            logger.warning("kv buffer=%s dropped expired transfer=%s", self._name, key)
-        return dropped
+                    dropped.append((key, f"dropped after the {self._ttl:g}s TTL"))
+            for key, res in list(self._reserved.items()):
+                if res.expires < now:
+                    del self._reserved[key]
+                    self._reserved_bytes -= res.nbytes
+                    dropped.append((key, "reserved, but the payload never came"))
+            for key, reason in dropped:
+                self._failures[key] = (reason, now + self._ttl)
+            for table in (self._tombstones, self._failures):
+                for key in [k for k, v in table.items() if (v if isinstance(v, float) else v[1]) < now]:
+                    del table[key]
+        for key, reason in dropped:
+            logger.warning("kv buffer=%s dropped expired transfer=%s (%s)", self._name, key, reason)
+        return [k for k, _ in dropped]

@@ -43,6 +43,12 @@ def _worker_rank() -> int:
 class P2pNcclConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33: sleep mode frees the KV cache our engine holds views of and
+        serves to peers; unregister/restore are not implemented yet, so no."""
+        return False
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)

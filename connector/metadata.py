@@ -37,6 +37,8 @@ class LoadSpec:
     dst_block_ids: tuple[int, ...]
     first_block: int
     num_tokens: int  # tokens loaded (prompt minus local hit minus last token)
+    prompt_tokens: int  # the whole prompt: the payload must say the same
+    prompt_blocks: int  # blocks P ships for the whole prompt (sizes a GET reservation)
     corrupt_for_test: bool = False
 
 
@@ -45,7 +47,9 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     # Requests preempted this step: their in-flight sends must finish before
-    # the blocks are reused.
+    # the blocks are reused (the scheduler plans the send again).
     preempted: list[str] = field(default_factory=list)
-    # Consumer: transfer keys no request will load; the worker drops their KV.
-    discard: list[str] = field(default_factory=list)
+    # Consumer: transfer keys for which no further load will be planned (every
+    # request carrying the key was planned or is gone). The worker drops their
+    # KV once the loads already planned took it, and refuses late arrivals.
+    release: list[str] = field(default_factory=list)

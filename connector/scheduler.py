@@ -2,10 +2,15 @@
 
 Decides, per request, what to load (consumer) or send (producer), and tells the
 workers through ``P2pConnectorMetadata``. Shares nothing else with them.
+
+One transfer per prompt: the key is the proxy's uuid plus the prompt's index in
+a batch (``request_id``). The ``n`` children of one prompt carry the same key:
+P sends it once, D loads it into every child and drops it after the last.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +26,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+
+# Keys a consumer released, remembered so that a late sibling (an n>1 child
+# added after the others were planned) recomputes instead of waiting for KV
+# that was already dropped. Bounded: old keys fall out first.
+_RELEASED_MEMORY = 4096
 
 
 @dataclass(slots=True)
@@ -38,16 +48,20 @@ class P2pScheduler:
         self._cfg = cfg
         self._block_size = block_size
         self._kv_cache_manager: KVCacheManager | None = None
-        # Producer: requests whose prompt still has to be sent, and sends planned.
+        # Producer: requests whose prompt still has to be sent, sends planned,
+        # and which live request owns each key's send (n>1 children on P share it).
         self._outgoing: dict[str, _Outgoing] = {}
         self._saving: dict[str, SaveSpec] = {}
+        self._key_owner: dict[str, str] = {}
         # Consumer: loads to announce in the next metadata, and what each
         # request got (so a preempted or failed one is never loaded twice).
         self._new_loads: list[LoadSpec] = []
         self._loaded: dict[str, LoadSpec] = {}
         self._failed_loads: set[str] = set()  # from the workers' failed_recving
-        # Transfer keys no request will load: the workers drop their payloads.
-        self._discard: list[str] = []
+        # Consumer: per key, the live requests that may still plan a load of it.
+        self._unplanned: dict[str, set[str]] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._release: list[str] = []  # to announce in the next metadata
         # Load figures for the heartbeat.
         self._live: set[str] = set()
         self._running = 0
@@ -80,18 +94,42 @@ class P2pScheduler:
             return False
         return self._cfg.role != "kv_both" or tid.prefill_addr == self._cfg.advertised_address
 
+    # ---- consumer: who may still load a key ----
+    def _planned(self, rid: str, key: str) -> None:
+        """rid will plan no (further) load of key; release the key after the last."""
+        waiting = self._unplanned.get(key)
+        if waiting is None or rid not in waiting:
+            return
+        waiting.discard(rid)
+        if not waiting:
+            del self._unplanned[key]
+            self._release.append(key)
+            self._released[key] = None
+            while len(self._released) > _RELEASED_MEMORY:
+                self._released.popitem(last=False)
+
     # ---- vLLM hooks ----
     def on_new_request(self, request: "Request") -> None:
-        self._live.add(request.request_id)
-        tid = request_id.parse(request.request_id)
-        if tid is not None and self._produces(tid):
-            self._outgoing[request.request_id] = _Outgoing(tid, request.num_prompt_tokens)
+        rid = request.request_id
+        self._live.add(rid)
+        tid = request_id.parse(rid)
+        if tid is None:
+            return
+        if self._produces(tid) and tid.key not in self._key_owner:
+            self._key_owner[tid.key] = rid
+            self._outgoing[rid] = _Outgoing(tid, request.num_prompt_tokens)
+        if self._consumes(tid) and tid.key not in self._released:
+            self._unplanned.setdefault(tid.key, set()).add(rid)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if request.request_id in self._loaded:
+        rid = request.request_id
+        if rid in self._loaded:
             return 0, False  # loaded (or failed) once already: recompute locally
-        tid = request_id.parse(request.request_id)
+        tid = request_id.parse(rid)
         if tid is None or not self._consumes(tid):
+            return 0, False
+        if rid not in self._unplanned.get(tid.key, ()):
+            # A sibling that came after the key's KV was released: compute it.
             return 0, False
         # Leave the last prompt token to compute: D must run one forward step to
         # produce logits for the first output token.
@@ -101,11 +139,15 @@ class P2pScheduler:
         return n, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
         tid = request_id.parse(request.request_id)
         if tid is None:
             return
+        if num_external_tokens > 0:
+            self._plan_load(request, tid, blocks, num_external_tokens)
+        self._planned(request.request_id, tid.key)
+
+    def _plan_load(self, request: "Request", tid: request_id.TransferId, blocks: "KVCacheBlocks",
+                   num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0]
         local = request.num_tokens - 1 - num_external_tokens  # block-aligned local hit
         first = local // self._block_size
@@ -118,6 +160,8 @@ class P2pScheduler:
             dst_block_ids=tuple(block_ids[first:last]),
             first_block=first,
             num_tokens=num_external_tokens,
+            prompt_tokens=request.num_prompt_tokens,
+            prompt_blocks=_cdiv(request.num_prompt_tokens, self._block_size),
             corrupt_for_test=self._cfg.allow_debug_corruption
             and bool(params.get("xpyd_debug_corrupt_kv", False)),
         )
@@ -127,10 +171,12 @@ class P2pScheduler:
                     request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
-        meta = P2pConnectorMetadata(loads=self._new_loads, discard=self._discard)
+        meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release)
         self._new_loads = []
-        self._discard = []
+        self._release = []
         self._running = len(scheduler_output.num_scheduled_tokens)
+        if scheduler_output.preempted_req_ids:
+            meta.preempted = self._preempt(scheduler_output.preempted_req_ids)
         if self._outgoing:
             computed_before: dict[str, int] = {
                 r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
@@ -145,9 +191,22 @@ class P2pScheduler:
                     continue  # chunked prefill: prompt not complete yet
                 meta.saves.append(self._plan_save(rid, out))
                 del self._outgoing[rid]
-        if scheduler_output.preempted_req_ids:
-            meta.preempted = [r for r in scheduler_output.preempted_req_ids if r in self._saving]
         return meta
+
+    def _preempt(self, preempted: set[str] | list[str]) -> list[str]:
+        """Preempted requests with a send planned. With PUT_ASYNC the worker cancels
+        a send that has not started (its blocks are about to be reused), so the
+        prompt is sent again once the recomputation completes it. PUT and GET
+        finished their send or copy inside the step that planned it."""
+        out = [r for r in preempted if r in self._saving]
+        for rid in out:
+            spec = self._saving.pop(rid)
+            if spec.delay_free:
+                tid = request_id.parse(rid)
+                assert tid is not None
+                self._outgoing[rid] = _Outgoing(tid, spec.num_tokens)
+                logger.info("kv send re-planned after preemption req=%s transfer=%s", rid, spec.transfer_key)
+        return out
 
     def _plan_save(self, rid: str, out: _Outgoing) -> SaveSpec:
         assert self._kv_cache_manager is not None, "kv cache manager not bound"
@@ -177,6 +236,12 @@ class P2pScheduler:
         rid = request.request_id
         self._live.discard(rid)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
+        tid = request_id.parse(rid)
+        if tid is not None:
+            if self._key_owner.get(tid.key) == rid:
+                del self._key_owner[tid.key]
+            # Aborted before admission, or loaded nothing: no load will come from it.
+            self._planned(rid, tid.key)
         save = self._saving.pop(rid, None)
         if save is not None:
             # With PUT_ASYNC the send may still be running: this says what was
@@ -191,11 +256,6 @@ class P2pScheduler:
             return False, {"xpyd": {"transfer_key": load.transfer_key,
                                     "loaded_tokens": 0 if failed else load.num_tokens,
                                     "load_failed": failed}}
-        tid = request_id.parse(rid)
-        if tid is not None and self._consumes(tid):
-            # A P/D request that loaded nothing (full local prefix hit, or gone
-            # before admission): P may still push its KV; drop it on arrival.
-            self._discard.append(tid.key)
         return False, None
 
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from connector import affinity
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
@@ -43,7 +44,10 @@ class P2pWorker:
         if first.device.type == "cpu":
             init_cpu_amx()
         block_layout = kvlayout.detect(self._vllm_config, kv_caches)
-        self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout)
+        # Our threads must not inherit the core OpenMP pinned the main thread to.
+        cpus = affinity.plan() if first.device.type == "cpu" else None
+        affinity.log_plan(cpus)
+        self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout, cpus=cpus)
 
     def _engine(self) -> KVEngine:
         if self.engine is None:
@@ -51,10 +55,10 @@ class P2pWorker:
         return self.engine
 
     def start_load_kv(self, meta: P2pConnectorMetadata) -> None:
-        if meta.discard:
-            self._engine().discard(meta.discard)
         for spec in meta.loads:
             self._engine().add_load(spec)
+        if meta.release:
+            self._engine().release(meta.release)
 
     def wait_for_save(self, meta: P2pConnectorMetadata) -> None:
         for spec in meta.saves:

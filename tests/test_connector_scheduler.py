@@ -24,6 +24,7 @@ from connector.scheduler import P2pScheduler
 BS = 128  # the CPU backend's default block size
 KEY = "0123456789abcdef0123456789abcdef"
 KEY2 = "fedcba9876543210fedcba9876543210"
+TK = f"{KEY}-0"  # the transfer key of prompt 0 of KEY's request
 P_ADDR = "127.0.0.1:21001"
 D_ADDR = "127.0.0.1:22001"
 OTHER = "127.0.0.1:23001"
@@ -132,8 +133,9 @@ def test_consumer_pd_request_is_loaded_async(chat):
     assert s.build_connector_meta(sched_out()).loads == []
     s.update_state_after_alloc(req, kv_blocks([7, 3, 9]), 299)
     meta = s.build_connector_meta(sched_out())
-    assert meta.loads == [LoadSpec(req_id=req.request_id, transfer_key=KEY, prefill_addr=P_ADDR,
-                                   dst_block_ids=(7, 3, 9), first_block=0, num_tokens=299)]
+    assert meta.loads == [LoadSpec(req_id=req.request_id, transfer_key=TK, prefill_addr=P_ADDR,
+                                   dst_block_ids=(7, 3, 9), first_block=0, num_tokens=299,
+                                   prompt_tokens=300, prompt_blocks=3)]
 
 
 def test_consumer_prefix_hit_loads_only_the_rest_once():
@@ -148,7 +150,7 @@ def test_consumer_prefix_hit_loads_only_the_rest_once():
     assert spec.first_block == 1
     assert spec.dst_block_ids == (4, 6)
     assert spec.num_tokens == 171
-    assert (spec.req_id, spec.transfer_key, spec.prefill_addr) == (req.request_id, KEY, P_ADDR)
+    assert (spec.req_id, spec.transfer_key, spec.prefill_addr) == (req.request_id, TK, P_ADDR)
     assert not spec.corrupt_for_test
     # Announced only once.
     assert s.build_connector_meta(sched_out()).loads == []
@@ -201,7 +203,7 @@ def test_consumer_request_finished_reports_loaded_tokens():
     admit(s, req, 128, [11, 4, 6])
     s.build_connector_meta(sched_out())
     assert s.request_finished(req, [11, 4, 6]) == (
-        False, {"xpyd": {"transfer_key": KEY, "loaded_tokens": 171, "load_failed": False}})
+        False, {"xpyd": {"transfer_key": TK, "loaded_tokens": 171, "load_failed": False}})
     # Its state is gone.
     assert s.request_finished(req, [11, 4, 6]) == (False, None)
 
@@ -295,7 +297,7 @@ def test_producer_saves_only_in_the_step_that_completes_the_prompt():
     assert s.build_connector_meta(sched_out(cached=[(rid, 128, 128)])).saves == []
     assert kvm.calls == []
     meta = s.build_connector_meta(sched_out(cached=[(rid, 256, 44)]))
-    assert meta.saves == [SaveSpec(req_id=rid, transfer_key=KEY, decode_addr=D_ADDR, prefill_addr=P_ADDR,
+    assert meta.saves == [SaveSpec(req_id=rid, transfer_key=TK, decode_addr=D_ADDR, prefill_addr=P_ADDR,
                                    block_ids=(5, 2, 8), num_tokens=300, delay_free=True)]
     # Decode steps: no more saves.
     assert s.build_connector_meta(sched_out(cached=[(rid, 300, 1)])).saves == []
@@ -368,13 +370,16 @@ def test_producer_preempted_with_save_in_flight():
     # are reused. `other` (no save yet) and unknown ids are not listed.
     meta = s.build_connector_meta(sched_out(preempted={rid, other.request_id, "cmpl-x-0-1"}))
     assert meta.preempted == [rid]
-    # Resumed and recomputed (prompt + outputs): the prompt was sent already.
+    # Resumed and recomputed (prompt + outputs): the worker cancelled the send if it
+    # had not started, so it is planned again (D refuses a duplicate if the first came).
+    kvm.blocks[rid] = [7, 8, 9]
     meta = s.build_connector_meta(sched_out(cached=[(rid, 0, 302)], resumed={rid}))
-    assert meta.saves == []
+    assert [(x.req_id, x.block_ids, x.transfer_key) for x in meta.saves] == [(rid, (7, 8, 9), TK)]
+    assert s.build_connector_meta(sched_out(cached=[(rid, 302, 1)])).saves == []  # once
     assert s.build_connector_meta(sched_out(preempted=set())).preempted == []
-    # Still exactly one transfer, reported when it finishes.
+    # Reported when it finishes; the blocks wait for the send.
     assert s.request_finished(req, [1, 2, 3]) == (
-        True, {"xpyd": {"transfer_key": KEY, "send_type": "PUT_ASYNC", "prompt_tokens": 300}})
+        True, {"xpyd": {"transfer_key": TK, "send_type": "PUT_ASYNC", "prompt_tokens": 300}})
     # Once finished it is no longer listed on preemption.
     assert s.build_connector_meta(sched_out(preempted={rid})).preempted == []
 
@@ -403,7 +408,7 @@ def test_producer_delay_free_by_send_type(send_type, delay_free):
     (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves
     assert spec.delay_free is delay_free
     assert s.request_finished(req, [3, 1]) == (
-        delay_free, {"xpyd": {"transfer_key": KEY, "send_type": send_type, "prompt_tokens": 200}})
+        delay_free, {"xpyd": {"transfer_key": TK, "send_type": send_type, "prompt_tokens": 200}})
 
 
 def test_load_report():
@@ -453,10 +458,10 @@ def test_consumer_failed_load_is_reported_as_such():
     s.build_connector_meta(sched_out())
     s.update_connector_output({req.request_id, "some-other-request"})
     assert s.request_finished(req, [1, 2, 3]) == (
-        False, {"xpyd": {"transfer_key": KEY, "loaded_tokens": 0, "load_failed": True}})
+        False, {"xpyd": {"transfer_key": TK, "loaded_tokens": 0, "load_failed": True}})
 
 
-def test_consumer_pd_request_that_loaded_nothing_discards_its_transfer():
+def test_consumer_pd_request_that_loaded_nothing_releases_its_transfer():
     """Full local hit or gone before admission: P may still push; D must drop it."""
     s = consumer()
     full_hit = make_req(pd_id(), 129)
@@ -470,15 +475,67 @@ def test_consumer_pd_request_that_loaded_nothing_discards_its_transfer():
     plain = make_req("cmpl-plain-0-1a2b3c4d", 300)
     s.on_new_request(plain)
     s.request_finished(plain, [])
-    assert s.build_connector_meta(sched_out()).discard == [KEY, other]
-    assert s.build_connector_meta(sched_out()).discard == []  # announced once
+    assert s.build_connector_meta(sched_out()).release == [TK, f"{other}-0"]
+    assert s.build_connector_meta(sched_out()).release == []  # announced once
 
 
-def test_consumer_loaded_request_does_not_discard():
+def test_consumer_release_comes_with_the_last_planned_load():
     s = consumer()
     req = make_req(pd_id(), 300)
     s.on_new_request(req)
     admit(s, req, 0, [1, 2, 3])
-    s.build_connector_meta(sched_out())
+    meta = s.build_connector_meta(sched_out())
+    assert [x.transfer_key for x in meta.loads] == [TK] and meta.release == [TK]
     s.request_finished(req, [1, 2, 3])
-    assert s.build_connector_meta(sched_out()).discard == []
+    assert s.build_connector_meta(sched_out()).release == []
+
+
+def test_consumer_n_children_share_one_transfer_released_after_the_last():
+    """n=2: vLLM adds children "0_<id>" and "1_<id>"; both load the prompt's one
+    payload, which the worker may drop only once both were planned."""
+    s = consumer()
+    base = pd_id()
+    kids = [make_req(f"{i}_{base}", 300) for i in range(2)]
+    for k in kids:
+        s.on_new_request(k)
+    admit(s, kids[0], 0, [1, 2, 3])
+    meta = s.build_connector_meta(sched_out())
+    assert [x.transfer_key for x in meta.loads] == [TK] and meta.release == []
+    admit(s, kids[1], 0, [4, 5, 6])
+    meta = s.build_connector_meta(sched_out())
+    assert [(x.req_id, x.transfer_key, x.dst_block_ids) for x in meta.loads] == [(kids[1].request_id, TK, (4, 5, 6))]
+    assert meta.release == [TK]
+    # A third child that shows up after the release computes its prompt itself.
+    late = make_req(f"2_{base}", 300)
+    s.on_new_request(late)
+    assert s.get_num_new_matched_tokens(late, 0) == (0, False)
+    s.update_state_after_alloc(late, kv_blocks([7, 8, 9]), 0)
+    assert s.build_connector_meta(sched_out()) == P2pConnectorMetadata()
+
+
+def test_consumer_batch_prompts_get_a_transfer_each():
+    s = consumer()
+    xid = f"___prefill_addr_{P_ADDR}___decode_addr_{D_ADDR}_{KEY}"
+    reqs = [make_req(f"cmpl-{xid}-{i}-1a2b3c4{i}", 200 + i) for i in range(2)]
+    for i, r in enumerate(reqs):
+        s.on_new_request(r)
+        admit(s, r, 0, [10 * i + 1, 10 * i + 2])
+    meta = s.build_connector_meta(sched_out())
+    assert [(x.transfer_key, x.prompt_tokens) for x in meta.loads] == [(f"{KEY}-0", 200), (f"{KEY}-1", 201)]
+    assert meta.release == [f"{KEY}-0", f"{KEY}-1"]
+
+
+def test_producer_sends_each_prompt_once_whatever_n():
+    """P given n=2 (by a proxy that does not cut n) plans one send per prompt; a
+    batch of two prompts plans two."""
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    xid = f"___prefill_addr_{P_ADDR}___decode_addr_{D_ADDR}_{KEY}"
+    ids = [f"{c}_cmpl-{xid}-{p}-aaaaaaa{p}" for p in range(2) for c in range(2)]
+    for i, rid in enumerate(ids):
+        kvm.blocks[rid] = [i + 1, i + 11]
+        s.on_new_request(make_req(rid, 200))
+    meta = s.build_connector_meta(sched_out(new=[(rid, 0, 200) for rid in ids]))
+    assert sorted((x.req_id, x.transfer_key) for x in meta.saves) == [
+        (ids[0], f"{KEY}-0"), (ids[2], f"{KEY}-1")]
+    assert s.request_finished(make_req(ids[1], 200), [])[1] is None  # the sibling sent nothing

@@ -1,0 +1,314 @@
+"""Producer side of the worker's KV engine (runs on P).
+
+Sends go through one queue per decode peer, each served by its own thread, so a
+dead or slow D delays only the transfers meant for it. A peer that failed a
+call is marked dead: its queued sends fail at once (their blocks are freed)
+until it answers a probe again. When a send fails, P tells D that the transfer
+will not come (an ``abort`` notice, delivered as soon as D answers), so D's
+load fails at its next poll instead of at its deadline.
+
+Every send first reserves room in D's buffer and ships the bytes only once D
+agreed: D's memory is bounded before it is spent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from connector.affinity import CpuPlan, pin_current_thread
+from connector.buffer import KVBuffer, Payload
+from connector.config import ConnectorConfig
+from connector.log import get_logger
+from connector.metadata import SaveSpec
+from connector.request_id import rank_address
+from connector.transport import Transport, TransportError
+
+logger = get_logger(__name__)
+
+# A dead peer is probed this often; a probe waits at most this long for its answer.
+PROBE_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 1.0
+# A peer thread with nothing to do for this long exits (a new send restarts it).
+PEER_IDLE_EXIT_S = 30.0
+# Abort notices not yet delivered are kept at most this many per peer.
+MAX_PENDING_NOTICES = 4096
+
+# Builds (header, tensors) for a send; copy=True gives P its own copy (GET).
+PayloadBuilder = Callable[[SaveSpec, bool], tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+@dataclass(slots=True)
+class Send:
+    spec: SaveSpec
+    done: threading.Event = field(default_factory=threading.Event)
+    # queued -> sending -> done, or queued -> cancelled (preempted before it
+    # started: its blocks are about to be reused, so it must never start).
+    state: str = "queued"
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    ok: bool = False
+
+    def claim(self) -> bool:
+        """Peer thread: move queued -> sending; False if it was cancelled."""
+        with self.lock:
+            if self.state != "queued":
+                return False
+            self.state = "sending"
+            return True
+
+    def cancel(self) -> bool:
+        """Worker thread: cancel if not started; False if already sending/done."""
+        with self.lock:
+            if self.state != "queued":
+                return False
+            self.state = "cancelled"
+        self.done.set()
+        return True
+
+
+class PeerSender:
+    """The send queue of one decode peer (one worker rank), served by one thread."""
+
+    def __init__(self, peer: str, transport: Transport, cfg: ConnectorConfig, build: PayloadBuilder,
+                 cpus: CpuPlan | None, stop: threading.Event) -> None:
+        self.peer = peer
+        self._transport = transport
+        self._cfg = cfg
+        self._build = build
+        self._cpus = cpus
+        self._stop = stop
+        self._cond = threading.Condition()
+        self._queue: deque[Send] = deque()
+        self._notices: dict[str, str] = {}  # transfer key -> why it will not come
+        self._thread: threading.Thread | None = None
+        self.dead_since: float | None = None  # monotonic; None while the peer answers
+
+    # ---- called from the worker thread ----
+    def submit(self, send: Send) -> None:
+        with self._cond:
+            self._queue.append(send)
+            self._ensure_thread()
+            self._cond.notify()
+
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=f"xpyd-kv-send:{self.peer}", daemon=True)
+            self._thread.start()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def send_now(self, send: Send) -> None:
+        """PUT mode: send from the calling (worker) thread, bounded by send_timeout_s;
+        at once a failure while the peer is marked dead."""
+        if self.dead_since is not None:
+            self._fail([send], f"peer {self.peer} unreachable since {time.monotonic() - self.dead_since:.1f}s")
+            return
+        self._send(send)
+
+    # ---- the peer thread ----
+    def _run(self) -> None:
+        pin_current_thread(self._cpus)
+        idle_since = time.monotonic()
+        while not self._stop.is_set():
+            if self.dead_since is not None and not self._probe():
+                with self._cond:
+                    sends = list(self._queue)
+                    self._queue.clear()
+                    if not sends and time.monotonic() - idle_since > PEER_IDLE_EXIT_S:
+                        self._thread = None  # a new send starts a thread that probes first
+                        return
+                if sends:
+                    self._fail(sends, f"peer {self.peer} unreachable since "
+                                      f"{time.monotonic() - (self.dead_since or 0):.1f}s")
+                    idle_since = time.monotonic()
+                self._stop.wait(PROBE_INTERVAL_S)
+                continue
+            with self._cond:
+                if not self._queue and not self._notices:
+                    if time.monotonic() - idle_since > PEER_IDLE_EXIT_S:
+                        self._thread = None
+                        return
+                    self._cond.wait(timeout=PROBE_INTERVAL_S)
+                    continue
+                notices = dict(self._notices)
+                self._notices.clear()
+                send = self._queue.popleft() if self._queue else None
+            if notices:
+                self._deliver(notices)
+            if send is not None:
+                self._send(send)
+            idle_since = time.monotonic()
+
+    def _probe(self) -> bool:
+        try:
+            self._transport.call(self.peer, {"op": "ping"}, timeout_s=PROBE_TIMEOUT_S)
+        except TransportError:
+            return False
+        logger.info("kv peer %s answers again after %.1fs", self.peer, time.monotonic() - (self.dead_since or 0))
+        self.dead_since = None
+        return True
+
+    def _mark_dead(self, err: Exception) -> None:
+        if self.dead_since is None:
+            self.dead_since = time.monotonic()
+            logger.warning("kv peer %s marked dead: %s", self.peer, err)
+
+    def _fail(self, sends: list[Send], reason: str) -> None:
+        for send in sends:
+            if send.claim():
+                logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
+                               send.spec.req_id, send.spec.transfer_key, self.peer, reason)
+                self._notice(send.spec.transfer_key, reason)
+                send.done.set()
+
+    def _notice(self, key: str, reason: str) -> None:
+        """Queue "this transfer will not come" for the peer; delivered by the peer
+        thread as soon as the peer answers."""
+        with self._cond:
+            if len(self._notices) < MAX_PENDING_NOTICES:
+                self._notices[key] = f"sender gave up: {reason}"
+            self._ensure_thread()
+            self._cond.notify()
+
+    def _deliver(self, notices: dict[str, str]) -> None:
+        try:
+            self._transport.call(self.peer, {"op": "abort", "keys": notices},
+                                 timeout_s=min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
+        except TransportError as e:
+            with self._cond:  # keep them for when the peer answers again
+                for k, v in notices.items():
+                    if len(self._notices) < MAX_PENDING_NOTICES:
+                        self._notices.setdefault(k, v)
+            self._mark_dead(e)
+
+    def _send(self, send: Send) -> None:
+        if not send.claim():
+            return  # cancelled by a preemption before it started
+        spec = send.spec
+        deadline = time.monotonic() + self._cfg.send_timeout_s
+        t0 = time.monotonic()
+        try:
+            header, tensors = self._build(spec, False)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            reply, _ = self._transport.call(
+                self.peer, {"op": "reserve", "key": spec.transfer_key, "nbytes": nbytes,
+                            "num_tokens": spec.num_tokens}, timeout_s=self._cfg.send_timeout_s)
+            if reply.get("ok"):
+                reply, _ = self._transport.call(self.peer, header, tensors,
+                                                timeout_s=max(0.05, deadline - time.monotonic()))
+            if not reply.get("ok"):
+                # D refused (full, duplicate, request gone): it knows; nothing to tell it.
+                logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
+                               spec.req_id, spec.transfer_key, self.peer, reply.get("error"))
+            else:
+                send.ok = True
+                logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ms=%.1f",
+                            spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
+                            nbytes, self.peer, (time.monotonic() - t0) * 1e3)
+        except TransportError as e:
+            logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
+                           spec.req_id, spec.transfer_key, self.peer, e)
+            self._notice(spec.transfer_key, str(e))
+            self._mark_dead(e)
+        except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send
+            logger.exception("kv send failed req=%s transfer=%s peer=%s", spec.req_id, spec.transfer_key, self.peer)
+            self._notice(spec.transfer_key, f"{type(e).__name__}: {e}")
+        finally:
+            send.done.set()
+
+
+class Producer:
+    """Plans nothing (the scheduler did): executes saves and tracks their end."""
+
+    def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, build: PayloadBuilder,
+                 sendbuf: KVBuffer, cpus: CpuPlan | None) -> None:
+        self._cfg = cfg
+        self._rank = rank
+        self._transport = transport
+        self._build = build
+        self._sendbuf = sendbuf
+        self._cpus = cpus
+        self._stop = threading.Event()
+        self._peers: dict[str, PeerSender] = {}
+        self._sends: dict[str, Send] = {}  # req_id -> send, worker thread only
+        self._finished: set[str] = set()  # req ids the scheduler has finished
+
+    @property
+    def pending(self) -> int:
+        return len(self._sends)  # len() of a dict is atomic under the GIL
+
+    def peer(self, addr: str) -> PeerSender:
+        p = self._peers.get(addr)
+        if p is None:
+            p = self._peers[addr] = PeerSender(addr, self._transport, self._cfg, self._build, self._cpus, self._stop)
+        return p
+
+    def save(self, spec: SaveSpec) -> None:
+        """Called after the forward pass that completed the prompt."""
+        if self._cfg.send_type == "GET":
+            header, tensors = self._build(spec, True)
+            refused = self._sendbuf.put(spec.transfer_key, Payload.of(header, tensors))
+            if refused:
+                # D's GET is answered with this reason at once, not left waiting.
+                self._sendbuf.fail(spec.transfer_key, refused)
+                logger.warning("GET buffer refused transfer=%s reason=%s", spec.transfer_key, refused)
+            return
+        send = Send(spec)
+        peer = self.peer(rank_address(spec.decode_addr, self._rank))
+        if self._cfg.send_type == "PUT":
+            peer.send_now(send)  # the step waits, bounded by send_timeout_s
+            return
+        self._sends[spec.req_id] = send
+        peer.submit(send)
+
+    def wait_sends(self, req_ids: list[str]) -> None:
+        """Preemption: no send may read these requests' blocks after we return.
+
+        A queued send is cancelled (it would otherwise start later, on reused
+        blocks; the scheduler plans it again); one already on the wire ends
+        within send_timeout_s, since every transport call has that deadline.
+        """
+        for rid in req_ids:
+            send = self._sends.pop(rid, None)
+            if send is None or send.cancel():
+                continue
+            if not send.done.wait(timeout=self._cfg.send_timeout_s + 1.0):
+                logger.error("kv send still running after its deadline req=%s", rid)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests the scheduler finished whose send is over: their blocks may go."""
+        out: set[str] = set()
+        self._finished.update(r for r in finished_req_ids if r in self._sends)
+        for rid in list(self._finished):
+            send = self._sends.get(rid)
+            if send is None:
+                self._finished.discard(rid)
+            elif send.done.is_set():
+                out.add(rid)
+                del self._sends[rid]
+                self._finished.discard(rid)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        for p in list(self._peers.values()):
+            p.wake()
+        for p in list(self._peers.values()):
+            p.join(timeout=2.0)
