@@ -21,6 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connector.config import ConnectorConfig
 from connector.metadata import P2pConnectorMetadata
 from connector.scheduler import P2pScheduler
+from connector.stats import XpydStats
 from connector.worker import P2pWorker
 
 if TYPE_CHECKING:
@@ -100,6 +101,14 @@ class P2pNcclConnector(KVConnectorBase_V1):
             failed_recving=r.failed_recving,
         )
 
+    def get_kv_connector_stats(self) -> XpydStats | None:
+        """Worker: receive-buffer occupancy, carried to the scheduler (heartbeat load)."""
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XpydStats:
+        return XpydStats(data=data) if data else XpydStats(data={"buffers": {}})
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
@@ -114,7 +123,8 @@ class P2pNcclConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(set(connector_output.failed_recving or ()))
+        self._scheduler.update_connector_output(set(connector_output.failed_recving or ()),
+                                                connector_output.kv_connector_stats)
 
     def on_new_request(self, request: "Request") -> None:
         assert self._scheduler is not None

@@ -19,7 +19,7 @@ from proxy.protocol import Load, Registration, encode
 
 logger = get_logger(__name__)
 
-LoadReport = Callable[[], tuple[int, int, float]]
+LoadReport = Callable[[], Load]
 
 
 class Registrar:
@@ -32,12 +32,11 @@ class Registrar:
         self._thread.start()
 
     def _registration(self, leave: bool = False) -> Registration:
-        running, waiting, usage = self._load_report()
         return Registration(
             role="P" if self._cfg.role == "kv_producer" else "D",
             http_address=f"{self._cfg.http_host}:{self._cfg.http_port}",
             zmq_address=self._cfg.advertised_address,
-            load=Load(running, waiting, usage),
+            load=self._load_report(),
             leave=leave,
         )
 

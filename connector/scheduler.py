@@ -19,6 +19,8 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar
+from connector.stats import XpydStats
+from proxy.protocol import Load
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -65,6 +67,7 @@ class P2pScheduler:
         # Load figures for the heartbeat.
         self._live: set[str] = set()
         self._running = 0
+        self._buffer_usage = 0.0  # the workers' receive buffers, from their stats
         self._registrar = (
             Registrar(cfg, self.load_report) if start_registrar and cfg.proxies and cfg.http_port else None
         )
@@ -72,8 +75,8 @@ class P2pScheduler:
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self._kv_cache_manager = kv_cache_manager
 
-    def load_report(self) -> tuple[int, int, float]:
-        """(running, waiting, kv_usage) for the discovery heartbeat."""
+    def load_report(self) -> Load:
+        """Load figures for the discovery heartbeat."""
         usage = 0.0
         if self._kv_cache_manager is not None:
             try:
@@ -81,7 +84,7 @@ class P2pScheduler:
             except Exception:  # usage is best effort
                 usage = 0.0
         running = self._running
-        return running, max(0, len(self._live) - running), min(1.0, max(0.0, usage))
+        return Load(running, max(0, len(self._live) - running), min(1.0, max(0.0, usage)), self._buffer_usage)
 
     # ---- which side of a transfer this instance is on ----
     def _consumes(self, tid: request_id.TransferId) -> bool:
@@ -227,8 +230,10 @@ class P2pScheduler:
                     self._cfg.send_type)
         return spec
 
-    def update_connector_output(self, failed_recving: set[str]) -> None:
+    def update_connector_output(self, failed_recving: set[str], stats: object = None) -> None:
         self._failed_loads.update(r for r in failed_recving if r in self._loaded)
+        if isinstance(stats, XpydStats) and not stats.is_empty():
+            self._buffer_usage = stats.buffer_usage()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Returns (delay_free, kv_transfer_params); the params reach the client's

@@ -12,6 +12,7 @@ from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
 from connector.log import get_logger
 from connector.metadata import P2pConnectorMetadata
+from connector.stats import XpydStats
 
 logger = get_logger(__name__)
 
@@ -67,6 +68,12 @@ class P2pWorker:
     def handle_preemptions(self, meta: P2pConnectorMetadata) -> None:
         if meta.preempted:
             self._engine().wait_sends(meta.preempted)
+
+    def stats(self) -> XpydStats | None:
+        if self.engine is None:
+            return None
+        buf = self.engine.recv_buffer
+        return XpydStats.of(self._rank, buf.used_bytes + buf.reserved_bytes, buf.capacity_bytes)
 
     def poll(self, finished_req_ids: set[str]) -> PollResult:
         if self.engine is None:

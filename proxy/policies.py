@@ -43,7 +43,8 @@ def load_score(inst: Instance) -> float:
         reported = load.running + load.waiting
         if reported > queued:
             queued = reported
-        kv = load.kv_usage
+        # A D whose KV receive buffer is full refuses transfers: as bad as a full cache.
+        kv = max(load.kv_usage, load.kv_buffer_usage)
     return queued + inst.in_flight_tokens / TOKENS_PER_REQUEST + KV_USAGE_WEIGHT * kv
 
 

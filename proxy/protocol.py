@@ -3,7 +3,8 @@
 Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port",
 "zmq_address": "host:port"})``. Optional xPyD fields:
 
-- ``load``: ``{"running": int, "waiting": int, "kv_usage": float}`` (0..1)
+- ``load``: ``{"running": int, "waiting": int, "kv_usage": float, "kv_buffer_usage": float}``
+  (usages 0..1; ``kv_buffer_usage``: the KV connector's receive buffer)
 - ``leave``: ``True`` to deregister gracefully
 - ``ts``: sender's wall-clock time (float seconds); required when signed
 - ``hmac``: hex HMAC-SHA256 over the canonical encoding of every other field,
@@ -37,6 +38,7 @@ class Load:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    kv_buffer_usage: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,7 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
             "running": reg.load.running,
             "waiting": reg.load.waiting,
             "kv_usage": reg.load.kv_usage,
+            "kv_buffer_usage": reg.load.kv_buffer_usage,
         }
     if reg.leave:
         fields["leave"] = True
@@ -100,11 +103,12 @@ def _check_load(value: Any) -> Load:
         running = int(value.get("running", 0))
         waiting = int(value.get("waiting", 0))
         kv_usage = float(value.get("kv_usage", 0.0))
+        kv_buffer_usage = float(value.get("kv_buffer_usage", 0.0))
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"bad load field: {e}") from None
-    if running < 0 or waiting < 0 or not 0.0 <= kv_usage <= 1.0:
+    if running < 0 or waiting < 0 or not 0.0 <= kv_usage <= 1.0 or not 0.0 <= kv_buffer_usage <= 1.0:
         raise ProtocolError("load values out of range")
-    return Load(running, waiting, kv_usage)
+    return Load(running, waiting, kv_usage, kv_buffer_usage)
 
 
 def decode(

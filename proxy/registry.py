@@ -43,7 +43,8 @@ class Instance:
             "cooling_down": self.cooldown_until > time.monotonic(),
             "load": None
             if load is None
-            else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage},
+            else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
+                  "kv_buffer_usage": load.kv_buffer_usage},
         }
 
 

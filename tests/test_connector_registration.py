@@ -14,7 +14,7 @@ import zmq
 
 from connector.config import ConnectorConfig
 from connector.registration import Registrar
-from proxy.protocol import ProtocolError, decode
+from proxy.protocol import Load, ProtocolError, decode
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -70,7 +70,7 @@ def _recv(sock: zmq.Socket, timeout_s: float) -> bytes | None:
 def test_announces_only_once_healthy_then_heartbeats_and_leaves(health_server, router):
     http_port, healthy = health_server
     sock, proxy_port = router
-    reg = Registrar(_cfg(http_port, proxy_port, role="kv_consumer"), lambda: (2, 3, 0.25))
+    reg = Registrar(_cfg(http_port, proxy_port, role="kv_consumer"), lambda: Load(2, 3, 0.25, 0.5))
     try:
         assert _recv(sock, 0.8) is None, "announced before /health answered 200"
         healthy.set()
@@ -78,7 +78,7 @@ def test_announces_only_once_healthy_then_heartbeats_and_leaves(health_server, r
         assert msg is not None
         r = decode(msg)
         assert (r.role, r.http_address, r.zmq_address) == ("D", f"127.0.0.1:{http_port}", "127.0.0.1:23001")
-        assert (r.load.running, r.load.waiting, r.load.kv_usage) == (2, 3, 0.25)
+        assert r.load == Load(2, 3, 0.25, 0.5)  # buffer occupancy included
         assert not r.leave
         assert _recv(sock, 3.0) is not None  # a periodic heartbeat, not a one-off
     finally:
@@ -95,7 +95,7 @@ def test_signed_heartbeat_verifies_with_the_secret_only(health_server, router):
     http_port, healthy = health_server
     healthy.set()
     sock, proxy_port = router
-    reg = Registrar(_cfg(http_port, proxy_port, secret="s3cret"), lambda: (0, 0, 0.0))
+    reg = Registrar(_cfg(http_port, proxy_port, secret="s3cret"), lambda: Load(0, 0, 0.0))
     try:
         msg = _recv(sock, 3.0)
     finally:

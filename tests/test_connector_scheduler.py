@@ -20,6 +20,8 @@ from vllm.v1.request import Request
 from connector.config import ConnectorConfig
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.scheduler import P2pScheduler
+from connector.stats import XpydStats
+from proxy.protocol import Load
 
 BS = 128  # the CPU backend's default block size
 KEY = "0123456789abcdef0123456789abcdef"
@@ -414,23 +416,23 @@ def test_producer_delay_free_by_send_type(send_type, delay_free):
 def test_load_report():
     kvm = FakeKVCacheManager(usage=0.25)
     s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False)
-    assert s.load_report() == (0, 0, 0.0)  # not bound yet
+    assert s.load_report() == Load(0, 0, 0.0, 0.0)  # not bound yet
     s.bind(kvm)
     reqs = [make_req(f"cmpl-plain{i}-0-1a2b3c4d", 10) for i in range(3)]
     for r in reqs:
         s.on_new_request(r)
-    assert s.load_report() == (0, 3, 0.25)
+    assert s.load_report() == Load(0, 3, 0.25)
     s.build_connector_meta(sched_out(new=[(reqs[0].request_id, 0, 10), (reqs[1].request_id, 0, 10)]))
-    assert s.load_report() == (2, 1, 0.25)
+    assert s.load_report() == Load(2, 1, 0.25)
     s.request_finished(reqs[2], [])
-    assert s.load_report() == (2, 0, 0.25)
+    assert s.load_report() == Load(2, 0, 0.25)
     s.request_finished(reqs[0], [])
     s.build_connector_meta(sched_out(cached=[(reqs[1].request_id, 10, 1)]))
-    assert s.load_report() == (1, 0, 0.25)
+    assert s.load_report() == Load(1, 0, 0.25)
     kvm.usage = 1.7
-    assert s.load_report()[2] == 1.0
+    assert s.load_report().kv_usage == 1.0
     kvm.usage = -0.5
-    assert s.load_report()[2] == 0.0
+    assert s.load_report().kv_usage == 0.0
 
     class Broken:
         @property
@@ -438,7 +440,21 @@ def test_load_report():
             raise RuntimeError("no block pool")
 
     s.bind(Broken())
-    assert s.load_report() == (1, 0, 0.0)
+    assert s.load_report() == Load(1, 0, 0.0)
+
+
+def test_load_report_carries_the_workers_buffer_occupancy():
+    """Two worker ranks' stats, aggregated as vLLM does, reach the heartbeat."""
+    s = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False)
+    stats = XpydStats.of(0, 300, 1000).aggregate(XpydStats.of(1, 100, 1000))
+    s.update_connector_output(set(), stats)
+    assert s.load_report().kv_buffer_usage == pytest.approx(0.2)
+    s.update_connector_output(set(), None)  # a step without stats keeps the last figure
+    assert s.load_report().kv_buffer_usage == pytest.approx(0.2)
+    # A later step's figure for a rank replaces the earlier one (a gauge, not a sum).
+    later = stats.aggregate(XpydStats.of(0, 0, 1000))
+    assert later.reduce() == {"kv_buffer_used_bytes": 100, "kv_buffer_usage": 0.05}
+    assert pickle.loads(pickle.dumps(later)).buffer_usage() == pytest.approx(0.05)
 
 
 def test_no_registrar_without_proxies_or_when_disabled():

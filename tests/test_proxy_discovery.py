@@ -26,7 +26,8 @@ async def test_registration_shows_in_instances_and_ready():
         by_role = {i["role"]: i for i in data}
         assert by_role["P"]["http_address"] == p.http_address
         assert by_role["P"]["zmq_address"] == p.zmq_address
-        assert by_role["P"]["load"] == {"running": 2, "waiting": 1, "kv_usage": 0.25}
+        assert by_role["P"]["load"] == {"running": 2, "waiting": 1, "kv_usage": 0.25,
+                                          "kv_buffer_usage": 0.0}
         assert by_role["D"]["http_address"] == d.http_address and by_role["D"]["load"] is None
         for inst in data:
             assert inst["in_flight"] == 0

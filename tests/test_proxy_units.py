@@ -52,13 +52,14 @@ def test_registry_expires_any_position():
 
 def test_registry_heartbeat_keeps_load():
     r = Registry(heartbeat_timeout=10)
-    r.upsert(reg("D", 1, load=Load(2, 3, 0.5)), now=0)
+    r.upsert(reg("D", 1, load=Load(2, 3, 0.5, 0.75)), now=0)
     inst = r.upsert(reg("D", 1), now=1)  # a heartbeat without load keeps the last one
-    assert inst.load == Load(2, 3, 0.5)
+    assert inst.load == Load(2, 3, 0.5, 0.75)
     assert inst.to_json(now_wall=inst.last_heartbeat_wall)["load"] == {
         "running": 2,
         "waiting": 3,
         "kv_usage": 0.5,
+        "kv_buffer_usage": 0.75,
     }
 
 
@@ -99,6 +100,14 @@ def test_least_loaded_uses_heartbeat_load():
     a.load = Load(0, 0, 0.0)
     b.load = Load(0, 0, 0.0)
     assert LeastLoaded().choose([a, b], 10) is b
+
+
+def test_least_loaded_avoids_a_decode_whose_kv_buffer_is_full():
+    """Its connector would refuse the transfer: as unattractive as a full KV cache."""
+    a, b = _instances(2)
+    a.load = Load(0, 0, kv_usage=0.1, kv_buffer_usage=1.0)
+    b.load = Load(0, 0, kv_usage=0.5, kv_buffer_usage=0.0)
+    assert all(LeastLoaded().choose([a, b], 10) is b for _ in range(3))
 
 
 def test_least_loaded_ties_spread_round_robin():
