@@ -67,6 +67,16 @@ def parse(request_id: str) -> TransferId | None:
     )
 
 
+_CHILD = re.compile(r"(\d+)_")
+
+
+def child_index(request_id: str) -> int | None:
+    """Which of the n samples an engine id is (vLLM's "{index}_{parent id}"), or None
+    for a request with n == 1. The engine is never told n itself: children carry n=1."""
+    m = _CHILD.match(request_id)
+    return int(m.group(1)) if m else None
+
+
 def rank_address(addr: str, rank: int) -> str:
     """Worker `rank` of an instance listens on its advertised port + rank."""
     host, _, port = addr.rpartition(":")

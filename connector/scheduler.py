@@ -10,6 +10,7 @@ P sends it once, D loads it into every child and drops it after the last.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,10 @@ logger = get_logger(__name__)
 # added after the others were planned) recomputes instead of waiting for KV
 # that was already dropped. Bounded: old keys fall out first.
 _RELEASED_MEMORY = 4096
+# vLLM adds the n children of a request to the engine one by one; a sibling may
+# arrive after the others were planned. A key of children is released this long
+# after its last known consumer was planned (a plain request's at once).
+SIBLING_GRACE_S = 1.0
 
 
 @dataclass(slots=True)
@@ -64,6 +69,7 @@ class P2pScheduler:
         self._unplanned: dict[str, set[str]] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._release: list[str] = []  # to announce in the next metadata
+        self._grace: dict[str, float] = {}  # key of n>1 children -> when to release it
         # Load figures for the heartbeat.
         self._live: set[str] = set()
         self._running = 0
@@ -104,12 +110,24 @@ class P2pScheduler:
         if waiting is None or rid not in waiting:
             return
         waiting.discard(rid)
-        if not waiting:
-            del self._unplanned[key]
-            self._release.append(key)
-            self._released[key] = None
-            while len(self._released) > _RELEASED_MEMORY:
-                self._released.popitem(last=False)
+        if waiting:
+            return
+        del self._unplanned[key]
+        if request_id.child_index(rid) is not None:
+            self._grace[key] = time.monotonic() + SIBLING_GRACE_S
+        else:
+            self._release_key(key)
+
+    def _release_key(self, key: str) -> None:
+        self._release.append(key)
+        self._released[key] = None
+        while len(self._released) > _RELEASED_MEMORY:
+            self._released.popitem(last=False)
+
+    def _release_due(self, now: float) -> None:
+        for key in [k for k, t in self._grace.items() if t <= now]:
+            del self._grace[key]
+            self._release_key(key)
 
     # ---- vLLM hooks ----
     def on_new_request(self, request: "Request") -> None:
@@ -122,6 +140,7 @@ class P2pScheduler:
             self._key_owner[tid.key] = rid
             self._outgoing[rid] = _Outgoing(tid, request.num_prompt_tokens)
         if self._consumes(tid) and tid.key not in self._released:
+            self._grace.pop(tid.key, None)  # a late sibling: it loads too
             self._unplanned.setdefault(tid.key, set()).add(rid)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -174,6 +193,8 @@ class P2pScheduler:
                     request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
+        if self._grace:
+            self._release_due(time.monotonic())
         meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release)
         self._new_loads = []
         self._release = []

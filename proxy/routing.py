@@ -152,6 +152,10 @@ def prefill_body(kind: str, body: dict) -> dict:
     # The n samples of a prompt share its KV: P computes the prompt once, D fans out.
     pre.pop("n", None)
     pre.pop("best_of", None)
+    # P's one sampled token is discarded. A seed also gives the request its own
+    # generator, which vLLM 0.32's CPU build crashes on under chunked prefill
+    # ("CPU Generator does not use offset"); the KV does not depend on it.
+    pre.pop("seed", None)
     return pre
 
 

@@ -121,13 +121,17 @@ def kv_transfer_config(
     }
 
 
-def _spawn(name: str, port: int, cmd: list[str], log_dir: Path, env: dict[str, str],
+def _spawn(name: str, port: int, cmd: list[str], log_dir: Path, env: dict[str, str | None],
            drop_env: tuple[str, ...] = (), kv_port: int | None = None) -> Server:
     """Start cmd in its own session (so stop() can signal the whole group), output
     to log_dir/name.log, with this repo importable in every child process."""
-    penv = {k: v for k, v in os.environ.items() if k not in drop_env}
+    penv: dict[str, str] = {k: v for k, v in os.environ.items() if k not in drop_env}
     penv["PYTHONPATH"] = f"{ROOT}{os.pathsep}{penv.get('PYTHONPATH', '')}"
-    penv.update(env)
+    for k, v in env.items():  # None: unset what this process inherited
+        if v is None:
+            penv.pop(k, None)
+        else:
+            penv[k] = v
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as logf:
@@ -145,7 +149,7 @@ def start_vllm(
     max_num_batched_tokens: int | None = None,
     cpus: str | None = None,
     extra_args: list[str] | None = None,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
 ) -> Server:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -163,7 +167,7 @@ def start_vllm(
         cmd = ["taskset", "-c", cpus] + cmd
     penv = {
         # One list for a single-rank server ("0,1"); "|" would separate per-rank lists.
-        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cpus or "nobind"),
+        **({"VLLM_CPU_OMP_THREADS_BIND": cpus} if cpus else {}),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
         **(env or {}),
     }

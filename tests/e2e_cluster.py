@@ -52,10 +52,16 @@ class E2ECluster:
             s.stop()
 
 
-def start(log_dir: Path, timeout: float = 600.0) -> E2ECluster:
+def bind_env(bind: str | None) -> dict[str, str | None]:
+    """None: vLLM's own default CPU thread binding (what users get: the variable is
+    unset even if this process has it); else VLLM_CPU_OMP_THREADS_BIND=bind."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
+def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None) -> E2ECluster:
     disc = free_port()
     proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5"])
-    common = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS)
+    common = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS, env=bind_env(bind))
     p_port, d_port = free_port(), free_port()
     p_kv, d_kv = free_port_pair(), free_port_pair()
     timeouts = dict(kv_load_timeout_s=KV_LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S,

@@ -19,7 +19,7 @@ from vllm.v1.request import Request
 
 from connector.config import ConnectorConfig
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connector.scheduler import P2pScheduler
+from connector.scheduler import SIBLING_GRACE_S, P2pScheduler
 from connector.stats import XpydStats
 from proxy.protocol import Load
 
@@ -506,26 +506,35 @@ def test_consumer_release_comes_with_the_last_planned_load():
     assert s.build_connector_meta(sched_out()).release == []
 
 
-def test_consumer_n_children_share_one_transfer_released_after_the_last():
-    """n=2: vLLM adds children "0_<id>" and "1_<id>"; both load the prompt's one
-    payload, which the worker may drop only once both were planned."""
+def test_consumer_n_children_share_one_transfer_released_after_the_last(monkeypatch):
+    """n=2: vLLM adds children "0_<id>" and "1_<id>" one by one; both load the prompt's
+    one payload, which the worker may drop only once both were planned, and, since
+    the engine never learns n, a grace period later (a sibling may still come)."""
+    clock = [100.0]
+    monkeypatch.setattr("connector.scheduler.time.monotonic", lambda: clock[0])
     s = consumer()
     base = pd_id()
-    kids = [make_req(f"{i}_{base}", 300) for i in range(2)]
-    for k in kids:
-        s.on_new_request(k)
+    kids = [make_req(f"{i}_{base}", 300) for i in range(3)]
+    s.on_new_request(kids[0])
     admit(s, kids[0], 0, [1, 2, 3])
     meta = s.build_connector_meta(sched_out())
     assert [x.transfer_key for x in meta.loads] == [TK] and meta.release == []
+    # The second child arrives after the first was planned: it loads too.
+    clock[0] += SIBLING_GRACE_S / 2
+    s.on_new_request(kids[1])
     admit(s, kids[1], 0, [4, 5, 6])
     meta = s.build_connector_meta(sched_out())
     assert [(x.req_id, x.transfer_key, x.dst_block_ids) for x in meta.loads] == [(kids[1].request_id, TK, (4, 5, 6))]
-    assert meta.release == [TK]
-    # A third child that shows up after the release computes its prompt itself.
-    late = make_req(f"2_{base}", 300)
-    s.on_new_request(late)
-    assert s.get_num_new_matched_tokens(late, 0) == (0, False)
-    s.update_state_after_alloc(late, kv_blocks([7, 8, 9]), 0)
+    assert meta.release == []
+    clock[0] += SIBLING_GRACE_S * 0.99
+    assert s.build_connector_meta(sched_out()).release == []
+    clock[0] += SIBLING_GRACE_S * 0.02
+    assert s.build_connector_meta(sched_out()).release == [TK]
+    assert s.build_connector_meta(sched_out()).release == []  # once
+    # A child that shows up after the release computes its prompt itself.
+    s.on_new_request(kids[2])
+    assert s.get_num_new_matched_tokens(kids[2], 0) == (0, False)
+    s.update_state_after_alloc(kids[2], kv_blocks([7, 8, 9]), 0)
     assert s.build_connector_meta(sched_out()) == P2pConnectorMetadata()
 
 

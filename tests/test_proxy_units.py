@@ -199,9 +199,11 @@ def test_prefill_body_completions():
         "min_tokens": 10,
         "n": 2,
         "temperature": 0.5,
+        "seed": 5,
     }
     pre = prefill_body(COMPLETIONS, body)
-    # n samples share one prompt: P computes it once (n dropped), D fans out.
+    # n samples share one prompt: P computes it once (n dropped), D fans out; P's
+    # discarded token needs no seed.
     assert pre == {"prompt": "a", "max_tokens": 1, "stream": False, "temperature": 0.5}
     assert body["max_tokens"] == 50 and body["stream"] is True  # original untouched
 

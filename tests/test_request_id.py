@@ -54,3 +54,9 @@ def test_plain_or_malformed_ids_are_not_transfers(rid):
     assert request_id.parse(rid) is None
 
 
+
+
+@pytest.mark.parametrize("rid, index", [("0_cmpl-x-0-1a2b3c4d", 0), ("12_chatcmpl-y-deadbeef", 12),
+                                        ("cmpl-x-0-1a2b3c4d", None), ("cmpl-1_x-0-1a2b3c4d", None)])
+def test_child_index(rid, index):
+    assert request_id.child_index(rid) == index

@@ -1,0 +1,112 @@
+"""Faults on real vLLM (CPU build, vLLM's default thread binding): P talks to two
+D instances directly (the proxy's part is covered elsewhere).
+
+- D1 has a KV buffer too small for a 3-block prompt: P's reservation is refused
+  before any byte moves, D1's load fails on its next step and D1 recomputes.
+- D2 is frozen (SIGSTOP): sends to it wait out their deadline on its own queue,
+  while D1's transfers go through at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import e2e_cluster
+import pytest
+from e2e_client import BLOCK, body_for, generate, make_prompt, poll
+from e2e_cluster import free_port, free_port_pair
+
+cluster = e2e_cluster.cluster
+pytestmark = pytest.mark.vllm
+
+LOAD_TIMEOUT_S = 20.0  # long on purpose: a fail-fast load must not come near it
+SEND_TIMEOUT_S = 4.0
+SMALL_BUFFER = 100_000  # one 64 KiB block of the tiny model fits, three do not
+
+
+def _rid(p_kv: int, d_kv: int) -> str:
+    return f"___prefill_addr_127.0.0.1:{p_kv}___decode_addr_127.0.0.1:{d_kv}_{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="module")
+def pdd(tmp_path_factory: pytest.TempPathFactory):
+    log_dir = Path(tmp_path_factory.mktemp("e2e-faults"))
+    ports = {name: (free_port(), free_port_pair()) for name in ("prefill", "d1", "d2")}
+    timeouts = dict(kv_load_timeout_s=LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S)
+    env = e2e_cluster.bind_env(None)  # vLLM's default binding
+    servers = {}
+    for name, role, extra in (("prefill", "kv_producer", {}), ("d1", "kv_consumer", {"kv_buffer_size": SMALL_BUFFER}),
+                              ("d2", "kv_consumer", {})):
+        port, kv = ports[name]
+        servers[name] = cluster.start_vllm(
+            name, port, log_dir, max_num_batched_tokens=e2e_cluster.MAX_BATCHED_TOKENS, env=env,
+            kv_config=cluster.kv_transfer_config(role, kv, port, None, **timeouts, **extra))
+    try:
+        cluster.wait_until(list(servers.values()), "/health", 600)
+        yield servers
+    finally:
+        for s in servers.values():
+            try:
+                os.killpg(s.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            s.stop()
+
+
+def _disaggregated(p, d, prompt: str, timeout: float = LOAD_TIMEOUT_S + 30) -> tuple[str, dict, float]:
+    rid = _rid(p.kv_port, d.kv_port)
+    generate(p.url, "completions", body_for("completions", prompt, False, max_tokens=1), {"X-Request-Id": rid})
+    t0 = time.monotonic()
+    got, data = generate(d.url, "completions", body_for("completions", prompt, False), {"X-Request-Id": rid},
+                         timeout=timeout)
+    return got, data, time.monotonic() - t0
+
+
+def test_full_decode_buffer_fails_the_load_at_once_and_recomputes(pdd, tokenizer):
+    p, d1 = pdd["prefill"], pdd["d1"]
+    prompt = make_prompt(tokenizer, 3 * BLOCK - 10, seed=4401)
+    want, _ = generate(p.url, "completions", body_for("completions", prompt, False))  # P's own answer
+    got, data, elapsed = _disaggregated(p, d1, prompt)
+    assert got == want
+    assert data["kv_transfer_params"]["xpyd"]["load_failed"] is True
+    assert elapsed < 5.0, f"D1 waited {elapsed:.1f}s for KV that was refused (deadline {LOAD_TIMEOUT_S}s)"
+    assert re.search(r"refused kv transfer=\S+ reason=recv buffer full", d1.log())
+    assert re.search(r"kv load failed .* error=recv buffer full", d1.log())
+    # A prompt that fits still moves.
+    small = make_prompt(tokenizer, 60, seed=4402)
+    want, _ = generate(p.url, "completions", body_for("completions", small, False))
+    got, data, _ = _disaggregated(p, d1, small)
+    assert got == want and data["kv_transfer_params"]["xpyd"]["loaded_tokens"] == data["usage"]["prompt_tokens"] - 1
+
+
+def test_frozen_decode_does_not_delay_a_healthy_one(pdd, tokenizer):
+    p, d1, d2 = pdd["prefill"], pdd["d1"], pdd["d2"]
+    os.killpg(d2.proc.pid, signal.SIGSTOP)
+    try:
+        # Two prefills whose KV goes to the frozen D2: its queue waits out the deadline.
+        for i in range(2):
+            generate(p.url, "completions", body_for("completions", make_prompt(tokenizer, 60, seed=4500 + i),
+                                                    False, max_tokens=1), {"X-Request-Id": _rid(p.kv_port, d2.kv_port)})
+        # Meanwhile D1's transfer goes through at once.
+        prompt = make_prompt(tokenizer, 60, seed=4510)
+        want, _ = generate(p.url, "completions", body_for("completions", prompt, False))
+        got, data, elapsed = _disaggregated(p, d1, prompt)
+        assert got == want
+        assert data["kv_transfer_params"]["xpyd"]["load_failed"] is False
+        key = data["kv_transfer_params"]["xpyd"]["transfer_key"]
+        wait_ms = float(re.search(rf"kv loaded req=\S+ transfer={key} .*wait_ms=([0-9.]+)", d1.log())[1])
+        assert wait_ms < 1000, f"D1's load waited {wait_ms} ms behind the frozen D2"
+    finally:
+        os.killpg(d2.proc.pid, signal.SIGCONT)
+    # D2 answers again: P stops treating it as dead and its next transfer succeeds.
+    assert poll(lambda: "answers again" in p.log() or "kv send failed" not in p.log(), timeout=SEND_TIMEOUT_S + 10)
+    prompt = make_prompt(tokenizer, 70, seed=4520)
+    want, _ = generate(p.url, "completions", body_for("completions", prompt, False))
+    got, data, _ = _disaggregated(p, d2, prompt)
+    assert got == want
+    assert data["kv_transfer_params"]["xpyd"]["load_failed"] is False
