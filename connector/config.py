@@ -28,6 +28,13 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
+    value = str(extra.get(key, allowed[0])).lower()
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     role: str  # kv_producer | kv_consumer | kv_both
@@ -43,6 +50,7 @@ class ConnectorConfig:
     buffer_ttl_s: float
     heartbeat_interval_s: float
     transport: str
+    thread_affinity: str  # "auto": move our threads off the cores OpenMP pinned; "off": leave them
     discovery_secret: str | None
     # Test hook: honour kv_transfer_params["xpyd_debug_corrupt_kv"] on load. Off
     # unless explicitly enabled, so clients cannot corrupt a production instance.
@@ -88,6 +96,7 @@ class ConnectorConfig:
             buffer_ttl_s=float(extra.get("buffer_ttl_s", 60.0)),
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 3.0)),
             transport=str(extra.get("transport", "auto")),
+            thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
             discovery_secret=str(secret) if secret else None,
             allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
         )

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from connector.affinity import CpuPlan, pin_current_thread
-from connector.buffer import KVBuffer, Payload
+from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
@@ -52,7 +52,6 @@ class Send:
     # started: its blocks are about to be reused, so it must never start).
     state: str = "queued"
     lock: threading.Lock = field(default_factory=threading.Lock)
-    ok: bool = False
 
     def claim(self) -> bool:
         """Peer thread: move queued -> sending; False if it was cancelled."""
@@ -95,10 +94,6 @@ class PeerSender:
             self._queue.append(send)
             self._ensure_thread()
             self._cond.notify()
-
-    def queued(self) -> int:
-        with self._cond:
-            return len(self._queue)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -206,10 +201,10 @@ class PeerSender:
         t0 = time.monotonic()
         try:
             header, tensors = self._build(spec, False)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            nbytes = tensor_bytes(tensors)
             reply, _ = self._transport.call(
-                self.peer, {"op": "reserve", "key": spec.transfer_key, "nbytes": nbytes,
-                            "num_tokens": spec.num_tokens}, timeout_s=self._cfg.send_timeout_s)
+                self.peer, {"op": "reserve", "key": spec.transfer_key, "nbytes": nbytes},
+                timeout_s=self._cfg.send_timeout_s)
             if reply.get("ok"):
                 reply, _ = self._transport.call(self.peer, header, tensors,
                                                 timeout_s=max(0.05, deadline - time.monotonic()))
@@ -218,7 +213,6 @@ class PeerSender:
                 logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
                                spec.req_id, spec.transfer_key, self.peer, reply.get("error"))
             else:
-                send.ok = True
                 logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ms=%.1f",
                             spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
                             nbytes, self.peer, (time.monotonic() - t0) * 1e3)

@@ -46,7 +46,8 @@ class P2pWorker:
             init_cpu_amx()
         block_layout = kvlayout.detect(self._vllm_config, kv_caches)
         # Our threads must not inherit the core OpenMP pinned the main thread to.
-        cpus = affinity.plan() if first.device.type == "cpu" else None
+        on_cpu = first.device.type == "cpu" and self._cfg.thread_affinity == "auto"
+        cpus = affinity.plan() if on_cpu else None
         affinity.log_plan(cpus)
         self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout, cpus=cpus)
 

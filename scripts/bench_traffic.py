@@ -217,6 +217,9 @@ def main() -> int:
                     help="VLLM_CPU_OMP_THREADS_BIND for every vLLM server (auto = vLLM's default)")
     ap.add_argument("--kv-load-timeout-s", type=float, default=10.0)
     ap.add_argument("--send-timeout-s", type=float, default=5.0)
+    ap.add_argument("--connector-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra kv_connector_extra_config entry for every instance (JSON value), "
+                         "e.g. thread_affinity=\"off\"")
     ap.add_argument("--request-timeout", type=float, default=120.0, help="client deadline per request")
     ap.add_argument("--deadline", type=float, default=1800.0, help="overall deadline of the load phase")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
@@ -245,6 +248,9 @@ def main() -> int:
         proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, ["--heartbeat-timeout", "5"])
         servers.append(proxy)
         timeouts = {"kv_load_timeout_s": args.kv_load_timeout_s, "send_timeout_s": args.send_timeout_s}
+        for opt in args.connector_option:
+            key, _, value = opt.partition("=")
+            timeouts[key] = json.loads(value)
         common = {"log_dir": log_dir, "model": args.model, "max_num_batched_tokens": 256,
                   "env": {"VLLM_CPU_OMP_THREADS_BIND": args.bind}}  # explicit: older cluster.py defaults to nobind
         for name, role in (("prefill", "kv_producer"), ("decode1", "kv_consumer"), ("decode2", "kv_consumer")):

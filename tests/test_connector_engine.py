@@ -49,6 +49,7 @@ def make_cfg(role: str, send_type: str, port: int, **over) -> ConnectorConfig:
         "role": role, "kv_ip": HOST, "kv_port": port, "http_host": HOST, "http_port": None,
         "proxies": (), "send_type": send_type, "kv_buffer_size": 10**8, "kv_load_timeout_s": 5.0,
         "send_timeout_s": 2.0, "buffer_ttl_s": 60.0, "heartbeat_interval_s": 3.0, "transport": "tcp",
+        "thread_affinity": "auto",
         "discovery_secret": None, "allow_debug_corruption": False,
     }
     return ConnectorConfig(**{**base, **over})

@@ -44,7 +44,7 @@ def make_cfg(role: str, send_type: str = "PUT_ASYNC", addr: str | None = None,
     return ConnectorConfig(
         role=role, kv_ip=host, kv_port=int(port), http_host=host, http_port=None, proxies=(),
         send_type=send_type, kv_buffer_size=10**9, kv_load_timeout_s=30.0, send_timeout_s=10.0,
-        buffer_ttl_s=60.0, heartbeat_interval_s=3.0, transport="tcp", discovery_secret=None,
+        buffer_ttl_s=60.0, heartbeat_interval_s=3.0, transport="tcp", thread_affinity="auto", discovery_secret=None,
         allow_debug_corruption=allow_debug_corruption,
     )
 

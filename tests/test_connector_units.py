@@ -89,6 +89,7 @@ def test_config_defaults():
     assert cfg.http_host == "127.0.0.1" and cfg.http_port is None
     assert cfg.proxies == ()
     assert cfg.transport == "auto"
+    assert cfg.thread_affinity == "auto"
     assert cfg.allow_debug_corruption is False
     assert cfg.kv_load_timeout_s > 0 and cfg.send_timeout_s > 0 and cfg.buffer_ttl_s > 0
 
@@ -141,6 +142,9 @@ def test_config_rejects_bad_values():
         ConnectorConfig.from_vllm(_kvt(send_type="PUSH"))
     with pytest.raises(ValueError, match="kv_role"):
         ConnectorConfig.from_vllm(_kvt(role="kv_sideways"))
+    with pytest.raises(ValueError, match="thread_affinity"):
+        ConnectorConfig.from_vllm(_kvt(thread_affinity="pinned"))
+    assert ConnectorConfig.from_vllm(_kvt(thread_affinity="OFF")).thread_affinity == "off"
 
 
 # ---------------------------------------------------------------- layout
