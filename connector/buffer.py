@@ -83,7 +83,15 @@ class KVBuffer:
     def _fail_locked(self, key: str, reason: str) -> None:
         self._failures[key] = (reason, time.monotonic() + self._ttl)
 
-    def _refusal_locked(self, key: str, nbytes: int) -> str | None:
+    def _unreserve_locked(self, key: str) -> _Reservation | None:
+        res = self._reserved.pop(key, None)
+        if res is not None:
+            self._reserved_bytes -= res.nbytes
+        return res
+
+    def _refuse_locked(self, key: str, nbytes: int) -> str | None:
+        """Why a new payload of nbytes for key cannot be taken, or None. A refusal
+        for room is recorded as a failure: a load must not wait for that payload."""
         if key in self._tombstones:
             return "request already gone"
         if key in self._items or key in self._reserved:
@@ -91,42 +99,34 @@ class KVBuffer:
         if key in self._failures:
             return f"transfer already failed: {self._failures[key][0]}"
         if self._used + self._reserved_bytes + nbytes > self._capacity:
-            return (f"{self._name} buffer full ({self._used}+{self._reserved_bytes} reserved"
-                    f"+{nbytes} > {self._capacity} bytes)")
+            reason = (f"{self._name} buffer full ({self._used}+{self._reserved_bytes} reserved"
+                      f"+{nbytes} > {self._capacity} bytes)")
+            self._fail_locked(key, reason)
+            return reason
         return None
 
     def reserve(self, key: str, nbytes: int) -> str | None:
-        """Promise room for a payload of nbytes; None, or why not. A transfer
-        refused for room is recorded as failed: its load must not wait for it."""
+        """Promise room for a payload of nbytes; None, or why not."""
         with self._lock:
-            refused = self._refusal_locked(key, nbytes)
+            refused = self._refuse_locked(key, nbytes)
             if refused is None:
                 self._reserved[key] = _Reservation(nbytes, time.monotonic() + self._reservation_ttl)
                 self._reserved_bytes += nbytes
-            elif refused.startswith(f"{self._name} buffer full"):
-                self._fail_locked(key, refused)
             return refused
 
     def put(self, key: str, payload: Payload) -> str | None:
         """Store a payload into its reservation (or, unreserved, if it fits);
         returns None on success or the reason it was refused."""
         with self._lock:
-            res = self._reserved.get(key)
-            if res is not None:
-                if payload.nbytes != res.nbytes:
-                    del self._reserved[key]
-                    self._reserved_bytes -= res.nbytes
-                    reason = f"payload of {payload.nbytes} bytes does not match its reservation of {res.nbytes}"
-                    self._fail_locked(key, reason)
-                    return reason
-                del self._reserved[key]
-                self._reserved_bytes -= res.nbytes
-            else:
-                refused = self._refusal_locked(key, payload.nbytes)
+            res = self._unreserve_locked(key)
+            if res is None:
+                refused = self._refuse_locked(key, payload.nbytes)
                 if refused is not None:
-                    if refused.startswith(f"{self._name} buffer full"):
-                        self._fail_locked(key, refused)
                     return refused
+            elif payload.nbytes != res.nbytes:
+                reason = f"payload of {payload.nbytes} bytes does not match its reservation of {res.nbytes}"
+                self._fail_locked(key, reason)
+                return reason
             self._items[key] = payload
             self._used += payload.nbytes
             return None
@@ -152,9 +152,7 @@ class KVBuffer:
         with self._lock:
             if key in self._items:
                 return False
-            res = self._reserved.pop(key, None)
-            if res is not None:
-                self._reserved_bytes -= res.nbytes
+            self._unreserve_locked(key)
             self._fail_locked(key, reason)
             return True
 
@@ -170,9 +168,7 @@ class KVBuffer:
             p = self._items.pop(key, None)
             if p is not None:
                 self._used -= p.nbytes
-            res = self._reserved.pop(key, None)
-            if res is not None:
-                self._reserved_bytes -= res.nbytes
+            self._unreserve_locked(key)
             self._tombstones[key] = time.monotonic() + self._ttl
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -186,16 +182,15 @@ class KVBuffer:
                     del self._items[key]
                     self._used -= p.nbytes
                     dropped.append((key, f"dropped after the {self._ttl:g}s TTL"))
-            for key, res in list(self._reserved.items()):
-                if res.expires < now:
-                    del self._reserved[key]
-                    self._reserved_bytes -= res.nbytes
-                    dropped.append((key, "reserved, but the payload never came"))
+            for key in [k for k, res in self._reserved.items() if res.expires < now]:
+                self._unreserve_locked(key)
+                dropped.append((key, "reserved, but the payload never came"))
             for key, reason in dropped:
                 self._failures[key] = (reason, now + self._ttl)
-            for table in (self._tombstones, self._failures):
-                for key in [k for k, v in table.items() if (v if isinstance(v, float) else v[1]) < now]:
-                    del table[key]
+            for key in [k for k, until in self._tombstones.items() if until < now]:
+                del self._tombstones[key]
+            for key in [k for k, (_, until) in self._failures.items() if until < now]:
+                del self._failures[key]
         for key, reason in dropped:
             logger.warning("kv buffer=%s dropped expired transfer=%s (%s)", self._name, key, reason)
         return [k for k, _ in dropped]

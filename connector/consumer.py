@@ -13,6 +13,7 @@ reserving the payload's size in its own buffer before asking.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,9 @@ class Consumer:
         self._layer_names = list(caches)
         self._layout = block_layout
         self._recv = recv
+        # Bytes one prompt block takes over all layers: sizes a GET reservation.
+        elem = torch.empty((), dtype=getattr(torch, block_layout.dtype)).element_size()
+        self._block_bytes = math.prod(block_layout.block_shape) * elem * len(self._layer_names)
         self._loads: dict[str, _Load] = {}  # req_id -> pending load, worker thread only
         self._released: set[str] = set()  # keys no further load will be planned for
         self._stop = threading.Event()
@@ -80,17 +84,10 @@ class Consumer:
         self._released.update(keys)
 
     # ---- GET: pull from P (pool thread) ----
-    def _block_bytes(self) -> int:
-        elem = torch.empty((), dtype=getattr(torch, self._layout.dtype)).element_size()
-        n = 1
-        for d in self._layout.block_shape:
-            n *= d
-        return n * elem * len(self._layer_names)
-
     def _fetch(self, spec: LoadSpec, deadline: float, cancel: threading.Event) -> None:
         key = spec.transfer_key
         peer = rank_address(spec.prefill_addr, self._rank)
-        refused = self._recv.reserve(key, spec.prompt_blocks * self._block_bytes())
+        refused = self._recv.reserve(key, spec.prompt_blocks * self._block_bytes)
         if refused:
             logger.warning("kv get not started transfer=%s reason=%s", key, refused)
             return

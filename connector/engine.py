@@ -81,6 +81,7 @@ class KVEngine:
         self._cpus = cpus
         self._transport = transport or make_transport(cfg.transport, self._device, cpus,
                                                       cfg.kv_buffer_size + _HEADER_SLACK)
+        self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus)
         self.address = rank_address(cfg.advertised_address, rank)
@@ -172,14 +173,13 @@ class KVEngine:
     def _payload(self, spec: SaveSpec, copy: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
-        device_native = bool(getattr(self._transport, "device_native", False))
         for name in self._layer_names:
             parts = kvlayout.gather(self._caches[name], spec.block_ids, self._layout)
             if run_lens is None:
                 run_lens = [p.shape[0] for p in parts]
             for p in parts:
                 # tcp moves host memory; GET must own its copy (blocks get freed).
-                if copy or p.device.type != "cpu" and not device_native:
+                if copy or p.device.type != "cpu" and not self._device_native:
                     p = p.to("cpu", copy=True) if p.device.type != "cpu" else p.clone()
                 tensors.append(p)
         header = {
