@@ -1,0 +1,1 @@
+"""Deployment: topologies as data (configs/topologies/), the launcher, compose rendering."""
