@@ -54,6 +54,11 @@ def build(prefill_addr: str, decode_addr: str, uuid: str | None = None) -> str:
     return f"___prefill_addr_{prefill_addr}___decode_addr_{decode_addr}_{uuid or new_uuid()}"
 
 
+def build_local(uuid: str | None = None) -> str:
+    """The X-Request-Id of a request D serves alone (no transfer): parse() ignores it."""
+    return f"xpyd-local-{uuid or new_uuid()}"
+
+
 def parse(request_id: str) -> TransferId | None:
     """The transfer id inside an engine request id, or None for plain requests."""
     m = _PATTERN.search(request_id)

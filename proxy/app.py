@@ -15,12 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from proxy.asgi import Receive, Scope, Send
 from proxy.config import ProxyConfig
 from proxy.discovery import Discovery
 from proxy.errors import ProxyError, error_dict, upstream_error_body
 from proxy.metrics import Metrics
+from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.registry import Registry
-from proxy.routing import CHAT, COMPLETIONS, Receive, Router, Scope, Send
+from proxy.routing import Router
 from proxy.upstream import Upstream, UpstreamError, make_upstream
 
 log = logging.getLogger("xpyd.proxy")

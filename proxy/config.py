@@ -12,6 +12,9 @@ from typing import Any
 
 ENV_PREFIX = "XPYD_"
 POLICIES = ("round_robin", "least_loaded")
+DISPATCH_MODES = ("sequential", "concurrent")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 class ConfigError(ValueError):
@@ -40,6 +43,14 @@ class ProxyConfig:
     stream_idle_timeout: float = 120.0
     # Extra prefill attempts on another P after a connect error or timeout.
     prefill_retries: int = 2
+    # Redo a request on another D (with a new P/D pair) when D fails before its first byte.
+    decode_retries: int = 1
+    # sequential: D gets the request when P has answered; concurrent: as soon as P is chosen.
+    dispatch: str = "sequential"
+    # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables.
+    local_prefill_threshold: int = 0
+    # With no P live or reachable, D prefills the prompt itself instead of a 503.
+    fallback_to_decode: bool = True
     # An instance that refused a connection is avoided for this long (unless it is the only one).
     failure_cooldown: float = 2.0
     shutdown_grace_s: float = 30.0
@@ -67,8 +78,9 @@ class ProxyConfig:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
         if self.max_body_bytes <= 0:
             raise ConfigError("max_body_bytes must be > 0")
-        if self.prefill_retries < 0:
-            raise ConfigError("prefill_retries must be >= 0")
+        for name in ("prefill_retries", "decode_retries", "local_prefill_threshold"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICIES)}")
@@ -76,6 +88,7 @@ class ProxyConfig:
             "upstream_client": ("native", "aiohttp", "httpx"),
             "loop": ("auto", "uvloop", "asyncio"),
             "http": ("auto", "httptools", "h11"),
+            "dispatch": DISPATCH_MODES,
             "log_level": ("debug", "info", "warning", "error", "critical"),
         }
         for name, allowed in choices.items():
@@ -101,6 +114,10 @@ HELP = MappingProxyType(
         "decode_ttfb_timeout": "seconds to D's first body byte (non-streaming: whole answer)",
         "stream_idle_timeout": "max seconds between two chunks of D's stream",
         "prefill_retries": "extra attempts on another P after a connect error or timeout",
+        "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
+        "dispatch": "sequential: D is asked after P answered; concurrent: D is asked with P",
+        "local_prefill_threshold": "prompts under this many tokens skip P (0: never)",
+        "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",
         "shutdown_grace_s": "on SIGTERM, seconds to let in-flight requests finish",
         "log_level": "logging level",
@@ -127,14 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"default": None, "dest": f.name}
         if f.name in ("prefill_policy", "decode_policy"):
             kwargs["choices"] = POLICIES
+        elif f.name == "dispatch":
+            kwargs["choices"] = DISPATCH_MODES
         kwargs["type"] = _scalar_type(f)
         kwargs["help"] = f"{HELP.get(f.name, '')} (default: {f.default})"
         parser.add_argument(_flag(f.name), **kwargs)
     return parser
 
 
-def _scalar_type(f: dataclasses.Field) -> type:
+def _parse_bool(value: str) -> bool:
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(value)
+
+
+def _scalar_type(f: dataclasses.Field) -> Any:
     t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if t.startswith("bool"):
+        return _parse_bool
     if t.startswith("int"):
         return int
     if t.startswith("float"):
@@ -151,6 +181,8 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
             return None
         raise ConfigError(f"{f.name} ({source}) must not be empty")
     try:
+        if kind is _parse_bool:
+            return value if isinstance(value, bool) else _parse_bool(str(value))
         if kind is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(value)
@@ -160,7 +192,8 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
                 raise ValueError(value)
             return float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{f.name} ({source}) must be {kind.__name__}, got {value!r}") from None
+        expected = "bool" if kind is _parse_bool else kind.__name__
+        raise ConfigError(f"{f.name} ({source}) must be {expected}, got {value!r}") from None
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         raise ConfigError(f"{f.name} ({source}) must be a string, got {value!r}")
     return str(value)

@@ -79,11 +79,24 @@ class Metrics:
         self.prefill_retries = Counter(
             "xpyd_prefill_retries", "Prefill attempts retried on another P", registry=r
         )
+        self.decode_retries = Counter(
+            "xpyd_decode_retries",
+            "Requests redone on another D after D failed before its first byte",
+            registry=r,
+        )
+        self.dispatch_paths = Counter(
+            "xpyd_dispatch",
+            "Requests by dispatch path: disaggregated, or D alone (local_short: short prompt, "
+            "local_cached: D holds the prefix, local_no_prefill: no P live or reachable)",
+            ["path"],
+            registry=r,
+        )
         r.register(_InstanceCollector(registry))
         # Label children are cached: .labels() costs more than the observation itself.
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._lat_children: dict[str, Histogram] = {}
         self.phase_children = {p: self.phase.labels(p) for p in PHASES}
+        self._path_children: dict[str, Counter] = {}
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         key = (route, status)
@@ -95,6 +108,12 @@ class Metrics:
         if lat is None:
             lat = self._lat_children[route] = self.latency.labels(route)
         lat.observe(seconds)
+
+    def dispatch(self, path: str) -> None:
+        child = self._path_children.get(path)
+        if child is None:
+            child = self._path_children[path] = self.dispatch_paths.labels(path)
+        child.inc()
 
     def upstream_error(self, role: str, instance: str, kind: str) -> None:
         self.upstream_errors.labels(role, instance, kind).inc()

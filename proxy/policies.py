@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from proxy.registry import Instance
+from proxy.request import RouteRequest
 
 # One in-flight request counts as much as this many in-flight prompt tokens.
 TOKENS_PER_REQUEST = 1024.0
@@ -16,8 +17,8 @@ KV_USAGE_WEIGHT = 4.0
 class Policy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[Instance], prompt_tokens: int) -> Instance:
-        """Pick one of the non-empty candidates for a request of ~prompt_tokens."""
+    def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
+        """Pick one of the non-empty candidates for `req`."""
         ...
 
 
@@ -27,7 +28,7 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, candidates: Sequence[Instance], prompt_tokens: int) -> Instance:
+    def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
         i = self._next % len(candidates)
         self._next = i + 1
         return candidates[i]
@@ -54,7 +55,7 @@ class LeastLoaded:
     def __init__(self) -> None:
         self._start = 0
 
-    def choose(self, candidates: Sequence[Instance], prompt_tokens: int) -> Instance:
+    def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
         n = len(candidates)
         # Scan from a rotating start so that ties spread round-robin.
         start = self._start % n
@@ -75,30 +76,3 @@ def make_policy(name: str) -> Policy:
     if name == "least_loaded":
         return LeastLoaded()
     raise ValueError(f"unknown policy {name!r}")
-
-
-def estimate_prompt_tokens(body: dict) -> int:
-    """Rough prompt size: ~4 characters per token for text, exact for token ids."""
-    prompt = body.get("prompt")
-    if prompt is not None:
-        if isinstance(prompt, str):
-            return len(prompt) // 4 + 1
-        total = 0
-        for p in prompt:
-            if isinstance(p, str):
-                total += len(p) // 4 + 1
-            elif isinstance(p, list):
-                total += len(p)
-            else:
-                total += 1
-        return total
-    chars = 0
-    for msg in body.get("messages") or ():
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    chars += len(part["text"])
-    return chars // 4 + 1

@@ -94,16 +94,22 @@ async def test_body_too_large_is_413():
 # ---------------------------------------------------------------- no instances
 
 
-async def test_no_prefill_or_decode_is_503():
+async def test_no_decode_is_503_and_no_prefill_without_fallback_is_503():
     async with running_proxy() as px:
         assert_error(
-            await px.client.post("/v1/completions", json=COMPLETION), 503, "no_prefill_instance"
+            await px.client.post("/v1/completions", json=COMPLETION), 503, "no_decode_instance"
         )
         p = await px.fake("P")
         assert_error(
             await px.client.post("/v1/completions", json=COMPLETION), 503, "no_decode_instance"
         )
         assert not p.completions()
+    async with running_proxy(fallback_to_decode=False) as px:
+        d = await px.fake("D")
+        assert_error(
+            await px.client.post("/v1/completions", json=COMPLETION), 503, "no_prefill_instance"
+        )
+        assert not d.completions()
 
 
 # ---------------------------------------------------------------- prefill failures
@@ -164,8 +170,18 @@ async def test_unreachable_prefill_is_retried_on_another():
         )
 
 
-async def test_all_prefill_unreachable_is_502():
+async def test_all_prefill_unreachable_falls_back_to_decode_or_is_502():
     async with running_proxy(prefill_retries=2) as px:
+        await register_dead(px, "P")
+        d = await px.fake("D")
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-xpyd-path"] == "local_no_prefill"
+        # D prefills alone: a plain request id, which the connector does not wait on.
+        (seen,) = d.completions()
+        assert seen.request_id.startswith("xpyd-local-") and "prefill_addr" not in seen.request_id
+        assert await px.metric("xpyd_dispatch_total", path="local_no_prefill") == 1
+    async with running_proxy(prefill_retries=2, fallback_to_decode=False) as px:
         await register_dead(px, "P")
         d = await px.fake("D")
         assert_error(

@@ -7,16 +7,20 @@ import re
 
 import pytest
 
+from connector import request_id
 from proxy.errors import ProxyError, upstream_error_body
-from proxy.policies import LeastLoaded, RoundRobin, estimate_prompt_tokens, make_policy
+from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens, prefill_body, validate_body
+from proxy.policies import LeastLoaded, RoundRobin, make_policy
 from proxy.protocol import Load, Registration
 from proxy.registry import Registry
-from proxy.routing import CHAT, COMPLETIONS, make_request_id, prefill_body, validate_body
+from proxy.request import RouteRequest
 
 
 def reg(role: str, port: int, zmq: int | None = None, load: Load | None = None) -> Registration:
     return Registration(role, f"127.0.0.1:{port}", f"127.0.0.1:{zmq or port + 1000}", load)
 
+
+REQ = RouteRequest(COMPLETIONS, b"{}", {}, 10, {})
 
 # ---------------------------------------------------------------- registry
 
@@ -76,7 +80,7 @@ def _instances(n: int):
 def test_round_robin_cycles():
     insts = _instances(3)
     rr = RoundRobin()
-    picks = [rr.choose(insts, 10).http_address[-1] for _ in range(6)]
+    picks = [rr.choose(insts, REQ).http_address[-1] for _ in range(6)]
     assert picks == ["1", "2", "3", "1", "2", "3"]
 
 
@@ -84,10 +88,10 @@ def test_least_loaded_prefers_fewer_in_flight_and_tokens():
     a, b, c = _instances(3)
     a.in_flight, b.in_flight, c.in_flight = 2, 0, 1
     ll = LeastLoaded()
-    assert all(ll.choose([a, b, c], 10) is b for _ in range(3))
+    assert all(ll.choose([a, b, c], REQ) is b for _ in range(3))
     b.in_flight = 1
     b.in_flight_tokens = 5000  # same request count as c, far more prompt tokens
-    assert ll.choose([a, b, c], 10) is c
+    assert ll.choose([a, b, c], REQ) is c
 
 
 def test_least_loaded_uses_heartbeat_load():
@@ -95,11 +99,11 @@ def test_least_loaded_uses_heartbeat_load():
     # b runs requests from other clients the proxy does not know about.
     b.load = Load(running=8, waiting=4, kv_usage=0.9)
     a.in_flight = 3
-    assert LeastLoaded().choose([a, b], 10) is a
+    assert LeastLoaded().choose([a, b], REQ) is a
     # ...and a heartbeat never lowers the load below what the proxy itself has in flight.
     a.load = Load(0, 0, 0.0)
     b.load = Load(0, 0, 0.0)
-    assert LeastLoaded().choose([a, b], 10) is b
+    assert LeastLoaded().choose([a, b], REQ) is b
 
 
 def test_least_loaded_avoids_a_decode_whose_kv_buffer_is_full():
@@ -107,13 +111,13 @@ def test_least_loaded_avoids_a_decode_whose_kv_buffer_is_full():
     a, b = _instances(2)
     a.load = Load(0, 0, kv_usage=0.1, kv_buffer_usage=1.0)
     b.load = Load(0, 0, kv_usage=0.5, kv_buffer_usage=0.0)
-    assert all(LeastLoaded().choose([a, b], 10) is b for _ in range(3))
+    assert all(LeastLoaded().choose([a, b], REQ) is b for _ in range(3))
 
 
 def test_least_loaded_ties_spread_round_robin():
     insts = _instances(3)
     ll = LeastLoaded()
-    picks = {ll.choose(insts, 10).http_address for _ in range(3)}
+    picks = {ll.choose(insts, REQ).http_address for _ in range(3)}
     assert len(picks) == 3
 
 
@@ -219,11 +223,11 @@ def test_request_id_format():
     r = Registry(heartbeat_timeout=10)
     p = r.upsert(Registration("P", "10.0.0.1:8100", "10.0.0.1:21001"), now=0)
     d = r.upsert(Registration("D", "10.0.0.2:8200", "10.0.0.2:22001"), now=0)
-    rid = make_request_id(p, d)
+    rid = request_id.build(p.zmq_address, d.zmq_address)
     assert re.fullmatch(
         r"___prefill_addr_10\.0\.0\.1:21001___decode_addr_10\.0\.0\.2:22001_[0-9a-f]{32}", rid
     )
-    assert make_request_id(p, d) != rid
+    assert request_id.build(p.zmq_address, d.zmq_address) != rid
 
 
 # ---------------------------------------------------------------- upstream errors

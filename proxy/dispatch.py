@@ -1,0 +1,368 @@
+"""One request's journey: choose D, prefill on a P (or let D prefill alone), open D's answer.
+
+Failures are sorted by what can still be done about them:
+- P unreachable or timed out: try another P (bounded by prefill_retries);
+- D unreachable, dropped or 5xx before its first byte: redo the request on another D with a
+  new P/D pair (bounded by decode_retries): nothing has reached the client yet;
+- an instance's own HTTP error (4xx, or P's 5xx): relayed as it is, never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+
+import orjson
+
+from connector import request_id
+from proxy.asgi import Flight, Send, ms
+from proxy.config import ProxyConfig
+from proxy.errors import ProxyError, upstream_error_body
+from proxy.metrics import Metrics
+from proxy.openai_api import prefill_body
+from proxy.registry import Instance
+from proxy.relay import Answer, relay
+from proxy.request import RouteRequest
+from proxy.selection import Selector
+from proxy.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("xpyd.proxy.dispatch")
+
+# Dispatch paths, as counted in xpyd_dispatch_total.
+DISAGGREGATED = "disaggregated"
+LOCAL_SHORT = "local_short"  # prompt below local_prefill_threshold
+LOCAL_CACHED = "local_cached"  # D holds all but a short tail of the prompt
+LOCAL_NO_PREFILL = "local_no_prefill"  # no P live or reachable
+
+
+class DecodeFailed(Exception):
+    """D failed before anything reached the client: the request may go to another D."""
+
+    def __init__(self, error: ProxyError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _PrefillExhausted(Exception):
+    """Every P attempt failed to reach or finish; `error` says how, `unreachable` whether
+    no P could even be connected to (then D may prefill alone)."""
+
+    def __init__(self, error: ProxyError, unreachable: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.unreachable = unreachable
+
+
+@dataclass(slots=True)
+class Call:
+    """What every step of one request needs."""
+
+    req: RouteRequest
+    send: Send
+    flight: Flight
+    t0: float  # perf_counter() at arrival
+
+
+class Dispatcher:
+    def __init__(
+        self, cfg: ProxyConfig, selector: Selector, metrics: Metrics, upstream: Upstream
+    ) -> None:
+        self.cfg = cfg
+        self.selector = selector
+        self.metrics = metrics
+        self.upstream = upstream
+        self._phase = metrics.phase_children
+        self._concurrent = cfg.dispatch == "concurrent"
+
+    async def run(self, call: Call) -> int:
+        """Serve the request; returns the HTTP status sent."""
+        req = call.req
+        tried: list[Instance] = []
+        last: ProxyError | None = None
+        for attempt in range(self.cfg.decode_retries + 1):
+            d = self.selector.acquire("D", req, tried)
+            if d is None:
+                break
+            if attempt:
+                self.metrics.decode_retries.inc()
+            call.flight.extra.clear()  # headers describe the attempt that answers
+            try:
+                try:
+                    answer = await self._answer(call, d)
+                except DecodeFailed as e:
+                    tried.append(d)
+                    last = e.error
+                    log.warning(
+                        "decode failed before first byte instance=%s attempt=%d error=%s",
+                        d.http_address, attempt + 1, e,
+                    )  # fmt: skip
+                    continue
+                t_relay = time.perf_counter()
+                try:
+                    await relay(answer, d, call.send, call.flight, self.metrics,
+                                self.cfg.stream_idle_timeout)  # fmt: skip
+                finally:
+                    # Unread (client left, error, timeout): closes the connection, D aborts.
+                    await answer.resp.aclose()
+                d.served += 1
+                self._phase["decode"].observe(time.perf_counter() - t_relay)
+                return answer.resp.status
+            finally:
+                self.selector.release(d, req)
+        if last is not None:
+            raise last
+        raise ProxyError(503, "no decode instance is available", "no_decode_instance")
+
+    # ------------------------------------------------------------------ one attempt
+
+    def _path(self, req: RouteRequest, d: Instance) -> str:
+        if not self.selector.available("P"):
+            if not self.cfg.fallback_to_decode:
+                raise ProxyError(503, "no prefill instance is available", "no_prefill_instance")
+            return LOCAL_NO_PREFILL
+        threshold = self.cfg.local_prefill_threshold
+        if threshold > 0:
+            if req.tokens < threshold:
+                return LOCAL_SHORT
+            cached = self.selector.cached_tokens("D", d, req)
+            if cached and req.tokens - cached < threshold:
+                return LOCAL_CACHED
+        return DISAGGREGATED
+
+    async def _answer(self, call: Call, d: Instance) -> Answer:
+        extra = call.flight.extra
+        extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+        path = self._path(call.req, d)
+        if path == DISAGGREGATED:
+            try:
+                return await self._disaggregated(call, d)
+            except _PrefillExhausted as e:
+                if not (e.unreachable and self.cfg.fallback_to_decode):
+                    raise e.error from None
+                path = LOCAL_NO_PREFILL
+        return await self._local(call, d, path)
+
+    async def _local(self, call: Call, d: Instance, path: str) -> Answer:
+        """D prefills the prompt itself: a plain request id, so its connector loads nothing."""
+        self.metrics.dispatch(path)
+        rid = request_id.build_local()
+        call.flight.extra.append((b"x-request-id", rid.encode()))
+        call.flight.extra.append((b"x-xpyd-path", path.encode()))
+        headers = {**call.req.headers, "x-request-id": rid}
+        t = time.perf_counter()
+        answer = await self._first_bytes(d, self._open(call.req, d, headers))
+        self._observe_ttfb(call, t)
+        return answer
+
+    async def _disaggregated(self, call: Call, d: Instance) -> Answer:
+        cfg = self.cfg
+        req = call.req
+        pre_raw = orjson.dumps(_prefill_body(req))
+        tried: list[Instance] = []
+        slow: list[Instance] = []  # timed out: never worth a second try
+        failures: list[str] = []  # UpstreamError kinds and "timeout", per attempt
+        last_msg = ""
+        for attempt in range(cfg.prefill_retries + 1):
+            # Prefer a P not tried yet; one that merely refused may be tried again (transient).
+            p = self.selector.acquire("P", req, tried) or self.selector.acquire("P", req, slow)
+            if p is None:
+                break
+            rid = request_id.build(p.zmq_address, d.zmq_address)
+            headers = {**req.headers, "x-request-id": rid}
+            t_start = time.perf_counter()
+            if attempt == 0:
+                self._phase["queue"].observe(t_start - call.t0)
+                call.flight.extra.append((b"x-xpyd-queue-ms", ms(t_start - call.t0)))
+            else:
+                self.metrics.prefill_retries.inc()
+            try:
+                opening = await self._prefill_then_open(p, d, pre_raw, headers, req)
+            except (UpstreamError, TimeoutError) as e:
+                tried.append(p)
+                kind = e.kind if isinstance(e, UpstreamError) else "timeout"
+                if kind == "timeout":
+                    slow.append(p)
+                    last_msg = f"timed out after {cfg.prefill_timeout}s"
+                else:
+                    last_msg = str(e)
+                failures.append(kind)
+                self._prefill_failed(p, kind, attempt, last_msg)
+                continue
+            except ProxyError:  # P's (or D's) own answer, relayed: say who gave it
+                self._prefill_done(call, p, rid, t_start)
+                raise
+            t_pre = self._prefill_done(call, p, rid, t_start)
+            p.served += 1
+            self.metrics.dispatch(DISAGGREGATED)
+            try:
+                answer = await self._first_bytes(
+                    d, opening if opening is not None else self._open(req, d, headers)
+                )
+            except BaseException:
+                await _discard(opening)
+                raise
+            self._observe_ttfb(call, t_pre)
+            return answer
+        raise _PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
+
+    async def _prefill_then_open(self, p: Instance, d: Instance, pre_raw: bytes,
+                                 headers: dict[str, str], req: RouteRequest
+                                 ) -> asyncio.Task[Answer] | None:  # fmt: skip
+        """Run P's prefill; with concurrent dispatch, D's request goes out at the same time
+        (D parses, tokenizes and schedules while P prefills; its connector waits for the KV
+        under its own deadline) and the still-running D task is returned.
+
+        P's failure aborts D's request at once; D's failure before P is done aborts P's."""
+        try:
+            if not self._concurrent:
+                await self._prefill(p, req.path, pre_raw, headers)
+                return None
+            loop = asyncio.get_running_loop()
+            opening = loop.create_task(self._open(req, d, headers))
+            prefill = loop.create_task(self._prefill(p, req.path, pre_raw, headers))
+            try:
+                await asyncio.wait((prefill, opening), return_when=asyncio.FIRST_COMPLETED)
+                if opening.done() and opening.exception() is not None and not prefill.done():
+                    await _discard(prefill)
+                    raise opening.exception()  # type: ignore[misc]
+                await prefill
+            except BaseException:
+                await _discard(prefill)
+                await _discard(opening)
+                raise
+            return opening
+        finally:
+            self.selector.release(p, req)
+
+    def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
+        t_pre = time.perf_counter()
+        extra = call.flight.extra
+        extra.append((b"x-request-id", rid.encode()))
+        extra.append((b"x-xpyd-prefill-instance", p.http_address.encode()))
+        extra.append((b"x-xpyd-prefill-ms", ms(t_pre - t_start)))
+        self._phase["prefill"].observe(t_pre - t_start)
+        return t_pre
+
+    def _prefill_failed(self, p: Instance, kind: str, attempt: int, message: str) -> None:
+        self.metrics.upstream_error("P", p.http_address, kind)
+        if kind in ("connect", "connect_timeout"):
+            p.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
+        log.warning(
+            "prefill failed instance=%s kind=%s attempt=%d error=%s",
+            p.http_address, kind, attempt + 1, message,
+        )  # fmt: skip
+
+    def _observe_ttfb(self, call: Call, since: float) -> None:
+        t_first = time.perf_counter()
+        self._phase["decode_ttfb"].observe(t_first - since)
+        call.flight.extra.append((b"x-xpyd-decode-ttfb-ms", ms(t_first - since)))
+
+    # ------------------------------------------------------------------ upstream calls
+
+    async def _prefill(self, p: Instance, path: str, body: bytes, headers: dict[str, str]) -> None:
+        """P computes the prompt's KV (and ships it, per the connector's send mode)."""
+        async with asyncio.timeout(self.cfg.prefill_timeout):
+            resp = await self.upstream.request("POST", p.url + path, body, headers)
+            try:
+                data = await resp.read()
+            finally:
+                await resp.aclose()
+        if not 200 <= resp.status < 300:
+            # P refused the request (bad input, overload...): relay that; D is not asked.
+            self.metrics.upstream_error("P", p.http_address, f"http_{resp.status}")
+            raise ProxyError(
+                resp.status,
+                "prefill failed",
+                raw=upstream_error_body(resp.status, data, "prefill", p.http_address),
+            )
+
+    async def _first_bytes(self, d: Instance, opening: Awaitable[Answer]) -> Answer:
+        """D's first bytes, under the deadline that starts when D's answer is due."""
+        limit = self.cfg.decode_ttfb_timeout
+        try:
+            async with asyncio.timeout(limit):
+                return await opening
+        except TimeoutError:
+            self.metrics.upstream_error("D", d.http_address, "timeout")
+            raise ProxyError(
+                504, f"decode instance {d.http_address} sent nothing for {limit}s", "decode_timeout"
+            ) from None
+
+    async def _open(self, req: RouteRequest, d: Instance, headers: dict[str, str]) -> Answer:
+        """Send the client's request to D and wait for the first bytes of its answer."""
+        resp = None
+        try:
+            resp = await self.upstream.request("POST", d.url + req.path, req.raw, headers)
+            if not 200 <= resp.status < 300:
+                data = await resp.read()
+                self.metrics.upstream_error("D", d.http_address, f"http_{resp.status}")
+                error = ProxyError(
+                    resp.status,
+                    "decode failed",
+                    raw=upstream_error_body(resp.status, data, "decode", d.http_address),
+                )
+                # D's own verdict on the request (4xx) would be the same elsewhere.
+                raise DecodeFailed(error) if resp.status >= 500 else error
+            if resp.content_type.startswith("text/event-stream"):
+                chunks = resp.chunks()
+                return Answer(resp, await anext(chunks, b""), True, chunks)
+            return Answer(resp, await resp.read(), False, None)
+        except UpstreamError as e:
+            self.metrics.upstream_error("D", d.http_address, e.kind)
+            if e.kind == "connect":
+                d.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
+            status, code = (504, "decode_timeout") if e.kind == "connect_timeout" else (
+                502, "decode_unreachable")  # fmt: skip
+            raise DecodeFailed(
+                ProxyError(status, f"decode instance {d.http_address} failed before answering: {e}",
+                           code)  # fmt: skip
+            ) from None
+        except BaseException:
+            if resp is not None:
+                await resp.aclose()
+            raise
+
+
+def _prefill_body(req: RouteRequest) -> dict:
+    return prefill_body(req.path, req.body)
+
+
+async def _discard(task: asyncio.Task | None) -> None:
+    """Abandon an upstream call: cancel it if still running, close its answer if it has
+    one. Closing D's connection makes vLLM abort the request (and its connector stop
+    waiting for the KV)."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        return
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if isinstance(result, Answer):
+        await result.resp.aclose()
+
+
+def _unreachable(failures: list[str]) -> bool:
+    return not failures or all(k in ("connect", "connect_timeout") for k in failures)
+
+
+def _prefill_error(failures: list[str], last_msg: str) -> ProxyError:
+    if not failures:
+        return ProxyError(503, "no prefill instance is available", "no_prefill_instance")
+    if failures[-1] in ("timeout", "connect_timeout"):
+        return ProxyError(
+            504, f"prefill failed on {len(failures)} attempt(s), last: {last_msg}", "prefill_timeout"
+        )
+    return ProxyError(
+        502,
+        f"no prefill instance could be reached after {len(failures)} attempt(s), last: {last_msg}",
+        "prefill_unreachable",
+    )

@@ -1,0 +1,25 @@
+"""One client request as the routing layers see it: parsed once, read by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy.openai_api import routing_key
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    path: str  # openai_api.COMPLETIONS or CHAT
+    raw: bytes  # the client's body, relayed to D byte for byte
+    body: dict  # the same, parsed
+    tokens: int  # estimated prompt tokens
+    headers: dict[str, str]  # what is forwarded upstream (x-request-id set per attempt)
+    model: str | None = None
+    _key: str | list[int] | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> str | list[int]:
+        """Routing key for prefix-aware policies, computed on first use only."""
+        if self._key is None:
+            self._key = routing_key(self.body)
+        return self._key
