@@ -259,7 +259,9 @@ class Launcher:
 
     # ---- the whole run -----------------------------------------------------------------
     def smoke_request(self) -> bool:
+        """One greedy completion through the first proxy, printed (what the README's curl does)."""
         proxy = self.topo.proxies[0]
+        self.say(f"sending one completion through {proxy.name}")
         body = {"model": self.topo.served_model_name, "prompt": "The quick brown fox", "max_tokens": 8,
                 "temperature": 0}
         req = urllib.request.Request(proxy.url + "/v1/completions", data=json.dumps(body).encode(),
@@ -285,6 +287,9 @@ class Launcher:
     def run(self) -> int:
         restore = self.install_signal_handlers()
         try:
+            model = self.topo.model
+            if self.instances and model.startswith((".", "/")) and not Path(self.topo.model_path()).exists():
+                raise LaunchError(f"model {model} not found (the tiny CPU model is made by scripts/setup.sh)")
             what = ", ".join([f"{p.name} :{p.port}" for p in self.proxies] +
                              [f"{i.name} ({i.role}) :{i.port}" for i in self.instances])
             self.say(f"topology {self.topo.name} ({self.topo.shape}, {self.topo.device}): starting {what}; "
@@ -301,8 +306,11 @@ class Launcher:
                 self.say(f"try: curl -s {url}/v1/completions -H 'Content-Type: application/json' -d "
                          f"'{{\"model\": \"{self.topo.served_model_name}\", \"prompt\": \"The quick brown fox\", "
                          f"\"max_tokens\": 8, \"temperature\": 0}}'")
+            # Only the whole layout can answer; one host's share of it (--only) may wait for others.
+            if not self.opts.names and not self.smoke_request():
+                raise LaunchError("the first request through the proxy failed (see the instance logs)")
             if self.opts.once:
-                return 0 if self.smoke_request() else 1
+                return 0
             self.say("running; Ctrl-C or SIGTERM stops everything")
             self.serve()
             return 0

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Start and stop a local xPyD system: proxy + prefill + decode vLLM (CPU build).
 
-Used by the README's bring-up command, the end-to-end tests and the benchmarks.
+Helpers for the end-to-end tests and the benchmarks (free ports, one server at a time).
+The README's bring-up is the launcher (`xpyd-launch`, deploy/); `up` forwards to it.
 Every server listens on 127.0.0.1; every process we start runs in its own
 session and is stopped by its PID (process group), nothing else is touched.
 
-    python scripts/cluster.py up            # start, answer one curl, keep running
-    python scripts/cluster.py up --once     # start, answer one curl, stop
+    python scripts/cluster.py up            # = xpyd-launch up 1p1d
+    python scripts/cluster.py up --once     # = xpyd-launch up 1p1d --once
 """
 
 from __future__ import annotations
@@ -209,47 +210,25 @@ def wait_until(servers: list[Server], path: str, timeout: float) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
+    """Kept for old command lines: the launcher (deploy/, configs/topologies/1p1d.yaml) does this now."""
+    sys.path.insert(0, str(ROOT))
+    from deploy.__main__ import main as launch
+
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", str(DEFAULT_MODEL)],
                    check=True)
-    log_dir = Path(args.log_dir)
-    proxy = start_proxy(args.port, args.discovery_port, log_dir)
-    p = start_vllm("prefill", 8100, log_dir,
-                   kv_config=kv_transfer_config("kv_producer", 21001, 8100, args.discovery_port))
-    d = start_vllm("decode", 8200, log_dir,
-                   kv_config=kv_transfer_config("kv_consumer", 22001, 8200, args.discovery_port))
-    servers = [proxy, p, d]
-    try:
-        print(f"starting proxy :{args.port}, prefill :8100, decode :8200 (logs in {log_dir}) ...", flush=True)
-        wait_until([proxy], "/health", 30)
-        wait_until([p, d], "/health", args.timeout)
-        wait_until([proxy], "/ready", 30)
-        curl = (f"curl -s http://{HOST}:{args.port}/v1/completions -H 'Content-Type: application/json' "
-                "-d '{\"model\": \"tiny-llama\", \"prompt\": \"The quick brown fox\", \"max_tokens\": 8, "
-                "\"temperature\": 0}'")
-        print(f"ready. $ {curl}", flush=True)
-        out = subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=120)
-        print(out.stdout, flush=True)
-        if not args.once:
-            print("running; Ctrl-C to stop", flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
-        return 0 if '"choices"' in out.stdout else 1
-    finally:
-        for s in reversed(servers):
-            s.stop()
+    argv = ["up", "1p1d", "--log-dir", args.log_dir, "--timeout", str(args.timeout)]
+    return launch(argv + (["--once"] if args.once else []))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    u = sub.add_parser("up", help="proxy + 1 prefill + 1 decode on 127.0.0.1")
-    u.add_argument("--port", type=int, default=8000)
-    u.add_argument("--discovery-port", type=int, default=30001)
+    u = sub.add_parser("up", help="proxy + 1 prefill + 1 decode on 127.0.0.1 (= xpyd-launch up 1p1d)")
     u.add_argument("--log-dir", default=str(ROOT / ".logs"))
     u.add_argument("--timeout", type=float, default=300)
     u.add_argument("--once", action="store_true", help="stop after the first answer")
     args = ap.parse_args()
     if args.cmd == "up":
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         return up(args)
     return 2
 
