@@ -31,7 +31,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "parser", "lost", "active", "idle_since", "status",
         "content_type", "head_done", "complete", "keep_alive", "error", "buf", "buffered",
-        "paused", "waiter", "sized",
+        "paused", "waiter", "sized", "got_data",
     )  # fmt: skip
 
     def __init__(self, pool: _Pool) -> None:
@@ -51,6 +51,7 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.sized = False  # Content-Length or chunked: the body end is known
+        self.got_data = False  # any byte of this exchange's response arrived
         self.error: UpstreamError | None = None
         self.buf: list[bytes] = []
         self.buffered = 0
@@ -65,6 +66,7 @@ class _Conn(asyncio.Protocol):
         if not self.active:  # nothing is expected on an idle connection: drop it
             self.transport.close()
             return
+        self.got_data = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
@@ -272,9 +274,23 @@ class NativeUpstream:
             pool = self._pools[hostport] = _Pool(hostport)
         conn = pool.acquire(asyncio.get_running_loop().time())
         if conn is None:
-            conn = await self._connect(pool)
+            return await self._exchange(await self._connect(pool), method, path, body, headers)
+        try:
+            return await self._exchange(conn, method, path, body, headers)
+        except UpstreamError as e:
+            if e.kind != "disconnect" or conn.got_data:
+                raise
+        # The instance closed (or reset) the pooled connection as we reused it, before a
+        # byte of answer: a stale keep-alive, which a fresh connection gets past. Once only.
+        return await self._exchange(await self._connect(pool), method, path, body, headers)
+
+    async def _exchange(
+        self, conn: _Conn, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
+    ) -> NativeResponse:
+        """Send one request on `conn` and wait for the head of its response."""
         conn._reset()
         conn.active = True
+        hostport = conn.pool.hostport
         parts = [f"{method} {path} HTTP/1.1\r\nhost: {hostport}\r\n"]
         for k, v in headers.items():
             parts.append(f"{k}: {v}\r\n")

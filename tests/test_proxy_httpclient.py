@@ -244,3 +244,50 @@ async def test_connect_timeout(monkeypatch):
     with pytest.raises(UpstreamError) as exc:
         await asyncio.wait_for(up.request("GET", "http://127.0.0.1:9/x", None, {}), 5)
     assert exc.value.kind == "connect_timeout"
+
+
+OK_RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one(client):
+    """An instance that closes a kept-alive connection just as it is reused (uvicorn's idle
+    timeout, or a frozen instance resetting its sockets) must not fail the request."""
+    answered: list[int] = []
+
+    async def handler(reader, writer):
+        conn = len(answered)
+        answered.append(0)
+        while True:
+            await read_request(reader)
+            if conn == 0 and answered[conn] == 1:
+                return  # the stale connection: read the request, close without a byte
+            writer.write(OK_RESPONSE)
+            await writer.drain()
+            answered[conn] += 1
+
+    async with RawServer(handler) as srv:
+        for _ in range(3):
+            resp = await client.request("POST", srv.url + "/v1/completions", b"{}", {})
+            assert resp.status == 200 and await resp.read() == b"{}"
+            await resp.aclose()
+        assert srv.connections == 2 and answered == [1, 2]
+
+
+async def test_no_retry_once_the_answer_has_begun_or_on_a_fresh_connection(client):
+    async def partial(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-")  # then the connection drops
+        await writer.drain()
+
+    async with RawServer(partial) as srv:
+        with pytest.raises(UpstreamError) as e:
+            await client.request("POST", srv.url + "/v1/completions", b"{}", {})
+        assert e.value.kind == "disconnect" and srv.connections == 1
+
+    async def close_at_once(reader, writer):
+        await read_request(reader)
+
+    async with RawServer(close_at_once) as srv:
+        with pytest.raises(UpstreamError) as e:
+            await client.request("POST", srv.url + "/v1/completions", b"{}", {})
+        assert e.value.kind == "disconnect" and srv.connections == 1
