@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 ENV_PREFIX = "XPYD_"
-POLICIES = ("round_robin", "least_loaded")
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
 DISPATCH_MODES = ("sequential", "concurrent")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -32,6 +32,13 @@ class ProxyConfig:
     heartbeat_timeout: float = 10.0
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
+    # cache_aware: the proxy's model of each instance's prefix cache, and when to follow it
+    # (defaults measured with scripts/bench_routing.py; see README).
+    cache_aware_chunk_tokens: int = 16
+    cache_aware_capacity_tokens: int = 500_000
+    cache_aware_min_match: float = 0.5
+    cache_aware_balance_abs: float = 8.0
+    cache_aware_balance_rel: float = 1.5
     # Clients must send "Authorization: Bearer <api_key>" when set.
     api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
@@ -81,6 +88,14 @@ class ProxyConfig:
         for name in ("prefill_retries", "decode_retries", "local_prefill_threshold"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+        if self.cache_aware_chunk_tokens < 1:
+            raise ConfigError("cache_aware_chunk_tokens must be >= 1")
+        if self.cache_aware_capacity_tokens < self.cache_aware_chunk_tokens:
+            raise ConfigError("cache_aware_capacity_tokens must be >= cache_aware_chunk_tokens")
+        if not 0.0 <= self.cache_aware_min_match <= 1.0:
+            raise ConfigError("cache_aware_min_match must be in 0..1")
+        if self.cache_aware_balance_abs < 0 or self.cache_aware_balance_rel < 1:
+            raise ConfigError("cache_aware_balance_abs must be >= 0, cache_aware_balance_rel >= 1")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICIES)}")
@@ -107,6 +122,14 @@ HELP = MappingProxyType(
         "heartbeat_timeout": "seconds without a heartbeat before an instance is removed",
         "prefill_policy": "P selection policy",
         "decode_policy": "D selection policy",
+        "cache_aware_chunk_tokens": "cache_aware: prefix index granularity, tokens (4 chars each)",
+        "cache_aware_capacity_tokens": "cache_aware: tokens remembered per instance (LRU), "
+        "about what its KV cache holds",
+        "cache_aware_min_match": "cache_aware: fraction of the prompt an instance must hold "
+        "to be preferred; below it, the least loaded instance",
+        "cache_aware_balance_abs": "cache_aware: ignore the cache when its holder's load "
+        "exceeds the least loaded's by more than this (requests) ...",
+        "cache_aware_balance_rel": "cache_aware: ... and by more than this factor",
         "api_key": "require 'Authorization: Bearer KEY' from clients",
         "max_body_bytes": "largest accepted request body (413 above)",
         "connect_timeout": "seconds to connect to an instance",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from proxy.registry import Instance
 from proxy.request import RouteRequest
+
+if TYPE_CHECKING:
+    from proxy.config import ProxyConfig
 
 # One in-flight request counts as much as this many in-flight prompt tokens.
 TOKENS_PER_REQUEST = 1024.0
@@ -70,9 +74,46 @@ class LeastLoaded:
         return best
 
 
-def make_policy(name: str) -> Policy:
+class PowerOfTwo:
+    """Two random candidates, the less loaded wins: near least_loaded's balance without
+    every request herding onto the same momentarily idle instance."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
+        n = len(candidates)
+        if n == 1:
+            return candidates[0]
+        rand = self._rng.randrange
+        i = rand(n)
+        j = rand(n - 1)
+        j += j >= i  # a second, different candidate
+        a, b = candidates[i], candidates[j]
+        return b if load_score(b) < load_score(a) else a
+
+
+def make_policy(name: str, cfg: ProxyConfig | None = None) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
+    if name == "power_of_two":
+        return PowerOfTwo()
+    if name == "cache_aware":
+        from proxy.cache_aware import CacheAware, CacheAwareSettings  # imports this module
+
+        if cfg is None:
+            return CacheAware()
+        return CacheAware(
+            CacheAwareSettings(
+                chunk_tokens=cfg.cache_aware_chunk_tokens,
+                capacity_tokens=cfg.cache_aware_capacity_tokens,
+                min_match=cfg.cache_aware_min_match,
+                balance_abs=cfg.cache_aware_balance_abs,
+                balance_rel=cfg.cache_aware_balance_rel,
+            )
+        )
     raise ValueError(f"unknown policy {name!r}")

@@ -18,8 +18,8 @@ class Selector:
     def __init__(self, cfg: ProxyConfig, registry: Registry) -> None:
         self.registry = registry
         self.policies: dict[str, Policy] = {
-            "P": make_policy(cfg.prefill_policy),
-            "D": make_policy(cfg.decode_policy),
+            "P": make_policy(cfg.prefill_policy, cfg),
+            "D": make_policy(cfg.decode_policy, cfg),
         }
 
     def available(self, role: str) -> bool:
