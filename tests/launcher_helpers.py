@@ -168,3 +168,31 @@ class LauncherRun:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+DASHBOARD = ROOT / "configs" / "grafana" / "xpyd-dashboard.json"
+
+
+def dashboard_metrics() -> set[str]:
+    """Metric names the Grafana dashboard's queries use."""
+    import json
+
+    exprs = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"\b(xpyd_[a-z_]+|vllm:[a-z_:]+)", e)}
+
+
+def exposed_metrics(text: str) -> set[str]:
+    """Sample names a Prometheus /metrics page has, or will have once a labelled series is
+    observed (from its # TYPE lines: counter -> _total, histogram -> _bucket/_sum/_count)."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            names.add(name)
+            if kind == "counter":
+                names |= {name + "_total", name.removesuffix("_total") + "_total"}
+            elif kind == "histogram":
+                names |= {name + s for s in ("_bucket", "_sum", "_count")}
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names

@@ -16,10 +16,21 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from e2e_client import MODEL_DIR, metric
-from launcher_helpers import READY_LINE, ROOT, LauncherRun, descendants, free_port_offset, in_groups, still_running
+from launcher_helpers import (
+    READY_LINE,
+    ROOT,
+    LauncherRun,
+    dashboard_metrics,
+    descendants,
+    exposed_metrics,
+    free_port_offset,
+    in_groups,
+    still_running,
+)
 
 from deploy.topology import load_topology
 
@@ -74,6 +85,16 @@ def test_vllm_bench_serve_through_proxy(launched, tmp_path: Path):
         got = metric(d.url, "vllm:prompt_tokens_cached_by_source_total", {"source": "p2p"}) - before[d.name]
         assert got > 0, f"{d.name} loaded no KV from P"
     assert metric(proxy.url, "xpyd_requests_total", {"status": "200"}) >= BENCH_PROMPTS
+
+
+def test_every_vllm_metric_in_the_dashboard_exists(launched):
+    """The dashboard's KV-transfer panels read the instances' own /metrics (after the bench)."""
+    _, topo, _ = launched
+    wanted = {n for n in dashboard_metrics() if n.startswith("vllm:")}
+    exposed: set[str] = set()
+    for inst in topo.instances:
+        exposed |= exposed_metrics(httpx.get(inst.url + "/metrics", timeout=10).text)
+    assert wanted and wanted <= exposed, wanted - exposed
 
 
 def test_sigterm_stops_everything(launched):
