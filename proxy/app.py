@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +22,7 @@ from proxy.discovery import Discovery
 from proxy.errors import ProxyError, error_dict, upstream_error_body
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS
+from proxy.probe import Prober
 from proxy.registry import Registry
 from proxy.routing import Router
 from proxy.upstream import Upstream, UpstreamError, make_upstream
@@ -44,14 +46,17 @@ class ProxyState:
             cfg.discovery_secret,
         )
         self.router = Router(cfg, self.registry, self.metrics, self.upstream)
+        self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         self.draining = False
 
     async def start(self) -> None:
         await self.upstream.start()
+        await self.prober.start()
         await self.discovery.start()
 
     async def stop(self) -> None:
         await self.discovery.stop()
+        await self.prober.stop()
         await self.upstream.close()
 
 
@@ -128,15 +133,23 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     async def instances(request: Request) -> list:
         router.check_auth(request.scope["headers"])
         now = time.time()
-        return [inst.to_json(now) for inst in state.registry.all()]
+        return [inst.to_json(now) for inst in state.registry.every()]
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         router.check_auth(request.scope["headers"])
-        # Any live instance serves the same model; prefer D, which answers clients anyway.
         live = state.registry.live("D") or state.registry.live("P")
         if not live:
             raise ProxyError(503, "no instance is available", "no_instance")
+        # The union of every live instance's models (learned by the prober; ask the ones
+        # not known yet now, under the probe deadline).
+        await state.prober.learn_unknown()
+        cards = state.registry.models()
+        if cards:
+            return Response(orjson.dumps({"object": "list", "data": list(cards.values())}),
+                            media_type="application/json")  # fmt: skip
+        # No instance told the proxy its models (e.g. they want a key the proxy lacks):
+        # relay one instance's own answer, with the client's credentials.
         headers = {}
         auth = request.headers.get("authorization")
         if auth is not None:

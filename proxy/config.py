@@ -60,6 +60,20 @@ class ProxyConfig:
     fallback_to_decode: bool = True
     # An instance that refused a connection is avoided for this long (unless it is the only one).
     failure_cooldown: float = 2.0
+    # Admission control: requests in flight per instance (0: unlimited). A request whose
+    # every candidate is full waits in a FIFO queue (at most queue_size, queue_timeout s
+    # per wait), else 429.
+    prefill_max_in_flight: int = 0
+    decode_max_in_flight: int = 0
+    queue_size: int = 1024
+    queue_timeout: float = 30.0
+    # Static instances (no discovery): "URL[,kv=HOST:PORT]" each, health-checked.
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    health_interval: float = 2.0
+    # Deadline of one /health or /v1/models probe; models are re-read every interval.
+    probe_timeout: float = 5.0
+    models_refresh_interval: float = 30.0
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
     # Runtime choices (see README for the measurements behind the defaults).
@@ -78,6 +92,10 @@ class ProxyConfig:
             "prefill_timeout",
             "decode_ttfb_timeout",
             "stream_idle_timeout",
+            "queue_timeout",
+            "health_interval",
+            "probe_timeout",
+            "models_refresh_interval",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -85,7 +103,8 @@ class ProxyConfig:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
         if self.max_body_bytes <= 0:
             raise ConfigError("max_body_bytes must be > 0")
-        for name in ("prefill_retries", "decode_retries", "local_prefill_threshold"):
+        for name in ("prefill_retries", "decode_retries", "local_prefill_threshold",
+                     "prefill_max_in_flight", "decode_max_in_flight", "queue_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         if self.cache_aware_chunk_tokens < 1:
@@ -109,6 +128,11 @@ class ProxyConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}")
+        from proxy.static import parse_static  # late: config must stay import-light
+
+        for role, specs in (("P", self.prefill), ("D", self.decode)):
+            for spec in specs:
+                parse_static(role, spec)  # raises ConfigError
         return self
 
 
@@ -142,6 +166,15 @@ HELP = MappingProxyType(
         "local_prefill_threshold": "prompts under this many tokens skip P (0: never)",
         "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",
+        "prefill_max_in_flight": "requests in flight per P before new ones queue (0: no limit)",
+        "decode_max_in_flight": "requests in flight per D before new ones queue (0: no limit)",
+        "queue_size": "requests that may wait for a free instance; beyond: 429",
+        "queue_timeout": "seconds a request may wait for a free instance; then 429",
+        "prefill": "static P instance URL[,kv=HOST:PORT] (repeatable; kv default: URL host:14579)",
+        "decode": "static D instance URL[,kv=HOST:PORT] (repeatable; kv default: URL host:14579)",
+        "health_interval": "seconds between /health checks of static instances",
+        "probe_timeout": "deadline of one /health or /v1/models probe, seconds",
+        "models_refresh_interval": "seconds between re-reading each instance's /v1/models",
         "shutdown_grace_s": "on SIGTERM, seconds to let in-flight requests finish",
         "log_level": "logging level",
         "upstream_client": "HTTP client for P/D requests: native (fastest), aiohttp, httpx",
@@ -169,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = POLICIES
         elif f.name == "dispatch":
             kwargs["choices"] = DISPATCH_MODES
+        if _is_list(f):
+            kwargs["action"] = "append"
+            kwargs["metavar"] = "URL[,kv=HOST:PORT]"
         kwargs["type"] = _scalar_type(f)
         kwargs["help"] = f"{HELP.get(f.name, '')} (default: {f.default})"
         parser.add_argument(_flag(f.name), **kwargs)
@@ -195,8 +231,30 @@ def _scalar_type(f: dataclasses.Field) -> Any:
     return str
 
 
+def _is_list(f: dataclasses.Field) -> bool:
+    return str(f.type).startswith("tuple[")
+
+
+def _coerce_list(f: dataclasses.Field, value: Any, source: str) -> tuple[str, ...]:
+    """A list field: a YAML list (or one string), or an env string whose entries are
+    separated by ';' or whitespace (',' belongs to an entry's options)."""
+    if isinstance(value, str):
+        items: list[Any] = value.replace(";", " ").split()
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif value is None:
+        return ()
+    else:
+        raise ConfigError(f"{f.name} ({source}) must be a list of strings, got {value!r}")
+    if not all(isinstance(v, str) and v.strip() for v in items):
+        raise ConfigError(f"{f.name} ({source}) must be a list of non-empty strings")
+    return tuple(v.strip() for v in items)
+
+
 def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
     """Convert an env string or YAML value to the field's type, or raise ConfigError."""
+    if _is_list(f):
+        return _coerce_list(f, value, source)
     kind = _scalar_type(f)
     optional = "None" in str(f.type)
     if value is None or (isinstance(value, str) and value == "" and optional):
@@ -259,7 +317,7 @@ def load_config(
         cli = getattr(args, f.name)
         env_key = ENV_PREFIX + f.name.upper()
         if cli is not None:
-            values[f.name] = cli
+            values[f.name] = tuple(cli) if _is_list(f) else cli
         elif env_key in env:
             values[f.name] = _coerce(f, env[env_key], env_key)
         elif f.name in from_file:

@@ -83,7 +83,7 @@ class Dispatcher:
         tried: list[Instance] = []
         last: ProxyError | None = None
         for attempt in range(self.cfg.decode_retries + 1):
-            d = self.selector.acquire("D", req, tried)
+            d = await self.selector.acquire("D", req, tried)
             if d is None:
                 break
             if attempt:
@@ -119,7 +119,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ one attempt
 
     def _path(self, req: RouteRequest, d: Instance) -> str:
-        if not self.selector.available("P"):
+        if not self.selector.available("P", req.model):
             if not self.cfg.fallback_to_decode:
                 raise ProxyError(503, "no prefill instance is available", "no_prefill_instance")
             return LOCAL_NO_PREFILL
@@ -167,7 +167,8 @@ class Dispatcher:
         last_msg = ""
         for attempt in range(cfg.prefill_retries + 1):
             # Prefer a P not tried yet; one that merely refused may be tried again (transient).
-            p = self.selector.acquire("P", req, tried) or self.selector.acquire("P", req, slow)
+            p = (await self.selector.acquire("P", req, tried)
+                 or await self.selector.acquire("P", req, slow))  # fmt: skip
             if p is None:
                 break
             rid = request_id.build(p.zmq_address, d.zmq_address)

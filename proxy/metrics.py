@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -91,6 +91,18 @@ class Metrics:
             ["path"],
             registry=r,
         )
+        self.queue_depth = Gauge(
+            "xpyd_queue_depth",
+            "Requests waiting for an instance below its in-flight limit, by role",
+            ["role"],
+            registry=r,
+        )
+        self.shed_requests = Counter(
+            "xpyd_shed_requests",
+            "Requests answered 429 by admission control (queue_full, queue_timeout)",
+            ["reason"],
+            registry=r,
+        )
         r.register(_InstanceCollector(registry))
         # Label children are cached: .labels() costs more than the observation itself.
         self._req_children: dict[tuple[str, int], Counter] = {}
@@ -114,6 +126,9 @@ class Metrics:
         if child is None:
             child = self._path_children[path] = self.dispatch_paths.labels(path)
         child.inc()
+
+    def shed(self, reason: str) -> None:
+        self.shed_requests.labels(reason).inc()
 
     def upstream_error(self, role: str, instance: str, kind: str) -> None:
         self.upstream_errors.labels(role, instance, kind).inc()

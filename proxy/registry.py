@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from proxy.protocol import Load, Registration
@@ -27,6 +29,12 @@ class Instance:
     # Monotonic deadline until which routing avoids it after a refused connection.
     cooldown_until: float = 0.0
     served: int = 0
+    # Model id -> its card from the instance's /v1/models; None until learned (then the
+    # instance is eligible for any model).
+    models: dict[str, dict] | None = None
+    # Given on the command line: never expires by heartbeat, live only while /health passes.
+    static: bool = False
+    healthy: bool = True
 
     def to_json(self, now_wall: float) -> dict:
         load = self.load
@@ -41,6 +49,9 @@ class Instance:
             "in_flight_tokens": self.in_flight_tokens,
             "served": self.served,
             "cooling_down": self.cooldown_until > time.monotonic(),
+            "models": None if self.models is None else sorted(self.models),
+            "static": self.static,
+            "healthy": self.healthy,
             "load": None
             if load is None
             else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
@@ -54,6 +65,23 @@ class Registry:
     _by_role: dict[str, dict[str, Instance]] = field(default_factory=lambda: {"P": {}, "D": {}})
     # Snapshot lists per role, rebuilt only on membership change: the hot path reads these.
     _lists: dict[str, list[Instance]] = field(default_factory=lambda: {"P": [], "D": []})
+    # (role, model) -> live instances that serve it (or whose models are not known yet).
+    _pools: dict[tuple[str, str], list[Instance]] = field(default_factory=dict)
+    _models: dict[str, dict] | None = None  # models() cache
+    # Called with each instance that becomes live (registered, or healthy again).
+    listeners: list[Callable[[Instance], None]] = field(default_factory=list)
+
+    def _rebuild(self, role: str) -> None:
+        self._lists[role] = [i for i in self._by_role[role].values() if i.healthy]
+        self._pools.clear()
+        self._models = None
+
+    def _joined(self, inst: Instance) -> None:
+        for listener in self.listeners:
+            try:
+                listener(inst)
+            except Exception:  # a listener's bug must not break registration
+                log.exception("registry listener failed instance=%s", inst.http_address)
 
     def upsert(self, reg: Registration, now: float | None = None) -> Instance:
         now = time.monotonic() if now is None else now
@@ -72,13 +100,14 @@ class Registry:
                 load=reg.load,
             )
             table[reg.http_address] = inst
-            self._lists[reg.role] = list(table.values())
+            self._rebuild(reg.role)
             log.info(
                 "instance registered role=%s http=%s zmq=%s",
                 reg.role,
                 reg.http_address,
                 reg.zmq_address,
             )
+            self._joined(inst)
             return inst
         if inst.zmq_address != reg.zmq_address:
             log.info(
@@ -95,11 +124,75 @@ class Registry:
             inst.load = reg.load
         return inst
 
+    def add_static(self, role: str, http_address: str, zmq_address: str) -> Instance:
+        """A command-line instance: out of the live list until set_healthy(True)."""
+        wall = time.time()
+        inst = Instance(role=role, http_address=http_address, zmq_address=zmq_address,
+                        url="http://" + http_address, registered_at=wall,
+                        last_heartbeat=math.inf, last_heartbeat_wall=wall,
+                        static=True, healthy=False)  # fmt: skip
+        self._by_role[role][http_address] = inst
+        self._rebuild(role)
+        log.info("static instance added role=%s http=%s zmq=%s", role, http_address, zmq_address)
+        return inst
+
+    def set_healthy(self, inst: Instance, healthy: bool) -> None:
+        if inst.healthy == healthy:
+            return
+        inst.healthy = healthy
+        if self._by_role[inst.role].get(inst.http_address) is not inst:
+            return
+        self._rebuild(inst.role)
+        log.info("instance %s role=%s http=%s", "healthy" if healthy else "unhealthy",
+                 inst.role, inst.http_address)  # fmt: skip
+        if healthy:
+            self._joined(inst)
+
+    def set_models(self, inst: Instance, models: dict[str, dict]) -> None:
+        if inst.models is not None and inst.models.keys() == models.keys():
+            inst.models = models
+            return
+        log.info("instance models role=%s http=%s models=%s", inst.role, inst.http_address,
+                 ",".join(sorted(models)))  # fmt: skip
+        inst.models = models
+        self._pools.clear()
+        self._models = None
+
+    def pool(self, role: str, model: str | None) -> list[Instance]:
+        """Live instances of `role` that serve `model` (None: all); do not mutate."""
+        if model is None:
+            return self._lists[role]
+        key = (role, model)
+        found = self._pools.get(key)
+        if found is not None:
+            return found
+        found = [i for i in self._lists[role] if i.models is None or model in i.models]
+        # Cache only models some instance serves: client-chosen names must not grow this.
+        if any(i.models is not None and model in i.models for i in found):
+            self._pools[key] = found
+        return found
+
+    def models(self) -> dict[str, dict]:
+        """Every model a live instance serves (id -> the first card seen), sorted by id."""
+        if self._models is not None:
+            return self._models
+        cards: dict[str, dict] = {}
+        for inst in self.all():
+            for name, card in (inst.models or {}).items():
+                cards.setdefault(name, card)
+        self._models = dict(sorted(cards.items()))
+        return self._models
+
     def remove(self, role: str, http_address: str, reason: str) -> bool:
         table = self._by_role.get(role, {})
-        if table.pop(http_address, None) is None:
+        inst = table.get(http_address)
+        if inst is None:
             return False
-        self._lists[role] = list(table.values())
+        if inst.static:  # the prober decides about static instances, not discovery
+            log.info("static instance kept role=%s http=%s reason=%s", role, http_address, reason)
+            return False
+        del table[http_address]
+        self._rebuild(role)
         log.info("instance removed role=%s http=%s reason=%s", role, http_address, reason)
         return True
 
@@ -111,7 +204,7 @@ class Registry:
             inst
             for table in self._by_role.values()
             for inst in table.values()
-            if inst.last_heartbeat < deadline
+            if inst.last_heartbeat < deadline and not inst.static
         ]
         for inst in gone:
             self.remove(inst.role, inst.http_address, "heartbeat_timeout")
@@ -123,6 +216,10 @@ class Registry:
 
     def all(self) -> list[Instance]:
         return self._lists["P"] + self._lists["D"]
+
+    def every(self) -> list[Instance]:
+        """Live or not (static instances failing their health check), for /instances."""
+        return [*self._by_role["P"].values(), *self._by_role["D"].values()]
 
     def count(self, role: str) -> int:
         return len(self._lists[role])

@@ -69,7 +69,7 @@ class Router:
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.selector = Selector(cfg, registry)
+        self.selector = Selector(cfg, registry, metrics)
         self.dispatcher = Dispatcher(cfg, self.selector, metrics, upstream)
         self._api_key = ("Bearer " + cfg.api_key).encode() if cfg.api_key else None
 
@@ -117,6 +117,7 @@ class Router:
         status = 500
         try:
             req = await self._read(path, scope, receive)
+            self.selector.check_model(req)
             # From here on the request waits on upstreams: watch for the client leaving.
             watcher = asyncio.get_running_loop().create_task(_watch(receive, flight))
             status = await self.dispatcher.run(Call(req, send, flight, t0))

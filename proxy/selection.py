@@ -8,25 +8,61 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 
+import orjson
+
+from proxy.admission import WaitQueue
 from proxy.config import ProxyConfig
+from proxy.errors import ProxyError
+from proxy.metrics import Metrics
 from proxy.policies import Policy, make_policy
 from proxy.registry import Instance, Registry
 from proxy.request import RouteRequest
 
 
 class Selector:
-    def __init__(self, cfg: ProxyConfig, registry: Registry) -> None:
+    def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics) -> None:
         self.registry = registry
+        # Admission control, per role; absent (no cost at all) where the limit is 0.
+        self.queues: dict[str, WaitQueue] = {}
+        for role, limit in (("P", cfg.prefill_max_in_flight), ("D", cfg.decode_max_in_flight)):
+            if limit > 0:
+                self.queues[role] = WaitQueue(role, limit, cfg.queue_size, cfg.queue_timeout,
+                                              registry, metrics, self._take, self.release)  # fmt: skip
+        if self.queues:
+            registry.listeners.append(self._joined)
         self.policies: dict[str, Policy] = {
             "P": make_policy(cfg.prefill_policy, cfg),
             "D": make_policy(cfg.decode_policy, cfg),
         }
 
-    def available(self, role: str) -> bool:
-        return self.registry.count(role) > 0
+    def available(self, role: str, model: str | None = None) -> bool:
+        return len(self.registry.pool(role, model)) > 0
 
-    def candidates(self, role: str, exclude: Collection[Instance] = ()) -> list[Instance]:
-        live = self.registry.live(role)
+    def check_model(self, req: RouteRequest) -> None:
+        """404 for a model no live instance serves (as OpenAI and vLLM answer); 400 for a
+        request without `model` when instances serve several (P and D must agree)."""
+        served = self.registry.models()
+        if req.model is None:
+            if len(served) > 1:
+                raise ProxyError(400, "'model' is required: this proxy serves "
+                                 + ", ".join(served), "missing_model", "model")  # fmt: skip
+            return
+        if req.model in served:
+            return
+        if any(i.models is None for i in self.registry.all()):
+            return  # an instance whose models are not known yet may serve it
+        if not self.registry.all():
+            return  # nothing is live: the dispatcher answers 503, not a false 404
+        # OpenAI's own answer, type included (invalid_request_error, not our 404 default).
+        message = f"The model `{req.model}` does not exist or you do not have access to it."
+        error = {"message": message, "type": "invalid_request_error", "param": None,
+                 "code": "model_not_found"}  # fmt: skip
+        raise ProxyError(404, message, "model_not_found", raw=orjson.dumps({"error": error}))
+
+    def candidates(
+        self, role: str, exclude: Collection[Instance] = (), model: str | None = None
+    ) -> list[Instance]:
+        live = self.registry.pool(role, model)
         if not live:
             return live
         now = time.monotonic()
@@ -36,17 +72,39 @@ class Selector:
         # Everything is cooling down or already tried: better a doubtful instance than none.
         return [i for i in live if i not in exclude]
 
-    def acquire(
+    async def acquire(
         self, role: str, req: RouteRequest, exclude: Collection[Instance] = ()
     ) -> Instance | None:
-        """Pick an instance for `req` and count it as in flight there; None if none is left."""
-        candidates = self.candidates(role, exclude)
+        """Pick an instance for `req` and count it as in flight there; None if none is left.
+
+        With an in-flight limit, waits (FIFO, bounded) while every candidate is full;
+        raises ProxyError 429 when the queue is full or the wait times out."""
+        candidates = self.candidates(role, exclude, req.model)
         if not candidates:
             return None
+        queue = self.queues.get(role)
+        if queue is not None:
+            limit = queue.limit
+            open_ = [i for i in candidates if i.in_flight < limit]
+            if not open_:
+                # One that is cooling down but has room beats waiting.
+                open_ = [i for i in self.registry.pool(role, req.model)
+                         if i.in_flight < limit and i not in exclude]  # fmt: skip
+                if not open_:
+                    return await queue.wait(req, exclude)
+            candidates = open_
         inst = self.policies[role].choose(candidates, req)
+        self._take(inst, req)
+        return inst
+
+    def _take(self, inst: Instance, req: RouteRequest) -> None:
         inst.in_flight += 1
         inst.in_flight_tokens += req.tokens
-        return inst
+
+    def _joined(self, inst: Instance) -> None:
+        queue = self.queues.get(inst.role)
+        if queue is not None:
+            queue.offer(inst)
 
     def cached_tokens(self, role: str, inst: Instance, req: RouteRequest) -> int:
         """How much of the prompt `inst` likely holds in its prefix cache, as far as the
@@ -57,3 +115,7 @@ class Selector:
     def release(self, inst: Instance, req: RouteRequest) -> None:
         inst.in_flight -= 1
         inst.in_flight_tokens -= req.tokens
+        if self.queues:
+            queue = self.queues.get(inst.role)
+            if queue is not None and queue.waiters:
+                queue.offer(inst)

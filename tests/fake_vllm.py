@@ -173,6 +173,9 @@ class FakeVLLM:
         self.record = record
         self.register_enabled = register
         self.fault: Fault | None = None
+        # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
+        self.health_status = 200
+        self.models_status = 200
         self.requests: list[Recorded] = []
         self.served = 0
         self.accepted = 0  # TCP connections accepted
@@ -314,7 +317,8 @@ class FakeVLLM:
         self.served += 1
 
     def _head(self, status: int, content_type: str, length: int | None, keep_alive: bool) -> bytes:
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
+                  503: "Service Unavailable"}
         lines = [
             b"HTTP/1.1 %d %s" % (status, reason.get(status, "Status").encode()),
             b"server: fake-vllm",
@@ -346,7 +350,9 @@ class FakeVLLM:
         self, conn: _Conn, req: _Request, path: str, body: Any, rec: Recorded
     ) -> None:
         if req.method == "GET" and path == "/health":
-            return self._send_json(conn, req, rec, 200, b"")
+            return self._send_json(conn, req, rec, self.health_status, b"")
+        if req.method == "GET" and path == "/v1/models" and self.models_status != 200:
+            return self._send_json(conn, req, rec, self.models_status, b'{"detail":"nope"}')
         if req.method == "GET" and path == "/v1/models":
             data = {
                 "object": "list",

@@ -151,7 +151,7 @@ async def test_models_health_metrics():
         await px.pd(model="tiny")
         models = await px.client.get("/v1/models")
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
-        await px.client.post("/v1/completions", json=COMPLETION)
+        await px.client.post("/v1/completions", json={**COMPLETION, "model": "tiny"})
         await px.client.post("/v1/completions", content=b"nope")
         metrics = await px.client.get("/metrics")
         assert metrics.headers["content-type"].startswith("text/plain")

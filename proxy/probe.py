@@ -1,0 +1,176 @@
+"""What the proxy asks the instances by itself: each instance's models (/v1/models, on joining
+and every models_refresh_interval) and the health of static instances (/health, every
+health_interval). Every probe has a deadline (probe_timeout); a failed probe is logged and
+counted, never fatal: an instance whose models are unknown stays eligible for any model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+
+from proxy.config import ProxyConfig
+from proxy.metrics import Metrics
+from proxy.registry import Instance, Registry
+from proxy.static import parse_static
+from proxy.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("xpyd.proxy.probe")
+
+
+class ProbeError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Prober:
+    def __init__(
+        self, cfg: ProxyConfig, registry: Registry, metrics: Metrics, upstream: Upstream
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.upstream = upstream
+        self._headers = {"authorization": "Bearer " + cfg.api_key} if cfg.api_key else {}
+        self.static: list[Instance] = []
+        self._fetching: dict[Instance, asyncio.Task[bool]] = {}
+        self._models_at: dict[Instance, float] = {}  # monotonic time of the last success
+        # (instance, what): one warning per failing probe until it succeeds again.
+        self._warned: set[tuple[Instance, str]] = set()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        for role, specs in (("P", self.cfg.prefill), ("D", self.cfg.decode)):
+            for spec in specs:
+                s = parse_static(role, spec)
+                self.static.append(self.registry.add_static(role, s.http_address, s.zmq_address))
+        self.registry.listeners.append(self._joined)
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="xpyd-probe")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._fetching.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._task = None
+        self._fetching.clear()
+
+    # ------------------------------------------------------------------ models
+
+    def _joined(self, inst: Instance) -> None:
+        if self._task is not None:  # learn its models right away, off the registration path
+            self.fetch_models_soon(inst)
+
+    def fetch_models_soon(self, inst: Instance) -> asyncio.Task[bool]:
+        task = self._fetching.get(inst)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self.fetch_models(inst))
+            self._fetching[inst] = task
+            task.add_done_callback(lambda t, i=inst: self._fetching.pop(i, None)
+                                   if self._fetching.get(i) is t else None)  # fmt: skip
+        return task
+
+    async def fetch_models(self, inst: Instance) -> bool:
+        """Learn inst's models from its /v1/models; False (logged) when that fails."""
+        try:
+            data = await self._get(inst, "/v1/models")
+            models = _parse_models(data)
+        except ProbeError as e:
+            self._failed(inst, "models", e)
+            return False
+        self._warned.discard((inst, "models"))
+        self._models_at[inst] = time.monotonic()
+        self.registry.set_models(inst, models)
+        return True
+
+    async def learn_unknown(self) -> None:
+        """Fetch the models of every live instance that has none known yet (for /v1/models)."""
+        unknown = [i for i in self.registry.all() if i.models is None]
+        if unknown:
+            await asyncio.gather(*(self.fetch_models_soon(i) for i in unknown))
+
+    # ------------------------------------------------------------------ health
+
+    async def check_health(self, inst: Instance) -> bool:
+        try:
+            await self._get(inst, "/health")
+        except ProbeError as e:
+            self._failed(inst, "health", e)
+            self.registry.set_healthy(inst, False)
+            return False
+        self._warned.discard((inst, "health"))
+        self.registry.set_healthy(inst, True)
+        return True
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _loop(self) -> None:
+        cfg = self.cfg
+        while True:
+            try:
+                if self.static:
+                    await asyncio.gather(*(self.check_health(i) for i in self.static))
+                now = time.monotonic()
+                for inst in self.registry.all():
+                    learned = self._models_at.get(inst)
+                    # Unknown models are retried every tick, known ones refreshed.
+                    if learned is None or now - learned >= cfg.models_refresh_interval:
+                        self.fetch_models_soon(inst)
+                # Forget instances that are gone (discovered ones are new objects on return).
+                known = set(self.registry.every())
+                for table in (self._models_at, self._fetching):
+                    for inst in [i for i in table if i not in known]:
+                        table.pop(inst, None)
+                self._warned = {w for w in self._warned if w[0] in known}
+            except Exception as e:  # a bug here must not stop health checking
+                log.exception("probe round failed: %s", e)
+            await asyncio.sleep(cfg.health_interval)
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _get(self, inst: Instance, path: str) -> bytes:
+        try:
+            async with asyncio.timeout(self.cfg.probe_timeout):
+                resp = await self.upstream.request("GET", inst.url + path, None, self._headers)
+                try:
+                    data = await resp.read()
+                finally:
+                    await resp.aclose()
+        except TimeoutError:
+            raise ProbeError("timeout", f"no answer within {self.cfg.probe_timeout}s") from None
+        except UpstreamError as e:
+            raise ProbeError(e.kind, str(e)) from None
+        if not 200 <= resp.status < 300:
+            raise ProbeError(f"http_{resp.status}", f"HTTP {resp.status}: {data[:200]!r}")
+        return data
+
+    def _failed(self, inst: Instance, what: str, e: ProbeError) -> None:
+        self.metrics.upstream_error(inst.role, inst.http_address, f"{what}_{e.kind}")
+        level = logging.DEBUG if (inst, what) in self._warned else logging.WARNING
+        self._warned.add((inst, what))
+        log.log(level, "probe failed what=%s role=%s instance=%s kind=%s error=%s",
+                what, inst.role, inst.http_address, e.kind, e)  # fmt: skip
+
+
+def _parse_models(data: bytes) -> dict[str, dict]:
+    try:
+        body = orjson.loads(data)
+    except ValueError:
+        raise ProbeError("invalid", "/v1/models is not JSON") from None
+    items = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(items, list):
+        raise ProbeError("invalid", "/v1/models has no 'data' list")
+    models = {}
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("id"), str) and item["id"]:
+            models[item["id"]] = item
+    if not models:
+        raise ProbeError("invalid", "/v1/models lists no model")
+    return models
