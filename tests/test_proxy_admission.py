@@ -42,7 +42,7 @@ async def test_overload_is_429_with_retry_after_and_queued_requests_run_in_order
 
         t = time.monotonic()
         shed = await post("/v1/completions", json=body("shed"))
-        assert time.monotonic() - t < 0.25  # refused at once, not after a wait
+        assert time.monotonic() - t < 2  # refused at once, not after the 10 s wait
         err = assert_error(shed, 429, "queue_full")
         assert err["type"] == "rate_limit_error"
         assert shed.headers["retry-after"] == "1"
@@ -69,7 +69,7 @@ async def test_queue_deadline_is_429_and_the_request_never_reaches_an_instance()
         t = time.monotonic()
         late = await px.client.post("/v1/completions", json=body("late"))
         waited = time.monotonic() - t
-        assert 0.28 <= waited < 0.9, waited
+        assert 0.28 <= waited < 2, waited  # not served when the slot frees at 1 s
         err = assert_error(late, 429, "queue_timeout")
         assert err["type"] == "rate_limit_error" and late.headers["retry-after"] == "1"
         assert (await first).status_code == 200
@@ -97,7 +97,7 @@ async def test_clients_that_leave_free_their_slot_and_their_place_in_the_queue()
         # Nothing leaked: the limit still admits exactly one, served right away.
         t = time.monotonic()
         ok = await px.client.post("/v1/completions", json=body("c"))
-        assert ok.status_code == 200 and time.monotonic() - t < 1.0
+        assert ok.status_code == 200 and time.monotonic() - t < 2  # queue_timeout is 10
         assert [r.json["prompt"] for r in d.completions()] == ["a", "c"]
         assert await px.metric("xpyd_client_disconnects_total") == 2
         assert await px.metric("xpyd_shed_requests_total", reason="queue_timeout") == 0
@@ -126,7 +126,7 @@ async def test_no_limit_by_default_means_no_queue():
             *(px.client.post("/v1/completions", json=body(f"r{i}")) for i in range(8))
         )
         assert [r.status_code for r in answers] == [200] * 8
-        assert time.monotonic() - t < 1.0  # all eight at D together, not one after another
+        assert time.monotonic() - t < 1.5  # all eight at D together (one by one: 2.4 s)
 
 
 async def test_openai_client_sees_rate_limit_error():
