@@ -126,10 +126,9 @@ class Consumer:
     def _apply(self, load: _Load, payload: Payload) -> str | None:
         """Copy a payload into the cache; returns an error or None."""
         spec, h = load.spec, payload.header
-        mine = self._layout.describe()
-        for k in ("layout", "dtype", "block_shape"):
-            if h.get(k) != mine[k]:
-                return f"{k} mismatch: peer {h.get(k)} vs local {mine[k]}"
+        bad = self._layout.mismatch(h)
+        if bad:
+            return bad
         if h.get("layers") != self._layer_names:
             return "layer names differ between prefill and decode"
         if h.get("num_tokens") != spec.prompt_tokens:

@@ -30,6 +30,15 @@ class BlockLayout:
     def describe(self) -> dict[str, Any]:
         return {"layout": self.layout, "dtype": self.dtype, "block_shape": list(self.block_shape)}
 
+    def mismatch(self, peer: dict[str, Any]) -> str | None:
+        """Why KV described by ``peer`` (another instance's ``describe()``) cannot be
+        copied into these caches block for block, or None if it can."""
+        mine = self.describe()
+        for k in ("layout", "dtype", "block_shape"):
+            if peer.get(k) != mine[k]:
+                return f"{k} mismatch: peer {peer.get(k)} vs local {mine[k]}"
+        return None
+
 
 def _resolved_layout_name(vllm_config: Any) -> str:
     try:

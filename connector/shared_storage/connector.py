@@ -1,0 +1,159 @@
+"""The facade vLLM loads: ``kv_connector: SharedStorageConnector``,
+``kv_connector_module_path: connector``, ``kv_connector_extra_config:
+{"shared_storage_path": DIR, ...}``.
+
+Routes vLLM's calls to the scheduler-side or worker-side half; they share only
+``SharedStorageMetadata`` and the files under the shared path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.log import get_logger
+from connector.shared_storage.config import SharedStorageConfig
+from connector.shared_storage.metadata import SharedStorageMetadata
+from connector.shared_storage.scheduler import SharedStorageScheduler
+from connector.shared_storage.worker import SharedStorageWorker
+from connector.stats import XpydStats
+
+if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+def model_identity(cfg: SharedStorageConfig, vllm_config: "VllmConfig") -> str:
+    """What names the model in keys and files: the operator's shared_storage_model_id,
+    else the served checkpoint (path or hub name, and revision)."""
+    if cfg.model_id:
+        return cfg.model_id
+    mc = vllm_config.model_config
+    rev = getattr(mc, "revision", None)
+    return f"{mc.model}@{rev}" if rev else str(mc.model)
+
+
+class SharedStorageConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.DISK
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33: sleep mode frees the caches the loader writes into; not supported yet."""
+        return False
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = SharedStorageConfig.from_vllm(vllm_config.kv_transfer_config)
+        model_id = model_identity(cfg, vllm_config)
+        world = vllm_config.parallel_config.world_size
+        self._scheduler: SharedStorageScheduler | None = None
+        self._worker: SharedStorageWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if cfg.is_consumer and vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+                logger.warning("SharedStorageConnector: kv_load_failure_policy is %r, so a missing, evicted or "
+                               "damaged block file fails the request; set \"kv_load_failure_policy\": "
+                               "\"recompute\" to recompute it instead",
+                               vllm_config.kv_transfer_config.kv_load_failure_policy)
+            self._scheduler = SharedStorageScheduler(cfg, vllm_config.cache_config.block_size, world, model_id)
+        else:
+            from vllm.distributed.parallel_state import get_world_group
+
+            self._worker = SharedStorageWorker(cfg, vllm_config, get_world_group().rank, world, model_id)
+
+    # ---- worker side ----
+    def _meta(self) -> SharedStorageMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SharedStorageMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous (before the request's first forward)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return  # whole blocks are copied out once per step (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            self._worker.wait_for_save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        r = self._worker.poll(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=r.finished)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_invalid_block_ids()
+
+    def get_kv_connector_stats(self) -> XpydStats | None:
+        """Worker: writer-queue occupancy, carried to the scheduler (heartbeat load)."""
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XpydStats:
+        return XpydStats(data=data) if data else XpydStats(data={"buffers": {}})
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # ---- scheduler side ----
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.bind(kv_cache_manager)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(set(connector_output.finished_recving or ()),
+                                                set(connector_output.invalid_block_ids or ()),
+                                                connector_output.kv_connector_stats)
+
+    def on_new_request(self, request: "Request") -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
