@@ -24,7 +24,7 @@ from proxy.errors import ProxyError, upstream_error_body
 from proxy.metrics import Metrics
 from proxy.openai_api import prefill_body
 from proxy.registry import Instance
-from proxy.relay import Answer, relay
+from proxy.relay import Answer, Relay
 from proxy.request import RouteRequest
 from proxy.selection import Selector
 from proxy.upstream import Upstream, UpstreamError
@@ -76,6 +76,7 @@ class Dispatcher:
         self.upstream = upstream
         self._phase = metrics.phase_children
         self._concurrent = cfg.dispatch == "concurrent"
+        self._relay = Relay(metrics, cfg.stream_idle_timeout)
 
     async def run(self, call: Call) -> int:
         """Serve the request; returns the HTTP status sent."""
@@ -102,8 +103,7 @@ class Dispatcher:
                     continue
                 t_relay = time.perf_counter()
                 try:
-                    await relay(answer, d, call.send, call.flight, self.metrics,
-                                self.cfg.stream_idle_timeout)  # fmt: skip
+                    await self._relay(answer, d, call.send, call.flight)
                 finally:
                     # Unread (client left, error, timeout): closes the connection, D aborts.
                     await answer.resp.aclose()

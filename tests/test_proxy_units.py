@@ -261,3 +261,46 @@ def test_protocol_rejects_non_finite_ts():
     fields["hmac"] = sign(fields, "k")
     with pytest.raises(ProtocolError, match="finite"):
         decode(msgpack.packb(fields), secret="k")
+
+
+# ---------------------------------------------------------------- relay
+
+
+class _BrokenStream:
+    """D's side of a stream that breaks off inside an SSE event."""
+
+    status = 200
+    content_type = "text/event-stream"
+
+    def at_eof(self) -> bool:
+        return False
+
+    async def chunks(self):
+        from proxy.upstream import UpstreamError
+
+        yield b'data: {"choices": [{"text": " to'
+        raise UpstreamError("disconnect", "instance closed the connection")
+
+
+async def test_relay_error_event_starts_on_an_event_boundary():
+    from proxy.asgi import Flight
+    from proxy.metrics import Metrics
+    from proxy.relay import Answer, Relay
+
+    registry = Registry(heartbeat_timeout=10)
+    d = registry.upsert(reg("D", 1), now=0)
+    resp = _BrokenStream()
+    chunks = resp.chunks()
+    first = b'data: {"choices": [{"text": " a"}]}\n\n'
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await Relay(Metrics(registry), 5.0)(Answer(resp, first, True, chunks), d, send, Flight(None))
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    events = body.split(b"\n\n")
+    # The broken event stays broken, but the error is an event of its own that parses.
+    error = [e for e in events if e.startswith(b"data: {\"error\"")]
+    assert len(error) == 1 and json.loads(error[0][6:])["error"]["code"] == "decode_midstream"
+    assert sent[-1]["more_body"] is False
