@@ -406,20 +406,21 @@ async def measure_victim(client, s: Setup, prompts: Prompts, args,
     return r, bg
 
 
-async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: Prompts) -> dict:
+async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: Prompts,
+                ttft_only: list[Setup]) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         t0 = time.monotonic()
-        long_lat = await warmup(client, setups + [d_ref], prompts, args)
+        long_lat = await warmup(client, setups + ttft_only + [d_ref], prompts, args)
         if args.bg_interval < 0:  # auto: one arrival rate for all, sustainable by all
             args.bg_interval = round(max(long_lat[s.name] for s in setups) / args.bg_util, 2)
         print(f"  warm-up done ({time.monotonic() - t0:.0f}s); one {args.bg_tokens}-token prompt takes "
               + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in long_lat.items())
               + f"; long prompts will arrive every {args.bg_interval}s", flush=True)
         t0 = time.monotonic()
-        ttft = await measure_ttft(client, setups, prompts, args, p_ref)
+        ttft = await measure_ttft(client, setups + ttft_only, prompts, args, p_ref)
         print(f"  TTFT done ({time.monotonic() - t0:.0f}s)", flush=True)
         t0 = time.monotonic()
         victims: dict[tuple[str, bool], list[tuple[StreamResult, Background | None]]] = {}
@@ -502,17 +503,25 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     lines.append("references and breakdown:")
     lines.append("  1-core vLLM = TTFT on P and idle ITL on D hit straight (plain requests: no proxy, "
                  "no KV transfer); what one of two 1-core colocated replicas would do at concurrency 1")
-    hd = [r.headers for r in tt[dis]]
-    try:
-        q = statistics.median(float(h["x-xpyd-queue-ms"]) for h in hd)
-        pre = statistics.median(float(h["x-xpyd-prefill-ms"]) for h in hd)
-        dttfb = statistics.median(float(h["x-xpyd-decode-ttfb-ms"]) for h in hd)
-        lines.append(f"  disaggregated TTFT split (proxy timing headers, medians): proxy queue {q:.1f} ms, "
-                     f"P answers the prefill {pre:.1f} ms, D's first byte {dttfb:.1f} ms later "
-                     f"(D's HTTP + KV load + 1-token step), the rest (client<->proxy, relay) "
-                     f"{statistics.median(t[dis]) * 1000 - q - pre - dttfb:.1f} ms")
-    except (KeyError, ValueError, statistics.StatisticsError):
-        lines.append("  (no proxy timing headers)")
+    for name in [dis] + [k for k in tt if k == "disagg-concurrent"]:
+        hd = [r.headers for r in tt[name]]
+        try:
+            q = statistics.median(float(h["x-xpyd-queue-ms"]) for h in hd)
+            pre = statistics.median(float(h["x-xpyd-prefill-ms"]) for h in hd)
+            dttfb = statistics.median(float(h["x-xpyd-decode-ttfb-ms"]) for h in hd)
+            total = statistics.median(r.ttft for r in tt[name]) * 1000
+            lines.append(f"  {name} TTFT {total:.1f} ms, split (proxy timing headers, medians): proxy queue "
+                         f"{q:.1f} ms, P answers the prefill {pre:.1f} ms, D's first byte {dttfb:.1f} ms later "
+                         f"(D's share: HTTP + KV load + 1-token step), the rest (client<->proxy, relay) "
+                         f"{total - q - pre - dttfb:.1f} ms")
+        except (KeyError, ValueError, statistics.StatisticsError):
+            lines.append(f"  {name}: no proxy timing headers")
+    if "disagg-concurrent" in tt:
+        seq, conc = (statistics.median(r.ttft for r in tt[k]) for k in (dis, "disagg-concurrent"))
+        dseq, dconc = (statistics.median(float(r.headers.get("x-xpyd-decode-ttfb-ms", "nan")) for r in tt[k])
+                       for k in (dis, "disagg-concurrent"))
+        lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median sequential {seq * 1000:.1f} ms, "
+                     f"concurrent {conc * 1000:.1f} ms ({conc / seq:.2f}x); D's share {dseq:.1f} -> {dconc:.1f} ms")
     waits = kv_waits(decode_log)
     if waits:
         lines.append(f"  D waited for the KV (connector log, all {len(waits)} transfers): median "
@@ -567,6 +576,8 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=1.1,
                     help="seconds between measurements: vLLM's engine and worker spin-wait for 1 s "
                          "after each step, which would steal CPU from the next setup measured")
+    ap.add_argument("--dispatch-ab", action="store_true",
+                    help="a second proxy with --dispatch concurrent on the same P and D: TTFT both ways")
     ap.add_argument("--no-omp2", action="store_true",
                     help="skip the second colocated baseline (2 OMP threads on cores 0,1)")
     ap.add_argument("--proxy-cpus", default=None, help="pin the proxy, e.g. 1 (default: unpinned)")
@@ -600,8 +611,16 @@ def main() -> int:
         prompts = Prompts(model, args.seed)
         mcfg = json.loads((model / "config.json").read_text())
         disc = cluster.free_port()
-        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir)
+        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, ["--dispatch", "sequential"])
         servers.append(proxy)
+        proxies: list[cluster.Server] = [proxy]
+        reg: dict[str, object] = {}
+        if args.dispatch_ab:  # same P and D, registered with both proxies
+            disc2 = cluster.free_port()
+            proxies.append(cluster.start_proxy(cluster.free_port(), disc2, log_dir,
+                                               ["--dispatch", "concurrent"], name="proxy-concurrent"))
+            servers.append(proxies[-1])
+            reg["proxies"] = [f"{cluster.HOST}:{disc2}"]
         common = {"model": model, "log_dir": log_dir}
         # VLLM_CPU_OMP_THREADS_BIND is explicit everywhere. Note "a|b" means one list per
         # rank: start_vllm's default for cpus="0,1" is "0|1", which gives rank 0 core 0 only.
@@ -617,21 +636,23 @@ def main() -> int:
         p_port, d_port = cluster.free_port(), cluster.free_port()
         prefill = cluster.start_vllm(
             "prefill", p_port, cpus="0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
-            kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p_port, disc), **common)
+            kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p_port, disc, **reg),
+            **common)
         servers.append(prefill)
         decode = cluster.start_vllm(
             "decode", d_port, cpus="1", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
-            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc), **common)
+            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc, **reg),
+            **common)
         servers.append(decode)
         proxy_where = f"cores {args.proxy_cpus}" if args.proxy_cpus else "unpinned"
         print(f"starting {', '.join(c.name for c in colos)} (cores 0,1), prefill (core 0), decode (core 1), "
               f"proxy ({proxy_where}); model {model.name}; logs in {log_dir} ...", flush=True)
-        cluster.wait_until([proxy], "/health", 60)
+        cluster.wait_until(proxies, "/health", 60)
         if args.proxy_cpus:
             pin_process_tree(proxy.proc.pid, {int(c) for c in args.proxy_cpus.split(",")})
         cluster.wait_until(colos + [prefill, decode], "/health", args.startup_timeout)
         deadline = time.monotonic() + 60
-        while cluster.http_get(proxy.url + "/ready")[0] != 200:
+        while any(cluster.http_get(px.url + "/ready")[0] != 200 for px in proxies):
             if time.monotonic() > deadline:
                 raise TimeoutError("proxy never saw P and D register")
             time.sleep(0.3)
@@ -643,7 +664,8 @@ def main() -> int:
         setups = [Setup(c.name, c.url) for c in colos] + [Setup("disaggregated", proxy.url)]
         p_ref, d_ref = Setup("P alone", prefill.url), Setup("D alone", decode.url)
         meter = CpuMeter([srv.proc.pid for srv in servers])
-        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts))
+        extra = [Setup("disagg-concurrent", proxies[1].url)] if args.dispatch_ab else []
+        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts, extra))
         cpu_line = meter.report()
         notes = facts + [
             f"model {model.name}: Llama, hidden {mcfg['hidden_size']}, {mcfg['num_hidden_layers']} layers, "

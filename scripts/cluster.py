@@ -176,10 +176,11 @@ def start_vllm(
                   kv_port=(kv_config or {}).get("kv_port"))
 
 
-def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[str] | None = None) -> Server:
+def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[str] | None = None,
+                name: str = "proxy") -> Server:
     cmd = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
            "--discovery-host", HOST, "--discovery-port", str(discovery_port)] + (extra_args or [])
-    return _spawn("proxy", port, cmd, log_dir, {})
+    return _spawn(name, port, cmd, log_dir, {})
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

@@ -21,6 +21,8 @@ KV_LOAD_TIMEOUT_S = 6.0
 SEND_TIMEOUT_S = 3.0
 BUFFER_TTL_S = 8.0
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
+# Prompts under this many estimated tokens (~4 characters each) go to D alone.
+LOCAL_PREFILL_THRESHOLD = 16
 
 
 @dataclass
@@ -60,7 +62,8 @@ def bind_env(bind: str | None) -> dict[str, str | None]:
 
 def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None) -> E2ECluster:
     disc = free_port()
-    proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5"])
+    proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5", "--local-prefill-threshold",
+                                                             str(LOCAL_PREFILL_THRESHOLD)])
     common = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS, env=bind_env(bind))
     p_port, d_port = free_port(), free_port()
     p_kv, d_kv = free_port_pair(), free_port_pair()

@@ -183,6 +183,20 @@ def test_power_corrupted_kv_changes_output(sys_: E2ECluster, tokenizer, endpoint
     assert "CORRUPTED(test)" in sys_.decode.log()
 
 
+def test_short_prompt_is_served_by_decode_alone(sys_: E2ECluster):
+    """Under local_prefill_threshold the proxy skips P: D gets a plain request id, its
+    connector waits for nothing, and the tokens are still the colocated server's."""
+    body = body_for("completions", "Hello, my name is", False)
+    want, _ = generate(sys_.colocated.url, "completions", body)
+    p_before = metric(sys_.prefill.url, "vllm:request_success_total")
+    with httpx.Client(timeout=60) as client:
+        r = client.post(sys_.proxy.url + "/v1/completions", json=body)
+    assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_short"
+    assert r.json()["choices"][0]["text"] == want and want
+    assert metric(sys_.prefill.url, "vllm:request_success_total") == p_before
+    assert not (r.json().get("kv_transfer_params") or {}).get("xpyd")  # nothing was loaded
+
+
 def test_no_transfer_was_lost_under_this_binding(sys_: E2ECluster):
     """Everything above ran without a failed send or load (the fault tests below
     cause some on purpose). Under vLLM's default binding transfers used to stall
@@ -278,8 +292,8 @@ def test_abort_while_decode_waits_for_kv(sys_: E2ECluster, tokenizer):
 
 def test_prefill_killed_after_answering(sys_: E2ECluster, tokenizer):
     """Last: SIGKILL P right after it answered a prefill; D, asked next (as the
-    proxy would), answers within the load deadline and the proxy stops routing
-    to the dead P."""
+    proxy would), answers within the load deadline, and the proxy lets D serve
+    alone rather than fail (fallback_to_decode, on by default)."""
     prompt = make_prompt(tokenizer, BLOCK + 20, seed=7070)
     body = body_for("completions", prompt, False)
     want, _ = generate(sys_.colocated.url, "completions", body)
@@ -292,9 +306,13 @@ def test_prefill_killed_after_answering(sys_: E2ECluster, tokenizer):
                       timeout=e2e_cluster.KV_LOAD_TIMEOUT_S + 30)
     assert time.monotonic() - t0 < e2e_cluster.KV_LOAD_TIMEOUT_S + 15
     assert got == want
-    # Through the proxy: no live P once its heartbeat expires -> 503, not a hang.
-    assert poll(lambda: e2e_cluster.cluster.http_get(sys_.proxy.url + "/ready")[0] == 503, timeout=15)
-    with httpx.Client(timeout=30) as client:
+    # Through the proxy: D prefills alone, first while the dead P is still registered
+    # (its port refuses), then once its heartbeat expired (no P at all).
+    with httpx.Client(timeout=60) as client:
         r = client.post(sys_.proxy.url + "/v1/completions", json=body)
-    assert r.status_code == 503
-    assert r.json()["error"]["message"]
+        assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_no_prefill"
+        assert r.json()["choices"][0]["text"] == want
+        assert poll(lambda: e2e_cluster.cluster.http_get(sys_.proxy.url + "/ready")[0] == 503, timeout=15)
+        r = client.post(sys_.proxy.url + "/v1/completions", json=body)
+        assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_no_prefill"
+        assert r.json()["choices"][0]["text"] == want
