@@ -70,14 +70,18 @@ class PrefixIndex:
         holders_of = self._holders
         alive = list(candidates)
         depth = 0
+        prev: tuple[Instance, ...] = ()
         for h in hashes:
             holders = holders_of.get(h)
             if holders is None:
                 break
-            nxt = [c for c in alive if c in holders]
-            if not nxt:
-                break
-            alive = nxt
+            # Along a prompt the holders rarely change: same holders, same survivors.
+            if holders != prev:
+                nxt = [c for c in alive if c in holders]
+                if not nxt:
+                    break
+                alive = nxt
+                prev = holders
             depth += 1
         return depth, (alive if depth else [])
 
