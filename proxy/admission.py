@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -33,20 +34,34 @@ class _Waiter:
     fut: asyncio.Future[Instance]
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    limit: int  # requests in flight per instance
+    size: int  # most requests waiting
+    timeout: float  # seconds one wait may last
+
+
+class Slots(Protocol):
+    """Who counts a request in flight on an instance (the Selector)."""
+
+    def take(self, inst: Instance, req: RouteRequest) -> None: ...
+
+    def release(self, inst: Instance, req: RouteRequest) -> None: ...
+
+
 class WaitQueue:
     """The waiters for one role's instances, each limited to `limit` requests in flight."""
 
-    def __init__(self, role: str, limit: int, size: int, timeout: float, registry: Registry,
-                 metrics: Metrics, take: Callable[[Instance, RouteRequest], None],
-                 release: Callable[[Instance, RouteRequest], None]) -> None:  # fmt: skip
+    def __init__(self, role: str, limits: Limits, registry: Registry, metrics: Metrics,
+                 slots: Slots) -> None:  # fmt: skip
         self.role = role
-        self.limit = limit
-        self.size = size
-        self.timeout = timeout
+        self.limit = limits.limit
+        self.size = limits.size
+        self.timeout = limits.timeout
         self.registry = registry
         self.metrics = metrics
-        self._take = take
-        self._release = release
+        self._take = slots.take
+        self._release = slots.release
         self.waiters: deque[_Waiter] = deque()
         self._depth = metrics.queue_depth.labels(role)
 

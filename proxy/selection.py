@@ -10,7 +10,7 @@ from collections.abc import Collection
 
 import orjson
 
-from proxy.admission import WaitQueue
+from proxy.admission import Limits, WaitQueue
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -26,8 +26,8 @@ class Selector:
         self.queues: dict[str, WaitQueue] = {}
         for role, limit in (("P", cfg.prefill_max_in_flight), ("D", cfg.decode_max_in_flight)):
             if limit > 0:
-                self.queues[role] = WaitQueue(role, limit, cfg.queue_size, cfg.queue_timeout,
-                                              registry, metrics, self._take, self.release)  # fmt: skip
+                limits = Limits(limit, cfg.queue_size, cfg.queue_timeout)
+                self.queues[role] = WaitQueue(role, limits, registry, metrics, self)
         if self.queues:
             registry.listeners.append(self._joined)
         self.policies: dict[str, Policy] = {
@@ -94,10 +94,10 @@ class Selector:
                     return await queue.wait(req, exclude)
             candidates = open_
         inst = self.policies[role].choose(candidates, req)
-        self._take(inst, req)
+        self.take(inst, req)
         return inst
 
-    def _take(self, inst: Instance, req: RouteRequest) -> None:
+    def take(self, inst: Instance, req: RouteRequest) -> None:
         inst.in_flight += 1
         inst.in_flight_tokens += req.tokens
 
