@@ -11,26 +11,20 @@ from pathlib import Path
 import e2e_cluster
 from e2e_cluster import cluster, free_port, free_port_pair
 
+from connector.shared_storage import config as ss_config
+
 KV_LOAD_TIMEOUT_S = 6.0  # D's wait for a block file P has not written yet
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
 
 
 def kv_config(role: str, store: Path, http_port: int, kv_port: int, proxy_port: int | None, **extra: object) -> dict:
-    """The --kv-transfer-config of a SharedStorageConnector instance; the proxy keys
-    are the P2P connector's."""
-    ec: dict[str, object] = {"shared_storage_path": str(store), "http_port": http_port, "kv_ip": cluster.HOST,
-                             "kv_load_timeout_s": KV_LOAD_TIMEOUT_S}
+    """A SharedStorageConnector instance's --kv-transfer-config; the proxy keys are
+    the P2P connector's (kv_port is only the address the proxy puts in request ids)."""
+    ec: dict[str, object] = {"http_port": http_port, "kv_ip": cluster.HOST, "kv_load_timeout_s": KV_LOAD_TIMEOUT_S}
     if proxy_port is not None:
         ec.update(proxy_ip=cluster.HOST, proxy_port=proxy_port, heartbeat_interval_s=1.0)
     ec.update(extra)
-    return {
-        "kv_connector": "SharedStorageConnector",
-        "kv_connector_module_path": "connector",
-        "kv_role": role,
-        "kv_port": kv_port,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": ec,
-    }
+    return ss_config.kv_transfer_config(role, store, kv_port=kv_port, **ec)
 
 
 @dataclass

@@ -66,3 +66,22 @@ class SharedStorageConfig:
             verify=_flag(extra.get("shared_storage_verify", True)),
             fsync=_flag(extra.get("shared_storage_fsync", False)),
         )
+
+
+def kv_transfer_config(role: str, path: str | Path, **extra: object) -> dict[str, Any]:
+    """A vLLM ``--kv-transfer-config`` for this connector (scripts, tests, examples).
+
+    ``extra`` goes to ``kv_connector_extra_config`` (proxy keys, limits...). A missing
+    or damaged block file is an ordinary miss, so failed loads are recomputed.
+    """
+    kv_port = extra.pop("kv_port", None)
+    cfg: dict[str, Any] = {
+        "kv_connector": "SharedStorageConnector",
+        "kv_connector_module_path": "connector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"shared_storage_path": str(path), **extra},
+    }
+    if kv_port is not None:
+        cfg["kv_port"] = kv_port
+    return cfg
