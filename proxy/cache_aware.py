@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.policies import load_score
+from proxy.policies import LeastLoaded, load_score
 from proxy.registry import Instance
 from proxy.request import RouteRequest
 
@@ -142,7 +142,7 @@ class CacheAware:
         s = settings or CacheAwareSettings()
         self.settings = s
         self.index = PrefixIndex(s.chunk_tokens, s.capacity_tokens)
-        self._start = 0
+        self._least = LeastLoaded()  # the fallback, ties rotating
         # (request, instance chosen for it, chunks that instance matched before the
         # insertion): cached_tokens() follows choose() for the same request.
         self._last: tuple[RouteRequest | None, Instance | None, int] = (None, None, 0)
@@ -153,7 +153,7 @@ class CacheAware:
         self._note_seen(candidates)
         hashes = self.index.chain(req.key)
         depth, holders = self.index.match(hashes, candidates)
-        least, least_score = self._least_loaded(candidates)
+        least, least_score = self._least.pick(candidates)
         choice = least
         if depth and depth >= self.settings.min_match * len(hashes):
             best = min(holders, key=load_score)
@@ -177,19 +177,6 @@ class CacheAware:
     def _imbalanced(self, score: float, least: float) -> bool:
         s = self.settings
         return score - least > s.balance_abs and score > least * s.balance_rel
-
-    def _least_loaded(self, candidates: Sequence[Instance]) -> tuple[Instance, float]:
-        n = len(candidates)
-        start = self._start % n  # rotating start: ties spread round-robin
-        self._start = start + 1
-        best = candidates[start]
-        best_score = load_score(best)
-        for k in range(1, n):
-            inst = candidates[(start + k) % n]
-            score = load_score(inst)
-            if score < best_score:
-                best, best_score = inst, score
-        return best, best_score
 
     def _note_seen(self, candidates: Sequence[Instance]) -> None:
         now = time.monotonic()

@@ -60,6 +60,10 @@ class LeastLoaded:
         self._start = 0
 
     def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
+        return self.pick(candidates)[0]
+
+    def pick(self, candidates: Sequence[Instance]) -> tuple[Instance, float]:
+        """The least loaded candidate and its load_score."""
         n = len(candidates)
         # Scan from a rotating start so that ties spread round-robin.
         start = self._start % n
@@ -71,7 +75,7 @@ class LeastLoaded:
             score = load_score(inst)
             if score < best_score:
                 best, best_score = inst, score
-        return best
+        return best, best_score
 
 
 class PowerOfTwo:
