@@ -2,12 +2,12 @@
 """Start and stop a local xPyD system: proxy + prefill + decode vLLM (CPU build).
 
 Helpers for the end-to-end tests and the benchmarks (free ports, one server at a time).
-The README's bring-up is the launcher (`xpyd-launch`, deploy/); `up` forwards to it.
+The README's bring-up is the launcher (scripts/launch.py); `up` forwards to it.
 Every server listens on 127.0.0.1; every process we start runs in its own
 session and is stopped by its PID (process group), nothing else is touched.
 
-    python scripts/cluster.py up            # = xpyd-launch up 1p1d
-    python scripts/cluster.py up --once     # = xpyd-launch up 1p1d --once
+    python scripts/cluster.py up            # = python scripts/launch.py up 1p1d
+    python scripts/cluster.py up --once     # = python scripts/launch.py up 1p1d --once
 """
 
 from __future__ import annotations
@@ -211,9 +211,9 @@ def wait_until(servers: list[Server], path: str, timeout: float) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
-    """Kept for old command lines: the launcher (deploy/, configs/topologies/1p1d.yaml) does this now."""
-    sys.path.insert(0, str(ROOT))
-    from deploy.__main__ import main as launch
+    """Kept for old command lines: the launcher (scripts/launch.py, configs/topologies/1p1d.yaml) does this now."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from launch import main as launch
 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", str(DEFAULT_MODEL)],
                    check=True)
@@ -224,7 +224,7 @@ def up(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    u = sub.add_parser("up", help="proxy + 1 prefill + 1 decode on 127.0.0.1 (= xpyd-launch up 1p1d)")
+    u = sub.add_parser("up", help="proxy + 1 prefill + 1 decode on 127.0.0.1 (= scripts/launch.py up 1p1d)")
     u.add_argument("--log-dir", default=str(ROOT / ".logs"))
     u.add_argument("--timeout", type=float, default=300)
     u.add_argument("--once", action="store_true", help="stop after the first answer")

@@ -1,4 +1,4 @@
-"""Drive `python -m deploy up` (xpyd-launch) the way a user's shell does: a child process,
+"""Drive `python scripts/launch.py up` the way a user's shell does: a child process,
 its output read line by line, signals sent to its PID, and a look at /proc for anything
 it left behind."""
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from deploy.topology import Topology  # noqa: E402
+from topology import Topology  # noqa: E402  (scripts/topology.py)
 
 READY_LINE = "running; Ctrl-C or SIGTERM stops everything"
 
@@ -109,8 +109,8 @@ class LauncherRun:
     @classmethod
     def start(cls, args: list[str]) -> LauncherRun:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "deploy", *args], cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "launch.py"), *args], cwd=ROOT, env=env,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         run = cls(args, proc)
         run._reader = threading.Thread(target=run._read, daemon=True)
         run._reader.start()

@@ -4,12 +4,17 @@ lines and kv-transfer configs derived from them. No servers started."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from deploy.__main__ import main as launch_main
-from deploy.topology import ROOT, TopologyError, all_topologies, load_topology, topology_from_dict
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from launch import main as launch_main  # noqa: E402  (scripts/launch.py)
+from topology import TopologyError, all_topologies, load_topology, topology_from_dict  # noqa: E402
 
 BASE = yaml.safe_load((ROOT / "configs/topologies/1p1d.yaml").read_text())
 

@@ -1,4 +1,4 @@
-"""The launcher as users run it: `python -m deploy up 1p2d` (xpyd-launch) brings up the proxy
+"""The launcher as users run it: `python scripts/launch.py up 1p2d` brings up the proxy
 and 1 P + 2 D real vLLM (CPU build) servers from configs/topologies/1p2d.yaml, `vllm bench
 serve` (its own code, scripts/bench_serve.py) sends 20 requests through the proxy, and a
 SIGTERM to the launcher stops every process it started. Also: an instance that cannot start
@@ -32,7 +32,8 @@ from launcher_helpers import (
     still_running,
 )
 
-from deploy.topology import load_topology
+sys.path.insert(0, str(ROOT / "scripts"))
+from topology import load_topology  # noqa: E402  (scripts/topology.py)
 
 pytestmark = pytest.mark.vllm
 BENCH_PROMPTS = 20

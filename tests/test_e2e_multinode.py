@@ -19,7 +19,8 @@ import pytest
 from e2e_client import MODEL_DIR, metric
 from launcher_helpers import READY_LINE, ROOT, LauncherRun, free_port_offset, in_groups
 
-from deploy.topology import load_topology
+sys.path.insert(0, str(ROOT / "scripts"))
+from topology import load_topology  # noqa: E402  (scripts/topology.py)
 
 pytestmark = pytest.mark.vllm
 LB_HOST = "127.0.0.10"

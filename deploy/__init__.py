@@ -1,1 +1,0 @@
-"""Deployment: topologies as data (configs/topologies/), the launcher, compose rendering."""
