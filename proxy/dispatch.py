@@ -64,6 +64,7 @@ class Call:
     send: Send
     flight: Flight
     t0: float  # perf_counter() at arrival
+    t_decode: float = 0.0  # when D's part began: P answered, or D was asked alone
 
 
 class Dispatcher:
@@ -101,14 +102,13 @@ class Dispatcher:
                         d.http_address, attempt + 1, e,
                     )  # fmt: skip
                     continue
-                t_relay = time.perf_counter()
                 try:
                     await self._relay(answer, d, call.send, call.flight)
                 finally:
                     # Unread (client left, error, timeout): closes the connection, D aborts.
                     await answer.resp.aclose()
                 d.served += 1
-                self._phase["decode"].observe(time.perf_counter() - t_relay)
+                self._phase["decode"].observe(time.perf_counter() - call.t_decode)
                 return answer.resp.status
             finally:
                 self.selector.release(d, req)
@@ -257,6 +257,7 @@ class Dispatcher:
         )  # fmt: skip
 
     def _observe_ttfb(self, call: Call, since: float) -> None:
+        call.t_decode = since
         t_first = time.perf_counter()
         self._phase["decode_ttfb"].observe(t_first - since)
         call.flight.extra.append((b"x-xpyd-decode-ttfb-ms", ms(t_first - since)))
