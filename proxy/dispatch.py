@@ -160,7 +160,7 @@ class Dispatcher:
     async def _disaggregated(self, call: Call, d: Instance) -> Answer:
         cfg = self.cfg
         req = call.req
-        pre_raw = orjson.dumps(_prefill_body(req))
+        pre_raw = orjson.dumps(prefill_body(req.path, req.body))
         tried: list[Instance] = []
         slow: list[Instance] = []  # timed out: never worth a second try
         failures: list[str] = []  # UpstreamError kinds and "timeout", per attempt
@@ -326,10 +326,6 @@ class Dispatcher:
             if resp is not None:
                 await resp.aclose()
             raise
-
-
-def _prefill_body(req: RouteRequest) -> dict:
-    return prefill_body(req.path, req.body)
 
 
 async def _discard(task: asyncio.Task | None) -> None:
