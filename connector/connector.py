@@ -21,7 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connector.config import ConnectorConfig
 from connector.metadata import P2pConnectorMetadata
 from connector.scheduler import P2pScheduler
-from connector.stats import XpydStats
+from connector.stats import XpydPromMetrics, XpydStats
 from connector.worker import P2pWorker
 
 if TYPE_CHECKING:
@@ -102,12 +102,19 @@ class P2pNcclConnector(KVConnectorBase_V1):
         )
 
     def get_kv_connector_stats(self) -> XpydStats | None:
-        """Worker: receive-buffer occupancy, carried to the scheduler (heartbeat load)."""
+        """Worker: this step's transfer counters and the receive-buffer occupancy (heartbeat
+        load), carried to the scheduler and on to vLLM's stat loggers."""
         return self._worker.stats() if self._worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XpydStats:
-        return XpydStats(data=data) if data else XpydStats(data={"buffers": {}})
+        return XpydStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type[Any], type[Any]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> XpydPromMetrics:
+        """The ``vllm:xpyd_kv_*`` series on vLLM's /metrics (see connector/stats.py)."""
+        return XpydPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

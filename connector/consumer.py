@@ -28,6 +28,7 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec
 from connector.request_id import rank_address
+from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
 
 logger = get_logger(__name__)
@@ -46,8 +47,10 @@ class _Load:
 
 class Consumer:
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, caches: dict[str, torch.Tensor],
-                 block_layout: kvlayout.BlockLayout, recv: KVBuffer, cpus: CpuPlan | None) -> None:
+                 block_layout: kvlayout.BlockLayout, recv: KVBuffer, cpus: CpuPlan | None,
+                 stats: StatsRecorder | None = None) -> None:
         self._cfg = cfg
+        self.stats = stats or StatsRecorder()
         self._rank = rank
         self._transport = transport
         self._caches = caches
@@ -107,9 +110,12 @@ class Consumer:
                 continue
             if reply.get("ok"):
                 header = {k: v for k, v in reply.items() if k != "ok"}
-                refused = self._recv.put(key, Payload.of(header, tensors))
+                payload = Payload.of(header, tensors)
+                refused = self._recv.put(key, payload)
                 if refused:
                     logger.warning("kv get refused locally transfer=%s reason=%s", key, refused)
+                else:
+                    self.stats.moved("received", payload.nbytes)
                 try:
                     self._transport.call(peer, {"op": "release", "key": key}, timeout_s=1.0)
                 except TransportError:
@@ -167,6 +173,7 @@ class Consumer:
                 # Aborted while waiting: nothing to load; the key's release drops the KV.
                 del self._loads[rid]
                 done.add(rid)
+                self.stats.transfer("load", "cancelled")
                 logger.info("kv load cancelled req=%s transfer=%s (request finished)", rid, key)
                 continue
             payload = self._recv.peek(key)
@@ -179,8 +186,11 @@ class Consumer:
                 done.add(rid)
                 if err:
                     failed.add(rid)
+                    self.stats.failure("load", "invalid")
                     logger.error("kv load failed req=%s transfer=%s error=%s", rid, key, err)
                 else:
+                    self.stats.transfer("load", "ok")
+                    self.stats.load_wait(now - load.started)
                     logger.info(
                         "kv loaded req=%s transfer=%s tokens=%d blocks=%d wait_ms=%.1f%s",
                         rid, key, load.spec.num_tokens, len(load.spec.dst_block_ids),
@@ -194,6 +204,7 @@ class Consumer:
             del self._loads[rid]
             done.add(rid)
             failed.add(rid)
+            self.stats.failure("load", "timeout" if why is None else "aborted")
             if why is None:
                 logger.error("kv load timed out req=%s transfer=%s after %.1fs",
                              rid, key, self._cfg.kv_load_timeout_s)

@@ -31,6 +31,7 @@ from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
 from connector.request_id import rank_address
+from connector.stats import StatsRecorder
 from connector.transport import Transport
 from connector.transport import make_transport as transport_factory
 
@@ -82,8 +83,11 @@ class KVEngine:
         self._transport = transport or make_transport(cfg.transport, self._device, cpus,
                                                       cfg.kv_buffer_size + _HEADER_SLACK)
         self._device_native = bool(getattr(self._transport, "device_native", False))
-        self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus)
-        self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus)
+        # Transfer counters for vLLM's connector stats (/metrics), fed by every thread.
+        self.xfer_stats = StatsRecorder()
+        self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats)
+        self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
+                                 self.xfer_stats)
         self.address = rank_address(cfg.advertised_address, rank)
         host, _, port = self.address.rpartition(":")
         self._transport.start(host, int(port), self._handle)
@@ -131,10 +135,12 @@ class KVEngine:
                 return {"ok": False, "error": refused}, []
             return {"ok": True}, []
         if op == "put":
-            refused = self._recv.put(key, Payload.of(header, tensors))
+            payload = Payload.of(header, tensors)
+            refused = self._recv.put(key, payload)
             if refused:
                 logger.warning("refused kv transfer=%s reason=%s", key, refused)
                 return {"ok": False, "error": refused}, []
+            self.xfer_stats.moved("received", payload.nbytes)
             return {"ok": True}, []
         if op == "abort":
             keys = header.get("keys")
@@ -155,7 +161,10 @@ class KVEngine:
                 return {"ok": False, "error": "not ready"}, []
             return {"ok": True, **payload.header}, payload.tensors
         if op == "release":
-            self._sendbuf.pop(key)
+            # GET: D holds the payload now; this is where P's send ends.
+            payload = self._sendbuf.pop(key)
+            if payload is not None:
+                self.xfer_stats.transfer("send", "ok", payload.nbytes, "sent")
             return {"ok": True}, []
         if op == "ping":
             return {"ok": True, "address": self.address}, []

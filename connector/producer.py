@@ -28,6 +28,7 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
 from connector.request_id import rank_address
+from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
 
 logger = get_logger(__name__)
@@ -75,8 +76,9 @@ class PeerSender:
     """The send queue of one decode peer (one worker rank), served by one thread."""
 
     def __init__(self, peer: str, transport: Transport, cfg: ConnectorConfig, build: PayloadBuilder,
-                 cpus: CpuPlan | None, stop: threading.Event) -> None:
+                 cpus: CpuPlan | None, stop: threading.Event, stats: StatsRecorder | None = None) -> None:
         self.peer = peer
+        self._stats = stats or StatsRecorder()
         self._transport = transport
         self._cfg = cfg
         self._build = build
@@ -170,6 +172,7 @@ class PeerSender:
             if send.claim():
                 logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                                send.spec.req_id, send.spec.transfer_key, self.peer, reason)
+                self._stats.failure("send", "unreachable")
                 self._notice(send.spec.transfer_key, reason)
                 send.done.set()
 
@@ -212,17 +215,21 @@ class PeerSender:
                 # D refused (full, duplicate, request gone): it knows; nothing to tell it.
                 logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
                                spec.req_id, spec.transfer_key, self.peer, reply.get("error"))
+                self._stats.failure("send", "refused")
             else:
+                self._stats.transfer("send", "ok", nbytes, "sent")
                 logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ms=%.1f",
                             spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
                             nbytes, self.peer, (time.monotonic() - t0) * 1e3)
         except TransportError as e:
             logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                            spec.req_id, spec.transfer_key, self.peer, e)
+            self._stats.failure("send", "transport")
             self._notice(spec.transfer_key, str(e))
             self._mark_dead(e)
         except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send
             logger.exception("kv send failed req=%s transfer=%s peer=%s", spec.req_id, spec.transfer_key, self.peer)
+            self._stats.failure("send", "error")
             self._notice(spec.transfer_key, f"{type(e).__name__}: {e}")
         finally:
             send.done.set()
@@ -232,8 +239,9 @@ class Producer:
     """Plans nothing (the scheduler did): executes saves and tracks their end."""
 
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, build: PayloadBuilder,
-                 sendbuf: KVBuffer, cpus: CpuPlan | None) -> None:
+                 sendbuf: KVBuffer, cpus: CpuPlan | None, stats: StatsRecorder | None = None) -> None:
         self._cfg = cfg
+        self.stats = stats or StatsRecorder()
         self._rank = rank
         self._transport = transport
         self._build = build
@@ -251,7 +259,8 @@ class Producer:
     def peer(self, addr: str) -> PeerSender:
         p = self._peers.get(addr)
         if p is None:
-            p = self._peers[addr] = PeerSender(addr, self._transport, self._cfg, self._build, self._cpus, self._stop)
+            p = self._peers[addr] = PeerSender(addr, self._transport, self._cfg, self._build, self._cpus,
+                                                  self._stop, self.stats)
         return p
 
     def save(self, spec: SaveSpec) -> None:
@@ -262,6 +271,7 @@ class Producer:
             if refused:
                 # D's GET is answered with this reason at once, not left waiting.
                 self._sendbuf.fail(spec.transfer_key, refused)
+                self.stats.failure("send", "refused")
                 logger.warning("GET buffer refused transfer=%s reason=%s", spec.transfer_key, refused)
             return
         send = Send(spec)
@@ -281,7 +291,10 @@ class Producer:
         """
         for rid in req_ids:
             send = self._sends.pop(rid, None)
-            if send is None or send.cancel():
+            if send is None:
+                continue
+            if send.cancel():
+                self.stats.transfer("send", "cancelled")
                 continue
             if not send.done.wait(timeout=self._cfg.send_timeout_s + 1.0):
                 logger.error("kv send still running after its deadline req=%s", rid)

@@ -253,7 +253,7 @@ class P2pScheduler:
 
     def update_connector_output(self, failed_recving: set[str], stats: object = None) -> None:
         self._failed_loads.update(r for r in failed_recving if r in self._loaded)
-        if isinstance(stats, XpydStats) and not stats.is_empty():
+        if isinstance(stats, XpydStats) and stats.has_buffers():
             self._buffer_usage = stats.buffer_usage()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

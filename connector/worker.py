@@ -74,7 +74,7 @@ class P2pWorker:
         if self.engine is None:
             return None
         buf = self.engine.recv_buffer
-        return XpydStats.of(self._rank, buf.used_bytes + buf.reserved_bytes, buf.capacity_bytes)
+        return self.engine.xfer_stats.take(self._rank, buf.used_bytes + buf.reserved_bytes, buf.capacity_bytes)
 
     def poll(self, finished_req_ids: set[str]) -> PollResult:
         if self.engine is None:

@@ -24,7 +24,7 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import SharedStorageMetadata
 from connector.shared_storage.scheduler import SharedStorageScheduler
 from connector.shared_storage.worker import SharedStorageWorker
-from connector.stats import XpydStats
+from connector.stats import XpydPromMetrics, XpydStats
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
@@ -113,12 +113,19 @@ class SharedStorageConnector(KVConnectorBase_V1):
         return self._worker.take_invalid_block_ids()
 
     def get_kv_connector_stats(self) -> XpydStats | None:
-        """Worker: writer-queue occupancy, carried to the scheduler (heartbeat load)."""
+        """Worker: this step's store/load counters and the writer-queue occupancy (heartbeat
+        load), carried to the scheduler and on to vLLM's stat loggers."""
         return self._worker.stats() if self._worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XpydStats:
-        return XpydStats(data=data) if data else XpydStats(data={"buffers": {}})
+        return XpydStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type[Any], type[Any]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> XpydPromMetrics:
+        """The ``vllm:xpyd_kv_*`` series on vLLM's /metrics (see connector/stats.py)."""
+        return XpydPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -30,6 +30,7 @@ from connector.affinity import CpuPlan, pin_current_thread
 from connector.log import get_logger
 from connector.shared_storage.metadata import FetchSpec, StoreSpec
 from connector.shared_storage.store import BlockStore, Evictor, FileMeta, Miss
+from connector.stats import StatsRecorder
 
 logger = get_logger(__name__)
 
@@ -87,6 +88,8 @@ class StorageEngine:
         self._queue_wait_s = queue_wait_s
         self._cpus = cpus
         self.stats = EngineStats()
+        # Per-request store/load counters for vLLM's connector stats (/metrics).
+        self.xfer_stats = StatsRecorder()
         self._stop = threading.Event()
         # Writer: jobs and the bytes they hold, under _wcond.
         self._wcond = threading.Condition()
@@ -129,6 +132,7 @@ class StorageEngine:
                     left = deadline - time.monotonic()
                     if left <= 0 or self._stop.is_set():
                         self.stats.dropped_stores += 1
+                        self.xfer_stats.failure("send", "queue_full")
                         logger.error("kv store dropped req=%s blocks=%d: writer queue still full after %.1fs",
                                      spec.req_id, n, self._queue_wait_s)
                         return False
@@ -163,12 +167,14 @@ class StorageEngine:
         spec = job.spec
         t0 = time.monotonic()
         written = existing = nbytes = 0
+        io_error = False
         for i, key in enumerate(spec.keys):
             try:
                 b = self.store.write(key, spec.first_index + i, job.buf[i])
             except OSError as e:
                 logger.error("kv store failed req=%s block=%d key=%s error=%s",
                              spec.req_id, spec.first_index + i, key[:16], e)
+                io_error = True
                 break  # later blocks are useless without this one (the chain)
             if b:
                 written += 1
@@ -179,6 +185,12 @@ class StorageEngine:
         self.stats.stored_blocks += written
         self.stats.existing_blocks += existing
         self.stats.written_bytes += nbytes
+        # KV bytes (not file bytes with headers), as the load side counts them.
+        if io_error:
+            self.xfer_stats.failure("send", "io")
+            self.xfer_stats.moved("sent", written * self.block_bytes)
+        else:
+            self.xfer_stats.transfer("send", "ok", written * self.block_bytes, "sent")
         logger.info("kv stored req=%s blocks=%d written=%d existing=%d bytes=%d queue_ms=%.1f write_ms=%.1f",
                     spec.req_id, len(spec.keys), written, existing, nbytes, (t0 - job.queued_at) * 1e3,
                     (time.monotonic() - t0) * 1e3)
@@ -252,6 +264,7 @@ class StorageEngine:
                 # request, so nothing is written; the reader's result is dropped.
                 del self._reads[rid]
                 out.finished.add(rid)
+                self.xfer_stats.transfer("load", "cancelled")
                 logger.info("kv storage load cancelled req=%s (request finished)", rid)
                 continue
             with self._lcond:
@@ -269,7 +282,12 @@ class StorageEngine:
             out.invalid_block_ids.update(bad)
             self.stats.loaded_blocks += ok
             self.stats.missed_blocks += len(bad)
-            ms = (time.monotonic() - r.started) * 1e3
+            elapsed = time.monotonic() - r.started
+            ms = elapsed * 1e3
+            # A miss is not a failure (the rest is recomputed), but it is no hit either.
+            self.xfer_stats.transfer("load", "missed" if bad else "ok", ok * self.block_bytes, "received")
+            if not bad:
+                self.xfer_stats.load_wait(elapsed)
             if bad:
                 logger.warning("kv storage miss req=%s loaded_blocks=%d of %d (recomputing the rest) reason=%s",
                                rid, ok, len(spec.block_ids), r.reason)

@@ -225,7 +225,7 @@ class SharedStorageScheduler:
                 good_end = (spec.first_index + bad) * self._bs
                 st.loaded_tokens = max(0, min(c.external_tokens, good_end - c.local_tokens))
                 st.load_failed = True
-        if isinstance(stats, XpydStats) and not stats.is_empty():
+        if isinstance(stats, XpydStats) and stats.has_buffers():
             self._queue_usage = stats.buffer_usage()
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -73,7 +73,7 @@ class SharedStorageWorker:
     def stats(self) -> XpydStats | None:
         if self.engine is None:
             return None
-        return XpydStats.of(self._rank, self.engine.queued_bytes, self.engine.queue_bytes)
+        return self.engine.xfer_stats.take(self._rank, self.engine.queued_bytes, self.engine.queue_bytes)
 
     def shutdown(self) -> None:
         if self.engine is not None:
