@@ -315,3 +315,16 @@ def test_vllm_log_line_sums_an_interval():
                      "max load wait (ms)=30.0, kv_buffer_used_bytes=300, kv_buffer_usage=0.3"]
     log.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
     assert len(lines) == 1  # reset after logging
+
+
+def test_every_connector_series_the_dashboard_queries_is_exposed():
+    """The Grafana dashboard's vllm:xpyd_* names against what build_prom_metrics
+    registers (the launcher e2e test checks the same against live instances)."""
+    from launcher_helpers import dashboard_metrics, exposed_metrics
+    from prometheus_client import generate_latest
+
+    reg = CollectorRegistry()
+    registry_prom(reg)(p2p_config(), ["model_name", "engine"], {0: ["tiny", "0"]})
+    wanted = {n for n in dashboard_metrics() if n.startswith("vllm:xpyd_")}
+    assert len(wanted) >= 5
+    assert wanted <= exposed_metrics(generate_latest(reg).decode()), wanted

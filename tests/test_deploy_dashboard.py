@@ -22,7 +22,10 @@ def test_dashboard_is_valid_and_covers_proxy_and_connector():
     names = dashboard_metrics()
     for want in ("xpyd_requests_total", "xpyd_phase_duration_seconds_bucket", "xpyd_instances",
                  "xpyd_instance_in_flight", "xpyd_upstream_errors_total",
-                 "vllm:prompt_tokens_cached_by_source_total", "vllm:num_requests_kv_fetch_by_stage"):
+                 "vllm:prompt_tokens_cached_by_source_total", "vllm:num_requests_kv_fetch_by_stage",
+                 # the connector's own series (connector/stats.py, via vLLM's build_prom_metrics)
+                 "vllm:xpyd_kv_transfers_total", "vllm:xpyd_kv_bytes_total", "vllm:xpyd_kv_failures_total",
+                 "vllm:xpyd_kv_load_wait_seconds_bucket", "vllm:xpyd_kv_buffer_usage"):
         assert want in names
     for p in dash["panels"]:
         for t in p.get("targets", []):
