@@ -87,7 +87,7 @@ import vllm
 assert vllm.__version__ == version and vllm.__file__.startswith(target), (vllm.__version__, vllm.__file__)
 import pytest
 rc = int(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_connector_scheduler.py",
-                      "tests/test_connector_units.py", *extra]))
+                      "tests/test_connector_units.py", "tests/test_connector_stats.py", *extra]))
 print(f"== pytest exit status {rc} (vllm {vllm.__version__} from {vllm.__file__})")
 sys.exit(rc)
 EOF
