@@ -8,6 +8,7 @@ thread binding (what users get) and with VLLM_CPU_OMP_THREADS_BIND=nobind.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -79,6 +80,48 @@ def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer
     log = sys_.decode.log()
     key = data["kv_transfer_params"]["xpyd"]["transfer_key"]
     assert re.search(rf"kv loaded req=\S+ transfer={key} tokens={n - 1} ", log), "no load line in D's log"
+
+
+def test_connector_metrics_on_vllm_metrics_endpoint(sys_: E2ECluster, tokenizer):
+    """The connector's series on vLLM's own /metrics (connector stats interface):
+    one transfer is one send on P and one load on D, the same KV bytes on both
+    sides (the whole prompt's blocks), and one more observation of D's wait."""
+    cfg = json.loads(MODEL_DIR.joinpath("config.json").read_text())
+    # bf16 K and V of one block over all layers (the CPU cache's block shape)
+    block_bytes = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * BLOCK * 2 * cfg["head_dim"] * 2
+    p, d = sys_.prefill.url, sys_.decode.url
+    sent_ok = {"role": "send", "result": "ok"}
+    load_ok = {"role": "load", "result": "ok"}
+
+    def snap() -> dict[str, float]:
+        return {"sent": metric(p, "vllm:xpyd_kv_transfers_total", sent_ok),
+                "loaded": metric(d, "vllm:xpyd_kv_transfers_total", load_ok),
+                "bytes_sent": metric(p, "vllm:xpyd_kv_bytes_total", {"direction": "sent"}),
+                "bytes_received": metric(d, "vllm:xpyd_kv_bytes_total", {"direction": "received"}),
+                "waits": metric(d, "vllm:xpyd_kv_load_wait_seconds_count"),
+                "failed": metric(p, "vllm:xpyd_kv_failures_total") + metric(d, "vllm:xpyd_kv_failures_total")}
+
+    before = snap()
+    prompt = make_prompt(tokenizer, 2 * BLOCK + 10, seed=4343)
+    _, data = generate(sys_.proxy.url, "completions", body_for("completions", prompt, False))
+    n = data["usage"]["prompt_tokens"]
+    want = {"sent": 1, "loaded": 1, "bytes_sent": -(-n // BLOCK) * block_bytes, "waits": 1, "failed": 0}
+    want["bytes_received"] = want["bytes_sent"]
+    got: dict[str, float] = {}
+
+    def grown() -> bool:
+        now = snap()
+        got.update({k: now[k] - before[k] for k in now})
+        return got == want
+
+    assert poll(grown, timeout=10), f"/metrics deltas {got}, expected {want}"
+    # both sides expose the fixed series (a dashboard finds them before any failure)
+    for url in (p, d):
+        _, raw = e2e_cluster.cluster.http_get(url + "/metrics", timeout=5)
+        text = raw.decode()
+        for series in ('vllm:xpyd_kv_failures_total{', 'reason="timeout"', "vllm:xpyd_kv_load_wait_seconds_bucket{",
+                       "vllm:xpyd_kv_buffer_usage{"):
+            assert series in text, (url, series)
 
 
 def test_prefix_hit_on_decode_loads_only_the_rest(sys_: E2ECluster, tokenizer):
