@@ -362,15 +362,18 @@ async def warmup(client, setups: list[Setup], prompts: Prompts, args) -> dict[st
     return lat
 
 
-async def measure_ttft(client, setups: list[Setup], prompts: Prompts, args, ref: Setup) -> dict:
-    out: dict = {s.name: [] for s in setups + [ref]}
+async def measure_ttft(client, setups: list[Setup], prompts: Prompts, args, ref: Setup,
+                       shared: list[Setup]) -> dict:
+    out: dict = {s.name: [] for s in setups + shared + [ref]}
+    everyone = setups + shared
     for i in range(args.ttft_n):
         prompt = prompts.make(args.ttft_tokens)  # same text to every setup: separate servers, no cache hit
-        k = i % len(setups)
-        order = setups[k:] + setups[:k]  # rotate: no setup always goes first
-        # The reference (P straight, no proxy, no transfer) gets its own prompt: P also
-        # serves the disaggregated request, and a repeated prompt would hit its prefix cache.
-        for s, p in [(s, prompt) for s in order] + [(ref, prompts.make(args.ttft_tokens))]:
+        k = i % len(everyone)
+        order = everyone[k:] + everyone[:k]  # rotate: no setup always goes first
+        # The reference (P straight, no proxy, no transfer) and setups sharing P with the
+        # disaggregated one get their own prompts: a repeated prompt would hit P's cache.
+        plan = [(s, prompts.make(args.ttft_tokens) if s in shared else prompt) for s in order]
+        for s, p in plan + [(ref, prompts.make(args.ttft_tokens))]:
             r = await stream_one(client, s.url, p, args.ttft_max_tokens, 300)
             if r.error:
                 raise RuntimeError(f"TTFT request to {s.name} failed: {r.error}")
@@ -420,7 +423,7 @@ async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: 
               + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in long_lat.items())
               + f"; long prompts will arrive every {args.bg_interval}s", flush=True)
         t0 = time.monotonic()
-        ttft = await measure_ttft(client, setups + ttft_only, prompts, args, p_ref)
+        ttft = await measure_ttft(client, setups, prompts, args, p_ref, ttft_only)
         print(f"  TTFT done ({time.monotonic() - t0:.0f}s)", flush=True)
         t0 = time.monotonic()
         victims: dict[tuple[str, bool], list[tuple[StreamResult, Background | None]]] = {}
