@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import urllib.request
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -17,9 +18,25 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from proxy.protocol import Load, Registration, encode
 
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
 logger = get_logger(__name__)
 
 LoadReport = Callable[[], Load]
+
+
+def heartbeat_load(kv_cache_manager: KVCacheManager | None, running: int, known: int,
+                   buffer_usage: float) -> Load:
+    """The load a scheduler reports in its heartbeats: running and waiting requests (of the
+    `known` ones), KV cache usage (best effort) and the connector's own buffer usage."""
+    usage = 0.0
+    if kv_cache_manager is not None:
+        try:
+            usage = float(kv_cache_manager.usage)
+        except Exception:  # usage is best effort
+            usage = 0.0
+    return Load(running, max(0, known - running), min(1.0, max(0.0, usage)), buffer_usage)
 
 
 class Registrar:

@@ -19,7 +19,7 @@ from connector import request_id
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connector.registration import Registrar
+from connector.registration import Registrar, heartbeat_load
 from connector.stats import XpydStats
 from proxy.protocol import Load
 
@@ -83,14 +83,7 @@ class P2pScheduler:
 
     def load_report(self) -> Load:
         """Load figures for the discovery heartbeat."""
-        usage = 0.0
-        if self._kv_cache_manager is not None:
-            try:
-                usage = float(self._kv_cache_manager.usage)
-            except Exception:  # usage is best effort
-                usage = 0.0
-        running = self._running
-        return Load(running, max(0, len(self._live) - running), min(1.0, max(0.0, usage)), self._buffer_usage)
+        return heartbeat_load(self._kv_cache_manager, self._running, len(self._live), self._buffer_usage)
 
     # ---- which side of a transfer this instance is on ----
     def _consumes(self, tid: request_id.TransferId) -> bool:

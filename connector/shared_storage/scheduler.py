@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector import request_id
 from connector.log import get_logger
-from connector.registration import Registrar
+from connector.registration import Registrar, heartbeat_load
 from connector.shared_storage import keys as kvkeys
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec
@@ -88,14 +88,7 @@ class SharedStorageScheduler:
         self._kvm = kv_cache_manager
 
     def load_report(self) -> Load:
-        usage = 0.0
-        if self._kvm is not None:
-            try:
-                usage = float(self._kvm.usage)
-            except Exception:  # usage is best effort
-                usage = 0.0
-        running = self._running
-        return Load(running, max(0, len(self._reqs) - running), min(1.0, max(0.0, usage)), self._queue_usage)
+        return heartbeat_load(self._kvm, self._running, len(self._reqs), self._queue_usage)
 
     # ---- keys ----
     def _state(self, request: "Request") -> _Req | None:
