@@ -12,25 +12,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connector.facade import XpydConnectorBase
 from connector.log import get_logger
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import SharedStorageMetadata
 from connector.shared_storage.scheduler import SharedStorageScheduler
 from connector.shared_storage.worker import SharedStorageWorker
-from connector.stats import XpydPromMetrics, XpydStats
 
 if TYPE_CHECKING:
     from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -49,13 +48,8 @@ def model_identity(cfg: SharedStorageConfig, vllm_config: "VllmConfig") -> str:
     return f"{mc.model}@{rev}" if rev else str(mc.model)
 
 
-class SharedStorageConnector(KVConnectorBase_V1):
+class SharedStorageConnector(XpydConnectorBase):
     _cache_hit_source = CacheHitSource.DISK
-
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33: sleep mode frees the caches the loader writes into; not supported yet."""
-        return False
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -111,33 +105,6 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.take_invalid_block_ids()
-
-    def get_kv_connector_stats(self) -> XpydStats | None:
-        """Worker: this step's store/load counters and the writer-queue occupancy (heartbeat
-        load), carried to the scheduler and on to vLLM's stat loggers."""
-        return self._worker.stats() if self._worker is not None else None
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XpydStats:
-        return XpydStats.from_dict(data)
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type[Any], type[Any]],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> XpydPromMetrics:
-        """The ``vllm:xpyd_kv_*`` series on vLLM's /metrics (see connector/stats.py)."""
-        return XpydPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-        if self._scheduler is not None:
-            self._scheduler.shutdown()
-
-    # ---- scheduler side ----
-    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        assert self._scheduler is not None
-        self._scheduler.bind(kv_cache_manager)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._scheduler is not None

@@ -1,0 +1,52 @@
+"""What both xPyD connectors' facades do alike: stats for vLLM's loggers, shutdown, and
+handing the KV cache manager to the scheduler half. Each subclass sets `_scheduler` and
+`_worker` (one of them per process) in its __init__."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+from connector.stats import XpydPromMetrics, XpydStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+
+class XpydConnectorBase(KVConnectorBase_V1):
+    _scheduler: Any
+    _worker: Any
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33: sleep mode frees the KV cache our engines hold views of (to serve
+        peers, to write loaded blocks into); unregister/restore are not implemented, so no."""
+        return False
+
+    def get_kv_connector_stats(self) -> XpydStats | None:
+        """Worker: this step's transfer counters and the buffer occupancy (heartbeat load),
+        carried to the scheduler and on to vLLM's stat loggers."""
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> XpydStats:
+        return XpydStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict[type[Any], type[Any]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> XpydPromMetrics:
+        """The ``vllm:xpyd_kv_*`` series on vLLM's /metrics (see connector/stats.py)."""
+        return XpydPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.bind(kv_cache_manager)
