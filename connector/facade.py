@@ -1,6 +1,6 @@
-"""What both xPyD connectors' facades do alike: stats for vLLM's loggers, shutdown, and
-handing the KV cache manager to the scheduler half. Each subclass sets `_scheduler` and
-`_worker` (one of them per process) in its __init__."""
+"""What both xPyD connectors' facades do alike: stats for vLLM's loggers, shutdown, and the
+scheduler-side calls, handed to the scheduler half unchanged. Each subclass sets `_scheduler`
+and `_worker` (one of them per process) in its __init__."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from connector.stats import XpydPromMetrics, XpydStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 
 class XpydConnectorBase(KVConnectorBase_V1):
@@ -50,3 +53,23 @@ class XpydConnectorBase(KVConnectorBase_V1):
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
         self._scheduler.bind(kv_cache_manager)
+
+    def on_new_request(self, request: "Request") -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> "KVConnectorMetadata":
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)

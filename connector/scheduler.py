@@ -40,6 +40,14 @@ _RELEASED_MEMORY = 4096
 SIBLING_GRACE_S = 1.0
 
 
+def tokens_computed_before(scheduler_output: "SchedulerOutput") -> dict[str, int]:
+    """Each scheduled request's computed tokens before this step (new and running ones)."""
+    out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    out.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return out
+
+
 @dataclass(slots=True)
 class _Outgoing:
     tid: request_id.TransferId
@@ -195,11 +203,7 @@ class P2pScheduler:
         if scheduler_output.preempted_req_ids:
             meta.preempted = self._preempt(scheduler_output.preempted_req_ids)
         if self._outgoing:
-            computed_before: dict[str, int] = {
-                r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs
-            }
-            cached = scheduler_output.scheduled_cached_reqs
-            computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
+            computed_before = tokens_computed_before(scheduler_output)
             for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
                 out = self._outgoing.get(rid)
                 if out is None or rid not in computed_before:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from connector import request_id
 from connector.log import get_logger
 from connector.registration import Registrar, heartbeat_load
+from connector.scheduler import tokens_computed_before
 from connector.shared_storage import keys as kvkeys
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec
@@ -184,9 +185,7 @@ class SharedStorageScheduler:
         return meta
 
     def _plan_stores(self, so: "SchedulerOutput", meta: SharedStorageMetadata) -> None:
-        computed_before: dict[str, int] = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed_before = tokens_computed_before(so)
         for rid, n_sched in so.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is None or rid not in computed_before:
