@@ -7,9 +7,8 @@ process it runs in; those two share nothing but ``P2pConnectorMetadata``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
@@ -24,9 +23,7 @@ from connector.scheduler import P2pScheduler
 from connector.worker import P2pWorker
 
 if TYPE_CHECKING:
-    from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -38,6 +35,7 @@ def _worker_rank() -> int:
 
 
 class P2pNcclConnector(XpydConnectorBase):
+    _metadata_type = P2pConnectorMetadata
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -51,32 +49,6 @@ class P2pNcclConnector(XpydConnectorBase):
             self._worker = P2pWorker(cfg, vllm_config, _worker_rank())
 
     # ---- worker side ----
-    def _meta(self) -> P2pConnectorMetadata:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, P2pConnectorMetadata)
-        return meta
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
-
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.start_load_kv(self._meta())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request and asynchronous (before the first forward)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
-    ) -> None:
-        return  # whole blocks are shipped once the prompt is complete (wait_for_save)
-
-    def wait_for_save(self) -> None:
-        assert self._worker is not None
-        if self.has_connector_metadata():
-            self._worker.wait_for_save(self._meta())
-
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None
         if isinstance(kv_connector_metadata, P2pConnectorMetadata):

@@ -1,18 +1,20 @@
-"""What both xPyD connectors' facades do alike: stats for vLLM's loggers, shutdown, and the
-scheduler-side calls, handed to the scheduler half unchanged. Each subclass sets `_scheduler`
-and `_worker` (one of them per process) in its __init__."""
+"""What both xPyD connectors' facades do alike: the calls vLLM makes that go unchanged to the
+worker or scheduler half, stats for vLLM's loggers, and shutdown. Each subclass sets
+`_scheduler` and `_worker` (one of them per process) in __init__, and `_metadata_type`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
 from connector.stats import XpydPromMetrics, XpydStats
 
 if TYPE_CHECKING:
+    from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -21,12 +23,40 @@ if TYPE_CHECKING:
 class XpydConnectorBase(KVConnectorBase_V1):
     _scheduler: Any
     _worker: Any
+    _metadata_type: type[KVConnectorMetadata]  # what the scheduler half sends the worker half
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         """vLLM 0.33: sleep mode frees the KV cache our engines hold views of (to serve
         peers, to write loaded blocks into); unregister/restore are not implemented, so no."""
         return False
+
+    # ---- worker side ----
+    def _meta(self) -> KVConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, self._metadata_type)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous (before the request's first forward)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return  # whole blocks are taken once per step, after the forward pass (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        if self.has_connector_metadata():
+            self._worker.wait_for_save(self._meta())
 
     def get_kv_connector_stats(self) -> XpydStats | None:
         """Worker: this step's transfer counters and the buffer occupancy (heartbeat load),
@@ -66,7 +96,7 @@ class XpydConnectorBase(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> "KVConnectorMetadata":
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 

@@ -8,9 +8,8 @@ Routes vLLM's calls to the scheduler-side or worker-side half; they share only
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -25,9 +24,7 @@ from connector.shared_storage.scheduler import SharedStorageScheduler
 from connector.shared_storage.worker import SharedStorageWorker
 
 if TYPE_CHECKING:
-    from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -45,6 +42,7 @@ def model_identity(cfg: SharedStorageConfig, vllm_config: "VllmConfig") -> str:
 
 
 class SharedStorageConnector(XpydConnectorBase):
+    _metadata_type = SharedStorageMetadata
     _cache_hit_source = CacheHitSource.DISK
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
@@ -67,32 +65,6 @@ class SharedStorageConnector(XpydConnectorBase):
             self._worker = SharedStorageWorker(cfg, vllm_config, get_world_group().rank, world, model_id)
 
     # ---- worker side ----
-    def _meta(self) -> SharedStorageMetadata:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, SharedStorageMetadata)
-        return meta
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
-
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.start_load_kv(self._meta())
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request and asynchronous (before the request's first forward)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
-    ) -> None:
-        return  # whole blocks are copied out once per step (wait_for_save)
-
-    def wait_for_save(self) -> None:
-        assert self._worker is not None
-        if self.has_connector_metadata():
-            self._worker.wait_for_save(self._meta())
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         r = self._worker.poll(finished_req_ids)
