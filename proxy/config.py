@@ -25,10 +25,13 @@ class ConfigError(ValueError):
 class ProxyConfig:
     host: str = "0.0.0.0"
     port: int = 8000
-    discovery_host: str = "0.0.0.0"
+    # Loopback by default: a reachable discovery socket lets anyone add or remove instances.
+    discovery_host: str = "127.0.0.1"
     discovery_port: int = 30001
     # Shared secret that registrations must be signed with (HMAC); None accepts unsigned.
     discovery_secret: str | None = None
+    # Binding discovery beyond loopback without a secret needs this explicit opt-in.
+    allow_unauthenticated_discovery: bool = False
     heartbeat_timeout: float = 10.0
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
@@ -41,7 +44,18 @@ class ProxyConfig:
     cache_aware_balance_rel: float = 1.5
     # Clients must send "Authorization: Bearer <api_key>" when set.
     api_key: str | None = None
+    # /metrics answers only with the API key too (/instances always needs it when set).
+    metrics_require_api_key: bool = False
+    # Instance addresses in response headers and /instances, and vLLM's internal request
+    # id (it names P's and D's KV addresses) left in responses; off: a neutral id instead.
+    expose_routing_headers: bool = False
+    # Sent as "Authorization: Bearer KEY" to instances started with their own --api-key.
+    upstream_api_key: str | None = None
+    # Pass the client's Authorization header on to the instances (off: never forwarded).
+    forward_client_auth: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # Largest non-streamed upstream answer (and /v1/models) the proxy buffers; above: 502.
+    max_response_bytes: int = 64 * 1024 * 1024
     # Per-phase deadlines, seconds.
     connect_timeout: float = 5.0
     prefill_timeout: float = 600.0
@@ -101,8 +115,24 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be > 0")
         if self.failure_cooldown < 0 or self.shutdown_grace_s < 0:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
-        if self.max_body_bytes <= 0:
-            raise ConfigError("max_body_bytes must be > 0")
+        if self.max_body_bytes <= 0 or self.max_response_bytes <= 0:
+            raise ConfigError("max_body_bytes and max_response_bytes must be > 0")
+        for name in ("api_key", "discovery_secret", "upstream_api_key"):
+            value = getattr(self, name)
+            # An empty key must not silently mean "authentication off".
+            if value is not None and not value.strip():
+                raise ConfigError(f"{name} must not be empty (leave it unset to disable it)")
+        if (
+            self.discovery_secret is None
+            and not self.allow_unauthenticated_discovery
+            and not is_loopback(self.discovery_host)
+        ):
+            raise ConfigError(
+                f"discovery binds {self.discovery_host!r} without --discovery-secret: anyone "
+                "who reaches it can add or remove instances. Set --discovery-secret (and the "
+                "same discovery_secret in each instance's kv_connector_extra_config), bind "
+                "--discovery-host 127.0.0.1, or pass --allow-unauthenticated-discovery"
+            )
         for name in ("prefill_retries", "decode_retries", "local_prefill_threshold",
                      "prefill_max_in_flight", "decode_max_in_flight", "queue_size"):
             if getattr(self, name) < 0:
@@ -143,6 +173,8 @@ HELP = MappingProxyType(
         "discovery_host": "address the ZMQ discovery ROUTER binds to",
         "discovery_port": "ZMQ discovery port instances register on",
         "discovery_secret": "shared secret; registrations without a valid HMAC are dropped",
+        "allow_unauthenticated_discovery": "allow a non-loopback --discovery-host without "
+        "--discovery-secret",
         "heartbeat_timeout": "seconds without a heartbeat before an instance is removed",
         "prefill_policy": "P selection policy",
         "decode_policy": "D selection policy",
@@ -155,7 +187,13 @@ HELP = MappingProxyType(
         "exceeds the least loaded's by more than this (requests) ...",
         "cache_aware_balance_rel": "cache_aware: ... and by more than this factor",
         "api_key": "require 'Authorization: Bearer KEY' from clients",
+        "metrics_require_api_key": "/metrics requires the API key too",
+        "expose_routing_headers": "show instance addresses (response headers, /instances) "
+        "and vLLM's internal request ids to clients",
+        "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
+        "forward_client_auth": "forward the client's Authorization header to instances",
         "max_body_bytes": "largest accepted request body (413 above)",
+        "max_response_bytes": "largest non-streamed upstream answer buffered (502 above)",
         "connect_timeout": "seconds to connect to an instance",
         "prefill_timeout": "seconds for P to answer the prefill request",
         "decode_ttfb_timeout": "seconds to D's first body byte (non-streaming: whole answer)",
@@ -184,6 +222,19 @@ HELP = MappingProxyType(
 )
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    import ipaddress
+
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -206,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = "append"
             kwargs["metavar"] = "URL[,kv=HOST:PORT]"
         kwargs["type"] = _scalar_type(f)
+        if kwargs["type"] is _parse_bool:
+            # "--flag" alone means true; "--flag false" still turns a default-on flag off.
+            kwargs.update(nargs="?", const=True, metavar="BOOL")
         kwargs["help"] = f"{HELP.get(f.name, '')} (default: {f.default})"
         parser.add_argument(_flag(f.name), **kwargs)
     return parser
@@ -257,9 +311,11 @@ def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
         return _coerce_list(f, value, source)
     kind = _scalar_type(f)
     optional = "None" in str(f.type)
-    if value is None or (isinstance(value, str) and value == "" and optional):
+    if value is None:
         if optional:
             return None
+        raise ConfigError(f"{f.name} ({source}) must not be empty")
+    if isinstance(value, str) and value == "" and kind is not str:
         raise ConfigError(f"{f.name} ({source}) must not be empty")
     try:
         if kind is _parse_bool:

@@ -95,8 +95,10 @@ def render_services(profile: str, topo: Topology) -> dict[str, Any]:
     services[proxy_name] = {
         **common,
         "entrypoint": [python, "-m", "proxy"],
+        # Discovery binds the engines' internal network (never published to the host), so
+        # the compose file opts in to unsigned registrations; set a secret for anything wider.
         "command": ["--host", "0.0.0.0", "--port", port, "--discovery-host", "0.0.0.0",
-                    "--discovery-port", disc, *proxy.args],
+                    "--discovery-port", disc, "--allow-unauthenticated-discovery", *proxy.args],
         "ports": [f"127.0.0.1:{port}:{port}"],
         "healthcheck": _health(python, port, "10s"),
         "networks": [network(profile), "edge"],

@@ -94,10 +94,36 @@ def test_yaml_must_be_mapping(tmp_path):
         load_config(["--config", str(path)], env={})
 
 
-def test_empty_env_clears_optional():
-    cfg = load_config(["--api-key", "x"], env={})
-    assert cfg.api_key == "x"
-    assert load_config([], env={"XPYD_API_KEY": ""}).api_key is None
+@pytest.mark.parametrize("name", ["api_key", "discovery_secret", "upstream_api_key"])
+def test_empty_secret_is_a_startup_error(name, tmp_path):
+    flag = "--" + name.replace("_", "-")
+    assert getattr(load_config([flag, "x"], env={}), name) == "x"
+    path = tmp_path / "c.yaml"
+    path.write_text(f'{name}: ""\n')
+    # An empty key from any source must not mean "authentication off".
+    for argv, env in (([flag, ""], {}), ([flag, "  "], {}), ([], {"XPYD_" + name.upper(): ""}),
+                      (["--config", str(path)], {})):
+        with pytest.raises(ConfigError, match="must not be empty"):
+            load_config(argv, env=env)
+
+
+def test_discovery_beyond_loopback_needs_a_secret_or_an_explicit_opt_in():
+    assert load_config([], env={}).discovery_host == "127.0.0.1"
+    for host in ("127.0.0.1", "127.0.0.11", "::1", "[::1]", "localhost"):
+        assert load_config(["--discovery-host", host], env={}).discovery_host == host
+    for host in ("0.0.0.0", "10.1.2.3", "::", "node-a"):
+        with pytest.raises(ConfigError, match="allow-unauthenticated-discovery"):
+            load_config(["--discovery-host", host], env={})
+        signed = load_config(["--discovery-host", host, "--discovery-secret", "s"], env={})
+        assert signed.discovery_secret == "s"
+        opted = load_config(["--discovery-host", host, "--allow-unauthenticated-discovery"], env={})
+        assert opted.allow_unauthenticated_discovery is True
+
+
+def test_bool_flag_alone_means_true_and_takes_a_value():
+    assert load_config(["--expose-routing-headers"], env={}).expose_routing_headers is True
+    assert load_config(["--fallback-to-decode", "false"], env={}).fallback_to_decode is False
+    assert load_config([], env={"XPYD_FORWARD_CLIENT_AUTH": "1"}).forward_client_auth is True
 
 
 def test_cli_config_error_exit_code():
