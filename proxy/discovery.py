@@ -5,21 +5,57 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from proxy.metrics import Metrics
-from proxy.protocol import ProtocolError, decode
+from proxy.protocol import (
+    DROP_REASONS,
+    MALFORMED,
+    MAX_CLOCK_SKEW_S,
+    MAX_MESSAGE_BYTES,
+    REPLAYED,
+    ProtocolError,
+    ReplayGuard,
+    decode,
+)
 from proxy.registry import Registry
 
 log = logging.getLogger("xpyd.proxy.discovery")
 
-# Registrations are a few hundred bytes; refuse anything absurd before it is buffered.
-MAX_MESSAGE_BYTES = 64 * 1024
 # At most this many "dropped" warnings per window, so a flood cannot flood the log.
 LOG_BURST = 10
 LOG_WINDOW_S = 10.0
+# The label values of xpyd_discovery_messages_total: a fixed, small set.
+RESULTS = ("accepted", "left", *DROP_REASONS)
+
+
+@dataclass(slots=True)
+class LogLimiter:
+    """Allows `burst` log lines per `window_s`; counts the rest so the next line can say
+    how many were suppressed."""
+
+    burst: int = LOG_BURST
+    window_s: float = LOG_WINDOW_S
+    _start: float = float("-inf")
+    _count: int = 0
+    suppressed: int = 0
+
+    def allow(self, now: float) -> bool:
+        if now - self._start >= self.window_s:
+            self._start = now
+            self._count = 0
+        self._count += 1
+        if self._count <= self.burst:
+            return True
+        self.suppressed += 1
+        return False
+
+    def take_suppressed(self) -> int:
+        n, self.suppressed = self.suppressed, 0
+        return n
 
 
 class Discovery:
@@ -40,18 +76,16 @@ class Discovery:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
-        self._log_window_start = 0.0
-        self._log_count = 0
-        self._counters = {
-            r: metrics.discovery.labels(r)
-            for r in ("accepted", "left", "malformed", "unauthorized")
-        }
+        self._log_limit = LogLimiter()
+        self.replay_guard = ReplayGuard(window_s=MAX_CLOCK_SKEW_S)
+        self._counters = {r: metrics.discovery.labels(r) for r in RESULTS}
 
     async def start(self) -> None:
         # A context of our own (not Context.instance()): several proxies may share a process.
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Oversized messages never reach us: ZMQ drops the sending peer's connection.
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         host = "*" if self.host in ("0.0.0.0", "") else self.host
         if self.requested_port == 0:
@@ -68,6 +102,11 @@ class Discovery:
         log.info(
             "discovery listening address=tcp://%s:%s signed=%s", host, self.port, bool(self.secret)
         )
+
+    @property
+    def alive(self) -> bool:
+        """Both background tasks (receive, expiry sweep) are running."""
+        return bool(self._tasks) and not any(t.done() for t in self._tasks)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -94,33 +133,36 @@ class Discovery:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # never let one bad receive stop discovery
-                self._drop("malformed", f"receive failed: {type(e).__name__}: {e}")
+                self._drop(MALFORMED, f"receive failed: {type(e).__name__}: {e}")
                 await asyncio.sleep(0.01)
                 continue
             try:
                 self.handle_frames(frames)
             except Exception as e:  # defensive: a bug here must not kill the loop either
-                log.exception("discovery handler failed: %s", e)
+                if self._log_limit.allow(time.monotonic()):
+                    log.exception("discovery handler failed: %s", e)
 
     def handle_frames(self, frames: list[bytes]) -> None:
         # ROUTER prepends the sender identity. DEALER senders send [payload]; REQ senders add an
         # empty delimiter frame. The payload is the last frame either way.
         if len(frames) < 2:
-            self._drop("malformed", f"expected identity and payload, got {len(frames)} frame(s)")
+            self._drop(MALFORMED, f"expected identity and payload, got {len(frames)} frame(s)")
             return
         self.handle_message(frames[-1])
 
-    def handle_message(self, payload: bytes) -> None:
+    def handle_message(self, payload: bytes, now: float | None = None) -> None:
+        now = time.time() if now is None else now
         try:
-            reg = decode(payload)
+            reg = decode(payload, secret=self.secret, now=now)
         except ProtocolError as e:
-            self._drop("malformed", str(e))
+            self._drop(e.reason, str(e))
             return
         if self.secret is not None:
-            try:
-                reg = decode(payload, secret=self.secret)
-            except ProtocolError as e:
-                self._drop("unauthorized", f"{e} (http={reg.http_address})")
+            # decode() guarantees a signed message has a nonce and a ts in the window.
+            assert reg.nonce is not None and reg.ts is not None
+            why = self.replay_guard.check(reg.nonce, reg.ts, now)
+            if why is not None:
+                self._drop(REPLAYED, f"{why} (http_address={reg.http_address})")
                 return
         if reg.leave:
             self.registry.remove(reg.role, reg.http_address, "leave")
@@ -131,13 +173,12 @@ class Discovery:
 
     def _drop(self, result: str, reason: str) -> None:
         self._counters[result].inc()
-        now = time.monotonic()
-        if now - self._log_window_start > LOG_WINDOW_S:
-            self._log_window_start = now
-            self._log_count = 0
-        self._log_count += 1
-        if self._log_count <= LOG_BURST:
-            log.warning("discovery message dropped result=%s reason=%s", result, reason)
+        if self._log_limit.allow(time.monotonic()):
+            suppressed = self._log_limit.take_suppressed()
+            log.warning(
+                "discovery message dropped result=%s reason=%s suppressed_since_last=%d",
+                result, reason, suppressed,
+            )  # fmt: skip
 
     async def _sweep_loop(self) -> None:
         # Sweep often enough that expiry lands within ~1/5 of the timeout of being due.

@@ -4,11 +4,19 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
 "zmq_address": "host:port"})``. Optional xPyD fields:
 
 - ``load``: ``{"running": int, "waiting": int, "kv_usage": float, "kv_buffer_usage": float}``
-  (usages 0..1; ``kv_buffer_usage``: the KV connector's receive buffer)
+  (counts 0..MAX_LOAD_COUNT, usages 0..1; ``kv_buffer_usage``: the KV connector's receive buffer)
 - ``leave``: ``True`` to deregister gracefully
 - ``ts``: sender's wall-clock time (float seconds); required when signed
+- ``nonce``: random hex (16 bytes from the sender), required when signed: the proxy
+  remembers nonces for the clock-skew window, so a captured message cannot be replayed
 - ``hmac``: hex HMAC-SHA256 over the canonical encoding of every other field,
   keyed by the shared discovery secret
+
+Every field is validated: a host is a DNS name (RFC 1123 labels), an IPv4 literal or a
+bracketed IPv6 literal, a port is 1..65535 in ASCII digits, and nothing else gets through
+(no whitespace, control characters, slashes, userinfo, percent signs): the addresses end up
+in URLs and in the request ids the proxy sends upstream as a header. Every failure is a
+ProtocolError whose ``reason`` is one of DROP_REASONS, never another exception.
 
 This module imports nothing heavy so that vLLM's processes can use it too.
 """
@@ -16,8 +24,12 @@ This module imports nothing heavy so that vLLM's processes can use it too.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac as _hmac
+import ipaddress
 import math
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +37,43 @@ from typing import Any
 import msgpack
 
 ROLES = ("P", "D")
-# Signed messages older or newer than this are rejected (replay protection).
+# Signed messages older or newer than this are rejected; within it, nonces catch replays.
 MAX_CLOCK_SKEW_S = 30.0
+# Registrations are a few hundred bytes; refuse anything absurd before it is parsed.
+MAX_MESSAGE_BYTES = 64 * 1024
+# Known fields are 8; a few unknown ones are tolerated (and ignored) for compatibility.
+MAX_FIELDS = 24
+MAX_KEY_LEN = 64
+MAX_HOST_LEN = 253  # RFC 1035 limit on a DNS name's text form
+MAX_ADDRESS_LEN = MAX_HOST_LEN + 6  # ":65535"
+# Requests running or waiting on one instance; far above any real engine, far below overflow.
+MAX_LOAD_COUNT = 10_000_000
+NONCE_BYTES = 16
+
+# Why a message was dropped: the label values of xpyd_discovery_messages_total (fixed set).
+MALFORMED = "malformed"  # not a msgpack map of string keys within the size limits
+INVALID_FIELD = "invalid_field"  # a field missing or outside its rules
+UNAUTHORIZED = "unauthorized"  # unsigned, wrong signature, stale or future ts
+REPLAYED = "replayed"  # a signed message whose nonce was already seen
+DROP_REASONS = (MALFORMED, INVALID_FIELD, UNAUTHORIZED, REPLAYED)
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*", re.ASCII)
+_IPV6_CHARS = re.compile(r"[0-9A-Fa-f:.]{2,45}", re.ASCII)
+_PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
+_HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
+_HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
+_KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac"})
+_LOAD_COUNTS = ("running", "waiting")
+_LOAD_USAGES = ("kv_usage", "kv_buffer_usage")
 
 
 class ProtocolError(ValueError):
     """A discovery message that is not well formed, or not signed correctly."""
+
+    def __init__(self, message: str, reason: str = INVALID_FIELD) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +93,13 @@ class Registration:
     leave: bool = False
     ts: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    nonce: str | None = None
+
+
+def _show(value: Any, limit: int = 80) -> str:
+    """A value for an error message: repr (so CR/LF are escaped), bounded."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _canonical(fields: dict[str, Any]) -> bytes:
@@ -82,73 +132,191 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
         ts = time.time()
     if ts is not None:
         fields["ts"] = ts
+    nonce = reg.nonce
+    if secret is not None and nonce is None:
+        nonce = secrets.token_hex(NONCE_BYTES)
+    if nonce is not None:
+        fields["nonce"] = nonce
     if secret is not None:
         fields["hmac"] = sign(fields, secret)
     return msgpack.packb(fields, use_bin_type=True)
 
 
+def _check_host(host: str) -> bool:
+    if host.startswith("["):
+        inner = host[1:-1]
+        if not host.endswith("]") or not _IPV6_CHARS.fullmatch(inner):
+            return False
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            return False
+        return True
+    if len(host) > MAX_HOST_LEN or not _DNS_NAME.fullmatch(host):
+        return False
+    if host.rsplit(".", 1)[-1].isdigit():  # numeric last label: must be a real IPv4 literal
+        try:
+            ipaddress.IPv4Address(host)  # strict: no leading zeros, no short forms
+        except ValueError:
+            return False
+    return True
+
+
 def _check_address(value: Any, name: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ProtocolError(f"{name} must be a non-empty 'host:port' string")
+    if not isinstance(value, str):
+        raise ProtocolError(f"{name} must be a 'host:port' string, got {type(value).__name__}")
+    if not value or len(value) > MAX_ADDRESS_LEN:
+        raise ProtocolError(f"{name} must be 1..{MAX_ADDRESS_LEN} characters")
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ProtocolError(f"{name} {value!r} is not 'host:port'")
+    if not sep or not _PORT.fullmatch(port) or int(port) > 65535:
+        raise ProtocolError(f"{name} {_show(value)}: port must be 1..65535")
+    if not _check_host(host):
+        raise ProtocolError(
+            f"{name} {_show(value)}: host must be a DNS name, an IPv4 or a [IPv6] literal"
+        )
     return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_load(value: Any) -> Load:
     if not isinstance(value, dict):
         raise ProtocolError("load must be a map")
+    if len(value) > MAX_FIELDS:
+        raise ProtocolError("load has too many fields")
+    counts: list[int] = []
+    for key in _LOAD_COUNTS:
+        n = value.get(key, 0)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOAD_COUNT:
+            raise ProtocolError(f"load.{key} must be an integer 0..{MAX_LOAD_COUNT}, got {_show(n)}")
+        counts.append(n)
+    usages: list[float] = []
+    for key in _LOAD_USAGES:
+        u = value.get(key, 0.0)
+        # NaN fails the range check too (every comparison with NaN is false).
+        if not _is_number(u) or not 0.0 <= u <= 1.0:
+            raise ProtocolError(f"load.{key} must be a number 0..1, got {_show(u)}")
+        usages.append(float(u))
+    return Load(counts[0], counts[1], usages[0], usages[1])
+
+
+def _check_ts(ts: Any) -> float | None:
+    # NaN must be refused: it would pass the clock-skew comparison.
+    if ts is not None and (not _is_number(ts) or not math.isfinite(ts)):
+        raise ProtocolError("ts must be a finite number")
+    return None if ts is None else float(ts)
+
+
+def _verify(fields: dict[str, Any], secret: str, now: float | None) -> None:
+    """Raise unless the message carries a valid signature, a fresh ts and a nonce."""
+    sender = _show(fields.get("http_address"), 60)
+    given = fields.get("hmac")
+    if given is None:
+        raise ProtocolError(f"unsigned message (http_address={sender})", UNAUTHORIZED)
+    # Checked before compare_digest, which raises TypeError on a non-ASCII str.
+    if not isinstance(given, str) or not _HEX_HMAC.fullmatch(given):
+        raise ProtocolError(f"malformed hmac (http_address={sender})", UNAUTHORIZED)
     try:
-        running = int(value.get("running", 0))
-        waiting = int(value.get("waiting", 0))
-        kv_usage = float(value.get("kv_usage", 0.0))
-        kv_buffer_usage = float(value.get("kv_buffer_usage", 0.0))
-    except (TypeError, ValueError) as e:
-        raise ProtocolError(f"bad load field: {e}") from None
-    if running < 0 or waiting < 0 or not 0.0 <= kv_usage <= 1.0 or not 0.0 <= kv_buffer_usage <= 1.0:
-        raise ProtocolError("load values out of range")
-    return Load(running, waiting, kv_usage, kv_buffer_usage)
+        expected = sign(fields, secret)
+    except Exception as e:  # a value msgpack can read but not write back (e.g. too deep)
+        raise ProtocolError(f"cannot canonicalize: {type(e).__name__}", MALFORMED) from None
+    if not _hmac.compare_digest(given, expected):
+        raise ProtocolError(f"bad signature (http_address={sender})", UNAUTHORIZED)
+    ts = _check_ts(fields.get("ts"))
+    if ts is None:
+        raise ProtocolError(f"signed message without ts (http_address={sender})", UNAUTHORIZED)
+    now = time.time() if now is None else now
+    if abs(now - ts) > MAX_CLOCK_SKEW_S:
+        raise ProtocolError(
+            f"stale or future ts ({now - ts:+.1f}s, http_address={sender})", UNAUTHORIZED
+        )
+    if fields.get("nonce") is None:
+        raise ProtocolError(f"signed message without nonce (http_address={sender})", UNAUTHORIZED)
 
 
 def decode(
     data: bytes, secret: str | None = None, now: float | None = None
 ) -> Registration:
-    """Parse and validate one discovery message; raise ProtocolError if bad."""
+    """Parse and validate one discovery message; raise ProtocolError if bad.
+
+    With a secret, the signature, ts and nonce's presence are checked here; whether the
+    nonce was seen before is the receiver's business (ReplayGuard).
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"payload must be bytes, got {type(data).__name__}", MALFORMED)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes > {MAX_MESSAGE_BYTES}", MALFORMED)
     try:
         fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"not msgpack: {type(e).__name__}") from None
+        raise ProtocolError(f"not msgpack: {type(e).__name__}", MALFORMED) from None
     if not isinstance(fields, dict):
-        raise ProtocolError("message is not a map")
+        raise ProtocolError(f"message is a {type(fields).__name__}, not a map", MALFORMED)
+    if len(fields) > MAX_FIELDS:
+        raise ProtocolError(f"message has {len(fields)} fields > {MAX_FIELDS}", MALFORMED)
+    for key in fields:
+        if not isinstance(key, str) or len(key) > MAX_KEY_LEN:
+            raise ProtocolError(f"field name {_show(key, 40)} is not a short string", MALFORMED)
+    if secret is not None:
+        _verify(fields, secret, now)
     role = fields.get("type")
-    if role not in ROLES:
-        raise ProtocolError(f"unknown type {role!r}")
+    if not isinstance(role, str) or role not in ROLES:
+        raise ProtocolError(f"unknown type {_show(role)}")
     http_address = _check_address(fields.get("http_address"), "http_address")
     zmq_address = _check_address(fields.get("zmq_address"), "zmq_address")
-    ts = fields.get("ts")
-    # NaN must be refused here: it would pass the clock-skew comparison below.
-    if ts is not None and (not isinstance(ts, (int, float)) or not math.isfinite(ts)):
-        raise ProtocolError("ts must be a finite number")
-    if secret is not None:
-        given = fields.get("hmac")
-        if not isinstance(given, str):
-            raise ProtocolError("unsigned message")
-        if not _hmac.compare_digest(given, sign(fields, secret)):
-            raise ProtocolError("bad signature")
-        if ts is None:
-            raise ProtocolError("signed message without ts")
-        now = time.time() if now is None else now
-        if abs(now - float(ts)) > MAX_CLOCK_SKEW_S:
-            raise ProtocolError("stale or future ts")
+    ts = _check_ts(fields.get("ts"))
+    nonce = fields.get("nonce")
+    if nonce is not None and (not isinstance(nonce, str) or not _HEX_NONCE.fullmatch(nonce)):
+        raise ProtocolError("nonce must be 16..64 lowercase hex digits")
+    leave = fields.get("leave", False)
+    if not isinstance(leave, bool):
+        raise ProtocolError(f"leave must be a boolean, got {_show(leave)}")
     load = _check_load(fields["load"]) if "load" in fields else None
-    known = {"type", "http_address", "zmq_address", "load", "leave", "ts", "hmac"}
     return Registration(
         role=role,
         http_address=http_address,
         zmq_address=zmq_address,
         load=load,
-        leave=bool(fields.get("leave", False)),
-        ts=float(ts) if ts is not None else None,
-        extra={k: v for k, v in fields.items() if k not in known},
+        leave=leave,
+        ts=ts,
+        extra={k: v for k, v in fields.items() if k not in _KNOWN},
+        nonce=nonce,
     )
+
+
+@dataclass(slots=True)
+class ReplayGuard:
+    """The nonces of signed messages accepted within the clock-skew window.
+
+    A nonce is remembered until its message's ts leaves the window (after that the ts check
+    refuses the message anyway), so memory is bounded by the message rate times the window,
+    and by max_entries: when full, new messages are refused rather than old nonces forgotten
+    (forgetting one would let its message be replayed)."""
+
+    window_s: float = MAX_CLOCK_SKEW_S
+    max_entries: int = 100_000
+    _expiry: dict[str, float] = field(default_factory=dict)
+    _heap: list[tuple[float, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def _evict(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] < now:
+            _, nonce = heapq.heappop(heap)
+            self._expiry.pop(nonce, None)
+
+    def check(self, nonce: str, ts: float, now: float) -> str | None:
+        """Remember a nonce; None if fresh, else why the message must be dropped."""
+        self._evict(now)
+        if nonce in self._expiry:
+            return "nonce seen before"
+        if len(self._expiry) >= self.max_entries:
+            return f"replay cache full ({self.max_entries} nonces in the window)"
+        expiry = ts + self.window_s
+        self._expiry[nonce] = expiry
+        heapq.heappush(self._heap, (expiry, nonce))
+        return None

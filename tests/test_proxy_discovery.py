@@ -3,6 +3,9 @@ messages, signed registrations."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import msgpack
 import pytest
 from proxy_helpers import running_proxy, wait_until
@@ -75,32 +78,112 @@ async def test_leave_removes_instance():
 
 
 @pytest.mark.parametrize(
-    "payload",
+    "payload,result",
     [
-        b"\xc1 definitely not msgpack",
-        msgpack.packb([1, 2, 3]),
-        msgpack.packb({"type": "X", "http_address": "h:1", "zmq_address": "h:2"}),
-        msgpack.packb({"type": "P", "http_address": "nohost", "zmq_address": "h:2"}),
-        msgpack.packb({"type": "P", "zmq_address": "h:2"}),
-        msgpack.packb(
-            {"type": "P", "http_address": "h:1", "zmq_address": "h:2", "load": {"running": -1}}
+        (b"\xc1 definitely not msgpack", "malformed"),
+        (msgpack.packb([1, 2, 3]), "malformed"),
+        (msgpack.packb({1: "P", "http_address": "h:1", "zmq_address": "h:2"}), "malformed"),
+        (msgpack.packb({"type": "X", "http_address": "h:1", "zmq_address": "h:2"}), "invalid_field"),
+        (msgpack.packb({"type": "P", "http_address": "nohost", "zmq_address": "h:2"}), "invalid_field"),
+        (msgpack.packb({"type": "P", "zmq_address": "h:2"}), "invalid_field"),
+        (
+            msgpack.packb(
+                {"type": "P", "http_address": "h:1", "zmq_address": "h:2", "load": {"running": -1}}
+            ),
+            "invalid_field",
         ),
-        [b"", b"", b"too", b"many", b"frames ending in garbage"],
+        ([b"", b"", b"too", b"many", b"frames ending in garbage"], "malformed"),
     ],
-    ids=["garbage", "list", "unknown-type", "bad-address", "missing-field", "bad-load", "frames"],
+    ids=["garbage", "list", "int-key", "unknown-type", "bad-address", "missing-field", "bad-load",
+         "frames"],
 )
-async def test_malformed_message_dropped_then_good_registration(payload):
+async def test_bad_message_dropped_by_reason_then_good_registration(payload, result):
     async with running_proxy() as px:
         p = await px.fake("P", register=False)
         await p.send_raw(payload)
         await wait_until(
-            lambda: px.state.metrics.discovery.labels("malformed")._value.get() == 1,
-            what="malformed counted",
+            lambda: px.state.metrics.discovery.labels(result)._value.get() == 1,
+            what=f"{result} counted",
         )
         assert px.registry.count("P") == 0
         await p.send_registration()  # discovery is still alive and accepts the next one
         await wait_until(lambda: px.registry.count("P") == 1, what="good registration")
-        assert await px.metric("xpyd_discovery_messages_total", result="malformed") == 1
+        assert await px.metric("xpyd_discovery_messages_total", result=result) == 1
+        others = {"malformed", "invalid_field", "unauthorized", "replayed"} - {result}
+        for other in others:
+            assert await px.metric("xpyd_discovery_messages_total", result=other) == 0
+
+
+async def test_upstream_unsigned_format_registers_without_a_secret():
+    """vLLM's own example sends exactly these three fields, unsigned: still accepted."""
+    async with running_proxy() as px:
+        p = await px.fake("P", register=False)
+        await p.send_raw(msgpack.packb(
+            {"type": "P", "http_address": p.http_address, "zmq_address": "127.0.0.1:21001"}
+        ))  # fmt: skip
+        await wait_until(lambda: px.registry.count("P") == 1, what="upstream registration")
+        assert px.registry.live("P")[0].zmq_address == "127.0.0.1:21001"
+
+
+async def test_crlf_registration_is_dropped_and_requests_still_answered():
+    """The registration from issue 10: a zmq_address with CR/LF and a header in it. Dropped and
+    counted; the instance it names never gets traffic; the header reaches no upstream; every
+    client request is answered 200 by the good instances."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        victim = await px.fake("P", register=False)  # a real server the registration names
+        crlf = {"type": "P", "http_address": victim.http_address,
+                "zmq_address": "127.0.0.1:1\r\nX-Injected: yes\r\nA:1"}  # fmt: skip
+        await victim.send_raw(msgpack.packb(crlf))
+        await wait_until(
+            lambda: px.state.metrics.discovery.labels("invalid_field")._value.get() == 1,
+            what="CRLF registration counted",
+        )
+        assert [i.http_address for i in px.registry.every()] == [p.http_address, d.http_address]
+        body = {"model": "fake-model", "prompt": "Hello", "max_tokens": 3}
+        for _ in range(4):  # round robin would have picked the victim at least once
+            resp = await px.client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"]
+        assert len(p.completions()) == 4 and len(d.completions()) == 4
+        assert not victim.requests
+        for fake in (p, d, victim):
+            for rec in fake.requests:
+                for name, value in rec.headers.items():
+                    assert "injected" not in name.lower() and "injected" not in value.lower()
+                    assert "\r" not in value and "\n" not in value
+        data = (await px.client.get("/instances")).json()
+        assert all("\r" not in i["zmq_address"] for i in data)
+
+
+async def test_flood_of_bad_messages_is_counted_but_logged_a_bounded_number_of_times(caplog):
+    from proxy.discovery import LOG_BURST
+
+    n = 300
+    async with running_proxy() as px:
+        p = await px.fake("P", register=False)
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.discovery"):
+            for i in range(n):
+                await p.send_raw(msgpack.packb({"type": "P", "http_address": f"bad host:{i}"}))
+            await wait_until(
+                lambda: px.state.metrics.discovery.labels("invalid_field")._value.get() == n,
+                what="every bad message counted",
+            )
+        dropped = [r for r in caplog.records if "discovery message dropped" in r.getMessage()]
+        assert 1 <= len(dropped) <= LOG_BURST
+        await p.send_registration()
+        await wait_until(lambda: px.registry.count("P") == 1, what="registration after flood")
+
+
+def test_log_limiter_bounds_each_window_and_reports_what_it_suppressed():
+    from proxy.discovery import LogLimiter
+
+    lim = LogLimiter(burst=3, window_s=10.0)
+    assert [lim.allow(100.0 + i * 0.01) for i in range(1000)].count(True) == 3
+    assert lim.take_suppressed() == 997 and lim.take_suppressed() == 0
+    assert not lim.allow(109.0)  # same window
+    assert lim.allow(110.5)  # a new window: allowed again, and says how many it dropped
+    assert lim.take_suppressed() == 1
 
 
 async def test_many_bad_messages_never_stop_discovery():
@@ -143,3 +226,242 @@ async def test_rejects_stale_signed_message():
             lambda: px.state.metrics.discovery.labels("unauthorized")._value.get() == 1
         )
         assert px.registry.count("P") == 0
+
+
+def _count(px, result: str) -> float:
+    return px.state.metrics.discovery.labels(result)._value.get()
+
+
+async def test_replayed_signed_leave_does_not_remove_the_instance():
+    async with running_proxy(discovery_secret="k") as px:
+        p = await px.fake("P", secret="k", heartbeat_interval=0.1)
+        wire = await px.fake("P", register=False)  # an attacker who captured the leave
+        leave = encode(p.registration(leave=True), "k")
+        p.stop_heartbeats()
+        await wire.send_raw(leave)  # the genuine leave
+        await wait_until(lambda: px.registry.count("P") == 0, what="leave")
+        p.start_heartbeats()  # the instance comes back
+        await wait_until(lambda: px.registry.count("P") == 1, what="back")
+        p.stop_heartbeats()  # so nothing but the replay could change the table now
+        await wire.send_raw(leave)
+        await wait_until(lambda: _count(px, "replayed") == 1, what="replay counted")
+        assert _addresses(px.registry, "P") == [p.http_address]
+        assert _count(px, "left") == 1
+
+
+async def test_replayed_signed_heartbeat_is_dropped():
+    async with running_proxy(discovery_secret="k") as px:
+        p = await px.fake("P", register=False, secret="k")
+        heartbeat = encode(p.registration(), "k")
+        await p.send_raw(heartbeat)
+        await wait_until(lambda: px.registry.count("P") == 1, what="registered")
+        await p.send_registration(leave=True)  # a fresh leave: gone
+        await wait_until(lambda: px.registry.count("P") == 0, what="left")
+        await p.send_raw(heartbeat)  # the captured heartbeat would bring it back
+        await wait_until(lambda: _count(px, "replayed") == 1, what="replay counted")
+        assert px.registry.count("P") == 0 and _count(px, "accepted") == 1
+        await p.send_registration()  # a fresh heartbeat (new nonce) still registers
+        await wait_until(lambda: px.registry.count("P") == 1, what="fresh heartbeat")
+
+
+# ---------------------------------------------------------------- the protocol's rules (unit)
+
+
+_ABSENT = object()
+
+
+def _msg(**fields):
+    base = {"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:21001"}
+    base.update(fields)
+    return msgpack.packb({k: v for k, v in base.items() if v is not _ABSENT}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("address", [
+    "127.0.0.1:8000", "localhost:1", "h:65535", "[::1]:8000", "[::ffff:1.2.3.4]:9",
+    "[2001:db8::7]:21001", "a-b.example.com:80", "node07.cluster.local:8100", "0x7f.example:1",
+    "x" * 63 + ".com:1", ".".join(["a" * 63] * 3) + "." + "b" * 61 + ":65535",  # 253 chars
+])  # fmt: skip
+def test_valid_addresses(address):
+    from proxy.protocol import decode
+
+    assert decode(_msg(http_address=address, zmq_address=address)).zmq_address == address
+
+
+@pytest.mark.parametrize("address", [
+    "127.0.0.1:1\r\nX-Injected: yes\r\nA:1", "127.0.0.1:1\n", "127.0.0.1:1\x00", "h\t:1",
+    " 127.0.0.1:80", "127.0.0.1: 80", "127.0.0.1:80 ", "user@host:80", "u:p@host:80",
+    "host/path:80", "http://h:80", "host%2f:80", "[fe80::1%eth0]:80", "::1:80", "[::1]80",
+    "[::1:80", "[]:80", "[zz::1]:80", "[::1.2.3.4.5]:80", "127.0.0.1:0", "127.0.0.1:65536",
+    "127.0.0.1:99999999", "127.0.0.1:080", "127.0.0.1:+80", "127.0.0.1:-1", "127.0.0.1:８０",
+    "127.0.0.1:٨٠", "127.0.0.1:", ":80", "h", "", "999.1.1.1:80", "1.2.3:80", "01.2.3.4:80",
+    "1.2.3.4.5:80", "-a.com:80", "a-.com:80", "a..b:80", "a.:80", ".a:80", "a_b:80", "ä.com:80",
+    "é:80", "a" * 64 + ".com:80", ".".join(["a" * 63] * 4) + ":80", "h:1:2", "h;x:1", "h,x:1",
+])  # fmt: skip
+def test_invalid_addresses_are_protocol_errors(address):
+    from proxy.protocol import INVALID_FIELD, ProtocolError, decode
+
+    for name in ("http_address", "zmq_address"):
+        with pytest.raises(ProtocolError) as e:
+            decode(_msg(**{name: address}))
+        assert e.value.reason == INVALID_FIELD
+
+
+@pytest.mark.parametrize("fields", [
+    {"type": "p"}, {"type": b"P"}, {"type": ["P"]}, {"type": None}, {"http_address": b"h:1"},
+    {"zmq_address": 80}, {"zmq_address": _ABSENT}, {"leave": 1}, {"leave": "true"},
+    {"ts": "now"}, {"ts": True}, {"ts": float("nan")}, {"ts": float("inf")},
+    {"ts": msgpack.Timestamp(1)}, {"nonce": "XYZ"}, {"nonce": 5}, {"nonce": "ab"},
+    {"load": [1]}, {"load": {"running": True}}, {"load": {"running": -1}},
+    {"load": {"running": 10**8}}, {"load": {"running": 2**64 - 1}}, {"load": {"waiting": 1.5}},
+    {"load": {"waiting": "3"}}, {"load": {"kv_usage": float("nan")}},
+    {"load": {"kv_usage": float("inf")}}, {"load": {"kv_usage": 1.01}},
+    {"load": {"kv_buffer_usage": -0.1}}, {"load": {"kv_usage": False}},
+    {"load": {"kv_usage": "0.5"}}, {"load": {f"k{i}": 0 for i in range(100)}},
+    {"type": msgpack.ExtType(1, b"P")},
+])  # fmt: skip
+def test_invalid_fields_are_protocol_errors(fields):
+    from proxy.protocol import INVALID_FIELD, ProtocolError, decode
+
+    with pytest.raises(ProtocolError) as e:
+        decode(_msg(**fields))
+    assert e.value.reason == INVALID_FIELD
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\xc1", b"\x81", b"\xa2\xff\xfe", msgpack.packb("P"), msgpack.packb(None),
+    msgpack.packb({1: 2}), msgpack.packb({b"type": "P"}), msgpack.packb({"x" * 65: 1}),
+    msgpack.packb({f"f{i}": i for i in range(100)}),
+    b"\x91" * 5000 + b"\xc0", msgpack.packb({"type": "P", "pad": "x" * 70_000}),
+    msgpack.packb(msgpack.ExtType(3, b"xx")), _msg() + b"\xc0",
+])  # fmt: skip
+def test_malformed_messages_are_protocol_errors(payload):
+    from proxy.protocol import MALFORMED, ProtocolError, decode
+
+    with pytest.raises(ProtocolError) as e:
+        decode(payload)
+    assert e.value.reason == MALFORMED
+
+
+def test_unknown_fields_are_tolerated_within_bounds():
+    from proxy.protocol import decode
+
+    reg = decode(_msg(version=2, note="x"))
+    assert reg.extra == {"version": 2, "note": "x"} and reg.role == "P"
+
+
+def test_load_accepts_its_full_range():
+    from proxy.protocol import MAX_LOAD_COUNT, decode
+
+    load = {"running": MAX_LOAD_COUNT, "waiting": 0, "kv_usage": 1, "kv_buffer_usage": 0.0}
+    assert decode(_msg(load=load)).load == Load(MAX_LOAD_COUNT, 0, 1.0, 0.0)
+
+
+def _signed(secret="k", **fields):
+    from proxy.protocol import sign
+
+    body = {"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:21001",
+            "ts": time.time(), "nonce": "0" * 32}  # fmt: skip
+    body.update(fields)
+    body = {k: v for k, v in body.items() if v is not _ABSENT}
+    if "hmac" not in body:
+        body["hmac"] = sign(body, secret)
+    return body
+
+
+@pytest.mark.parametrize("hmac", [
+    "é" * 64, "\u0660" * 64, "0" * 63, "0" * 65, "G" * 64, b"0" * 64, 5, None, [], {"a": 1},
+    "A" * 64,
+])  # fmt: skip
+def test_malformed_or_non_ascii_hmac_is_unauthorized_never_an_exception(hmac):
+    from proxy.protocol import UNAUTHORIZED, ProtocolError, decode
+
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb(_signed(hmac=hmac)), secret="k")
+    assert e.value.reason == UNAUTHORIZED
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({}, None),
+    ({"nonce": _ABSENT}, "unauthorized"),  # an old sender's signed message: no replay protection
+    ({"ts": _ABSENT}, "unauthorized"),
+    ({"ts": 1.0}, "unauthorized"),
+    ({"ts": time.time() + 3600}, "unauthorized"),
+    ({"ts": float("nan")}, "invalid_field"),
+    ({"nonce": "xyz"}, "invalid_field"),  # signed with a bad nonce: still refused
+    ({"zmq_address": "127.0.0.1:1\r\nX: y"}, "invalid_field"),  # signed is not trusted blindly
+])
+def test_signed_message_rules(change, reason):
+    from proxy.protocol import ProtocolError, decode
+
+    data = msgpack.packb(_signed(**change))
+    if reason is None:
+        assert decode(data, secret="k").nonce == "0" * 32
+        return
+    with pytest.raises(ProtocolError) as e:
+        decode(data, secret="k")
+    assert e.value.reason == reason
+
+
+def test_tampered_signed_message_is_unauthorized():
+    from proxy.protocol import ProtocolError, decode
+
+    body = _signed()
+    body["zmq_address"] = "127.0.0.1:21002"  # after signing
+    with pytest.raises(ProtocolError) as e:
+        decode(msgpack.packb(body), secret="k")
+    assert e.value.reason == "unauthorized"
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(_signed()), secret="other")
+
+
+def test_encode_signs_with_a_fresh_nonce_and_stays_upstream_plain_without_a_secret():
+    from proxy.protocol import decode
+
+    reg = Registration("D", "127.0.0.1:8200", "127.0.0.1:22001", load=Load(1, 2, 0.5, 0.25))
+    a, b = decode(encode(reg, "k"), secret="k"), decode(encode(reg, "k"), secret="k")
+    assert a.nonce and b.nonce and a.nonce != b.nonce and len(a.nonce) == 32
+    assert a.load == reg.load
+    plain = msgpack.unpackb(encode(Registration("P", "h:1", "h:2")))
+    assert plain == {"type": "P", "http_address": "h:1", "zmq_address": "h:2"}
+
+
+def test_replay_guard_remembers_within_the_window_and_forgets_after():
+    from proxy.protocol import ReplayGuard
+
+    guard = ReplayGuard(window_s=30.0, max_entries=1000)
+    assert guard.check("a" * 32, ts=100.0, now=100.0) is None
+    assert guard.check("a" * 32, ts=100.0, now=129.0) == "nonce seen before"
+    assert guard.check("b" * 32, ts=125.0, now=129.0) is None
+    assert len(guard) == 2
+    guard.check("c" * 32, ts=131.0, now=131.0)  # a's ts left the window: forgotten
+    assert len(guard) == 2 and guard.check("b" * 32, ts=125.0, now=154.0) == "nonce seen before"
+    for i in range(500):  # memory follows the message rate, not the history
+        guard.check(f"{i:032x}", ts=1000.0 + i * 0.1, now=1000.0 + i * 0.1)
+    assert len(guard) <= 301
+
+
+def test_replay_guard_refuses_new_nonces_when_full():
+    from proxy.protocol import ReplayGuard
+
+    guard = ReplayGuard(window_s=30.0, max_entries=3)
+    assert [guard.check(n * 32, ts=0.0, now=0.0) for n in "abc"] == [None] * 3
+    assert "full" in guard.check("d" * 32, ts=0.0, now=1.0)
+    assert guard.check("a" * 32, ts=0.0, now=1.0) == "nonce seen before"  # not forgotten
+    assert guard.check("d" * 32, ts=40.0, now=40.0) is None  # the window moved on
+
+
+def test_handle_message_counts_each_drop_reason_once():
+    from proxy.discovery import RESULTS, Discovery
+    from proxy.metrics import Metrics
+    from proxy.registry import Registry
+
+    registry = Registry(heartbeat_timeout=10)
+    disc = Discovery(registry, Metrics(registry), "127.0.0.1", 0, secret="k")
+    now = time.time()
+    good = encode(Registration("P", "127.0.0.1:8100", "127.0.0.1:21001", ts=now), "k")
+    for payload in [b"\xc1", _msg(type="X"), _msg(), good, good]:
+        disc.handle_message(payload, now=now)
+    counts = {r: disc._counters[r]._value.get() for r in RESULTS}
+    assert counts == {"accepted": 1, "left": 0, "malformed": 1, "invalid_field": 0,
+                      "unauthorized": 2, "replayed": 1}  # fmt: skip
+    assert registry.count("P") == 1
