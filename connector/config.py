@@ -28,6 +28,20 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+def _secret(extra: dict[str, Any], key: str, env: str) -> str | None:
+    """A shared secret from the extra config, else from the env. Set but empty is an error:
+    it must not silently mean "unsigned"."""
+    if extra.get(key) is not None:
+        value, where = str(extra[key]), f"kv_connector_extra_config[{key!r}]"
+    elif env in os.environ:
+        value, where = os.environ[env], f"env {env}"
+    else:
+        return None
+    if not value.strip():
+        raise ValueError(f"{where} is empty: leave it unset to turn {key} off")
+    return value
+
+
 def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
     value = str(extra.get(key, allowed[0])).lower()
     if value not in allowed:
@@ -81,7 +95,6 @@ class ConnectorConfig:
         # vLLM 0.32 rejects top-level kv_ip / kv_buffer_size, so they live here.
         kv_ip = str(extra.get("kv_ip", "127.0.0.1"))
         http_port = extra.get("http_port")
-        secret = extra.get("discovery_secret") or os.environ.get("XPYD_DISCOVERY_SECRET")
         return ConnectorConfig(
             role=role,
             kv_ip=kv_ip,
@@ -97,6 +110,6 @@ class ConnectorConfig:
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 3.0)),
             transport=str(extra.get("transport", "auto")),
             thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
-            discovery_secret=str(secret) if secret else None,
+            discovery_secret=_secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
             allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
         )

@@ -16,7 +16,7 @@ import zmq
 
 from connector.config import ConnectorConfig
 from connector.log import get_logger
-from proxy.protocol import Load, Registration, encode
+from proxy.protocol import Load, ProtocolError, Registration, decode, encode
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -36,7 +36,12 @@ def heartbeat_load(kv_cache_manager: KVCacheManager | None, running: int, known:
             usage = float(kv_cache_manager.usage)
         except Exception:  # usage is best effort
             usage = 0.0
-    return Load(running, max(0, known - running), min(1.0, max(0.0, usage)), buffer_usage)
+    return Load(running, max(0, known - running), _fraction(usage), _fraction(buffer_usage))
+
+
+def _fraction(x: float) -> float:
+    """Clamped to 0..1 (NaN -> 0): the proxy drops a heartbeat whose usage is out of range."""
+    return min(1.0, max(0.0, x)) if x == x else 0.0
 
 
 class Registrar:
@@ -65,6 +70,15 @@ class Registrar:
         except OSError:
             return False
 
+    def check(self) -> str | None:
+        """Why the proxy would drop this instance's registrations (its own parser says), or
+        None. Heartbeats are sent regardless; this makes a bad address visible at start-up."""
+        try:
+            decode(encode(self._registration(), self._cfg.discovery_secret), self._cfg.discovery_secret)
+        except ProtocolError as e:
+            return str(e)
+        return None
+
     def _send_all(self, sockets: dict[str, zmq.Socket], msg: bytes) -> None:
         for addr, sock in sockets.items():
             try:
@@ -80,6 +94,9 @@ class Registrar:
             s.setsockopt(zmq.SNDHWM, 4)
             s.connect(f"tcp://{addr}")
             sockets[addr] = s
+        problem = self.check()
+        if problem is not None:
+            logger.error("the proxies will drop this instance's registrations: %s", problem)
         try:
             while not self._stop.is_set():
                 if self._healthy():

@@ -3,7 +3,10 @@ HTTP /health endpoint on loopback; decoded with the proxy's own parser."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import http.server
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +16,7 @@ import pytest
 import zmq
 
 from connector.config import ConnectorConfig
-from connector.registration import Registrar
+from connector.registration import Registrar, heartbeat_load
 from proxy.protocol import Load, ProtocolError, decode
 
 
@@ -97,10 +100,86 @@ def test_signed_heartbeat_verifies_with_the_secret_only(health_server, router):
     sock, proxy_port = router
     reg = Registrar(_cfg(http_port, proxy_port, secret="s3cret"), lambda: Load(0, 0, 0.0))
     try:
-        msg = _recv(sock, 3.0)
+        msgs = [_recv(sock, 3.0), _recv(sock, 3.0)]
     finally:
         reg.stop()
-    assert msg is not None
-    assert decode(msg, secret="s3cret").role == "P"
+    assert None not in msgs
+    first, second = (decode(m, secret="s3cret") for m in msgs)
+    assert first.role == "P"
+    # Each heartbeat has a nonce of its own: the proxy's replay check accepts them all.
+    assert first.nonce and second.nonce and first.nonce != second.nonce
     with pytest.raises(ProtocolError):
-        decode(msg, secret="other")
+        decode(msgs[0], secret="other")
+
+
+async def test_registrar_keeps_a_signing_proxy_registered_and_leaves(health_server):
+    """The real sender against a real proxy with a secret: accepted every time (a fresh nonce
+    per heartbeat, nothing counted as replayed), and its signed leave removes it."""
+    from proxy_helpers import running_proxy, wait_until
+
+    http_port, healthy = health_server
+    healthy.set()
+    async with running_proxy(discovery_secret="s3cret") as px:
+        port = int(px.discovery.rsplit(":", 1)[1])
+        reg = Registrar(_cfg(http_port, port, secret="s3cret"), lambda: Load(1, 0, 0.5, 0.25))
+        counter = px.state.metrics.discovery.labels
+        try:
+            await wait_until(lambda: counter("accepted")._value.get() >= 3, what="3 heartbeats")
+            [inst] = px.registry.live("P")
+            assert inst.http_address == f"127.0.0.1:{http_port}" and inst.load == Load(1, 0, 0.5, 0.25)
+        finally:
+            await asyncio.to_thread(reg.stop)
+        await wait_until(lambda: px.registry.count("P") == 0, what="signed leave")
+        assert counter("replayed")._value.get() == 0 and counter("unauthorized")._value.get() == 0
+
+
+def test_registrar_says_at_start_up_when_the_proxy_would_drop_it(health_server, router, caplog):
+    http_port, _healthy = health_server
+    _sock, proxy_port = router
+    cfg = dataclasses.replace(_cfg(http_port, proxy_port), kv_ip="10.0.0.1\r\nX: y")
+    with caplog.at_level(logging.ERROR, logger="xpyd"):
+        reg = Registrar(cfg, lambda: Load())
+        try:
+            assert "zmq_address" in (reg.check() or "")
+            deadline = time.monotonic() + 3
+            while not caplog.records and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            reg.stop()
+    assert any("will drop this instance's registrations" in r.getMessage() for r in caplog.records)
+    good = Registrar(_cfg(http_port, proxy_port), lambda: Load())
+    try:
+        assert good.check() is None
+    finally:
+        good.stop()
+
+
+def test_heartbeat_load_is_always_in_the_range_the_proxy_accepts():
+    assert heartbeat_load(None, 2, 5, float("nan")) == Load(2, 3, 0.0, 0.0)
+    assert heartbeat_load(None, 0, 0, 1.7).kv_buffer_usage == 1.0
+    assert heartbeat_load(None, 0, 0, -0.2).kv_buffer_usage == 0.0
+
+
+@pytest.mark.parametrize("extra,env", [
+    ({"discovery_secret": ""}, None),
+    ({"discovery_secret": "   "}, None),
+    ({}, ""),
+    ({"discovery_secret": None}, ""),  # None means unset: the empty env is what is used
+])  # fmt: skip
+def test_empty_discovery_secret_is_a_start_up_error(monkeypatch, extra, env):
+    if env is None:
+        monkeypatch.delenv("XPYD_DISCOVERY_SECRET", raising=False)
+    else:
+        monkeypatch.setenv("XPYD_DISCOVERY_SECRET", env)
+    kvt = SimpleNamespace(kv_role="kv_producer", kv_port=23001, kv_connector_extra_config=extra)
+    with pytest.raises(ValueError, match="discovery_secret|XPYD_DISCOVERY_SECRET"):
+        ConnectorConfig.from_vllm(kvt)
+
+
+def test_discovery_secret_from_extra_wins_over_env_and_unset_means_unsigned(monkeypatch):
+    monkeypatch.setenv("XPYD_DISCOVERY_SECRET", "from-env")
+    kvt = SimpleNamespace(kv_role="kv_producer", kv_port=1, kv_connector_extra_config={"discovery_secret": "x"})
+    assert ConnectorConfig.from_vllm(kvt).discovery_secret == "x"
+    monkeypatch.delenv("XPYD_DISCOVERY_SECRET")
+    kvt.kv_connector_extra_config = {}
+    assert ConnectorConfig.from_vllm(kvt).discovery_secret is None
