@@ -37,7 +37,7 @@ class ProxyState:
         self.cfg = cfg
         self.registry = Registry(cfg.heartbeat_timeout)
         self.metrics = Metrics(self.registry)
-        self.upstream: Upstream = make_upstream(cfg.upstream_client, cfg.connect_timeout)
+        self.upstream: Upstream = make_upstream(cfg.upstream_client, cfg.connect_timeout, cfg.max_response_bytes)
         self.discovery = Discovery(
             self.registry,
             self.metrics,

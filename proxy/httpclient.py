@@ -18,11 +18,14 @@ from collections.abc import AsyncIterator, Mapping
 
 import httptools
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError
+from proxy.upstream import KEEPALIVE_S, UpstreamError, too_large
 
 # Pause reading from an instance when this much body is buffered but not yet relayed
 # (a slow client must slow the instance down, not grow the proxy's memory).
 HIGH_WATER = 256 * 1024
+# A response head (status line and headers) larger than this is refused: httptools would
+# otherwise grow one header without bound. vLLM's heads are a few hundred bytes.
+MAX_HEAD = 64 * 1024
 
 
 class _Conn(asyncio.Protocol):
@@ -31,7 +34,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "pool", "transport", "parser", "lost", "active", "idle_since", "status",
         "content_type", "head_done", "complete", "keep_alive", "error", "buf", "buffered",
-        "paused", "waiter", "sized", "got_data",
+        "paused", "waiter", "sized", "got_data", "length", "head_bytes",
     )  # fmt: skip
 
     def __init__(self, pool: _Pool) -> None:
@@ -51,6 +54,8 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.sized = False  # Content-Length or chunked: the body end is known
+        self.length = -1  # Content-Length, -1 when not given
+        self.head_bytes = 0  # bytes received before the head was complete
         self.got_data = False  # any byte of this exchange's response arrived
         self.error: UpstreamError | None = None
         self.buf: list[bytes] = []
@@ -72,14 +77,23 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fail(UpstreamError("protocol", f"bad HTTP response: {e}"))
             self.transport.close()
+            return
+        if not self.head_done:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD:
+                self._fail(UpstreamError("protocol", f"response head larger than {MAX_HEAD} bytes"))
+                self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.pool.forget(self)
         if self.active and not self.complete:
-            if self.head_done and not self.sized:
+            if self.head_done and not self.sized and exc is None:
                 self.complete = True  # a body delimited by the connection closing
                 self._wake()
+            elif self.head_done and not self.sized:
+                # A reset is no end of a close-delimited body: the rest may be missing.
+                self._fail(UpstreamError("disconnect", f"connection reset before the body's end: {exc}"))
             else:
                 reason = f": {exc}" if exc else ""
                 self._fail(UpstreamError("disconnect", f"instance closed the connection{reason}"))
@@ -90,9 +104,11 @@ class _Conn(asyncio.Protocol):
         lname = name.lower()
         if lname == b"content-type":
             self.content_type = value.decode("latin-1")
-        elif lname == b"content-length" or (
-            lname == b"transfer-encoding" and b"chunked" in value.lower()
-        ):
+        elif lname == b"content-length":
+            self.sized = True
+            if value.strip().isdigit():  # llhttp rejects any other form
+                self.length = int(value)
+        elif lname == b"transfer-encoding" and b"chunked" in value.lower():
             self.sized = True
 
     def on_headers_complete(self) -> None:
@@ -146,23 +162,32 @@ class _Conn(asyncio.Protocol):
 
 
 class NativeResponse:
-    __slots__ = ("_conn", "status", "content_type")
+    __slots__ = ("_conn", "_limit", "status", "content_type")
 
-    def __init__(self, conn: _Conn) -> None:
+    def __init__(self, conn: _Conn, limit: int) -> None:
         self._conn: _Conn | None = conn
+        self._limit = limit
         self.status = conn.status
         self.content_type = conn.content_type
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
         conn = self._conn
         assert conn is not None, "response already closed"
+        if limit is None:
+            limit = self._limit
+        if conn.length > limit:  # refused on its Content-Length, before reading any of it
+            raise _too_large(conn, limit, f"announced {conn.length} bytes")
         while not conn.complete:
             if conn.error is not None:
                 raise conn.error
+            if conn.buffered > limit:  # at most one socket read past the limit is held
+                raise _too_large(conn, limit, "more arrived")
             if conn.paused:  # read() wants everything: no backpressure here
                 conn.paused = False
                 conn.transport.resume_reading()
             await conn.wait()
+        if conn.buffered > limit:
+            raise _too_large(conn, limit, f"sent {conn.buffered} bytes")
         return conn.take() if conn.buf else b""
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -193,6 +218,17 @@ class NativeResponse:
         elif not conn.lost:
             # Unfinished: closing the connection is how vLLM learns to abort the request.
             conn.transport.close()
+
+
+def _too_large(conn: _Conn, limit: int, what: str) -> UpstreamError:
+    """Give up on an answer over the limit: drop what is buffered and the connection."""
+    error = too_large(limit, what)
+    conn._fail(error)
+    conn.buf = []
+    conn.buffered = 0
+    if not conn.lost:
+        conn.transport.close()
+    return error
 
 
 class _Pool:
@@ -236,8 +272,9 @@ class _Pool:
 
 
 class NativeUpstream:
-    def __init__(self, connect_timeout: float) -> None:
+    def __init__(self, connect_timeout: float, max_response_bytes: int) -> None:
         self.connect_timeout = connect_timeout
+        self.max_response_bytes = max_response_bytes
         self._pools: dict[str, _Pool] = {}
 
     async def start(self) -> None:
@@ -310,4 +347,4 @@ class NativeUpstream:
             if not conn.lost:
                 conn.transport.close()
             raise
-        return NativeResponse(conn)
+        return NativeResponse(conn, self.max_response_bytes)

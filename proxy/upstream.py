@@ -4,6 +4,13 @@
 + httptools; "aiohttp" and "httpx" wrap those libraries (imported only when chosen). All
 keep pooled keep-alive connections and close the connection when a response is abandoned,
 which is how vLLM learns that a request was cancelled (it aborts it on disconnect).
+
+All three end a body the same way: complete at its Content-Length, at its last chunk, or
+(neither given) at a clean close of the connection. A body cut short, a chunked body without
+its last chunk, and a close-delimited body ended by a reset are errors ("disconnect"), never
+a complete answer. read() buffers at most max_response_bytes ("too_large" past it, refused
+up front on a larger Content-Length); chunks() hands over each piece as it arrives and is
+not bounded in total (a stream's pieces are, by the socket reads).
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ KEEPALIVE_S = 4.0
 
 class UpstreamError(Exception):
     """A failed upstream call. kind: connect (refused/unreachable, safe to retry),
-    connect_timeout, disconnect (dropped before/while answering), protocol."""
+    connect_timeout, disconnect (dropped before/while answering, or the body cut short),
+    protocol (not HTTP, or a head over the size limit), too_large (read() past its limit;
+    the connection is closed)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -29,7 +38,9 @@ class UpstreamResponse(Protocol):
     status: int
     content_type: str
 
-    async def read(self) -> bytes: ...
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body, at most `limit` bytes (None: the client's max_response_bytes)."""
+        ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -52,17 +63,21 @@ class Upstream(Protocol):
     ) -> UpstreamResponse: ...
 
 
-def make_upstream(kind: str, connect_timeout: float) -> Upstream:
+def too_large(limit: int, what: str) -> UpstreamError:
+    return UpstreamError("too_large", f"answer larger than {limit} bytes ({what})")
+
+
+def make_upstream(kind: str, connect_timeout: float, max_response_bytes: int) -> Upstream:
     if kind == "native":
         from proxy.httpclient import NativeUpstream
 
-        return NativeUpstream(connect_timeout)
+        return NativeUpstream(connect_timeout, max_response_bytes)
     if kind == "aiohttp":
         from proxy.upstream_aiohttp import AiohttpUpstream
 
-        return AiohttpUpstream(connect_timeout)
+        return AiohttpUpstream(connect_timeout, max_response_bytes)
     if kind == "httpx":
         from proxy.upstream_httpx import HttpxUpstream
 
-        return HttpxUpstream(connect_timeout)
+        return HttpxUpstream(connect_timeout, max_response_bytes)
     raise ValueError(f"unknown upstream client {kind!r}")

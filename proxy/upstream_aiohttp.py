@@ -2,24 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
+from aiohttp.client_proto import ResponseHandler
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError
+from proxy.upstream import KEEPALIVE_S, UpstreamError, too_large
+
+
+class _Handler(ResponseHandler):
+    """aiohttp ends a body delimited by the connection closing at any close, a reset too
+    (3.14): here a reset before a body's end fails that body, as in the other clients."""
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        payload = self._payload
+        if exc is not None and payload is not None and not payload.is_eof():
+            payload.set_exception(
+                aiohttp.ClientPayloadError(f"connection reset before the body's end: {exc!r}")
+            )
+        super().connection_lost(exc)
 
 
 class _AiohttpResponse:
-    __slots__ = ("_resp", "status", "content_type")
+    __slots__ = ("_resp", "_limit", "status", "content_type")
 
-    def __init__(self, resp) -> None:
+    def __init__(self, resp, limit: int) -> None:
         self._resp = resp
+        self._limit = limit
         self.status = resp.status
         self.content_type = resp.headers.get("Content-Type", "application/json")
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        if limit is None:
+            limit = self._limit
+        resp = self._resp
+        parts: list[bytes] = []
+        size = 0
         try:
-            return await self._resp.read()
+            length = resp.content_length
+            if length is not None and length > limit:
+                raise too_large(limit, f"announced {length} bytes")
+            content = resp.content
+            while True:
+                chunk = await content.readany()  # one piece as received: bounded
+                if not chunk:
+                    return b"".join(parts)
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit, "more arrived")
+                parts.append(chunk)
+        except UpstreamError:
+            resp.close()
+            raise
         except (aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamError("disconnect", f"{type(e).__name__}: {e}") from None
 
@@ -47,8 +83,9 @@ class _AiohttpResponse:
 
 
 class AiohttpUpstream:
-    def __init__(self, connect_timeout: float) -> None:
+    def __init__(self, connect_timeout: float, max_response_bytes: int) -> None:
         self.connect_timeout = connect_timeout
+        self.max_response_bytes = max_response_bytes
         self._session = None
 
     async def start(self) -> None:
@@ -58,6 +95,9 @@ class AiohttpUpstream:
             use_dns_cache=True,
             ttl_dns_cache=10,
         )
+        # No public hook for the protocol class; tests/test_proxy_clients.py fails if
+        # this stops taking effect.
+        connector._factory = functools.partial(_Handler, loop=asyncio.get_running_loop())
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(
@@ -86,4 +126,4 @@ class AiohttpUpstream:
             raise UpstreamError("connect_timeout", f"connect timed out: {e}") from None
         except (aiohttp.ClientError, ConnectionError) as e:
             raise UpstreamError("disconnect", f"{type(e).__name__}: {e}") from None
-        return _AiohttpResponse(resp)
+        return _AiohttpResponse(resp, self.max_response_bytes)

@@ -6,24 +6,52 @@ from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError
+from proxy.upstream import KEEPALIVE_S, UpstreamError, too_large
+
+
+def _why(e: BaseException) -> str:
+    # httpx.ReadError from a reset has no text: the OS error a few causes down has.
+    cause: BaseException | None = e
+    text = ""
+    for _ in range(8):
+        if cause is None or text:
+            break
+        text = str(cause)
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(e).__name__}: {text}"
 
 
 class _HttpxResponse:
-    __slots__ = ("_resp", "status", "content_type")
+    __slots__ = ("_resp", "_limit", "status", "content_type")
 
-    def __init__(self, resp) -> None:
+    def __init__(self, resp, limit: int) -> None:
         self._resp = resp
+        self._limit = limit
         self.status = resp.status_code
         self.content_type = resp.headers.get("content-type", "application/json")
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        if limit is None:
+            limit = self._limit
+        resp = self._resp
+        parts: list[bytes] = []
+        size = 0
         try:
-            return await self._resp.aread()
+            length = resp.headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                raise too_large(limit, f"announced {length} bytes")
+            # Raw bytes, as the other clients and chunks() relay them (and the limit is on
+            # what arrives, not on what a compressed body would expand to).
+            async for chunk in resp.aiter_raw():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit, "more arrived")
+                parts.append(chunk)
         except httpx.HTTPError as e:
-            raise UpstreamError("disconnect", f"{type(e).__name__}: {e}") from None
+            raise UpstreamError("disconnect", _why(e)) from None
         finally:
-            await self._resp.aclose()
+            await resp.aclose()  # unread (over the limit): closes the connection
+        return b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -31,7 +59,7 @@ class _HttpxResponse:
                 if chunk:
                     yield chunk
         except httpx.HTTPError as e:
-            raise UpstreamError("disconnect", f"{type(e).__name__}: {e}") from None
+            raise UpstreamError("disconnect", _why(e)) from None
 
     def at_eof(self) -> bool:
         return False  # not cheaply known: the stream ends with an empty final send
@@ -41,8 +69,9 @@ class _HttpxResponse:
 
 
 class HttpxUpstream:
-    def __init__(self, connect_timeout: float) -> None:
+    def __init__(self, connect_timeout: float, max_response_bytes: int) -> None:
         self.connect_timeout = connect_timeout
+        self.max_response_bytes = max_response_bytes
         self._client = None
 
     async def start(self) -> None:
@@ -52,6 +81,8 @@ class HttpxUpstream:
                 max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S
             ),
             trust_env=False,
+            # Bodies are relayed as they arrive, undecoded (as with the other clients).
+            headers={"accept-encoding": "identity"},
         )
 
     async def close(self) -> None:
@@ -69,7 +100,7 @@ class HttpxUpstream:
         except httpx.ConnectTimeout as e:
             raise UpstreamError("connect_timeout", f"connect timed out: {e}") from None
         except httpx.ConnectError as e:
-            raise UpstreamError("connect", f"{type(e).__name__}: {e}") from None
+            raise UpstreamError("connect", _why(e)) from None
         except httpx.HTTPError as e:
-            raise UpstreamError("disconnect", f"{type(e).__name__}: {e}") from None
-        return _HttpxResponse(resp)
+            raise UpstreamError("disconnect", _why(e)) from None
+        return _HttpxResponse(resp, self.max_response_bytes)

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
 
 import pytest
 from proxy_helpers import Fault, free_port, running_proxy, wait_until
+from test_proxy_httpclient import RawServer, read_request, reset
+
+from proxy.upstream import UpstreamError, make_upstream
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
@@ -62,3 +66,197 @@ async def test_alternative_upstream_client(client):
         # leaving, even when the client library yields while releasing its connection.
         assert await px.metric("xpyd_client_disconnects_total") == 1
         assert await px.metric("xpyd_requests_total", route="/v1/completions", status="499") == 1
+
+
+# ---------------------------------------------------------------- every client, raw upstream
+
+CLIENTS = ["native", "aiohttp", "httpx"]
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+# (what the instance sends, then: "fin" a clean close, "rst" a reset) -> the body, or None
+# when it must be an error ("disconnect").
+ENDINGS = {
+    "close-delimited, clean close": (HEAD + b"\r\n" + b'{"a": 1}', "fin", b'{"a": 1}'),
+    "close-delimited, reset": (HEAD + b"\r\n" + b'{"a": 1}', "rst", None),
+    "content-length, complete, then reset": (HEAD + b"content-length: 8\r\n\r\n" + b'{"a": 1}',
+                                             "rst", b'{"a": 1}'),  # fmt: skip
+    "content-length, cut short": (HEAD + b"content-length: 80\r\n\r\n" + b'{"a": 1}', "fin", None),
+    "content-length, cut short by a reset": (HEAD + b"content-length: 80\r\n\r\n" + b'{"a"',
+                                             "rst", None),  # fmt: skip
+    "chunked, complete": (HEAD + b"transfer-encoding: chunked\r\n\r\n8\r\n" + b'{"a": 1}'
+                          + b"\r\n0\r\n\r\n", "fin", b'{"a": 1}'),  # fmt: skip
+    "chunked, no last chunk": (HEAD + b"transfer-encoding: chunked\r\n\r\n8\r\n" + b'{"a": 1}'
+                               + b"\r\n", "fin", None),  # fmt: skip
+    "chunked, no last chunk, reset": (HEAD + b"transfer-encoding: chunked\r\n\r\n8\r\n"
+                                      + b'{"a": 1}\r\n', "rst", None),  # fmt: skip
+}
+
+
+@asynccontextmanager
+async def upstream(kind: str, max_response_bytes: int = 64 * 1024 * 1024):
+    up = make_upstream(kind, 2.0, max_response_bytes)
+    await up.start()
+    try:
+        yield up
+    finally:
+        await up.close()
+
+
+def scripted(data: bytes, ending: str):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(data)
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the client has the bytes before the connection ends
+        if ending == "rst":
+            reset(writer)
+
+    return handler
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("case", list(ENDINGS))
+async def test_a_body_is_complete_only_at_its_proper_end(client, case):
+    data, ending, want = ENDINGS[case]
+    for mode in ("read", "chunks"):
+        # A client each: the server ends every connection after one answer.
+        async with upstream(client) as up, RawServer(scripted(data, ending)) as srv:
+            resp = await up.request("GET", srv.url + "/x", None, {})
+            try:
+                if want is None:
+                    with pytest.raises(UpstreamError) as e:
+                        await (resp.read() if mode == "read" else collect(resp))
+                    assert e.value.kind == "disconnect", (mode, e.value)
+                else:
+                    got = await (resp.read() if mode == "read" else collect(resp))
+                    assert got == want, mode
+            finally:
+                await resp.aclose()
+
+
+async def collect(resp) -> bytes:
+    return b"".join([c async for c in resp.chunks()])
+
+
+def endless_body(framing: str, sent: list[int], done: asyncio.Event, block: int = 65536,
+                 blocks: int = 512):  # fmt: skip
+    """Up to 32 MiB of body (less if the client hangs up first); sent[0] counts it."""
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        head = HEAD + {"chunked": b"transfer-encoding: chunked\r\n\r\n", "close": b"\r\n",
+                       "huge-chunk": b"transfer-encoding: chunked\r\n\r\n40000000\r\n"}[framing]  # fmt: skip
+        writer.write(head)
+        data = b"x" * block
+        try:
+            for _ in range(blocks):
+                writer.write(b"%x\r\n%s\r\n" % (block, data) if framing == "chunked" else data)
+                await writer.drain()
+                sent[0] += block
+        except ConnectionError:
+            pass
+        done.set()
+
+    return handler
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_read_is_bounded(client):
+    limit = 256 * 1024
+    async with upstream(client, max_response_bytes=limit) as up:
+        # Refused on its Content-Length at once: the promised body never comes.
+        async def promise(reader, writer):
+            await read_request(reader)
+            writer.write(HEAD + b"content-length: %d\r\n\r\n{" % (limit + 1))
+            await writer.drain()
+            await reader.read()  # until the client hangs up
+
+        async with RawServer(promise) as srv:
+            resp = await up.request("POST", srv.url + "/x", b"{}", {})
+            with pytest.raises(UpstreamError) as e:
+                await asyncio.wait_for(resp.read(), 5)
+            assert e.value.kind == "too_large" and "announced" in str(e.value)
+            await resp.aclose()
+
+        # Exactly the limit is fine, one byte more is not (by Content-Length or by count).
+        for size, framing in ((limit, "content-length"), (limit, "close"),
+                              (limit + 1, "close"), (limit + 1, "chunked")):  # fmt: skip
+            body = b"y" * size
+            head = {"content-length": b"content-length: %d\r\n\r\n" % size, "close": b"\r\n",
+                    "chunked": b"transfer-encoding: chunked\r\n\r\n"}[framing]  # fmt: skip
+            if framing == "chunked":
+                body = b"%x\r\n%s\r\n0\r\n\r\n" % (size, body)
+            async with RawServer(scripted(HEAD + head + body, "fin")) as srv:
+                resp = await up.request("POST", srv.url + "/x", b"{}", {})
+                try:
+                    if size <= limit:
+                        assert len(await resp.read()) == size
+                    else:
+                        with pytest.raises(UpstreamError) as e:
+                            await resp.read()
+                        assert e.value.kind == "too_large", framing
+                finally:
+                    await resp.aclose()
+
+        # Without Content-Length: the client stops reading and hangs up past the limit.
+        for framing in ("chunked", "close"):
+            sent, done = [0], asyncio.Event()
+            async with RawServer(endless_body(framing, sent, done)) as srv:
+                resp = await up.request("POST", srv.url + "/x", b"{}", {})
+                with pytest.raises(UpstreamError) as e:
+                    await resp.read()
+                assert e.value.kind == "too_large", framing
+                await resp.aclose()
+                await asyncio.wait_for(done.wait(), 10)
+                assert sent[0] < 512 * 65536, framing  # long before the 32 MiB end
+
+        # A smaller limit for one read (the probes use one).
+        async with RawServer(scripted(HEAD + b"\r\n" + b"z" * 1000, "fin")) as srv:
+            resp = await up.request("GET", srv.url + "/x", None, {})
+            with pytest.raises(UpstreamError) as e:
+                await resp.read(999)
+            assert e.value.kind == "too_large"
+            await resp.aclose()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_streams_are_not_bounded_in_total_but_each_piece_is(client):
+    limit = 256 * 1024
+    async with upstream(client, max_response_bytes=limit) as up:
+        # One chunk announced as 1 GiB: handed over as it arrives, never gathered whole;
+        # its missing end is an error.
+        sent, done = [0], asyncio.Event()
+        async with RawServer(endless_body("huge-chunk", sent, done, blocks=128)) as srv:
+            resp = await up.request("POST", srv.url + "/x", b"{}", {})
+            total = largest = 0
+            with pytest.raises(UpstreamError) as e:
+                async for chunk in resp.chunks():
+                    total += len(chunk)
+                    largest = max(largest, len(chunk))
+            assert e.value.kind == "disconnect"
+            await resp.aclose()
+            assert total == 128 * 65536 > 4 * limit  # streams pass the read() limit
+            assert largest <= 1024 * 1024  # each piece is a few socket reads at most
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_an_endless_response_head_is_refused(client):
+    sent, done = [0], asyncio.Event()
+
+    async def endless_header(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-long: ")
+        try:
+            for _ in range(512):  # up to 32 MiB of one header value
+                writer.write(b"a" * 65536)
+                await writer.drain()
+                sent[0] += 65536
+        except ConnectionError:
+            pass
+        done.set()
+
+    async with upstream(client) as up, RawServer(endless_header) as srv:
+        with pytest.raises(UpstreamError) as e:
+            await asyncio.wait_for(up.request("GET", srv.url + "/x", None, {}), 10)
+        assert e.value.kind in ("protocol", "disconnect")
+        await asyncio.wait_for(done.wait(), 10)
+        assert sent[0] < 512 * 65536

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 
 import pytest
 from proxy_helpers import FakeVLLM, free_port
 
-from proxy.httpclient import HIGH_WATER, NativeUpstream
+from proxy.httpclient import HIGH_WATER, NativeUpstream, _Conn
 from proxy.upstream import KEEPALIVE_S, UpstreamError
+
+LIMIT = 64 * 1024 * 1024  # ProxyConfig.max_response_bytes' default
+
+
+def reset(writer) -> None:
+    """Make the coming close a reset (RST) instead of a clean FIN."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 class RawServer:
@@ -50,7 +60,7 @@ async def read_request(reader) -> bytes:
 
 @pytest.fixture
 async def client():
-    up = NativeUpstream(connect_timeout=2)
+    up = NativeUpstream(connect_timeout=2, max_response_bytes=LIMIT)
     await up.start()
     yield up
     await up.close()
@@ -213,7 +223,7 @@ async def test_backpressure_pauses_reading(client):
 
 async def test_idle_connections_expire():
     fake = await FakeVLLM("D", register=False).start()
-    up = NativeUpstream(connect_timeout=2)
+    up = NativeUpstream(connect_timeout=2, max_response_bytes=LIMIT)
     try:
         url = f"http://{fake.http_address}/v1/models"
         resp = await up.request("GET", url, None, {})
@@ -240,7 +250,7 @@ async def test_connect_timeout(monkeypatch):
         await asyncio.sleep(3600)
 
     monkeypatch.setattr(loop, "create_connection", hang)
-    up = NativeUpstream(connect_timeout=0.1)
+    up = NativeUpstream(connect_timeout=0.1, max_response_bytes=LIMIT)
     with pytest.raises(UpstreamError) as exc:
         await asyncio.wait_for(up.request("GET", "http://127.0.0.1:9/x", None, {}), 5)
     assert exc.value.kind == "connect_timeout"
@@ -291,3 +301,85 @@ async def test_no_retry_once_the_answer_has_begun_or_on_a_fresh_connection(clien
         with pytest.raises(UpstreamError) as e:
             await client.request("POST", srv.url + "/v1/completions", b"{}", {})
         assert e.value.kind == "disconnect" and srv.connections == 1
+
+
+async def test_no_retry_on_a_pooled_connection_once_the_answer_has_begun(client):
+    """The stale-connection retry is only for a reused connection that sent nothing: once a
+    byte of the answer came, the request may have run, and it fails as it is."""
+
+    async def head_then_reset(reader, writer):
+        await read_request(reader)
+        writer.write(OK_RESPONSE)  # the first answer: the connection is pooled
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n")  # head only
+        await writer.drain()
+        reset(writer)
+
+    async with RawServer(head_then_reset) as srv:
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})
+        assert await resp.read() == b"{}"
+        await resp.aclose()
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})  # the pooled one
+        with pytest.raises(UpstreamError) as e:
+            await resp.read()
+        assert e.value.kind == "disconnect" and srv.connections == 1
+        await resp.aclose()
+
+    async def half_head(reader, writer):  # part of a head is a byte of the answer too
+        await read_request(reader)
+        writer.write(OK_RESPONSE)
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200")
+        await writer.drain()
+        reset(writer)
+
+    async with RawServer(half_head) as srv:
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})
+        await resp.read()
+        await resp.aclose()
+        with pytest.raises(UpstreamError) as e:
+            await client.request("POST", srv.url + "/x", b"{}", {})
+        assert e.value.kind == "disconnect" and srv.connections == 1
+
+
+async def test_read_buffers_at_most_the_limit_and_one_socket_read(client, monkeypatch):
+    """Past the limit the native client stops: what it held never exceeded the limit plus
+    one socket read (asyncio reads at most 256 KiB at a time)."""
+    most = [0]
+    on_body = _Conn.on_body
+
+    def recording(self, body):
+        on_body(self, body)
+        most[0] = max(most[0], self.buffered)
+
+    monkeypatch.setattr(_Conn, "on_body", recording)
+    limit = 1024 * 1024
+    sent = [0]
+    block = b"x" * 65536
+    done = asyncio.Event()
+
+    async def endless(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        try:
+            for _ in range(1024):  # up to 64 MiB, unless the client stops first
+                writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+                await writer.drain()
+                sent[0] += len(block)
+        except ConnectionError:
+            pass
+        done.set()
+
+    async with RawServer(endless) as srv:
+        resp = await client.request("POST", srv.url + "/x", b"{}", {})
+        with pytest.raises(UpstreamError) as e:
+            await resp.read(limit)
+        assert e.value.kind == "too_large"
+        await resp.aclose()
+        assert limit < most[0] <= limit + 256 * 1024 + len(block)
+        await asyncio.wait_for(done.wait(), 10)
+        assert sent[0] < 1024 * len(block)  # the client hung up long before 64 MiB
+        pool = client._pools[srv.url[7:]]
+        assert not pool.idle and not pool.all  # the connection is closed, not pooled
