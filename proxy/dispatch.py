@@ -270,6 +270,11 @@ class Dispatcher:
             resp = await self.upstream.request("POST", p.url + path, body, headers)
             try:
                 data = await resp.read()
+            except UpstreamError as e:
+                if e.kind == "too_large":  # as large from any P: not retried
+                    self.metrics.upstream_error("P", p.http_address, e.kind)
+                    raise _too_large("prefill", p, e) from None
+                raise
             finally:
                 await resp.aclose()
         if not 200 <= resp.status < 300:
@@ -314,6 +319,8 @@ class Dispatcher:
             return Answer(resp, await resp.read(), False, None)
         except UpstreamError as e:
             self.metrics.upstream_error("D", d.http_address, e.kind)
+            if e.kind == "too_large":  # as large from any D: not retried
+                raise _too_large("decode", d, e) from None
             if e.kind == "connect":
                 d.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
             status, code = (504, "decode_timeout") if e.kind == "connect_timeout" else (
@@ -346,6 +353,13 @@ async def _discard(task: asyncio.Task | None) -> None:
     result = task.result()
     if isinstance(result, Answer):
         await result.resp.aclose()
+
+
+def _too_large(phase: str, inst: Instance, e: UpstreamError) -> ProxyError:
+    """An answer over max_response_bytes: a 502 naming no instance (the log and metrics do)."""
+    log.warning("answer too large phase=%s instance=%s error=%s", phase, inst.http_address, e)
+    return ProxyError(502, f"{phase} instance's {e}, over the proxy's max_response_bytes",
+                      "upstream_response_too_large")  # fmt: skip
 
 
 def _unreachable(failures: list[str]) -> bool:

@@ -19,6 +19,10 @@ from proxy.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("xpyd.proxy.probe")
 
+# A probe's answer (/health, /v1/models) is read whole: at most this much (or
+# max_response_bytes when smaller). vLLM's model cards are under 1 KiB each.
+PROBE_MAX_BYTES = 4 * 1024 * 1024
+
 
 class ProbeError(Exception):
     def __init__(self, kind: str, message: str) -> None:
@@ -35,6 +39,7 @@ class Prober:
         self.metrics = metrics
         self.upstream = upstream
         self._headers = {"authorization": "Bearer " + cfg.api_key} if cfg.api_key else {}
+        self._max_bytes = min(cfg.max_response_bytes, PROBE_MAX_BYTES)
         self.static: list[Instance] = []
         self._fetching: dict[Instance, asyncio.Task[bool]] = {}
         self._models_at: dict[Instance, float] = {}  # monotonic time of the last success
@@ -140,7 +145,7 @@ class Prober:
             async with asyncio.timeout(self.cfg.probe_timeout):
                 resp = await self.upstream.request("GET", inst.url + path, None, self._headers)
                 try:
-                    data = await resp.read()
+                    data = await resp.read(self._max_bytes)
                 finally:
                     await resp.aclose()
         except TimeoutError:

@@ -260,3 +260,148 @@ async def test_an_endless_response_head_is_refused(client):
         assert e.value.kind in ("protocol", "disconnect")
         await asyncio.wait_for(done.wait(), 10)
         assert sent[0] < 512 * 65536
+
+
+# ---------------------------------------------------------------- through a running proxy
+
+MODELS = b'{"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "vllm"}]}'
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+EVENT = b'data: {"choices": [{"text": " t"}]}\n\n'
+
+
+class RawInstance:
+    """A vLLM stand-in on a raw socket: /health and /v1/models answered properly, each POST
+    with answer(request) -> (parts, ending): the parts written a moment apart, then the
+    connection closed ("fin") or reset ("rst")."""
+
+    def __init__(self, answer, models: bytes = MODELS) -> None:
+        self.answer = answer
+        self.models = models
+        self.posts: list[bytes] = []
+        self.server = RawServer(self._handle)
+
+    async def __aenter__(self) -> RawInstance:
+        await self.server.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.server.__aexit__(*exc)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    async def _handle(self, reader, writer) -> None:
+        for _ in range(1000):  # keep-alive: probes reuse the connection
+            try:
+                req = await read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if req.startswith(b"POST"):
+                self.posts.append(req)
+                parts, ending = self.answer(req)
+                for part in parts:
+                    writer.write(part)
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+                if ending == "rst":
+                    reset(writer)
+                return
+            body = self.models if b" /v1/models " in req.split(b"\r\n", 1)[0] else b"{}"
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+            await writer.drain()
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def live(px, role: str, n: int) -> None:
+    await wait_until(lambda: len(px.registry.live(role)) == n, what=f"{n} {role} live")
+
+
+STREAM_BREAKS = {
+    # Close-delimited (no length, not chunked): a reset is no end.
+    "reset": ([SSE_HEAD + b"\r\n" + EVENT, EVENT, b'data: {"choices": [{"te'], "rst"),
+    # Chunked: a clean close without the last chunk is no end either.
+    "no last chunk": ([SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n" + chunk(EVENT),
+                       chunk(EVENT), chunk(b'data: {"choices": [{"te')], "fin"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("how", list(STREAM_BREAKS))
+async def test_a_stream_that_breaks_ends_with_an_sse_error_event(client, how):
+    async with RawInstance(lambda req: STREAM_BREAKS[how]) as d:
+        async with running_proxy(upstream_client=client, decode=(d.url,), health_interval=0.05) as px:
+            await live(px, "D", 1)
+            resp = await px.client.post("/v1/completions", json={
+                "model": "m", "prompt": "x", "max_tokens": 5, "stream": True})  # fmt: skip
+            assert resp.status_code == 200  # sent before the break
+            events = resp.content.split(b"\n\n")
+            assert events[:2] == [EVENT[:-2]] * 2
+            assert events[2] == b'data: {"choices": [{"te'  # the broken event, ended
+            error = json.loads(events[3].removeprefix(b"data: "))["error"]
+            assert error["code"] == "decode_midstream" and error["type"] == "upstream_error"
+            assert events[4:] == [b""] and len(d.posts) == 1
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_non_streamed_answer_cut_by_a_reset_is_a_502(client):
+    answer = ([HEAD + b"\r\n" + b'{"choices": [{"text": " t'], "rst")
+    async with RawInstance(lambda req: answer) as d:
+        async with running_proxy(upstream_client=client, decode=(d.url,), health_interval=0.05) as px:
+            await live(px, "D", 1)
+            resp = await px.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert resp.status_code == 502
+            error = resp.json()["error"]
+            assert error["code"] == "decode_unreachable" and error["type"] == "upstream_error"
+            assert len(d.posts) == 1
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_answers_over_max_response_bytes_are_a_502_and_not_retried(client):
+    big = b'{"choices": [{"text": "' + b"w" * 2000 + b'"}]}'
+
+    def answer(req: bytes):
+        if b'"stream":true' in req.replace(b" ", b""):  # streams are not bounded in total
+            return [SSE_HEAD + b"content-length: %d\r\n\r\n" % (4 * len(EVENT) * 40)]  \
+                + [EVENT * 40] * 4, "fin"  # fmt: skip
+        if b"chunked" in req:  # no Content-Length: counted as it arrives
+            return [HEAD + b"transfer-encoding: chunked\r\n\r\n", chunk(big), b"0\r\n\r\n"], "fin"
+        return [HEAD + b"content-length: %d\r\n\r\n" % len(big), big], "fin"
+
+    async with RawInstance(answer) as d1, RawInstance(answer) as d2:
+        async with running_proxy(upstream_client=client, decode=(d1.url, d2.url),
+                                 health_interval=0.05, max_response_bytes=1024) as px:  # fmt: skip
+            await live(px, "D", 2)
+            for prompt in ("content-length", "chunked"):
+                resp = await px.client.post("/v1/completions", json={"model": "m", "prompt": prompt})
+                assert resp.status_code == 502, resp.text
+                error = resp.json()["error"]
+                assert error["code"] == "upstream_response_too_large", error
+                assert "1024" in error["message"] and "127.0.0.1" not in error["message"]
+            assert len(d1.posts) + len(d2.posts) == 2  # one D each time: never retried
+            assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d1.url[7:],
+                                   kind="too_large") == 1  # fmt: skip
+            stream = await px.client.post("/v1/completions", json={
+                "model": "m", "prompt": "x", "stream": True})  # fmt: skip
+            assert stream.status_code == 200 and stream.content == EVENT * 160
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+async def test_a_prefill_answer_over_max_response_bytes_is_a_502_and_not_retried(client):
+    big = b'{"choices": [{"text": "' + b"w" * 2000 + b'"}]}'
+    answer = ([HEAD + b"content-length: %d\r\n\r\n" % len(big), big], "fin")
+    async with RawInstance(lambda req: answer) as p1, RawInstance(lambda req: answer) as p2, \
+            RawInstance(lambda req: answer) as d:  # fmt: skip
+        async with running_proxy(upstream_client=client, prefill=(p1.url, p2.url),
+                                 decode=(d.url,), health_interval=0.05,
+                                 max_response_bytes=1024) as px:  # fmt: skip
+            await live(px, "P", 2)
+            await live(px, "D", 1)
+            resp = await px.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert resp.status_code == 502, resp.text
+            assert resp.json()["error"]["code"] == "upstream_response_too_large"
+            assert len(p1.posts) + len(p2.posts) == 1 and not d.posts

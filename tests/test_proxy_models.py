@@ -126,3 +126,37 @@ async def test_models_endpoint_learns_new_instances_at_once():
         resp = await px.client.get("/v1/models")
         assert [m["id"] for m in resp.json()["data"]] == ["fresh"]
         assert d.paths().count("/v1/models") >= 1
+
+
+async def test_models_answers_are_bounded(monkeypatch):
+    """A probe reads at most PROBE_MAX_BYTES (or max_response_bytes when smaller) of
+    /v1/models; the proxy's own /v1/models relays one instance's answer up to
+    max_response_bytes, and answers a 502 in OpenAI error JSON past it."""
+    from test_proxy_clients import HEAD, RawInstance
+
+    import proxy.probe
+
+    monkeypatch.setattr(proxy.probe, "PROBE_MAX_BYTES", 4096)
+    cards = b",".join(b'{"id": "m%04d", "object": "model", "owned_by": "vllm"}' % i
+                      for i in range(200))  # fmt: skip
+    models = b'{"object": "list", "data": [' + cards + b"]}"
+    assert 4096 < len(models) < 64 * 1024
+    answer = ([HEAD + b"content-length: 2\r\n\r\n{}"], "fin")
+    async with RawInstance(lambda req: answer, models=models) as d:
+        for limit in (64 * 1024, 1024):
+            async with running_proxy(decode=(d.url,), health_interval=0.05,
+                                     max_response_bytes=limit) as px:  # fmt: skip
+                await wait_until(lambda: px.registry.live("D"))
+                inst = d.url.removeprefix("http://")
+                resp = await px.client.get("/v1/models")
+                assert px.registry.live("D")[0].models is None  # the probe gave up on it
+                assert await px.metric("xpyd_upstream_errors_total", role="D", instance=inst,
+                                       kind="models_too_large") >= 1  # fmt: skip
+                if limit > len(models):  # relayed as the instance sent it
+                    assert resp.status_code == 200 and resp.content == models
+                else:
+                    err = assert_error(resp, 502, "upstream_error")
+                    assert "no instance answered /v1/models" in err["message"]
+                # Its models unknown, the instance still serves.
+                ok = await px.client.post("/v1/completions", json=body("m0001"))
+                assert ok.status_code == 200 and ok.content == b"{}"
