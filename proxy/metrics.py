@@ -69,7 +69,7 @@ class Metrics:
         )
         self.discovery = Counter(
             "xpyd_discovery_messages",
-            "Discovery messages by result (accepted, left, malformed, unauthorized)",
+            "Discovery messages by result (accepted, left, malformed, invalid_field, unauthorized, replayed)",
             ["result"],
             registry=r,
         )
