@@ -154,7 +154,8 @@ def render(topos: dict[str, Topology]) -> dict[str, Any]:
     # the image). GPU: engines download their model from the hub, so it is a plain bridge.
     networks: dict[str, Any] = {network(p): ({"internal": True} if p == "cpu" else {}) for p in topos}
     networks["edge"] = {}  # only what publishes a port (proxy, monitoring) joins a regular bridge too
-    return {"name": "xpyd", "services": services, "networks": networks}
+    # No top-level `name:`: docker-compose v1 (Debian's package) rejects it; `-p xpyd` names it.
+    return {"services": services, "networks": networks}
 
 
 def render_prometheus(topos: dict[str, Topology]) -> dict[str, Any]:
