@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,12 +20,13 @@ from starlette.routing import Route
 
 from proxy.asgi import Receive, Scope, Send
 from proxy.config import ProxyConfig
+from proxy.credentials import on_behalf_headers
 from proxy.discovery import Discovery
-from proxy.errors import ProxyError, error_dict, upstream_error_body
+from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.probe import Prober
-from proxy.registry import Registry
+from proxy.registry import Instance, Registry
 from proxy.routing import Router
 from proxy.upstream import Upstream, UpstreamError, make_upstream
 
@@ -48,6 +51,21 @@ class ProxyState:
         self.router = Router(cfg, self.registry, self.metrics, self.upstream)
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         self.draining = False
+        # Keys the opaque instance labels of /instances: stable while this proxy runs, and
+        # no way back to the address (a plain hash of host:port is quickly brute-forced).
+        self._label_key = os.urandom(16)
+
+    def instance_view(self, inst: Instance, now_wall: float) -> dict:
+        """One /instances entry: everything, or without --expose-routing-headers a summary
+        that names the instance only by an opaque label (no addresses)."""
+        full = inst.to_json(now_wall)
+        if self.cfg.expose_routing_headers:
+            return full
+        name = f"{inst.role}/{inst.http_address}".encode()
+        label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
+        keep = ("role", "models", "healthy", "static", "in_flight", "in_flight_tokens", "served",
+                "cooling_down", "heartbeat_age_s", "load")  # fmt: skip
+        return {"label": label, **{k: full[k] for k in keep}}
 
     async def start(self) -> None:
         await self.upstream.start()
@@ -126,14 +144,16 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if cfg.metrics_require_api_key:
+            router.check_auth(request.scope["headers"])
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/instances")
     async def instances(request: Request) -> list:
         router.check_auth(request.scope["headers"])
         now = time.time()
-        return [inst.to_json(now) for inst in state.registry.every()]
+        return [state.instance_view(inst, now) for inst in state.registry.every()]
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -149,11 +169,9 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
             return Response(orjson.dumps({"object": "list", "data": list(cards.values())}),
                             media_type="application/json")  # fmt: skip
         # No instance told the proxy its models (e.g. they want a key the proxy lacks):
-        # relay one instance's own answer, with the client's credentials.
-        headers = {}
-        auth = request.headers.get("authorization")
-        if auth is not None:
-            headers["authorization"] = auth
+        # relay one instance's own answer, asked as a completion would be (credentials.py).
+        headers = on_behalf_headers(cfg, request.headers.get("authorization"))
+        expose = cfg.expose_routing_headers
         errors = []
         for inst in live[:3]:
             try:
@@ -164,11 +182,14 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
                     await resp.aclose()
             except UpstreamError as e:
                 state.metrics.upstream_error(inst.role, inst.http_address, e.kind)
-                errors.append(f"{inst.http_address}: {e}")
+                log.warning("/v1/models failed instance=%s error=%s", inst.http_address, e)
+                where = inst.http_address if expose else inst.role
+                errors.append(f"{where}: {upstream_text(e.kind, str(e), expose)}")
                 continue
             if 200 <= resp.status < 300:
                 return Response(data, status_code=resp.status, media_type="application/json")
-            body = upstream_error_body(resp.status, data, "models", inst.http_address)
+            body = upstream_error_body(resp.status, data, "models",
+                                       inst.http_address if expose else None)  # fmt: skip
             return Response(body, status_code=resp.status, media_type="application/json")
         raise ProxyError(
             502, "no instance answered /v1/models: " + "; ".join(errors), "upstream_error"

@@ -20,12 +20,13 @@ import orjson
 from connector import request_id
 from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
-from proxy.errors import ProxyError, upstream_error_body
+from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import prefill_body
 from proxy.registry import Instance
 from proxy.relay import Answer, Relay
 from proxy.request import RouteRequest
+from proxy.rewrite import IdRewrite, neutral_id
 from proxy.selection import Selector
 from proxy.upstream import Upstream, UpstreamError
 
@@ -77,7 +78,9 @@ class Dispatcher:
         self.upstream = upstream
         self._phase = metrics.phase_children
         self._concurrent = cfg.dispatch == "concurrent"
-        self._relay = Relay(metrics, cfg.stream_idle_timeout)
+        # Off (default): clients see no instance address and a neutral request id.
+        self._expose = cfg.expose_routing_headers
+        self._relay = Relay(metrics, cfg.stream_idle_timeout, self._expose)
 
     async def run(self, call: Call) -> int:
         """Serve the request; returns the HTTP status sent."""
@@ -133,8 +136,8 @@ class Dispatcher:
         return DISAGGREGATED
 
     async def _answer(self, call: Call, d: Instance) -> Answer:
-        extra = call.flight.extra
-        extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+        if self._expose:
+            call.flight.extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
         path = self._path(call.req, d)
         if path == DISAGGREGATED:
             try:
@@ -149,7 +152,7 @@ class Dispatcher:
         """D prefills the prompt itself: a plain request id, so its connector loads nothing."""
         self.metrics.dispatch(path)
         rid = request_id.build_local()
-        call.flight.extra.append((b"x-request-id", rid.encode()))
+        call.flight.extra.append((b"x-request-id", self._client_id(rid)))
         call.flight.extra.append((b"x-xpyd-path", path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
@@ -191,6 +194,8 @@ class Dispatcher:
                     last_msg = str(e)
                 failures.append(kind)
                 self._prefill_failed(p, kind, attempt, last_msg)
+                if kind != "timeout":
+                    last_msg = upstream_text(kind, last_msg, self._expose)
                 continue
             except ProxyError:  # P's (or D's) own answer, relayed: say who gave it
                 self._prefill_done(call, p, rid, t_start)
@@ -241,11 +246,25 @@ class Dispatcher:
     def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
         t_pre = time.perf_counter()
         extra = call.flight.extra
-        extra.append((b"x-request-id", rid.encode()))
-        extra.append((b"x-xpyd-prefill-instance", p.http_address.encode()))
+        extra.append((b"x-request-id", self._client_id(rid)))
+        if self._expose:
+            extra.append((b"x-xpyd-prefill-instance", p.http_address.encode()))
         extra.append((b"x-xpyd-prefill-ms", ms(t_pre - t_start)))
         self._phase["prefill"].observe(t_pre - t_start)
         return t_pre
+
+    def _client_id(self, rid: str) -> bytes:
+        """The request id the client is told (x-request-id, and inside vLLM's answer)."""
+        return (rid if self._expose else neutral_id(rid)).encode()
+
+    def _upstream_error(self, status: int, data: bytes, phase: str, inst: Instance,
+                        headers: dict[str, str]) -> bytes:  # fmt: skip
+        """An instance's error answer as relayed: without exposure no address, and the
+        internal request id (vLLM may quote it) replaced by the neutral one."""
+        body = upstream_error_body(status, data, phase, inst.http_address if self._expose else None)
+        if self._expose:
+            return body
+        return IdRewrite(headers["x-request-id"]).whole(body)
 
     def _prefill_failed(self, p: Instance, kind: str, attempt: int, message: str) -> None:
         self.metrics.upstream_error("P", p.http_address, kind)
@@ -283,7 +302,7 @@ class Dispatcher:
             raise ProxyError(
                 resp.status,
                 "prefill failed",
-                raw=upstream_error_body(resp.status, data, "prefill", p.http_address),
+                raw=self._upstream_error(resp.status, data, "prefill", p, headers),
             )
 
     async def _first_bytes(self, d: Instance, opening: Awaitable[Answer]) -> Answer:
@@ -294,9 +313,9 @@ class Dispatcher:
                 return await opening
         except TimeoutError:
             self.metrics.upstream_error("D", d.http_address, "timeout")
-            raise ProxyError(
-                504, f"decode instance {d.http_address} sent nothing for {limit}s", "decode_timeout"
-            ) from None
+            log.warning("decode sent nothing instance=%s for=%.1fs", d.http_address, limit)
+            where = instance_text("decode", d.http_address, self._expose)
+            raise ProxyError(504, f"{where} sent nothing for {limit}s", "decode_timeout") from None
 
     async def _open(self, req: RouteRequest, d: Instance, headers: dict[str, str]) -> Answer:
         """Send the client's request to D and wait for the first bytes of its answer."""
@@ -309,14 +328,15 @@ class Dispatcher:
                 error = ProxyError(
                     resp.status,
                     "decode failed",
-                    raw=upstream_error_body(resp.status, data, "decode", d.http_address),
+                    raw=self._upstream_error(resp.status, data, "decode", d, headers),
                 )
                 # D's own verdict on the request (4xx) would be the same elsewhere.
                 raise DecodeFailed(error) if resp.status >= 500 else error
+            rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
             if resp.content_type.startswith("text/event-stream"):
                 chunks = resp.chunks()
-                return Answer(resp, await anext(chunks, b""), True, chunks)
-            return Answer(resp, await resp.read(), False, None)
+                return Answer(resp, await anext(chunks, b""), True, chunks, rewrite)
+            return Answer(resp, await resp.read(), False, None, rewrite)
         except UpstreamError as e:
             self.metrics.upstream_error("D", d.http_address, e.kind)
             if e.kind == "too_large":  # as large from any D: not retried
@@ -325,9 +345,10 @@ class Dispatcher:
                 d.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
             status, code = (504, "decode_timeout") if e.kind == "connect_timeout" else (
                 502, "decode_unreachable")  # fmt: skip
+            where = instance_text("decode", d.http_address, self._expose)
+            detail = upstream_text(e.kind, str(e), self._expose)
             raise DecodeFailed(
-                ProxyError(status, f"decode instance {d.http_address} failed before answering: {e}",
-                           code)  # fmt: skip
+                ProxyError(status, f"{where} failed before answering: {detail}", code)
             ) from None
         except BaseException:
             if resp is not None:

@@ -80,8 +80,9 @@ def is_openai_error(data: Any) -> bool:
     )
 
 
-def upstream_error_body(status: int, body: bytes, phase: str, instance: str) -> bytes:
-    """Relay an instance's error: as is when it is OpenAI error JSON, else wrapped in one."""
+def upstream_error_body(status: int, body: bytes, phase: str, instance: str | None) -> bytes:
+    """Relay an instance's error: as is when it is OpenAI error JSON, else wrapped in one
+    (naming the instance only when `instance` is given: see instance_text)."""
     try:
         data = json.loads(body) if body else None
     except ValueError:
@@ -104,7 +105,7 @@ def upstream_error_body(status: int, body: bytes, phase: str, instance: str) -> 
         text = json.dumps(data["detail"]) if isinstance(data["detail"], list) else data["detail"]
     else:
         text = body[:1000].decode("utf-8", "replace").strip()
-    message = f"{phase} instance {instance} answered HTTP {status}"
+    message = f"{instance_text(phase, instance, instance is not None)} answered HTTP {status}"
     if text:
         message += f": {text}"
     return error_body(message, status, code=f"{phase}_error")
@@ -113,3 +114,25 @@ def upstream_error_body(status: int, body: bytes, phase: str, instance: str) -> 
 def sse_error_event(message: str, status: int, code: str) -> bytes:
     """A mid-stream failure: one SSE data event carrying OpenAI error JSON."""
     return b"data: " + error_body(message, status, code) + b"\n\n"
+
+
+# Client-visible words for UpstreamError kinds: the errors' own text names addresses.
+_KIND_TEXT = MappingProxyType(
+    {
+        "connect": "connection refused or unreachable",
+        "connect_timeout": "connect timed out",
+        "disconnect": "connection dropped",
+        "protocol": "invalid HTTP response",
+    }
+)
+
+
+def instance_text(role: str, address: str | None, expose: bool) -> str:
+    """"decode instance 10.0.0.7:8200" with --expose-routing-headers, else "decode instance":
+    clients are not told the topology (logs and metrics still are)."""
+    return f"{role} instance {address}" if expose and address else f"{role} instance"
+
+
+def upstream_text(kind: str, message: str, expose: bool) -> str:
+    """An upstream failure as the client reads it: the full text only when exposing."""
+    return message if expose else _KIND_TEXT.get(kind, kind.replace("_", " "))

@@ -14,6 +14,7 @@ import orjson
 from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
 from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
+from proxy.credentials import upstream_key_header
 from proxy.dispatch import Call, Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -72,6 +73,15 @@ class Router:
         self.selector = Selector(cfg, registry, metrics)
         self.dispatcher = Dispatcher(cfg, self.selector, metrics, upstream)
         self._api_key = ("Bearer " + cfg.api_key).encode() if cfg.api_key else None
+        # The client's Authorization goes upstream only when asked for (--forward-client-auth)
+        # and never over --upstream-api-key: see proxy/credentials.py.
+        upstream_key = upstream_key_header(cfg)
+        self._drop = DROP_REQUEST_HEADERS
+        if upstream_key is not None or not cfg.forward_client_auth:
+            self._drop = DROP_REQUEST_HEADERS | {b"authorization"}
+        self._base_headers = {"content-type": "application/json"}
+        if upstream_key is not None:
+            self._base_headers["authorization"] = upstream_key
 
     def endpoint(self, path: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         return _Endpoint(self, path)
@@ -94,10 +104,11 @@ class Router:
     async def _read(self, path: str, scope: Scope, receive: Receive) -> RouteRequest:
         headers = scope["headers"]
         self.check_auth(headers)
-        fwd: dict[str, str] = {"content-type": "application/json"}
+        fwd = self._base_headers.copy()
+        drop = self._drop
         length: bytes | None = None
         for k, v in headers:
-            if k not in DROP_REQUEST_HEADERS:
+            if k not in drop:
                 fwd[k.decode("latin-1")] = v.decode("latin-1")
             elif k == b"content-length":
                 length = v

@@ -159,6 +159,7 @@ class FakeVLLM:
         token_delay: float = 0.0,
         record: bool = True,
         register: bool = True,
+        api_key: str | None = None,
     ) -> None:
         self.role = role
         self.proxy = proxy
@@ -172,6 +173,8 @@ class FakeVLLM:
         self.token_delay = token_delay
         self.record = record
         self.register_enabled = register
+        # Like vLLM's --api-key: every /v1/ route wants "Authorization: Bearer KEY" (401 else).
+        self.api_key = api_key
         self.fault: Fault | None = None
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
@@ -351,6 +354,9 @@ class FakeVLLM:
     ) -> None:
         if req.method == "GET" and path == "/health":
             return self._send_json(conn, req, rec, self.health_status, b"")
+        if self.api_key is not None and path.startswith("/v1/"):
+            if req.headers.get("authorization") != "Bearer " + self.api_key:
+                return self._send_json(conn, req, rec, 401, b'{"error":"Unauthorized"}')
         if req.method == "GET" and path == "/v1/models" and self.models_status != 200:
             return self._send_json(conn, req, rec, self.models_status, b'{"detail":"nope"}')
         if req.method == "GET" and path == "/v1/models":
@@ -390,6 +396,8 @@ class FakeVLLM:
                             }
                         }
                     ).encode()
+                # "{request_id}" in a given body: quote the X-Request-Id (vLLM's messages may).
+                payload = payload.replace(b"{request_id}", req.headers.get("x-request-id", "").encode())
                 return self._send_json(conn, req, rec, fault.status, payload, fault.content_type)
         if not isinstance(body, dict):
             return self._send_json(
@@ -576,6 +584,7 @@ async def _main(args: argparse.Namespace) -> None:
         secret=args.secret,
         token_delay=args.token_delay,
         record=False,
+        api_key=args.api_key,
     )
     await fake.start()
     print(f"READY {fake.port}", flush=True)
@@ -600,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=1.0)
     parser.add_argument("--secret", default=None)
     parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--api-key", default=None, help="like vLLM's: required on /v1/ routes")
     parser.add_argument("--uvloop", action="store_true")
     args = parser.parse_args(argv)
     if args.uvloop:

@@ -22,11 +22,18 @@ from fake_vllm import FakeVLLM, Fault  # noqa: E402
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.server import ProxyServer  # noqa: E402
 
-__all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port"]
+__all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port", "relayed"]
 
 REQUEST_ID_RE = (
     r"^___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_(?P<uuid>[0-9a-f]{32})$"
 )
+
+
+def relayed(rec) -> bytes:
+    """An instance's answer as clients get it by default: vLLM's echo of the internal request
+    id replaced by its uuid hex (the neutral id; --expose-routing-headers keeps it)."""
+    rid = rec.request_id.encode()
+    return bytes(rec.sent).replace(rid, rid[-32:])
 
 
 async def wait_until(

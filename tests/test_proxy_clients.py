@@ -9,7 +9,7 @@ import json
 from contextlib import asynccontextmanager
 
 import pytest
-from proxy_helpers import Fault, free_port, running_proxy, wait_until
+from proxy_helpers import Fault, free_port, relayed, running_proxy, wait_until
 from test_proxy_httpclient import RawServer, read_request, reset
 
 from proxy.upstream import UpstreamError, make_upstream
@@ -21,10 +21,10 @@ async def test_alternative_upstream_client(client):
         p, d = await px.pd()
         body = {"prompt": "x", "max_tokens": 3}
         ok = await px.client.post("/v1/completions", json=body)
-        assert ok.status_code == 200 and ok.content == bytes(d.completions()[-1].sent)
+        assert ok.status_code == 200 and ok.content == relayed(d.completions()[-1])
         stream = await px.client.post("/v1/completions", json={**body, "stream": True})
         assert stream.text.endswith("data: [DONE]\n\n")
-        assert stream.content == bytes(d.completions()[-1].sent)
+        assert stream.content == relayed(d.completions()[-1])
         assert p.completions()[-1].json["max_tokens"] == 1
 
         p.fault = Fault(status=500, times=1)  # P fails: relayed, D not called

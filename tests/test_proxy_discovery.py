@@ -18,7 +18,7 @@ def _addresses(registry, role):
 
 
 async def test_registration_shows_in_instances_and_ready():
-    async with running_proxy() as px:
+    async with running_proxy(expose_routing_headers=True) as px:  # /instances with addresses
         assert (await px.client.get("/ready")).status_code == 503
         p = await px.fake("P", load=Load(running=2, waiting=1, kv_usage=0.25))
         ready = await px.client.get("/ready")
@@ -129,7 +129,7 @@ async def test_crlf_registration_is_dropped_and_requests_still_answered():
     """The registration from issue 10: a zmq_address with CR/LF and a header in it. Dropped and
     counted; the instance it names never gets traffic; the header reaches no upstream; every
     client request is answered 200 by the good instances."""
-    async with running_proxy() as px:
+    async with running_proxy(expose_routing_headers=True) as px:  # /instances with addresses
         p, d = await px.pd()
         victim = await px.fake("P", register=False)  # a real server the registration names
         crlf = {"type": "P", "http_address": victim.http_address,

@@ -16,7 +16,8 @@ LONG = {**COMPLETION, "prompt": "x" * 400}  # ~100 estimated tokens
 async def test_dead_decode_still_registered_costs_no_request():
     """A D that died (its heartbeat not expired yet) while another D is alive: every
     request is answered, the dead one's failures are retried on the live one."""
-    async with running_proxy(heartbeat_timeout=30) as px:
+    # expose_routing_headers: the test reads which D answered from x-xpyd-decode-instance.
+    async with running_proxy(heartbeat_timeout=30, expose_routing_headers=True) as px:
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         await d1.stop()  # the port now refuses; the registry still lists it
@@ -35,7 +36,7 @@ async def test_dead_decode_still_registered_costs_no_request():
 
 
 async def test_decode_5xx_before_first_byte_is_retried_4xx_is_not():
-    async with running_proxy() as px:
+    async with running_proxy(expose_routing_headers=True) as px:
         await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         d1.fault = Fault(status=503, times=1)  # round robin asks d1 first
@@ -96,7 +97,8 @@ async def test_concurrent_dispatch_prefill_failure_aborts_decode_at_once():
 
 
 async def test_concurrent_dispatch_dead_decode_aborts_prefill_and_retries():
-    async with running_proxy(dispatch="concurrent", heartbeat_timeout=30) as px:
+    async with running_proxy(dispatch="concurrent", heartbeat_timeout=30,
+                             expose_routing_headers=True) as px:  # fmt: skip
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         await d1.stop()  # round robin asks d1 first

@@ -265,7 +265,9 @@ async def test_proxy_routes_shared_prefixes_to_one_prefill(policy_name):
     """3 system prompts x 4 user turns, through a real proxy with fake P and D instances:
     cache_aware sends every turn of a system prompt to the P that prefilled it first and
     uses both Ps; round_robin (the contrast) scatters each system prompt over both."""
-    async with running_proxy(prefill_policy=policy_name, decode_policy=policy_name) as px:
+    # expose_routing_headers: which P served each request is read from x-xpyd-prefill-instance.
+    async with running_proxy(prefill_policy=policy_name, decode_policy=policy_name,
+                             expose_routing_headers=True) as px:  # fmt: skip
         ps = [await px.fake("P") for _ in range(2)]
         await px.fake("D")
         by_system: dict[int, set[str]] = {k: set() for k in range(len(SYSTEMS))}

@@ -33,6 +33,7 @@ async def test_static_and_discovered_instances_share_the_work():
             prefill=(f"http://{sp.http_address},kv={sp.zmq_address}",),
             decode=(sd.http_address,),  # no scheme, no kv=: the default KV port
             heartbeat_timeout=0.3,
+            expose_routing_headers=True,  # /instances with addresses
         ) as px:
             await wait_until(lambda: live(px, "P") and live(px, "D"), what="static live")
             assert (await px.client.get("/ready")).status_code == 200
@@ -60,7 +61,8 @@ async def test_static_and_discovered_instances_share_the_work():
 async def test_static_instance_unhealthy_leaves_and_comes_back():
     sd = await started("D")
     try:
-        async with running_proxy(decode=(f"http://{sd.http_address}",), health_interval=0.05) as px:
+        async with running_proxy(decode=(f"http://{sd.http_address}",), health_interval=0.05,
+                                 expose_routing_headers=True) as px:  # fmt: skip
             _p, dd = await px.fake("P"), await px.fake("D")
             await wait_until(lambda: sd.http_address in live(px, "D"))
             sd.health_status = 503

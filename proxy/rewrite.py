@@ -1,0 +1,71 @@
+"""The neutral request id: what clients see instead of the id P and D were sent.
+
+The internal id names P's and D's KV addresses (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``,
+or ``xpyd-local-{uuid}``) and vLLM echoes it in every answer (``"id": "cmpl-{id}"``, chat
+``"chatcmpl-{id}"``, batches and n > 1 alike, since all are built from the header). Unless
+--expose-routing-headers, the relayed bytes get the uuid hex in its place, so ids look like
+vLLM's own (``cmpl-<32 hex>``) and the x-request-id header says the same.
+
+A streamed id may be split across two upstream chunks: the rewriter holds back only a tail
+that is a proper prefix of the internal id. vLLM's chunks end with an SSE event ("\\n\\n"),
+where nothing can be held: that is the fast path, one bytes.replace per chunk.
+"""
+
+from __future__ import annotations
+
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def neutral_id(internal: str) -> str:
+    """The uuid hex both internal forms end with."""
+    return internal[-32:]
+
+
+class IdRewrite:
+    """Replaces one internal id by its neutral form in a body or a stream of chunks."""
+
+    __slots__ = ("old", "new", "_lead", "_held")
+
+    def __init__(self, internal: str, neutral: str | None = None) -> None:
+        self.old = internal.encode("ascii")
+        self.new = (neutral if neutral is not None else neutral_id(internal)).encode("ascii")
+        # The held tail can never overlap a replacement: `new` is hex only and `old` starts
+        # with a non-hex byte, so a tail that is a prefix of `old` starts after any `new`.
+        # A chunk ending in "\n" holds nothing back: the id has no newline.
+        if not (set(self.new) <= _HEX and self.old[0] not in _HEX) or b"\n" in self.old:
+            raise ValueError(f"cannot rewrite {internal!r} to {neutral!r}")
+        self._lead = self.old[:1]
+        self._held = b""
+
+    def whole(self, data: bytes) -> bytes:
+        """A complete body (non-streamed answer, error JSON)."""
+        return data.replace(self.old, self.new)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The next streamed chunk, rewritten; a possible start of the id is kept back."""
+        if self._held:
+            chunk = self._held + chunk
+            self._held = b""
+        data = chunk.replace(self.old, self.new)
+        if not data or data[-1] == 10:  # ends a line ("\n\n": end of an SSE event)
+            return data
+        old = self.old
+        n = len(data)
+        # Only a tail shorter than the id can be the start of one.
+        i = data.find(self._lead, max(0, n - len(old) + 1))
+        while i >= 0:
+            if old.startswith(data[i:]):
+                self._held = data[i:]
+                return data[:i]
+            i = data.find(self._lead, i + 1)
+        return data
+
+    def flush(self) -> bytes:
+        """What is held back, at the clean end of the stream: D's bytes, sent as they are
+        (a stream that ends inside its own id is already broken)."""
+        held, self._held = self._held, b""
+        return held
+
+    def drop(self) -> None:
+        """The stream broke: a held start of the internal id is never sent."""
+        self._held = b""
