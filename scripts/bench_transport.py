@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark the tcp transport between two processes on loopback against a memory copy.
 
-    python scripts/bench_transport.py [--sizes 1,4,16,64,256] [--repeats 5]
+    python scripts/bench_transport.py [--sizes 1,4,16,64,256] [--repeats 5] [--auth none,mac,curve]
 
 Payload: ``--layers`` bf16 tensors shaped like vLLM CPU KV-cache blocks
 ``[n_blocks, kv_heads, block_size, 2*head_dim]``, n_blocks chosen so the total is the
@@ -19,6 +19,12 @@ processes on a shared machine hits all columns alike. torch runs single-threaded
 default (``--torch-threads``), so copy_ is a plain one-core memcpy like each TCP side.
 
 Before timing, each size is checked once for bit-identity in both directions (sha256).
+
+``--auth`` lists the KV authentication mechanisms to time side by side (one server
+transport each, same secret; see ``connector/transport/auth.py``): ``none`` (no
+secret), ``mac`` (a MAC over each header and the frame lengths), ``curve`` (ZMQ CURVE:
+authenticated and encrypted). The first is the baseline of the ratios; with more than
+one, a second table gives each one's PUT and GET and its ratio to the baseline.
 """
 
 from __future__ import annotations
@@ -39,9 +45,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector.transport import TcpTransport  # noqa: E402
+from connector.transport import KVAuth, TcpTransport  # noqa: E402
 
 MiB = 1 << 20
+SECRET = "bench-secret"
+AUTH_MODES = ("none", "mac", "curve")
+
+
+def _transport(args, mode: str) -> TcpTransport:
+    auth = None if mode == "none" else KVAuth.from_secret(SECRET, mode)
+    return TcpTransport(sock_buf_bytes=args.sock_buf, auth=auth)
 
 
 def _sha(tensors) -> list[str]:
@@ -96,17 +109,21 @@ def serve(args) -> None:
                 store[size] = _kv_tensors(size, args, seed=size)
             reply = {"sha256": _sha(store[size])} if header.get("verify") else {}
             return reply, store[size]
+        if op == "ping":
+            return {}, []
         if op == "stop":
             stop.set()
         return {}, []
 
     lsock = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sink, args=(lsock, stop), daemon=True).start()
-    srv = TcpTransport(sock_buf_bytes=args.sock_buf)
-    srv.start("127.0.0.1", 0, handler)
-    print(srv.bound_port, lsock.getsockname()[1], flush=True)
-    stop.wait(timeout=600)
-    srv.close()
+    servers = [_transport(args, mode) for mode in args.auth]
+    for srv in servers:
+        srv.start("127.0.0.1", 0, handler)
+    print(lsock.getsockname()[1], *(srv.bound_port for srv in servers), flush=True)
+    stop.wait(timeout=1800)
+    for srv in servers:
+        srv.close()
     lsock.close()
 
 
@@ -122,16 +139,19 @@ def run(args) -> int:
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(timeout=60)
-        if not line or len(line[0].split()) != 2:
+        if not line or len(line[0].split()) != 1 + len(args.auth):
             print("server did not start", file=sys.stderr)
             return 1
-        port, raw_port = (int(x) for x in line[0].split())
-        peer = f"127.0.0.1:{port}"
+        raw_port, *ports = (int(x) for x in line[0].split())
+        peers = {mode: f"127.0.0.1:{port}" for mode, port in zip(args.auth, ports)}
+        clients = {mode: _transport(args, mode) for mode in args.auth}
+        base = args.auth[0]
+        peer, cli = peers[base], clients[base]
         raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
-        cli = TcpTransport(sock_buf_bytes=args.sock_buf)
         print(
             f"tcp transport, 2 processes on loopback; torch threads={torch.get_num_threads()}, "
-            f"cpus={os.cpu_count()}, median of {args.repeats} interleaved repeats; GB/s = 1e9 B/s"
+            f"cpus={os.cpu_count()}, median of {args.repeats} interleaved repeats; GB/s = 1e9 B/s; "
+            f"auth={base}"
         )
         hdr = (
             f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'raw':>6} {'copy_':>6} {'clone':>6}"
@@ -139,26 +159,43 @@ def run(args) -> int:
         )
         print(hdr)
         print("-" * len(hdr))
+        if len(args.auth) > 1:
+            # Per-call cost with no payload (what reserve/abort/release/ping pay), interleaved.
+            rtts: dict[str, list[float]] = {m: [] for m in args.auth}
+            for _ in range(args.repeats):
+                for mode, c in clients.items():
+                    c.call(peers[mode], {"op": "ping"}, timeout_s=10)  # warm (and a pooled socket)
+                    t0 = time.perf_counter()
+                    for _ in range(200):
+                        c.call(peers[mode], {"op": "ping"}, timeout_s=10)
+                    rtts[mode].append((time.perf_counter() - t0) / 200)
+            print("empty call round trip (us): " + ", ".join(
+                f"{m} {statistics.median(rtts[m]) * 1e6:.0f}" for m in args.auth) + "; ratio to " + base + ": "
+                + ", ".join(f"{m} {statistics.median(rtts[m]) / statistics.median(rtts[base]):.2f}x"
+                            for m in args.auth[1:]))
         ok_all = True
+        by_auth: list[tuple[float, dict[str, tuple[float, float]]]] = []  # (MiB, mode -> (PUT, GET))
         for size in args.sizes:
             src = _kv_tensors(size, args, seed=size)
             nbytes = sum(t.numel() * t.element_size() for t in src)
             timeout = 30 + nbytes / 1e8  # generous: >= 0.1 GB/s
-            # Bit-identity once per size, both directions (this also warms everything up).
-            reply, _ = cli.call(peer, {"op": "put", "verify": True}, src, timeout_s=timeout)
-            put_ok = reply.get("sha256") == _sha(src)
-            reply, got = cli.call(peer, {"op": "get", "size_mib": size, "verify": True}, timeout_s=timeout)
-            get_ok = reply.get("sha256") == _sha(got) == _sha(src)
-            del got
+            # Bit-identity once per size and mechanism, both directions (this also warms up).
+            put_ok = get_ok = True
+            for mode, c in clients.items():
+                reply, _ = c.call(peers[mode], {"op": "put", "verify": True}, src, timeout_s=timeout)
+                put_ok &= reply.get("sha256") == _sha(src)
+                reply, got = c.call(peers[mode], {"op": "get", "size_mib": size, "verify": True}, timeout_s=timeout)
+                get_ok &= reply.get("sha256") == _sha(got) == _sha(src)
+                del got
             ok_all &= put_ok and get_ok
             dst = [torch.empty_like(t) for t in src]
             views = [t.reshape(-1).view(torch.uint8).numpy() for t in src]
 
-            def put():
-                cli.call(peer, {"op": "put"}, src, timeout_s=timeout)
+            def put(mode=base):
+                clients[mode].call(peers[mode], {"op": "put"}, src, timeout_s=timeout)
 
-            def get():
-                cli.call(peer, {"op": "get", "size_mib": size}, timeout_s=timeout)
+            def get(mode=base):
+                clients[mode].call(peers[mode], {"op": "get", "size_mib": size}, timeout_s=timeout)
 
             def raw_tcp():
                 raw.sendall(struct.pack("<Q", nbytes))
@@ -173,7 +210,9 @@ def run(args) -> int:
             def clone():
                 return [s.clone() for s in src]
 
-            fns = (put, get, raw_tcp, copy_, clone)
+            others = [m for m in args.auth if m != base]
+            fns = (put, get, raw_tcp, copy_, clone,
+                   *(fn for m in others for fn in (lambda m=m: put(m), lambda m=m: get(m))))
             for fn in fns:  # warm-up
                 fn()
             times: list[list[float]] = [[] for _ in fns]
@@ -182,7 +221,10 @@ def run(args) -> int:
                     t0 = time.perf_counter()
                     fn()
                     ts.append(time.perf_counter() - t0)
-            put_g, get_g, raw_g, copy_g, clone_g = (nbytes / statistics.median(ts) / 1e9 for ts in times)
+            rates = [nbytes / statistics.median(ts) / 1e9 for ts in times]
+            put_g, get_g, raw_g, copy_g, clone_g = rates[:5]
+            by_auth.append((nbytes / MiB, {base: (put_g, get_g),
+                                           **{m: (rates[5 + 2 * i], rates[6 + 2 * i]) for i, m in enumerate(others)}}))
             shape = f"{len(src)}x{list(src[0].shape)}"
             flag = "" if put_ok and get_ok else "  MISMATCH"
             print(
@@ -192,8 +234,18 @@ def run(args) -> int:
             )
             # Release this size's buffers before allocating the next one.
             src = dst = views = None  # noqa: F841
+        if len(args.auth) > 1:
+            print(f"\nauthentication: PUT and GET GB/s per mechanism, and the ratio to {base} (same run)")
+            head = f"{'MiB':>4}" + "".join(f" {m + ' PUT':>9} {m + ' GET':>9}" for m in args.auth) + "".join(
+                f" {m + '/' + base + ' PUT':>16} {m + '/' + base + ' GET':>16}" for m in args.auth[1:])
+            print(head)
+            print("-" * len(head))
+            for mib, r in by_auth:
+                print(f"{mib:4.0f}" + "".join(f" {r[m][0]:9.2f} {r[m][1]:9.2f}" for m in args.auth) + "".join(
+                    f" {r[m][0] / r[base][0]:16.0%} {r[m][1] / r[base][1]:16.0%}" for m in args.auth[1:]), flush=True)
         cli.call(peer, {"op": "stop"}, timeout_s=10)
-        cli.close()
+        for c in clients.values():
+            c.close()
         raw.close()
         proc.wait(timeout=30)
         print("bit-identical round trips (sha256, both directions):", "yes" if ok_all else "NO")
@@ -214,8 +266,12 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--sock-buf", type=int, default=None, help="SO_SNDBUF/SO_RCVBUF bytes (default: kernel autotuning)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (copy_/clone)")
+    ap.add_argument("--auth", default="none", type=lambda s: s.split(","),
+                    help=f"comma-separated KV auth mechanisms to compare, first = baseline ({', '.join(AUTH_MODES)})")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not args.auth or any(m not in AUTH_MODES for m in args.auth) or len(set(args.auth)) != len(args.auth):
+        ap.error(f"--auth: distinct values of {AUTH_MODES}")
     if args.serve:
         serve(args)
         return 0

@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
-from .base import Handler, Transport, TransportError
+from .auth import KVAuth, derive_kv_key
+from .base import Handler, Transport, TransportError, TransportRefused
 from .tcp import TcpTransport
 
-__all__ = ["Handler", "TcpTransport", "Transport", "TransportError", "make_transport"]
+__all__ = ["Handler", "KVAuth", "TcpTransport", "Transport", "TransportError", "TransportRefused", "derive_kv_key",
+           "make_transport"]
 
 
 def make_transport(name: str = "auto", **kwargs) -> Transport:

@@ -10,10 +10,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
-__all__ = ["Handler", "Transport", "TransportError"]
+__all__ = ["REFUSAL_REASONS", "Handler", "Refusal", "Transport", "TransportError", "TransportRefused"]
+
+# Why a request never reached the handler (a fixed set: these label a Prometheus series).
+# unauthenticated: no auth frame (or, with no secret here, a signed call); bad_mac: a
+# MAC that does not verify (another secret, or tampered); stale: timestamp outside the
+# window (clock skew or an old capture); replay: a nonce seen before; handshake: a
+# CURVE peer refused at the handshake; oversized: over the size or frame cap;
+# malformed: not the wire format.
+Refusal = Literal["unauthenticated", "bad_mac", "stale", "replay", "handshake", "oversized", "malformed"]
+REFUSAL_REASONS: tuple[Refusal, ...] = ("unauthenticated", "bad_mac", "stale", "replay", "handshake", "oversized",
+                                        "malformed")
 
 
 class TransportError(RuntimeError):
@@ -24,6 +35,11 @@ class TransportError(RuntimeError):
     """
 
 
+class TransportRefused(TransportError):
+    """The peer refused the call before its handler saw it (authentication, size):
+    its answer says why, but is not signed, so it only ever means failure."""
+
+
 # handler(header, tensors) -> (reply_header, reply_tensors); runs in the server thread.
 Handler = Callable[[dict, list[torch.Tensor]], tuple[dict, list[torch.Tensor]]]
 
@@ -32,6 +48,12 @@ class Transport(ABC):
     """One endpoint: optionally a server (``start``) and a client for any number of peers."""
 
     name: str
+    # Called with the reason of every request refused before the handler (metrics).
+    on_refuse: Callable[[str], None] | None = None
+
+    def refusals(self) -> dict[str, int]:
+        """Requests dropped before reaching the handler, by reason, since start."""
+        return {}
 
     @abstractmethod
     def start(self, bind_host: str, port: int, handler: Handler) -> None:

@@ -10,6 +10,15 @@ Wire format, one multipart message per call and per reply::
 frame. Sends are zero-copy from the tensor's memory (pyzmq ``copy=False``) and received
 tensors are zero-copy views of the zmq frames (the tensor keeps its frame alive).
 
+With ``auth`` (a shared secret, see ``connector.transport.auth``) requests and replies
+carry an auth frame in front (``mac``), or the sockets run CURVE (``curve``). A request
+that fails authentication, or that is larger than ``max_msg_bytes`` over all its frames
+(or has more than ``max_frames``), never reaches the handler: it is counted by reason
+(``refusals()``, ``on_refuse``), logged at most once per 10 s per reason, and answered
+with a plain ``{"ok": false, "error": ..., "refused": reason}`` so the caller learns why.
+A client with a secret treats such an unauthenticated answer as a failure only
+(``TransportRefused``): it acts on nothing a holder of the key did not sign.
+
 Server: one ROUTER socket served by one daemon thread; handlers run in that thread.
 Client: DEALER sockets pooled per peer; a socket is used by one call at a time and is
 discarded (linger 0) whenever a call fails, so a late reply can never be read as the reply
@@ -23,7 +32,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -31,10 +40,12 @@ import msgpack
 import numpy as np
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from connector.affinity import CpuPlan, pin_current_thread
 
-from .base import Handler, Transport, TransportError
+from .auth import KVAuth, MacAuth, RateLimitedLog, ZapHandler, is_reply_auth, is_request_auth
+from .base import REFUSAL_REASONS, Handler, Transport, TransportError, TransportRefused
 
 __all__ = ["TcpTransport"]
 
@@ -44,6 +55,20 @@ TENSORS_KEY = "tensors"
 ID_KEY = "_id"
 RESERVED_KEYS = (TENSORS_KEY, ID_KEY)
 _RELEASE_WAIT_S = 0.5  # bound on waiting for libzmq to drop a failed call's send buffers (ms in practice)
+# A header is a small map (op, key, layer names, runs, tensor metas); a larger one is
+# refused before it is hashed or decoded, so garbage cannot buy CPU by the gigabyte.
+MAX_HEADER_BYTES = 1 << 20
+
+_REFUSAL_TEXT: MappingProxyType[str, str] = MappingProxyType({
+    "unauthenticated": "kv auth: this engine requires a kv_secret and the call carried none",
+    "bad_mac": "kv auth: MAC does not verify (is kv_secret the same on both sides?)",
+    "stale": "kv auth: timestamp outside the accepted window (are the hosts' clocks in sync?)",
+    "replay": "kv auth: nonce already seen (replayed message)",
+    "signed_no_secret": "kv auth: this engine has no kv_secret but the caller signed its call "
+                        "(set the same kv_secret on both sides)",
+})
+_CURVE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 _DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
     {
@@ -174,6 +199,11 @@ def _decode_tensors(metas: Any, frames: Sequence[zmq.Frame]) -> list[torch.Tenso
     return out
 
 
+def _lens(frames: Sequence[Any]) -> list[int]:
+    """Byte lengths of an outgoing message's frames (bytes and numpy buffers)."""
+    return [f.nbytes if isinstance(f, np.ndarray) else len(f) for f in frames]
+
+
 def _split_peer(peer: str) -> str:
     """``"host:port"`` (or ``"[v6]:port"``) -> zmq endpoint."""
     host, sep, port = peer.rpartition(":")
@@ -198,8 +228,13 @@ class TcpTransport(Transport):
         max_idle_per_peer: idle client sockets kept per peer for reuse.
         poll_interval_s: how often the server thread checks for ``close()``.
         cpus: CPUs for the server thread and libzmq's I/O threads (see ``connector.affinity``).
-        max_msg_bytes: the server drops (and disconnects) a peer sending a larger frame,
-            so a rogue peer cannot make it allocate more than the KV buffer allows.
+        max_msg_bytes: cap on one message, requests and replies, over all its frames. libzmq
+            drops (and disconnects) a peer sending a larger *frame*; a larger message
+            made of smaller frames is dropped once received and refused ("oversized").
+        max_frames: cap on the header and tensor frames of one message (each costs memory
+            even when empty).
+        auth: authenticate every call with a key derived from a shared secret; ``None``
+            accepts anyone who reaches the port (upstream-compatible).
     """
 
     name = "tcp"
@@ -213,10 +248,16 @@ class TcpTransport(Transport):
         poll_interval_s: float = 0.05,
         cpus: CpuPlan | None = None,
         max_msg_bytes: int | None = None,
+        max_frames: int | None = None,
+        auth: KVAuth | None = None,
     ) -> None:
         self._hwm = hwm
         self._cpus = cpus
         self._max_msg_bytes = max_msg_bytes
+        self._max_frames = max_frames
+        self._auth = auth
+        self._mac = MacAuth(auth) if auth is not None and auth.mode == "mac" else None
+        self._curve = auth if auth is not None and auth.mode == "curve" else None
         self._sock_buf_bytes = sock_buf_bytes
         self._max_idle = max_idle_per_peer
         self._poll_ms = max(1, int(poll_interval_s * 1000))
@@ -232,9 +273,34 @@ class TcpTransport(Transport):
         self._closed = False
         self._ctx_termed = False
         self._server_thread: threading.Thread | None = None
+        self._zap: ZapHandler | None = None
         self._stop = threading.Event()
         self._ids = itertools.count(1)  # next() is atomic under the GIL
+        self._refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._log_refusal = RateLimitedLog(logger.warning)
+        self.on_refuse: Callable[[str], None] | None = None  # e.g. the engine's metrics
         self.bound_port: int | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        return self._auth is not None
+
+    def refusals(self) -> dict[str, int]:
+        """Requests dropped before the handler, by reason, since start."""
+        with self._lock:
+            return dict(self._refused)
+
+    def _count_refusal(self, reason: str, detail: str) -> None:
+        with self._lock:
+            self._refused[reason] += 1
+        self._log_refusal(reason, "tcp transport: refused %s request on port %s: %s",
+                          reason, self.bound_port, detail)
+        hook = self.on_refuse
+        if hook is not None:
+            try:
+                hook(reason)
+            except Exception:  # noqa: BLE001 - counting must never break serving
+                logger.exception("tcp transport: refusal hook failed")
 
     # ------------------------------------------------------------------ sockets
 
@@ -247,11 +313,35 @@ class TcpTransport(Transport):
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
         sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 10)
         sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+        if self._max_msg_bytes:
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)  # per frame; totals: _recv_message
         if self._sock_buf_bytes:
             sock.setsockopt(zmq.SNDBUF, self._sock_buf_bytes)
             sock.setsockopt(zmq.RCVBUF, self._sock_buf_bytes)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
+
+    def _recv_message(self, sock: zmq.Socket) -> tuple[list[zmq.Frame], bool]:
+        """The next message's frames, and whether it broke a cap. libzmq delivers a
+        message only once all of it arrived; past a cap the rest is read and dropped
+        at once rather than kept (the first frame stays: a ROUTER's is the caller)."""
+        cap, max_frames = self._max_msg_bytes, self._max_frames
+        out: list[zmq.Frame] = []
+        total = 0
+        over = False
+        more = True
+        while more:
+            f = sock.recv(copy=False)
+            more = f.more
+            if over:
+                continue
+            total += len(f)
+            out.append(f)
+            # + 2: a ROUTER's caller frame and the auth frame are not counted in max_frames.
+            if (cap is not None and total > cap) or (max_frames is not None and len(out) > max_frames + 2):
+                over = True
+                del out[1:]
+        return out, over
 
     # ------------------------------------------------------------------ server
 
@@ -264,35 +354,58 @@ class TcpTransport(Transport):
                 raise RuntimeError("server already started")
             self._serving = True
         sock = self._ctx.socket(zmq.ROUTER)
+        monitor = None
         try:
             self._configure(sock, bind_host.strip("[]"))
-            if self._max_msg_bytes:
-                sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg_bytes)
+            if self._curve is not None:
+                # ZAP must answer before the first handshake; it admits the client key only.
+                self._zap = ZapHandler(self._ctx, self._curve.curve_client[0],
+                                       lambda addr, mech: self._count_refusal(
+                                           "handshake", f"{mech} client {addr} with another key (kv_secret?)"))
+                sock.setsockopt(zmq.CURVE_SERVER, 1)
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.curve_server[1])
+                sock.setsockopt(zmq.ZAP_DOMAIN, b"xpyd-kv")
+                # A peer with another secret derives another server key: the handshake
+                # fails inside libzmq, before ZAP. The monitor sees (and we count) it.
+                monitor = sock.get_monitor_socket(_CURVE_FAILED)
             if port == 0:
                 self.bound_port = sock.bind_to_random_port(f"tcp://{bind_host}")
             else:
                 sock.bind(f"tcp://{bind_host}:{port}")
                 self.bound_port = port
         except zmq.ZMQError as e:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
             with self._lock:
                 self._serving = False
             raise TransportError(f"cannot bind tcp://{bind_host}:{port}: {e}") from e
         self._server_thread = threading.Thread(
-            target=self._serve, args=(sock, handler), name=f"xpyd-tcp-server:{self.bound_port}",
+            target=self._serve, args=(sock, handler, monitor), name=f"xpyd-tcp-server:{self.bound_port}",
             daemon=True,
         )
         self._server_thread.start()
-        logger.info("tcp transport serving", extra={"bind": f"{bind_host}:{self.bound_port}"})
+        logger.info("tcp transport serving", extra={"bind": f"{bind_host}:{self.bound_port}",
+                                                    "auth": self._auth.mode if self._auth else "none"})
 
-    def _serve(self, sock: zmq.Socket, handler: Handler) -> None:
+    def _serve(self, sock: zmq.Socket, handler: Handler, monitor: zmq.Socket | None) -> None:
         pin_current_thread(self._cpus)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    if not sock.poll(self._poll_ms, zmq.POLLIN):
+                    ready = dict(poller.poll(self._poll_ms))
+                    if monitor is not None and monitor in ready:
+                        self._handshake_failures(monitor)
+                    if sock not in ready:
                         continue
-                    frames = sock.recv_multipart(copy=False)
+                    frames, oversized = self._recv_message(sock)
                 except zmq.ZMQError as e:
                     if self._stop.is_set():
                         break
@@ -301,7 +414,7 @@ class TcpTransport(Transport):
                     continue
                 # ROUTER prepends the caller's identity frame.
                 ident, body = frames[0], frames[1:]
-                reply = self._serve_one(body, handler)
+                reply = self._serve_one(body, oversized, handler)
                 try:
                     # ROUTER never blocks: a reply to a caller that went away is dropped.
                     sock.send_multipart([ident, *reply], copy=False)
@@ -310,12 +423,45 @@ class TcpTransport(Transport):
         except Exception:  # pragma: no cover - the loop above is meant to catch everything
             logger.exception("tcp transport: server thread crashed")
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
             sock.close(linger=0)
+            if self._zap is not None:
+                self._zap.close()
             with self._lock:
                 self._serving = False
             self._maybe_term_ctx()
 
-    def _serve_one(self, body: list[zmq.Frame], handler: Handler) -> list[Any]:
+    def _handshake_failures(self, monitor: zmq.Socket) -> None:
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)
+            if event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                # EVENT_HANDSHAKE_FAILED_AUTH is ZAP's refusal, counted by the ZAP handler.
+                self._count_refusal("handshake", "CURVE handshake failed (another kv_secret, or no CURVE)")
+
+    def _refuse(self, reason: str, detail: str, text: str | None = None) -> list[Any]:
+        self._count_refusal(reason, detail)
+        return _encode({"ok": False, "error": text or _REFUSAL_TEXT.get(reason, detail), "refused": reason}, (), None)
+
+    def _serve_one(self, body: list[zmq.Frame], oversized: bool, handler: Handler) -> list[Any]:
+        if oversized:
+            return self._refuse("oversized", "over the cap",
+                                f"message over {self._max_msg_bytes} bytes or {self._max_frames} frames "
+                                "(kv_buffer_size of the receiving engine)")
+        if len(body) > (self._mac is not None) and len(body[self._mac is not None]) > MAX_HEADER_BYTES:
+            return self._refuse("oversized", "header frame too large",
+                                f"header frame over {MAX_HEADER_BYTES} bytes")
+        nonce = None
+        if self._mac is not None:
+            if len(body) < 2:
+                return self._refuse("unauthenticated", f"{len(body)} frames")
+            reason, nonce = self._mac.check_request(body[0].buffer, body[1].buffer, [len(f) for f in body[1:]])
+            if reason is not None:
+                return self._refuse(reason, f"{len(body)} frames, {sum(len(f) for f in body)} bytes")
+            body = body[1:]
+        elif body and is_request_auth(body[0].buffer):
+            return self._refuse("malformed", "signed call, no secret here", _REFUSAL_TEXT["signed_no_secret"])
         call_id = None
         try:
             if not body:
@@ -327,16 +473,24 @@ class TcpTransport(Transport):
                 raise _Malformed("call id is not an int")
             tensors = _decode_tensors(header.pop(TENSORS_KEY, []), body[1:])
         except _Malformed as e:
-            logger.warning("tcp transport: malformed request: %s", e)
-            return _encode({"ok": False, "error": f"malformed request: {e}"}, (), call_id)
+            self._count_refusal("malformed", str(e))
+            return self._signed(_encode({"ok": False, "error": f"malformed request: {e}", "refused": "malformed"},
+                                        (), call_id), nonce)
         try:
             reply_header, reply_tensors = handler(header, tensors)
             reply_header = dict(reply_header)
             reply_header.setdefault("ok", True)
-            return _encode(reply_header, reply_tensors, call_id)
+            reply = _encode(reply_header, reply_tensors, call_id)
         except Exception as e:
             logger.exception("tcp transport: handler failed")
-            return _encode({"ok": False, "error": f"handler error: {type(e).__name__}: {e}"}, (), call_id)
+            reply = _encode({"ok": False, "error": f"handler error: {type(e).__name__}: {e}"}, (), call_id)
+        return self._signed(reply, nonce)
+
+    def _signed(self, frames: list[Any], nonce: bytes | None) -> list[Any]:
+        """A reply to an authenticated request carries the MAC bound to its nonce."""
+        if nonce is None or self._mac is None:
+            return frames
+        return [self._mac.sign_reply(nonce, frames[0], _lens(frames)), *frames]
 
     # ------------------------------------------------------------------ client
 
@@ -352,6 +506,10 @@ class TcpTransport(Transport):
         # `frames` references the tensors' memory: it must outlive the send, which is
         # guaranteed once the reply arrived (or the socket was closed on failure).
         frames = _encode(header, tensors, call_id)
+        nonce = None
+        if self._mac is not None:
+            auth_frame, nonce = self._mac.sign_request(frames[0], _lens(frames))
+            frames = [auth_frame, *frames]
         sock = self._checkout(peer)
         reusable = False
         tracker = None
@@ -359,13 +517,23 @@ class TcpTransport(Transport):
             # IMMEDIATE=1: POLLOUT only once a connection is up, so an unreachable peer is
             # told apart from a slow one and no message sits queued for a dead endpoint.
             if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
-                raise TransportError(f"peer {peer} unreachable: no connection within {timeout_s:g}s")
-            tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=len(frames) > 1)
+                hint = (" (kv_auth=curve: a peer with another kv_secret refuses the handshake and looks "
+                        "like this; see its refused counter)" if self._curve is not None else "")
+                raise TransportError(f"peer {peer} unreachable: no connection within {timeout_s:g}s{hint}")
+            # Tracked only with tensors: the caller's memory (a tracker costs ~0.1 ms).
+            tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=bool(tensors))
             while True:
                 left = _ms_left(deadline)
                 if left <= 0 or not sock.poll(left, zmq.POLLIN):
                     raise TransportError(f"timeout after {timeout_s:g}s waiting for reply from {peer}")
-                reply = sock.recv_multipart(copy=False)
+                reply, oversized = self._recv_message(sock)
+                if oversized:
+                    raise TransportError(f"reply from {peer} over {self._max_msg_bytes} bytes or "
+                                         f"{self._max_frames} frames")
+                if nonce is not None:
+                    reply = self._verified(peer, nonce, reply)
+                    if reply is None:
+                        continue  # a late reply to an earlier call
                 try:
                     rheader = _decode_header(reply[0])
                     rid = rheader.pop(ID_KEY, None)
@@ -390,6 +558,27 @@ class TcpTransport(Transport):
                 except zmq.NotDone:
                     logger.warning("tcp transport: send buffers to %s not released after close", peer)
 
+    def _verified(self, peer: str, nonce: bytes, reply: list[zmq.Frame]) -> list[zmq.Frame] | None:
+        """The body of a reply signed for this call; None for a late reply to an earlier
+        one. An unsigned answer is the peer refusing the call: its text (unverifiable,
+        so only ever a failure) says why."""
+        assert self._mac is not None
+        if reply and is_reply_auth(reply[0].buffer):
+            if len(reply) < 2:
+                raise TransportError(f"malformed reply from {peer}: auth frame alone")
+            why = self._mac.check_reply(nonce, reply[0].buffer, reply[1].buffer, [len(f) for f in reply[1:]])
+            if why == "stale":
+                return None
+            if why is not None:
+                raise TransportError(f"reply from {peer} failed authentication (tampered, or not a peer "
+                                     "with this kv_secret)")
+            return reply[1:]
+        try:
+            error = str(_decode_header(reply[0]).get("error", "no reason given"))[:300]
+        except (_Malformed, IndexError):
+            error = "an answer that is neither signed nor readable"
+        raise TransportRefused(f"peer {peer} refused the call (unauthenticated answer): {error}")
+
     def _checkout(self, peer: str) -> zmq.Socket:
         endpoint = _split_peer(peer)
         with self._lock:
@@ -403,6 +592,10 @@ class TcpTransport(Transport):
             sock = self._ctx.socket(zmq.DEALER)
             self._configure(sock, endpoint[len("tcp://"):].rpartition(":")[0].strip("[]"))
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self._curve is not None:
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.curve_server[0])
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.curve_client[0])
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.curve_client[1])
             sock.connect(endpoint)
             return sock
         except zmq.ZMQError as e:
