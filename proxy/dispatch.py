@@ -163,7 +163,11 @@ class Dispatcher:
     async def _disaggregated(self, call: Call, d: Instance) -> Answer:
         cfg = self.cfg
         req = call.req
-        pre_raw = orjson.dumps(prefill_body(req.path, req.body))
+        try:
+            pre_raw = orjson.dumps(prefill_body(req.path, req.body))
+        except orjson.JSONEncodeError:
+            # orjson reads nesting up to 1024 levels but writes only up to 254.
+            raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None
         tried: list[Instance] = []
         slow: list[Instance] = []  # timed out: never worth a second try
         failures: list[str] = []  # UpstreamError kinds and "timeout", per attempt

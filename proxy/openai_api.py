@@ -97,7 +97,8 @@ def prefill_body(kind: str, body: dict) -> dict:
 def estimate_prompt_tokens(body: dict) -> int:
     """Rough prompt size: ~4 characters per token for text, exact for token ids."""
     prompt = body.get("prompt")
-    if prompt is not None:
+    # A chat body may carry any "prompt" (validate_body checks it for completions only).
+    if isinstance(prompt, (str, list)):
         if isinstance(prompt, str):
             return len(prompt) // 4 + 1
         total = 0
