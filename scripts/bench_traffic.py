@@ -245,7 +245,9 @@ def main() -> int:
     try:
         reqs = make_requests(args)
         disc = cluster.free_port()
-        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, ["--heartbeat-timeout", "5"])
+        # --expose-routing-headers: which D answered is read from x-xpyd-decode-instance.
+        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir,
+                                    ["--heartbeat-timeout", "5", "--expose-routing-headers"])
         servers.append(proxy)
         timeouts = {"kv_load_timeout_s": args.kv_load_timeout_s, "send_timeout_s": args.send_timeout_s}
         for opt in args.connector_option:

@@ -136,10 +136,16 @@ def registered(proxy: ProxySpec, insts: Sequence[InstanceSpec]) -> set[str]:
     """Names of insts the proxy lists in /instances."""
     try:
         status, body = http_get(proxy.url + "/instances", timeout=1.0)
-        listed = {(i["role"], i["http_address"]) for i in json.loads(body)} if status == 200 else set()
+        entries = json.loads(body) if status == 200 else []
+        if all("http_address" in e for e in entries):  # --expose-routing-headers: by address
+            listed = {(e["role"], e["http_address"]) for e in entries}
+            return {i.name for i in insts if (i.role, f"{i.host}:{i.port}") in listed}
+        roles = [e["role"] for e in entries]
     except (OSError, ValueError, KeyError, TypeError):
         return set()
-    return {i.name for i in insts if (i.role, f"{i.host}:{i.port}") in listed}
+    # By default /instances names no address: a role counts as registered once the proxy
+    # lists as many instances of it as were started here.
+    return {i.name for i in insts if roles.count(i.role) >= sum(j.role == i.role for j in insts)}
 
 
 class Launcher:

@@ -53,8 +53,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
 
 def _proxy(disc: int, log_dir: Path, policy: str) -> cluster.Server:
     """A proxy with `policy` for P, waiting until both Ps and the D have registered."""
+    # --expose-routing-headers: which P prefilled is read from x-xpyd-prefill-instance.
     proxy = cluster.start_proxy(free_port(), disc, log_dir / policy,
-                                ["--prefill-policy", policy, "--heartbeat-timeout", "5"])  # fmt: skip
+                                ["--prefill-policy", policy, "--heartbeat-timeout", "5",
+                                 "--expose-routing-headers"])  # fmt: skip
     cluster.wait_until([proxy], "/health", 60)
 
     def registered() -> bool:

@@ -393,3 +393,25 @@ async def test_mid_stream_error_starts_a_fresh_event(case, expose):
                 assert ("prefill_addr" in text) == expose
     finally:
         await d.stop()
+
+
+# ---------------------------------------------------------------- tools that read /instances
+
+
+@pytest.mark.parametrize("expose", [False, True])
+async def test_launcher_sees_registrations_with_or_without_addresses(expose):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from launch import registered
+    from topology import InstanceSpec, ProxySpec
+
+    async with running_proxy(expose_routing_headers=expose) as px:
+        p, d = await px.pd()
+        port = int(px.url.rsplit(":", 1)[1])
+        spec = ProxySpec("proxy", "127.0.0.1", port, 0)
+        insts = [InstanceSpec("p0", "P", "127.0.0.1", p.port, 1), InstanceSpec("d0", "D", "127.0.0.1", d.port, 2)]
+        assert await asyncio.to_thread(registered, spec, insts) == {"p0", "d0"}
+        two_d = insts + [InstanceSpec("d1", "D", "127.0.0.1", free_port(), 3)]
+        assert await asyncio.to_thread(registered, spec, two_d) == {"p0"} | ({"d0"} if expose else set())
