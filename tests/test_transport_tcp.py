@@ -236,6 +236,9 @@ def test_malformed_requests_get_error_replies(server):
         [msgpack.packb({"tensors": [], "_id": 8}), b"extra"],  # frame not announced
         [msgpack.packb({"tensors": good_meta, "_id": 9}), b"\x00" * 7],  # size mismatch
         [msgpack.packb({"tensors": [{"dtype": "complex7", "shape": [1]}]}), b"\x00"],
+        # unhashable dtypes once crashed the server thread (found by tests/test_connector_fuzz.py)
+        [msgpack.packb({"tensors": [{"dtype": {"a": 1}, "shape": [1]}]}), b"\x00"],
+        [msgpack.packb({"tensors": [{"dtype": [1], "shape": [1]}]}), b"\x00"],
         [msgpack.packb({"tensors": [{"dtype": "int8", "shape": [-1]}]}), b""],
         [msgpack.packb({"tensors": "nope"})],
         [msgpack.packb({"_id": "x"})],

@@ -182,7 +182,8 @@ def _decode_tensors(metas: Any, frames: Sequence[zmq.Frame]) -> list[torch.Tenso
     for i, (meta, frame) in enumerate(zip(metas, frames)):
         if not isinstance(meta, dict):
             raise _Malformed(f"tensor {i}: metadata is not a map")
-        dtype = _DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
+        name = meta.get("dtype")
+        dtype = _DTYPES.get(name) if isinstance(name, str) else None  # a dict is unhashable
         if dtype is None:
             raise _Malformed(f"tensor {i}: unknown dtype {meta.get('dtype')!r}")
         shape = meta.get("shape")
@@ -414,7 +415,11 @@ class TcpTransport(Transport):
                     continue
                 # ROUTER prepends the caller's identity frame.
                 ident, body = frames[0], frames[1:]
-                reply = self._serve_one(body, oversized, handler)
+                try:
+                    reply = self._serve_one(body, oversized, handler)
+                except Exception as e:  # noqa: BLE001 - no message may stop the server thread
+                    logger.exception("tcp transport: serving a request failed")
+                    reply = _encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), None)
                 try:
                     # ROUTER never blocks: a reply to a caller that went away is dropped.
                     sock.send_multipart([ident, *reply], copy=False)
