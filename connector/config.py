@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SendType = Literal["PUT", "PUT_ASYNC", "GET"]
@@ -69,6 +69,10 @@ class ConnectorConfig:
     # Test hook: honour kv_transfer_params["xpyd_debug_corrupt_kv"] on load. Off
     # unless explicitly enabled, so clients cannot corrupt a production instance.
     allow_debug_corruption: bool
+    # Shared secret of the KV control sockets (kv_secret, else XPYD_KV_SECRET, else the
+    # discovery secret); None: anyone who reaches a KV port is served (upstream behaviour).
+    kv_secret: str | None = field(default=None, repr=False)
+    kv_auth: str = "mac"  # "mac": a MAC on every call; "curve": ZMQ CURVE (encrypted, slower)
 
     @property
     def is_producer(self) -> bool:
@@ -112,4 +116,7 @@ class ConnectorConfig:
             thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
             discovery_secret=_secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
             allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
+            kv_secret=_secret(extra, "kv_secret", "XPYD_KV_SECRET")
+            or _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
+            kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
         )

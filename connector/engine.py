@@ -12,10 +12,16 @@ Control ops served here: ``reserve`` (room for a payload, before its bytes),
 ``put``, ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
 mode), ``ping``, ``stats``. Every wait is bounded: sends by ``send_timeout_s``,
 loads by ``kv_load_timeout_s``, buffered payloads by ``buffer_ttl_s``.
+
+With ``kv_secret`` set, the socket serves only calls authenticated with a key
+derived from it (``connector.transport.auth``); whatever the secret, a message
+larger than ``kv_buffer_size`` allows never reaches ``_handle``. Refused messages
+are counted by reason (op ``stats``, ``vllm:xpyd_kv_refused_messages_total``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +38,7 @@ from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
 from connector.request_id import rank_address
 from connector.stats import StatsRecorder
-from connector.transport import Transport
+from connector.transport import KVAuth, Transport
 from connector.transport import make_transport as transport_factory
 
 logger = get_logger(__name__)
@@ -52,11 +58,22 @@ class PollResult:
 
 
 def make_transport(name: str, device: torch.device, cpus: affinity.CpuPlan | None,
-                   max_msg_bytes: int | None) -> Transport:
+                   max_msg_bytes: int | None, max_frames: int | None = None,
+                   auth: KVAuth | None = None) -> Transport:
     """tcp everywhere for now; "auto" will pick NCCL on CUDA once that lands."""
     if name == "auto" and device.type == "cuda":
         logger.warning("NCCL transport not available yet: KV goes over tcp via host memory")
-    return transport_factory(name, cpus=cpus, max_msg_bytes=max_msg_bytes)
+    return transport_factory(name, cpus=cpus, max_msg_bytes=max_msg_bytes, max_frames=max_frames, auth=auth)
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 class KVEngine:
@@ -80,22 +97,33 @@ class KVEngine:
         self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s)
         self._stop = threading.Event()
         self._cpus = cpus
-        self._transport = transport or make_transport(cfg.transport, self._device, cpus,
-                                                      cfg.kv_buffer_size + _HEADER_SLACK)
-        self._device_native = bool(getattr(self._transport, "device_native", False))
         # Transfer counters for vLLM's connector stats (/metrics), fed by every thread.
         self.xfer_stats = StatsRecorder()
+        # A payload is at most one tensor per run of blocks per layer: frames beyond that
+        # (each costs memory even when empty) are no payload of ours.
+        max_frames = 2 + len(kv_caches) * max(1, int(next(iter(kv_caches.values())).shape[0]))
+        self._transport = transport or make_transport(
+            cfg.transport, self._device, cpus, cfg.kv_buffer_size + _HEADER_SLACK, max_frames,
+            KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None)
+        self._transport.on_refuse = self.xfer_stats.refused
+        self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
                                  self.xfer_stats)
         self.address = rank_address(cfg.advertised_address, rank)
         host, _, port = self.address.rpartition(":")
         self._transport.start(host, int(port), self._handle)
+        if not getattr(self._transport, "authenticated", False) and not is_loopback(host):
+            logger.warning(
+                "kv port %s is unauthenticated: anyone who reaches it can put, read or fail KV transfers. "
+                "Set kv_secret (or XPYD_KV_SECRET, or discovery_secret) alike on every instance, "
+                "or keep the port on a trusted network", self.address)
         self._sweeper = threading.Thread(target=self._sweep, name="xpyd-kv-sweep", daemon=True)
         self._sweeper.start()
         logger.info(
-            "kv engine up address=%s rank=%d transport=%s send_type=%s layout=%s",
+            "kv engine up address=%s rank=%d transport=%s send_type=%s layout=%s auth=%s",
             self.address, rank, self._transport.name, cfg.send_type, block_layout,
+            cfg.kv_auth if getattr(self._transport, "authenticated", False) else "none",
         )
 
     # ---- bookkeeping visible to tests, logs and the heartbeat ----
@@ -118,6 +146,10 @@ class KVEngine:
             "pending_sends": self.producer.pending,
             "pending_loads": self.consumer.pending,
         }
+
+    def refusals(self) -> dict[str, int]:
+        """Messages the control socket refused before serving them, by reason."""
+        return self._transport.refusals()
 
     # ---- server side (transport thread) ----
     def _handle(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
@@ -169,7 +201,7 @@ class KVEngine:
         if op == "ping":
             return {"ok": True, "address": self.address}, []
         if op == "stats":
-            return {"ok": True, **self.stats()}, []
+            return {"ok": True, **self.stats(), "refused": self._transport.refusals()}, []
         return {"ok": False, "error": f"unknown op {op!r}"}, []
 
     def _sweep(self) -> None:

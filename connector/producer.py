@@ -29,7 +29,7 @@ from connector.log import get_logger
 from connector.metadata import SaveSpec
 from connector.request_id import rank_address
 from connector.stats import StatsRecorder
-from connector.transport import Transport, TransportError
+from connector.transport import Transport, TransportError, TransportRefused
 
 logger = get_logger(__name__)
 
@@ -224,7 +224,8 @@ class PeerSender:
         except TransportError as e:
             logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                            spec.req_id, spec.transfer_key, self.peer, e)
-            self._stats.failure("send", "transport")
+            # Refused before its handler (another kv_secret, too large): no byte was taken.
+            self._stats.failure("send", "refused" if isinstance(e, TransportRefused) else "transport")
             self._notice(spec.transfer_key, str(e))
             self._mark_dead(e)
         except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send

@@ -5,7 +5,8 @@
 - buffer occupancy (a gauge, for the heartbeat and ``/metrics``): aggregating
   keeps the latest figure per worker rank, never a sum over time;
 - per-step counters: transfers by role and result, failures by role and reason,
-  bytes by direction, and how long each successful load waited for its KV.
+  bytes by direction, how long each successful load waited for its KV, and the
+  control messages refused before being served (authentication, size), by reason.
 
 ``XpydPromMetrics`` turns those into Prometheus series on vLLM's own ``/metrics``
 (``build_prom_metrics``); ``reduce`` is the line vLLM's periodic log prints.
@@ -26,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from connector.transport.base import REFUSAL_REASONS
+
 # Label values are fixed sets: Prometheus series must not grow with traffic.
 Role = Literal["send", "load"]  # P ships KV (or stores it) / D takes KV in
 ROLES: tuple[Role, ...] = ("send", "load")
@@ -43,24 +46,26 @@ REASONS: tuple[Reason, ...] = ("refused", "unreachable", "transport", "timeout",
                                "queue_full", "io", "error")
 Direction = Literal["sent", "received"]
 DIRECTIONS: tuple[Direction, ...] = ("sent", "received")
+# Why the KV control socket refused a message (see connector/transport/base.py).
+REFUSALS = REFUSAL_REASONS
 
 # From a same-host copy (ms) to the default kv_load_timeout_s (30 s) and beyond.
 LOAD_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-_COUNTERS = ("transfers", "failures", "bytes")
+_COUNTERS = ("transfers", "failures", "bytes", "refused")
 
 
 def _empty() -> dict[str, Any]:
     # Plain dicts, str keys (rank keys are ints): msgpack carries them to the
     # API server's loggers as they are.
-    return {"buffers": {}, "transfers": {}, "failures": {}, "bytes": {}, "load_wait_s": []}
+    return {"buffers": {}, "transfers": {}, "failures": {}, "bytes": {}, "refused": {}, "load_wait_s": []}
 
 
 @dataclass
 class XpydStats(KVConnectorStats):
     """``data``: ``buffers`` {rank: [used, capacity]}, ``transfers``
     {"role/result": n}, ``failures`` {"role/reason": n}, ``bytes``
-    {direction: n}, ``load_wait_s`` [seconds, ...]."""
+    {direction: n}, ``refused`` {reason: n}, ``load_wait_s`` [seconds, ...]."""
 
     def __post_init__(self) -> None:
         base = _empty()
@@ -107,6 +112,9 @@ class XpydStats(KVConnectorStats):
     def record_load_wait(self, seconds: float) -> None:
         self.data["load_wait_s"].append(max(0.0, float(seconds)))
 
+    def record_refused(self, reason: str) -> None:
+        self._inc("refused", reason)
+
     # ---- reading ----
     def transfers(self, role: str, result: str) -> int:
         return int(self.data["transfers"].get(f"{role}/{result}", 0))
@@ -116,6 +124,9 @@ class XpydStats(KVConnectorStats):
 
     def nbytes(self, direction: str) -> int:
         return int(self.data["bytes"].get(direction, 0))
+
+    def refused(self, reason: str) -> int:
+        return int(self.data["refused"].get(reason, 0))
 
     def has_buffers(self) -> bool:
         return bool(self.data["buffers"])
@@ -157,6 +168,8 @@ class XpydStats(KVConnectorStats):
         for d in DIRECTIONS:
             if self.nbytes(d):
                 out[f"MB {d}"] = round(self.nbytes(d) / 2**20, 3)
+        for k in sorted(self.data["refused"]):
+            out[f"refused {k}"] = self.data["refused"][k]
         waits = self.data["load_wait_s"]
         if waits:
             out["avg load wait (ms)"] = round(sum(waits) / len(waits) * 1e3, 3)
@@ -195,6 +208,10 @@ class StatsRecorder:
         with self._lock:
             self._stats.record_load_wait(seconds)
 
+    def refused(self, reason: str) -> None:
+        with self._lock:
+            self._stats.record_refused(reason)
+
     def take(self, rank: int, used_bytes: int, capacity_bytes: int) -> XpydStats:
         """This step's counters plus the current occupancy, as a new object; the
         counters start again from zero."""
@@ -221,7 +238,10 @@ class XpydPromMetrics(KVConnectorPromMetrics):
     - ``vllm:xpyd_kv_load_wait_seconds``: histogram of how long a successful load
       waited for its KV (from the step that planned it to the step that applied it);
     - ``vllm:xpyd_kv_buffer_usage``: receive buffer (P2P) or writer queue (shared
-      storage) occupancy, 0..1, the figure the heartbeat reports.
+      storage) occupancy, 0..1, the figure the heartbeat reports;
+    - ``vllm:xpyd_kv_refused_messages_total{reason}``: messages the KV control socket
+      dropped before serving them (unauthenticated, bad_mac, stale, replay, handshake,
+      oversized, malformed).
     """
 
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
@@ -258,6 +278,12 @@ class XpydPromMetrics(KVConnectorPromMetrics):
             multiprocess_mode="mostrecent",
             labelnames=labelnames)
         self.buffer_usage = {i: usage.labels(*lv) for i, lv in engines.items()}
+        refused = self._counter_cls(
+            name="vllm:xpyd_kv_refused_messages",
+            documentation="Messages the xPyD KV control socket dropped before serving them, by reason "
+                          "(unauthenticated, bad_mac, stale, replay, handshake, oversized, malformed).",
+            labelnames=[*labelnames, "reason"])
+        self.refused = {i: {r: refused.labels(*lv, r) for r in REFUSALS} for i, lv in engines.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         s = XpydStats.from_dict(transfer_stats_data)
@@ -271,6 +297,10 @@ class XpydPromMetrics(KVConnectorPromMetrics):
                 child.inc(n)
         for d, n in s.data["bytes"].items():
             child = self.bytes[engine_idx].get(d)
+            if child is not None and n > 0:
+                child.inc(n)
+        for r, n in s.data["refused"].items():
+            child = self.refused[engine_idx].get(r)
             if child is not None and n > 0:
                 child.inc(n)
         for w in s.data["load_wait_s"]:

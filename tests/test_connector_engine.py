@@ -17,7 +17,7 @@ from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
 from connector.metadata import LoadSpec, SaveSpec
-from connector.transport.base import TransportError
+from connector.transport.base import REFUSAL_REASONS, TransportError
 from connector.transport.tcp import TcpTransport
 
 HOST = "127.0.0.1"
@@ -172,6 +172,7 @@ def assert_untouched(eng: KVEngine, before: dict) -> None:
 
 ZERO = {"recv_bytes": 0, "recv_reserved_bytes": 0, "recv_items": 0, "send_bytes": 0, "send_items": 0,
         "pending_sends": 0, "pending_loads": 0}
+NO_REFUSALS = dict.fromkeys(REFUSAL_REASONS, 0)
 
 
 # ================================================================ transfers
@@ -533,7 +534,7 @@ def test_malformed_control_messages(engines, client):
     r = call({"op": "ping"})
     assert r == {"ok": True, "address": addr}
     r = call({"op": "stats"})
-    assert r == {"ok": True, **ZERO}
+    assert r == {"ok": True, **ZERO, "refused": NO_REFUSALS}
     # Raw garbage on the socket: the transport answers, the engine keeps serving.
 
     ctx = zmq.Context()
@@ -552,7 +553,7 @@ def test_malformed_control_messages(engines, client):
     before = snapshot(cons.caches)
     prod.save(save_spec(prod, rank0(cons)))
     load_and_check(cons, prod, before)
-    assert call({"op": "stats"}) == {"ok": True, **ZERO}
+    assert call({"op": "stats"}) == {"ok": True, **ZERO, "refused": {**NO_REFUSALS, "malformed": 1}}
 
 
 def _good_header(eng: KVEngine, runs=(2,), num_blocks=2) -> dict:
