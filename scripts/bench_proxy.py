@@ -13,8 +13,13 @@ per request (from /proc/<pid>/stat), each with its ratio to the direct run.
 
 With --variants, one proxy per variant (each with its own fake P and D) runs side by side
 and --rounds interleaves the measurements (medians reported), so that load from other
-processes on a shared machine hits every variant alike. Loopback only; every process it
-starts is stopped by PID at the end.
+processes on a shared machine hits every variant alike. A variant may end in "+expose": that
+proxy runs with --expose-routing-headers (no neutral-id rewrite of the relayed bytes):
+
+    .venv/bin/python scripts/bench_proxy.py --rounds 5 --concurrency 1 16 64 --variants \
+        native/uvloop/httptools native/uvloop/httptools+expose
+
+Loopback only; every process it starts is stopped by PID at the end.
 """
 
 from __future__ import annotations
@@ -245,7 +250,11 @@ class Setup:
 
 
 def start_setup(variant: str, procs: list[subprocess.Popen]) -> Setup:
-    client, loop, http = variant.split("/")
+    base, *flags = variant.split("+")
+    client, loop, http = base.split("/")
+    extra = {"expose": ["--expose-routing-headers"]}
+    if any(f not in extra for f in flags):
+        raise SystemExit(f"unknown variant flag in {variant!r} (known: {', '.join(extra)})")
     py = sys.executable
     disc, p_port, d_port, proxy_port = free_port(), free_port(), free_port(), free_port()
 
@@ -260,7 +269,7 @@ def start_setup(variant: str, procs: list[subprocess.Popen]) -> Setup:
     proxy = spawn([py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
                    "--discovery-host", "127.0.0.1", "--discovery-port", str(disc),
                    "--log-level", "warning", "--upstream-client", client, "--loop", loop,
-                   "--http", http])  # fmt: skip
+                   "--http", http, *(a for f in flags for a in extra[f])])  # fmt: skip
     return Setup(variant, d_port, d_proc, proxy_port, proxy)
 
 
@@ -323,17 +332,17 @@ def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namesp
     print(f"\nxPyD proxy benchmark: streaming completions, {args.tokens} tokens, fake P/D "
           f"instances, {os.cpu_count()} CPUs, {args.duration:g}s per point{rounds}")  # fmt: skip
     print("direct = load generator -> D;  proxy = load generator -> proxy -> P then D")
-    hdr = (f"{'variant':<26} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
+    hdr = (f"{'variant':<31} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
            f"{'p50 d':>6} {'p50 px':>6} {'+p50':>6} {'+p99':>6} {'x p50':>5} | "
            f"{'D cpu':>6} {'px cpu':>6} {'x':>4} | err")  # fmt: skip
     print(hdr)
-    print(f"{'':<26} {'':>3} | {'req/s':>7} {'req/s':>7} {'':>5} | {'ms':>6} {'ms':>6} "
+    print(f"{'':<31} {'':>3} | {'req/s':>7} {'req/s':>7} {'':>5} | {'ms':>6} {'ms':>6} "
           f"{'ms':>6} {'ms':>6} {'':>5} | {'ms/req':>6} {'ms/req':>6} {'':>4} |")  # fmt: skip
     print("-" * len(hdr))
     for variant, rows in results.items():
         for c, (d, p) in rows.items():
             cpu_x = p.cpu_ms / d.cpu_ms if d.cpu_ms else float("nan")
-            print(f"{variant:<26} {c:>3} | {d.rps:>7.0f} {p.rps:>7.0f} {p.rps / d.rps:>5.2f} | "
+            print(f"{variant:<31} {c:>3} | {d.rps:>7.0f} {p.rps:>7.0f} {p.rps / d.rps:>5.2f} | "
                   f"{d.p50:>6.2f} {p.p50:>6.2f} {p.p50 - d.p50:>6.2f} {p.p99 - d.p99:>6.2f} "
                   f"{p.p50 / d.p50:>5.2f} | {d.cpu_ms:>6.3f} {p.cpu_ms:>6.3f} {cpu_x:>4.1f} | "
                   f"{d.errors + p.errors}")  # fmt: skip
@@ -353,7 +362,8 @@ def main() -> int:
     ap.add_argument("--upstream-client", default="native", choices=("native", "aiohttp", "httpx"))
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     ap.add_argument("--http", default="httptools", choices=("httptools", "h11"))
-    ap.add_argument("--variants", nargs="*", help="client/loop/http combinations to compare")
+    ap.add_argument("--variants", nargs="*",
+                    help="client/loop/http[+expose] combinations to compare")  # fmt: skip
     # internal: load generator mode
     ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
