@@ -38,6 +38,15 @@ _RELEASED_MEMORY = 4096
 # arrive after the others were planned. A key of children is released this long
 # after its last known consumer was planned (a plain request's at once).
 SIBLING_GRACE_S = 1.0
+# request_finished's kv_transfer_params reach the client's response. The transfer key
+# names the KV in flight (without kv_secret, whoever knows it can feed or fail that
+# transfer), so it is only reported to a request whose kv_transfer_params ask for it.
+REPORT_KEY_PARAM = "xpyd_report_transfer_key"
+
+
+def _asked_for_key(request: "Request") -> bool:
+    value = (request.kv_transfer_params or {}).get(REPORT_KEY_PARAM)
+    return value is True or (isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"))
 
 
 def tokens_computed_before(scheduler_output: "SchedulerOutput") -> dict[str, int]:
@@ -255,7 +264,8 @@ class P2pScheduler:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Returns (delay_free, kv_transfer_params); the params reach the client's
-        response as ``kv_transfer_params: {"xpyd": {...}}``."""
+        response as ``kv_transfer_params: {"xpyd": {...}}`` (with ``transfer_key`` only
+        when the request's kv_transfer_params carry ``xpyd_report_transfer_key: true``)."""
         rid = request.request_id
         self._live.discard(rid)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
@@ -265,19 +275,18 @@ class P2pScheduler:
                 del self._key_owner[tid.key]
             # Aborted before admission, or loaded nothing: no load will come from it.
             self._planned(rid, tid.key)
+        key = {"transfer_key": tid.key} if tid is not None and _asked_for_key(request) else {}
         save = self._saving.pop(rid, None)
         if save is not None:
             # With PUT_ASYNC the send may still be running: this says what was
             # handed to the sender, not what arrived.
-            return save.delay_free, {"xpyd": {"transfer_key": save.transfer_key,
-                                              "send_type": self._cfg.send_type,
+            return save.delay_free, {"xpyd": {**key, "send_type": self._cfg.send_type,
                                               "prompt_tokens": save.num_tokens}}
         load = self._loaded.pop(rid, None)
         if load is not None:
             failed = rid in self._failed_loads
             self._failed_loads.discard(rid)
-            return False, {"xpyd": {"transfer_key": load.transfer_key,
-                                    "loaded_tokens": 0 if failed else load.num_tokens,
+            return False, {"xpyd": {**key, "loaded_tokens": 0 if failed else load.num_tokens,
                                     "load_failed": failed}}
         return False, None
 

@@ -19,7 +19,7 @@ from vllm.v1.request import Request
 
 from connector.config import ConnectorConfig
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connector.scheduler import SIBLING_GRACE_S, P2pScheduler
+from connector.scheduler import REPORT_KEY_PARAM, SIBLING_GRACE_S, P2pScheduler
 from connector.stats import XpydStats
 from proxy.protocol import Load
 
@@ -205,9 +205,32 @@ def test_consumer_request_finished_reports_loaded_tokens():
     admit(s, req, 128, [11, 4, 6])
     s.build_connector_meta(sched_out())
     assert s.request_finished(req, [11, 4, 6]) == (
-        False, {"xpyd": {"transfer_key": TK, "loaded_tokens": 171, "load_failed": False}})
+        False, {"xpyd": {"loaded_tokens": 171, "load_failed": False}})
     # Its state is gone.
     assert s.request_finished(req, [11, 4, 6]) == (False, None)
+
+
+@pytest.mark.parametrize("ask, reported", [(None, False), (False, False), ("false", False), (1, False),
+                                           (True, True), ("true", True)])
+def test_transfer_key_reported_only_when_asked(ask, reported):
+    """The key names the KV in flight: it reaches the client's response only on request."""
+    params = {} if ask is None else {REPORT_KEY_PARAM: ask}
+    want = {"transfer_key": TK} if reported else {}
+    s = consumer()
+    req = make_req(pd_id(), 300, params)
+    s.on_new_request(req)
+    admit(s, req, 128, [11, 4, 6])
+    s.build_connector_meta(sched_out())
+    assert s.request_finished(req, [11, 4, 6]) == (
+        False, {"xpyd": {**want, "loaded_tokens": 171, "load_failed": False}})
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), 200, params)
+    kvm.blocks[req.request_id] = [3, 1]
+    s.on_new_request(req)
+    assert len(s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves) == 1
+    assert s.request_finished(req, [3, 1]) == (
+        True, {"xpyd": {**want, "send_type": "PUT_ASYNC", "prompt_tokens": 200}})
 
 
 def test_consumer_abort_before_allocation():
@@ -381,7 +404,7 @@ def test_producer_preempted_with_save_in_flight():
     assert s.build_connector_meta(sched_out(preempted=set())).preempted == []
     # Reported when it finishes; the blocks wait for the send.
     assert s.request_finished(req, [1, 2, 3]) == (
-        True, {"xpyd": {"transfer_key": TK, "send_type": "PUT_ASYNC", "prompt_tokens": 300}})
+        True, {"xpyd": {"send_type": "PUT_ASYNC", "prompt_tokens": 300}})
     # Once finished it is no longer listed on preemption.
     assert s.build_connector_meta(sched_out(preempted={rid})).preempted == []
 
@@ -410,7 +433,7 @@ def test_producer_delay_free_by_send_type(send_type, delay_free):
     (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves
     assert spec.delay_free is delay_free
     assert s.request_finished(req, [3, 1]) == (
-        delay_free, {"xpyd": {"transfer_key": TK, "send_type": send_type, "prompt_tokens": 200}})
+        delay_free, {"xpyd": {"send_type": send_type, "prompt_tokens": 200}})
 
 
 def test_load_report():
@@ -474,7 +497,7 @@ def test_consumer_failed_load_is_reported_as_such():
     s.build_connector_meta(sched_out())
     s.update_connector_output({req.request_id, "some-other-request"})
     assert s.request_finished(req, [1, 2, 3]) == (
-        False, {"xpyd": {"transfer_key": TK, "loaded_tokens": 0, "load_failed": True}})
+        False, {"xpyd": {"loaded_tokens": 0, "load_failed": True}})
 
 
 def test_consumer_pd_request_that_loaded_nothing_releases_its_transfer():
