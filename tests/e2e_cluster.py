@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import cluster  # noqa: E402  (scripts/cluster.py)
 from cluster import free_port, free_port_pair  # noqa: E402,F401  (re-exported to tests)
 
-from connector.transport.tcp import TcpTransport  # noqa: E402
+from connector.transport import KVAuth, TcpTransport  # noqa: E402
 
 # Small on purpose so the fault tests run in seconds.
 KV_LOAD_TIMEOUT_S = 6.0
@@ -23,6 +23,8 @@ BUFFER_TTL_S = 8.0
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
 # Prompts under this many estimated tokens (~4 characters each) go to D alone.
 LOCAL_PREFILL_THRESHOLD = 16
+# P and D authenticate their KV control sockets: every transfer in the suite is signed.
+KV_SECRET = "e2e-kv-secret"
 
 
 @dataclass
@@ -40,9 +42,10 @@ class E2ECluster:
     def kv_addr(self, s: cluster.Server) -> str:
         return f"127.0.0.1:{s.kv_port}"
 
-    def engine_stats(self, s: cluster.Server) -> dict:
-        """Buffer accounting of a server's rank-0 KV engine, over its control socket."""
-        t = TcpTransport()
+    def engine_stats(self, s: cluster.Server, secret: str | None = KV_SECRET) -> dict:
+        """Buffer accounting of a server's rank-0 KV engine, over its control socket
+        (a call signed with ``secret``; None: unsigned)."""
+        t = TcpTransport(auth=KVAuth.from_secret(secret) if secret else None)
         try:
             reply, _ = t.call(self.kv_addr(s), {"op": "stats"}, timeout_s=5.0)
         finally:
@@ -68,7 +71,7 @@ def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None) -> E2E
     p_port, d_port = free_port(), free_port()
     p_kv, d_kv = free_port_pair(), free_port_pair()
     timeouts = dict(kv_load_timeout_s=KV_LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S,
-                    buffer_ttl_s=BUFFER_TTL_S)
+                    buffer_ttl_s=BUFFER_TTL_S, kv_secret=KV_SECRET)
     prefill = cluster.start_vllm(
         "prefill", p_port, log_dir,
         kv_config=cluster.kv_transfer_config("kv_producer", p_kv, p_port, disc, **timeouts), **common)

@@ -5,6 +5,10 @@ D instances directly (the proxy's part is covered elsewhere).
   before any byte moves, D1's load fails on its next step and D1 recomputes.
 - D2 is frozen (SIGSTOP): sends to it wait out their deadline on its own queue,
   while D1's transfers go through at once.
+- D3 has another kv_secret than P: P's reservation is refused (P ships no KV byte),
+  D3 gets nothing, waits out its short load deadline and recomputes.
+
+P, D1 and D2 share a kv_secret: every transfer here is authenticated.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ import pytest
 from e2e_client import BLOCK, body_for, generate, make_prompt, poll
 from e2e_cluster import free_port, free_port_pair
 
+from connector.transport import KVAuth, TcpTransport
+
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
 
 LOAD_TIMEOUT_S = 20.0  # long on purpose: a fail-fast load must not come near it
 SEND_TIMEOUT_S = 4.0
 SMALL_BUFFER = 100_000  # one 64 KiB block of the tiny model fits, three do not
+KV_SECRET = "faults-kv-secret"
+OTHER_SECRET = "a different kv secret"
+OTHER_LOAD_TIMEOUT_S = 4.0  # D3 waits this long for KV that is refused, then recomputes
 
 
 def _rid(p_kv: int, d_kv: int) -> str:
@@ -36,16 +45,18 @@ def _rid(p_kv: int, d_kv: int) -> str:
 @pytest.fixture(scope="module")
 def pdd(tmp_path_factory: pytest.TempPathFactory):
     log_dir = Path(tmp_path_factory.mktemp("e2e-faults"))
-    ports = {name: (free_port(), free_port_pair()) for name in ("prefill", "d1", "d2")}
-    timeouts = dict(kv_load_timeout_s=LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S)
+    ports = {name: (free_port(), free_port_pair()) for name in ("prefill", "d1", "d2", "d3")}
+    common = dict(kv_load_timeout_s=LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S, kv_secret=KV_SECRET)
     env = e2e_cluster.bind_env(None)  # vLLM's default binding
     servers = {}
     for name, role, extra in (("prefill", "kv_producer", {}), ("d1", "kv_consumer", {"kv_buffer_size": SMALL_BUFFER}),
-                              ("d2", "kv_consumer", {})):
+                              ("d2", "kv_consumer", {}),
+                              ("d3", "kv_consumer", {"kv_secret": OTHER_SECRET,
+                                                     "kv_load_timeout_s": OTHER_LOAD_TIMEOUT_S})):
         port, kv = ports[name]
         servers[name] = cluster.start_vllm(
             name, port, log_dir, max_num_batched_tokens=e2e_cluster.MAX_BATCHED_TOKENS, env=env,
-            kv_config=cluster.kv_transfer_config(role, kv, port, None, **timeouts, **extra))
+            kv_config=cluster.kv_transfer_config(role, kv, port, None, **{**common, **extra}))
     try:
         cluster.wait_until(list(servers.values()), "/health", 600)
         yield servers
@@ -62,8 +73,8 @@ def _disaggregated(p, d, prompt: str, timeout: float = LOAD_TIMEOUT_S + 30) -> t
     rid = _rid(p.kv_port, d.kv_port)
     generate(p.url, "completions", body_for("completions", prompt, False, max_tokens=1), {"X-Request-Id": rid})
     t0 = time.monotonic()
-    got, data = generate(d.url, "completions", body_for("completions", prompt, False), {"X-Request-Id": rid},
-                         timeout=timeout)
+    body = {**body_for("completions", prompt, False), "kv_transfer_params": {"xpyd_report_transfer_key": True}}
+    got, data = generate(d.url, "completions", body, {"X-Request-Id": rid}, timeout=timeout)
     return got, data, time.monotonic() - t0
 
 
@@ -110,3 +121,34 @@ def test_frozen_decode_does_not_delay_a_healthy_one(pdd, tokenizer):
     got, data, _ = _disaggregated(p, d2, prompt)
     assert got == want
     assert data["kv_transfer_params"]["xpyd"]["load_failed"] is False
+
+
+def _kv_stats(s, secret: str) -> dict:
+    """A server's rank-0 KV engine accounting, asked with ``secret``."""
+    with TcpTransport(auth=KVAuth.from_secret(secret)) as t:
+        reply, _ = t.call(f"127.0.0.1:{s.kv_port}", {"op": "stats"}, timeout_s=5.0)
+    return reply
+
+
+def test_decode_with_another_secret_refuses_the_kv_and_recomputes(pdd, tokenizer):
+    p, d3 = pdd["prefill"], pdd["d3"]
+    prompt = make_prompt(tokenizer, 2 * BLOCK + 10, seed=4601)
+    want, _ = generate(p.url, "completions", body_for("completions", prompt, False))  # P's own answer
+    got, data, elapsed = _disaggregated(p, d3, prompt)
+    assert got == want  # D3 recomputed the prompt (kv_load_failure_policy=recompute)
+    xpyd = data["kv_transfer_params"]["xpyd"]
+    assert xpyd["load_failed"] is True and xpyd["loaded_tokens"] == 0
+    assert elapsed < OTHER_LOAD_TIMEOUT_S + 20, f"D3 took {elapsed:.1f}s (deadline {OTHER_LOAD_TIMEOUT_S}s)"
+    # P learnt why from D3's answer to its reservation, before shipping any KV byte.
+    assert re.search(r"kv send failed .*refused the call .*MAC does not verify", p.log()), "P did not say why"
+    assert re.search(r"refused bad_mac request", d3.log())
+    assert re.search(r"kv load timed out", d3.log())
+    st = _kv_stats(d3, OTHER_SECRET)
+    assert st["refused"]["bad_mac"] >= 1 and st["refused"]["unauthenticated"] == 0
+    assert all(st[k] == 0 for k in ("recv_bytes", "recv_reserved_bytes", "recv_items", "pending_loads"))
+    # The rest of the system is unaffected: authenticated transfers to D1 still move.
+    small = make_prompt(tokenizer, 60, seed=4602)
+    want, _ = generate(p.url, "completions", body_for("completions", small, False))
+    got, data, _ = _disaggregated(p, pdd["d1"], small)
+    assert got == want and data["kv_transfer_params"]["xpyd"]["loaded_tokens"] == data["usage"]["prompt_tokens"] - 1
+    assert not any(_kv_stats(pdd["d1"], KV_SECRET)["refused"].values())

@@ -20,6 +20,8 @@ import pytest
 from e2e_client import BLOCK, MAX_TOKENS, MODEL_DIR, body_for, generate, make_prompt, metric, poll
 from e2e_cluster import E2ECluster
 
+from connector.transport import TransportRefused
+
 pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module", params=[None, "nobind"], ids=["vllm-default-binding", "nobind"])
@@ -62,12 +64,13 @@ def test_disaggregated_equals_colocated(sys_: E2ECluster, tokenizer, n_tokens, e
         xpyd = last["kv_transfer_params"]["xpyd"]
         assert xpyd["loaded_tokens"] == usage["prompt_tokens"] - 1
         assert xpyd["load_failed"] is False
+        assert "transfer_key" not in xpyd  # not unless asked for
 
 
 def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer):
     """D's own metrics: the prompt came over p2p, one prompt token was computed."""
     prompt = make_prompt(tokenizer, 2 * BLOCK + 10, seed=4242)
-    body = body_for("completions", prompt, False)
+    body = {**body_for("completions", prompt, False), "kv_transfer_params": {"xpyd_report_transfer_key": True}}
     before_p2p = metric(sys_.decode.url, "vllm:prompt_tokens_cached_by_source_total", {"source": "p2p"})
     before_local = metric(sys_.decode.url, "vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
     _, data = generate(sys_.proxy.url, "completions", body)
@@ -248,7 +251,20 @@ def test_no_transfer_was_lost_under_this_binding(sys_: E2ECluster):
                    (sys_.decode, ("kv load failed", "kv load timed out", "refused kv"))):
         lines = [ln for ln in s.log().splitlines() if any(b in ln for b in bad)]
         assert not lines, f"{s.name}: {lines[:3]}"
+        # Every one of those transfers was signed with the cluster's kv_secret.
+        assert not any(sys_.engine_stats(s)["refused"].values()), s.name
     assert sys_.decode.log().count("kv loaded") >= 20
+
+
+def test_kv_ports_refuse_calls_without_the_secret(sys_: E2ECluster):
+    """With kv_secret set, D's KV port answers an unsigned call and one signed with
+    another secret by refusing it (saying why), and counts both."""
+    reply = sys_.engine_stats(sys_.decode, secret=None)
+    assert reply["ok"] is False and reply["refused"] == "unauthenticated" and "recv_bytes" not in reply
+    with pytest.raises(TransportRefused, match="MAC does not verify"):
+        sys_.engine_stats(sys_.decode, secret="not the cluster's secret")
+    refused = sys_.engine_stats(sys_.decode)["refused"]
+    assert {k: v for k, v in refused.items() if v} == {"unauthenticated": 1, "bad_mac": 1}
 
 
 # ---------------- faults: nothing hangs, nothing leaks ----------------
