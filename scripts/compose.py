@@ -124,6 +124,10 @@ def render_services(profile: str, topo: Topology) -> dict[str, Any]:
             svc["ipc"] = "host"  # tensor-parallel workers share memory
             svc["volumes"] = ["${HF_HOME:-~/.cache/huggingface}:/root/.cache/huggingface"]
             svc["environment"] = {**svc["environment"], "HF_TOKEN": "${HF_TOKEN:-}"}
+        else:
+            # vLLM's engine and worker processes talk through /dev/shm (160 MiB here); Docker
+            # gives 64 MiB. Not ipc: host on CPU: nothing needs the host's IPC namespace.
+            svc["shm_size"] = "1gb"
         if not svc["environment"]:
             del svc["environment"]
         services[service_name(profile, inst.name)] = svc
