@@ -14,8 +14,8 @@ requested size. For each size it times (median of ``--repeats``):
 * raw   - the same bytes over a plain TCP socket (``sendall`` -> ``recv_into`` a reused
           buffer) between the same two processes: the kernel's loopback ceiling.
 
-Repeats are interleaved (PUT, GET, raw, copy_, clone, PUT, ...) so that load from other
-processes on a shared machine hits all columns alike. torch runs single-threaded by
+Repeats are interleaved (PUT, GET, raw, copy_, clone, ... in a new seeded order each
+repeat) so that load from other processes on a shared machine hits all columns alike. torch runs single-threaded by
 default (``--torch-threads``), so copy_ is a plain one-core memcpy like each TCP side.
 
 Before timing, each size is checked once for bit-identity in both directions (sha256).
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import random
 import socket
 import statistics
 import struct
@@ -216,11 +217,16 @@ def run(args) -> int:
             for fn in fns:  # warm-up
                 fn()
             times: list[list[float]] = [[] for _ in fns]
+            order = list(range(len(fns)))
+            shuffle = random.Random(size).shuffle
             for _ in range(args.repeats):
-                for fn, ts in zip(fns, times):
+                # A new order each repeat: what ran just before (allocations freed, caches
+                # warmed) then favours no column in particular.
+                shuffle(order)
+                for i in order:
                     t0 = time.perf_counter()
-                    fn()
-                    ts.append(time.perf_counter() - t0)
+                    fns[i]()
+                    times[i].append(time.perf_counter() - t0)
             rates = [nbytes / statistics.median(ts) / 1e9 for ts in times]
             put_g, get_g, raw_g, copy_g, clone_g = rates[:5]
             by_auth.append((nbytes / MiB, {base: (put_g, get_g),
