@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector import request_id
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, _flag
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
@@ -45,8 +45,7 @@ REPORT_KEY_PARAM = "xpyd_report_transfer_key"
 
 
 def _asked_for_key(request: "Request") -> bool:
-    value = (request.kv_transfer_params or {}).get(REPORT_KEY_PARAM)
-    return value is True or (isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"))
+    return _flag((request.kv_transfer_params or {}).get(REPORT_KEY_PARAM, False))
 
 
 def tokens_computed_before(scheduler_output: "SchedulerOutput") -> dict[str, int]:

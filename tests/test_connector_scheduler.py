@@ -210,8 +210,8 @@ def test_consumer_request_finished_reports_loaded_tokens():
     assert s.request_finished(req, [11, 4, 6]) == (False, None)
 
 
-@pytest.mark.parametrize("ask, reported", [(None, False), (False, False), ("false", False), (1, False),
-                                           (True, True), ("true", True)])
+@pytest.mark.parametrize("ask, reported", [(None, False), (False, False), ("false", False), (0, False),
+                                           (True, True), ("true", True), (1, True)])
 def test_transfer_key_reported_only_when_asked(ask, reported):
     """The key names the KV in flight: it reaches the client's response only on request."""
     params = {} if ask is None else {REPORT_KEY_PARAM: ask}

@@ -257,8 +257,9 @@ def test_client_acts_only_on_signed_replies(started):
     fake.setsockopt(zmq.LINGER, 0)
     port = fake.bind_to_random_port(f"tcp://{HOST}")
     ok = msgpack.packb({"ok": True, "tensors": []})
+    lying = msgpack.packb({"ok": True, "error": "fine\nkv loaded req=forged " + "x" * 1000, "tensors": []})
     answers = [
-        lambda nonce: [ok],  # unsigned "ok"
+        lambda nonce: [lying],  # unsigned "ok", with a line of its own for our log
         lambda nonce: [b"\xc1xKVr1" + nonce + b"\x00" * 32, ok],  # forged tag, right nonce
     ]
     seen: list[list[bytes]] = []
@@ -275,8 +276,9 @@ def test_client_acts_only_on_signed_replies(started):
     t.start()
     cli = started.client(auth=auth())
     try:
-        with pytest.raises(TransportRefused, match="unauthenticated answer"):
+        with pytest.raises(TransportRefused, match="unauthenticated answer") as e:
             cli.call(f"{HOST}:{port}", {"op": "reserve", "key": "k", "nbytes": 10})
+        assert "\n" not in str(e.value) and len(str(e.value)) < 400  # one bounded line
         with pytest.raises(TransportError, match="failed authentication"):
             cli.call(f"{HOST}:{port}", {"op": "get", "key": "k"})
     finally:

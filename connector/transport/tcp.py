@@ -200,6 +200,11 @@ def _decode_tensors(metas: Any, frames: Sequence[zmq.Frame]) -> list[torch.Tenso
     return out
 
 
+def _printable(text: str, limit: int = 300) -> str:
+    """Peer-controlled text for a log line or an error: bounded, one line."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 def _lens(frames: Sequence[Any]) -> list[int]:
     """Byte lengths of an outgoing message's frames (bytes and numpy buffers)."""
     return [f.nbytes if isinstance(f, np.ndarray) else len(f) for f in frames]
@@ -295,7 +300,7 @@ class TcpTransport(Transport):
         with self._lock:
             self._refused[reason] += 1
         self._log_refusal(reason, "tcp transport: refused %s request on port %s: %s",
-                          reason, self.bound_port, detail)
+                          reason, self.bound_port, _printable(detail))
         hook = self.on_refuse
         if hook is not None:
             try:
@@ -479,8 +484,8 @@ class TcpTransport(Transport):
             tensors = _decode_tensors(header.pop(TENSORS_KEY, []), body[1:])
         except _Malformed as e:
             self._count_refusal("malformed", str(e))
-            return self._signed(_encode({"ok": False, "error": f"malformed request: {e}", "refused": "malformed"},
-                                        (), call_id), nonce)
+            return self._signed(_encode({"ok": False, "error": f"malformed request: {_printable(str(e))}",
+                                         "refused": "malformed"}, (), call_id), nonce)
         try:
             reply_header, reply_tensors = handler(header, tensors)
             reply_header = dict(reply_header)
@@ -579,7 +584,7 @@ class TcpTransport(Transport):
                                      "with this kv_secret)")
             return reply[1:]
         try:
-            error = str(_decode_header(reply[0]).get("error", "no reason given"))[:300]
+            error = _printable(str(_decode_header(reply[0]).get("error", "no reason given")))
         except (_Malformed, IndexError):
             error = "an answer that is neither signed nor readable"
         raise TransportRefused(f"peer {peer} refused the call (unauthenticated answer): {error}")
