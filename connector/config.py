@@ -65,7 +65,7 @@ class ConnectorConfig:
     heartbeat_interval_s: float
     transport: str
     thread_affinity: str  # "auto": move our threads off the cores OpenMP pinned; "off": leave them
-    discovery_secret: str | None
+    discovery_secret: str | None = field(repr=False)  # never in a logged config
     # Test hook: honour kv_transfer_params["xpyd_debug_corrupt_kv"] on load. Off
     # unless explicitly enabled, so clients cannot corrupt a production instance.
     allow_debug_corruption: bool

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -29,7 +29,7 @@ class ProxyConfig:
     discovery_host: str = "127.0.0.1"
     discovery_port: int = 30001
     # Shared secret that registrations must be signed with (HMAC); None accepts unsigned.
-    discovery_secret: str | None = None
+    discovery_secret: str | None = field(default=None, repr=False)  # secrets stay out of logs
     # Binding discovery beyond loopback without a secret needs this explicit opt-in.
     allow_unauthenticated_discovery: bool = False
     heartbeat_timeout: float = 10.0
@@ -43,14 +43,14 @@ class ProxyConfig:
     cache_aware_balance_abs: float = 8.0
     cache_aware_balance_rel: float = 1.5
     # Clients must send "Authorization: Bearer <api_key>" when set.
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     # /metrics answers only with the API key too (/instances always needs it when set).
     metrics_require_api_key: bool = False
     # Instance addresses in response headers and /instances, and vLLM's internal request
     # id (it names P's and D's KV addresses) left in responses; off: a neutral id instead.
     expose_routing_headers: bool = False
     # Sent as "Authorization: Bearer KEY" to instances started with their own --api-key.
-    upstream_api_key: str | None = None
+    upstream_api_key: str | None = field(default=None, repr=False)
     # Pass the client's Authorization header on to the instances (off: never forwarded).
     forward_client_auth: bool = False
     max_body_bytes: int = 16 * 1024 * 1024

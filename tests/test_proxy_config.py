@@ -144,3 +144,11 @@ def test_console_script_declared():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         meta = tomllib.load(fh)
     assert meta["project"]["scripts"]["xpyd-proxy"] == "proxy.__main__:main"
+
+
+def test_secrets_stay_out_of_the_config_repr():
+    cfg = load_config(["--api-key", "k-123", "--upstream-api-key", "u-456", "--discovery-secret", "d-789"], env={})
+    text = repr(cfg)
+    for secret in ("k-123", "u-456", "d-789"):
+        assert secret not in text
+    assert "discovery_port=30001" in text  # the rest is still there
