@@ -14,6 +14,39 @@ def tokenizer():
     return load_tokenizer()
 
 
+@pytest.fixture
+def engines():
+    """start(role, send_type, ...) -> a real KVEngine on a free loopback port, its transport
+    built from the config as the worker builds it (caps, kv_secret); all closed afterwards.
+    Shared by the engine, KV-auth and KV-fuzz tests."""
+    from test_connector_engine import free_port, make_caches, make_cfg
+
+    from connector import layout as kvlayout
+    from connector.engine import KVEngine
+    from connector.transport import TransportError
+
+    started: list[KVEngine] = []
+
+    def start(role: str, send_type: str = "PUT_ASYNC", caches=None, layout=None, rank: int = 0,
+              seed: int = 0, **over) -> KVEngine:
+        caches = caches if caches is not None else make_caches(seed)
+        layout = layout or kvlayout.detect(None, caches)
+        for _ in range(5):  # a free port can be taken by someone else before we bind it
+            cfg = make_cfg(role, send_type, free_port() - rank, **over)
+            try:
+                eng = KVEngine(cfg, rank, caches, layout)
+            except TransportError:
+                continue
+            eng.caches, eng.cfg, eng.block_layout = caches, cfg, layout  # for assertions
+            started.append(eng)
+            return eng
+        raise RuntimeError("no free port")
+
+    yield start
+    for eng in started:
+        eng.close()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` skip themselves on machines without CUDA (CI has none)."""
     import torch

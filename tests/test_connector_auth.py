@@ -17,11 +17,8 @@ from test_connector_engine import (
     KEY,
     ZERO,
     assert_untouched,
-    free_port,
     load_and_check,
     load_spec,
-    make_caches,
-    make_cfg,
     plan_load,
     poll_until,
     rank0,
@@ -30,36 +27,11 @@ from test_connector_engine import (
 )
 from test_transport_auth import Raw, signed
 
-from connector import layout as kvlayout
 from connector.engine import KVEngine
 from connector.transport import KVAuth, TcpTransport, TransportError
 from connector.transport.auth import MacAuth
 
 SECRET = "kv-secret-for-tests"
-
-
-@pytest.fixture
-def engines():
-    """start(role, send_type, kv_secret=..., ...) -> KVEngine built from its config."""
-    started: list[KVEngine] = []
-
-    def start(role: str, send_type: str = "PUT_ASYNC", seed: int = 0, **over) -> KVEngine:
-        caches = make_caches(seed)
-        layout = kvlayout.detect(None, caches)
-        for _ in range(5):
-            cfg = make_cfg(role, send_type, free_port(), **over)
-            try:
-                eng = KVEngine(cfg, 0, caches, layout)
-            except TransportError:
-                continue  # the free port was taken meanwhile
-            eng.caches, eng.cfg, eng.block_layout = caches, cfg, layout
-            started.append(eng)
-            return eng
-        raise RuntimeError("no free port")
-
-    yield start
-    for eng in started:
-        eng.close()
 
 
 def refused(eng: KVEngine) -> dict[str, int]:

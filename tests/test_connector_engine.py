@@ -17,7 +17,7 @@ from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
 from connector.metadata import LoadSpec, SaveSpec
-from connector.transport.base import REFUSAL_REASONS, TransportError
+from connector.transport.base import REFUSAL_REASONS
 from connector.transport.tcp import TcpTransport
 
 HOST = "127.0.0.1"
@@ -53,32 +53,6 @@ def make_cfg(role: str, send_type: str, port: int, **over) -> ConnectorConfig:
         "discovery_secret": None, "allow_debug_corruption": False,
     }
     return ConnectorConfig(**{**base, **over})
-
-
-@pytest.fixture
-def engines():
-    """start(role, send_type, ...) -> KVEngine on a free port; all closed afterwards."""
-    started: list[KVEngine] = []
-
-    def start(role: str, send_type: str = "PUT_ASYNC", caches=None, layout=None, rank: int = 0,
-              seed: int = 0, **over) -> KVEngine:
-        caches = caches if caches is not None else make_caches(seed)
-        layout = layout or kvlayout.detect(None, caches)
-        for _ in range(5):  # a free port can be taken by someone else before we bind it
-            cfg = make_cfg(role, send_type, free_port() - rank, **over)
-            try:
-                eng = KVEngine(cfg, rank, caches, layout, transport=TcpTransport())
-            except TransportError:
-                continue
-            # For the assertions below.
-            eng.caches, eng.cfg, eng.block_layout = caches, cfg, layout
-            started.append(eng)
-            return eng
-        raise RuntimeError("no free port")
-
-    yield start
-    for eng in started:
-        eng.close()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import torch
-from test_connector_auth import SECRET, engines, kv_put_frames, refused  # noqa: F401 (fixture)
+from test_connector_auth import SECRET, kv_put_frames, refused
 from test_connector_engine import ZERO, load_and_check, rank0, save_spec, snapshot, wait_for
 from test_transport_auth import Raw, signed
 
@@ -184,7 +184,7 @@ class Fuzzer:
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["no-secret", "secret"])
-def test_fuzz_kv_control_socket(engines, secret):  # noqa: F811 (pytest fixture)
+def test_fuzz_kv_control_socket(engines, secret):
     opts = dict(kv_buffer_size=KV_BUFFER, buffer_ttl_s=1.0, send_timeout_s=1.0)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_secret=secret, **opts)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, kv_secret=secret, **opts)
