@@ -67,6 +67,21 @@ def too_large(limit: int, what: str) -> UpstreamError:
     return UpstreamError("too_large", f"answer larger than {limit} bytes ({what})")
 
 
+async def read_limited(pieces: AsyncIterator[bytes], announced: int | None, limit: int) -> bytes:
+    """A whole body from its pieces as they arrive, refused (too_large) past `limit` bytes:
+    up front when the announced length says so, else once the count passes it."""
+    if announced is not None and announced > limit:
+        raise too_large(limit, f"announced {announced} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in pieces:
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit, "more arrived")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def make_upstream(kind: str, connect_timeout: float, max_response_bytes: int) -> Upstream:
     if kind == "native":
         from proxy.httpclient import NativeUpstream

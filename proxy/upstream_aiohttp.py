@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError, too_large
+from proxy.upstream import KEEPALIVE_S, UpstreamError, read_limited
 
 
 class _Handler(ResponseHandler):
@@ -35,29 +35,12 @@ class _AiohttpResponse:
         self.content_type = resp.headers.get("Content-Type", "application/json")
 
     async def read(self, limit: int | None = None) -> bytes:
-        if limit is None:
-            limit = self._limit
-        resp = self._resp
-        parts: list[bytes] = []
-        size = 0
         try:
-            length = resp.content_length
-            if length is not None and length > limit:
-                raise too_large(limit, f"announced {length} bytes")
-            content = resp.content
-            while True:
-                chunk = await content.readany()  # one piece as received: bounded
-                if not chunk:
-                    return b"".join(parts)
-                size += len(chunk)
-                if size > limit:
-                    raise too_large(limit, "more arrived")
-                parts.append(chunk)
+            return await read_limited(self.chunks(), self._resp.content_length,
+                                      self._limit if limit is None else limit)
         except UpstreamError:
-            resp.close()
+            self._resp.close()  # unread (over the limit, or broken): drop the connection
             raise
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise UpstreamError("disconnect", f"{type(e).__name__}: {e}") from None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         content = self._resp.content

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError, too_large
+from proxy.upstream import KEEPALIVE_S, UpstreamError, read_limited
 
 
 def _why(e: BaseException) -> str:
@@ -31,27 +31,14 @@ class _HttpxResponse:
         self.content_type = resp.headers.get("content-type", "application/json")
 
     async def read(self, limit: int | None = None) -> bytes:
-        if limit is None:
-            limit = self._limit
-        resp = self._resp
-        parts: list[bytes] = []
-        size = 0
+        length = self._resp.headers.get("content-length", "")
         try:
-            length = resp.headers.get("content-length", "")
-            if length.isdigit() and int(length) > limit:
-                raise too_large(limit, f"announced {length} bytes")
-            # Raw bytes, as the other clients and chunks() relay them (and the limit is on
-            # what arrives, not on what a compressed body would expand to).
-            async for chunk in resp.aiter_raw():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large(limit, "more arrived")
-                parts.append(chunk)
-        except httpx.HTTPError as e:
-            raise UpstreamError("disconnect", _why(e)) from None
+            # chunks() relays raw bytes, as the other clients do (and the limit is on what
+            # arrives, not on what a compressed body would expand to).
+            return await read_limited(self.chunks(), int(length) if length.isdigit() else None,
+                                      self._limit if limit is None else limit)
         finally:
-            await resp.aclose()  # unread (over the limit): closes the connection
-        return b"".join(parts)
+            await self._resp.aclose()  # unread (over the limit): closes the connection
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
