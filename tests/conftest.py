@@ -3,6 +3,8 @@ proxy_helpers, fake_vllm) live beside the tests and import as top-level modules.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 
@@ -45,6 +47,17 @@ def engines():
     yield start
     for eng in started:
         eng.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`timeout`, CI runners and helpers stop a run with SIGTERM, which would end pytest
+    without tearing fixtures down and leave their vLLM servers running. As a
+    KeyboardInterrupt it still runs every finalizer (the clusters stop their servers)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
