@@ -12,6 +12,7 @@ import time
 import orjson
 
 from proxy.config import ProxyConfig
+from proxy.credentials import probe_headers
 from proxy.metrics import Metrics
 from proxy.registry import Instance, Registry
 from proxy.static import parse_static
@@ -38,7 +39,8 @@ class Prober:
         self.registry = registry
         self.metrics = metrics
         self.upstream = upstream
-        self._headers = {"authorization": "Bearer " + cfg.api_key} if cfg.api_key else {}
+        # The upstream key, not the clients' one (proxy/credentials.py has the rule).
+        self._headers = probe_headers(cfg)
         self._max_bytes = min(cfg.max_response_bytes, PROBE_MAX_BYTES)
         self.static: list[Instance] = []
         self._fetching: dict[Instance, asyncio.Task[bool]] = {}

@@ -257,6 +257,21 @@ async def test_upstream_api_key_reaches_instances_that_require_one():
         assert not d.completions()
 
 
+async def test_probes_carry_the_upstream_key_never_the_clients():
+    """/v1/models probes follow the credentials rule: --upstream-api-key, and the clients'
+    --api-key only with --forward-client-auth."""
+    async with running_proxy(api_key="client", upstream_api_key="up") as px:
+        await px.pd(api_key="up")
+        await wait_until(lambda: all(i.models for i in px.registry.all()), what="models learned")
+    async with running_proxy(api_key="client") as px:
+        p, d = await px.pd(api_key="client")
+        models = await px.client.get("/v1/models", headers={"authorization": "Bearer client"})
+        assert models.status_code in (401, 502), models.text  # nobody may hand the key on
+        probes = [r for r in p.requests + d.requests if r.path == "/v1/models"]
+        assert probes and not any("authorization" in r.headers for r in probes)
+        assert all(i.models is None for i in px.registry.all())
+
+
 async def test_client_authorization_forwarded_only_when_asked():
     hdr = {"authorization": "Bearer client"}
     async with running_proxy() as px:
