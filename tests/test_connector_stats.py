@@ -21,12 +21,9 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 
 from connector.connector import P2pNcclConnector
-from connector.engine import KVEngine
 from connector.shared_storage.connector import SharedStorageConnector
 from connector.shared_storage.metadata import FetchSpec, StoreSpec
 from connector.stats import LOAD_WAIT_BUCKETS, StatsRecorder, XpydPromMetrics, XpydStats
-from connector.transport.base import TransportError
-from connector.transport.tcp import TcpTransport
 
 
 def step(rank=0, used=0, cap=1000, sent=(), loaded=(), failed=(), sent_bytes=0, recv_bytes=0) -> XpydStats:
@@ -137,30 +134,6 @@ def test_recorder_take_hands_out_a_step_and_starts_again():
 # ================================================================ what real engines record
 
 
-@pytest.fixture
-def p2p():
-    """start(role, send_type, **cfg) -> a KVEngine on a free loopback port."""
-    made: list[KVEngine] = []
-
-    def start(role: str, send_type: str = "PUT_ASYNC", seed: int = 0, **over) -> KVEngine:
-        caches = te.make_caches(seed)
-        layout = te.kvlayout.detect(None, caches)
-        for _ in range(5):
-            cfg = te.make_cfg(role, send_type, te.free_port(), **over)
-            try:
-                eng = KVEngine(cfg, 0, caches, layout, transport=TcpTransport())
-            except TransportError:
-                continue
-            eng.caches, eng.cfg, eng.block_layout = caches, cfg, layout
-            made.append(eng)
-            return eng
-        raise RuntimeError("no free port")
-
-    yield start
-    for e in made:
-        e.close()
-
-
 def kv_bytes(n_blocks: int) -> int:
     """Bytes of n prompt blocks over the test caches' layers (what goes on the wire)."""
     caches = te.make_caches(0)
@@ -168,8 +141,8 @@ def kv_bytes(n_blocks: int) -> int:
 
 
 @pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT", "GET"])
-def test_p2p_transfer_is_counted_on_both_sides(p2p, send_type):
-    prod, cons = p2p("kv_producer", send_type, seed=1), p2p("kv_consumer", send_type, seed=2)
+def test_p2p_transfer_is_counted_on_both_sides(engines, send_type):
+    prod, cons = engines("kv_producer", send_type, seed=1), engines("kv_consumer", send_type, seed=2)
     t0 = time.monotonic()
     prod.save(te.save_spec(prod, te.rank0(cons)))
     te.plan_load(cons, te.load_spec(te.rank0(prod), (7, 2, 11), 2))
@@ -185,8 +158,8 @@ def test_p2p_transfer_is_counted_on_both_sides(p2p, send_type):
     assert len(d.data["load_wait_s"]) == 1 and 0 < d.data["load_wait_s"][0] <= waited
 
 
-def test_p2p_load_deadline_counts_a_timeout(p2p):
-    cons = p2p("kv_consumer", kv_load_timeout_s=0.2)
+def test_p2p_load_deadline_counts_a_timeout(engines):
+    cons = engines("kv_consumer", kv_load_timeout_s=0.2)
     te.plan_load(cons, te.load_spec("127.0.0.1:9", (1, 2, 3), 2))  # nobody sends
     res, _ = te.poll_until(cons, lambda r: "D-req" in r.finished_recving)
     assert res.failed_recving == {"D-req"}
@@ -195,11 +168,11 @@ def test_p2p_load_deadline_counts_a_timeout(p2p):
     assert d.data["load_wait_s"] == [] and d.nbytes("received") == 0
 
 
-def test_p2p_refused_send_counts_on_p_and_aborts_on_d(p2p):
+def test_p2p_refused_send_counts_on_p_and_aborts_on_d(engines):
     """D's buffer is too small: P's reservation is refused (send/refused), D learns the
     KV will not come and fails its load at once (load/aborted), not at its deadline."""
-    prod = p2p("kv_producer", seed=1)
-    cons = p2p("kv_consumer", seed=2, kv_buffer_size=1024, kv_load_timeout_s=30.0)
+    prod = engines("kv_producer", seed=1)
+    cons = engines("kv_consumer", seed=2, kv_buffer_size=1024, kv_load_timeout_s=30.0)
     prod.save(te.save_spec(prod, te.rank0(cons)))
     te.plan_load(cons, te.load_spec(te.rank0(prod), (7, 2, 11), 2))
     res, _ = te.poll_until(cons, lambda r: "D-req" in r.finished_recving)
@@ -210,8 +183,8 @@ def test_p2p_refused_send_counts_on_p_and_aborts_on_d(p2p):
     assert d.data["failures"] == {"load/aborted": 1} and d.nbytes("received") == 0
 
 
-def test_p2p_unreachable_decode_counts_a_transport_failure(p2p):
-    prod = p2p("kv_producer", send_timeout_s=0.5)
+def test_p2p_unreachable_decode_counts_a_transport_failure(engines):
+    prod = engines("kv_producer", send_timeout_s=0.5)
     prod.save(te.save_spec(prod, f"127.0.0.1:{te.free_port()}"))  # nobody listens there
     te.wait_for(lambda: prod.xfer_stats.peek().transfers("send", "failed") == 1)
     p = prod.xfer_stats.peek()
