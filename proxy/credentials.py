@@ -17,6 +17,11 @@ def upstream_key_header(cfg: ProxyConfig) -> str | None:
     return "Bearer " + cfg.upstream_api_key if cfg.upstream_api_key else None
 
 
+def forwards_client_auth(cfg: ProxyConfig) -> bool:
+    """Whether the client's own Authorization header goes upstream (the key wins over it)."""
+    return cfg.forward_client_auth and upstream_key_header(cfg) is None
+
+
 def probe_headers(cfg: ProxyConfig) -> dict[str, str]:
     """Headers for requests the proxy makes on its own (probes: /health, /v1/models)."""
     value = upstream_key_header(cfg)
@@ -27,7 +32,5 @@ def probe_headers(cfg: ProxyConfig) -> dict[str, str]:
 
 def on_behalf_headers(cfg: ProxyConfig, client_auth: str | None) -> dict[str, str]:
     """Headers for a request made on a client's behalf (given its Authorization, if any)."""
-    value = upstream_key_header(cfg)
-    if value is None and cfg.forward_client_auth:
-        value = client_auth
+    value = client_auth if forwards_client_auth(cfg) else upstream_key_header(cfg)
     return {"authorization": value} if value is not None else {}

@@ -14,7 +14,7 @@ import orjson
 from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
 from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
-from proxy.credentials import upstream_key_header
+from proxy.credentials import forwards_client_auth, upstream_key_header
 from proxy.dispatch import Call, Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -77,7 +77,7 @@ class Router:
         # and never over --upstream-api-key: see proxy/credentials.py.
         upstream_key = upstream_key_header(cfg)
         self._drop = DROP_REQUEST_HEADERS
-        if upstream_key is not None or not cfg.forward_client_auth:
+        if not forwards_client_auth(cfg):
             self._drop = DROP_REQUEST_HEADERS | {b"authorization"}
         self._base_headers = {"content-type": "application/json"}
         if upstream_key is not None:
