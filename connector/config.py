@@ -49,6 +49,16 @@ def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _positive_int(extra: dict[str, Any], key: str) -> int | None:
+    value = extra.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str) or not str(value).strip().isdigit() \
+            or int(value) < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     role: str  # kv_producer | kv_consumer | kv_both
@@ -73,6 +83,8 @@ class ConnectorConfig:
     # discovery secret); None: anyone who reaches a KV port is served (upstream behaviour).
     kv_secret: str | None = field(default=None, repr=False)
     kv_auth: str = "mac"  # "mac": a MAC on every call; "curve": ZMQ CURVE (encrypted, slower)
+    # NCCL channels of the KV communicators only (their ncclConfig_t); None: NCCL decides.
+    nccl_num_channels: int | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -112,11 +124,12 @@ class ConnectorConfig:
             send_timeout_s=float(extra.get("send_timeout_s", 10.0)),
             buffer_ttl_s=float(extra.get("buffer_ttl_s", 60.0)),
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 3.0)),
-            transport=str(extra.get("transport", "auto")),
+            transport=_choice(extra, "transport", ("auto", "tcp", "nccl")),
             thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
             discovery_secret=_secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
             allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
             kv_secret=_secret(extra, "kv_secret", "XPYD_KV_SECRET")
             or _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
             kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
+            nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
         )

@@ -57,13 +57,13 @@ class PollResult:
     failed_recving: set[str] = field(default_factory=set)
 
 
-def make_transport(name: str, device: torch.device, cpus: affinity.CpuPlan | None,
+def make_transport(cfg: ConnectorConfig, device: torch.device, cpus: affinity.CpuPlan | None,
                    max_msg_bytes: int | None, max_frames: int | None = None,
                    auth: KVAuth | None = None) -> Transport:
-    """tcp everywhere for now; "auto" will pick NCCL on CUDA once that lands."""
-    if name == "auto" and device.type == "cuda":
-        logger.warning("NCCL transport not available yet: KV goes over tcp via host memory")
-    return transport_factory(name, cpus=cpus, max_msg_bytes=max_msg_bytes, max_frames=max_frames, auth=auth)
+    """The transport the config names: nccl for CUDA caches under "auto" (tcp when NCCL does
+    not load), tcp on CPU. The tcp knobs apply to the nccl transport's control socket."""
+    return transport_factory(cfg.transport, device, num_channels=cfg.nccl_num_channels, cpus=cpus,
+                             max_msg_bytes=max_msg_bytes, max_frames=max_frames, auth=auth)
 
 
 def is_loopback(host: str) -> bool:
@@ -103,7 +103,7 @@ class KVEngine:
         # (each costs memory even when empty) are no payload of ours.
         max_frames = 2 + len(kv_caches) * max(1, int(next(iter(kv_caches.values())).shape[0]))
         self._transport = transport or make_transport(
-            cfg.transport, self._device, cpus, cfg.kv_buffer_size + _HEADER_SLACK, max_frames,
+            cfg, self._device, cpus, cfg.kv_buffer_size + _HEADER_SLACK, max_frames,
             KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None)
         self._transport.on_refuse = self.xfer_stats.refused
         self._device_native = bool(getattr(self._transport, "device_native", False))
@@ -202,7 +202,8 @@ class KVEngine:
             return {"ok": True, "address": self.address}, []
         if op == "stats":
             return {"ok": True, **self.stats(), "refused": self._transport.refusals()}, []
-        return {"ok": False, "error": f"unknown op {op!r}"}, []
+        # unknown_op: a caller's optional feature (e.g. nccl set-up) is not served here.
+        return {"ok": False, "error": f"unknown op {op!r}", "unknown_op": True}, []
 
     def _sweep(self) -> None:
         affinity.pin_current_thread(self._cpus)
