@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # the worker engine without vLLM (GPU tests, benchmarks) never builds one
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,15 +17,26 @@ a fresh ``XpydStats`` from it (vLLM may hold on to the object it gets).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
-    KVConnectorPromMetrics,
-    KVConnectorStats,
-    PromMetric,
-    PromMetricT,
-)
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+except ImportError:  # the engine without vLLM (GPU tests, benchmarks): counters still record
+
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        data: dict[str, Any] = field(default_factory=dict)
+
+    class KVConnectorPromMetrics:  # type: ignore[no-redef]
+        pass
+
+    PromMetric = PromMetricT = Any  # type: ignore[misc,assignment]
 
 from connector.transport.base import REFUSAL_REASONS
 

@@ -308,3 +308,19 @@ def test_caller_retries_once_when_the_peer_forgot_the_communicator(pair):
     reply, back = client.call(addr, {"op": "y"}, [_rand(30, 2)], timeout_s=5)
     assert reply["ok"] and torch.equal(back[0], _rand(30, 2).flip(0))
     assert client.aborted == 1 and client.communicators()["out"] == 1
+
+
+def test_engine_and_transports_import_without_vllm():
+    """The GPU machine has torch and NCCL but no vLLM: the worker engine, the transports
+    and the layouts (what the GPU tests and benchmarks run) must import without it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import connector.engine, connector.layout, connector.transport.nccl, connector.transport.nccl_api\n"
+            "from connector.transport import make_transport\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
