@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,11 @@ class KVEngine:
         self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s)
         self._stop = threading.Event()
         self._cpus = cpus
+        # CUDA: events marking when the blocks of a transfer were written (the forward pass)
+        # and when GET's copy of them was made, by transfer key, with their creation time.
+        # Readers on other threads/streams wait on these, never on the host.
+        self._written: dict[str, tuple[Any, float]] = {}
+        self._copied: dict[str, tuple[Any, float]] = {}
         # Transfer counters for vLLM's connector stats (/metrics), fed by every thread.
         self.xfer_stats = StatsRecorder()
         # A payload is at most one tensor per run of blocks per layer: frames beyond that
@@ -186,6 +192,10 @@ class KVEngine:
             # Not popped: a reply lost to a timeout must be retrievable again.
             # D sends "release" once it holds the payload; the TTL covers the rest.
             payload = self._sendbuf.peek(key)
+            copied = self._copied.get(key)
+            if payload is not None and copied is not None:
+                # The reply is sent on the transport's stream, ordered after this thread's.
+                torch.cuda.current_stream(self._device).wait_event(copied[0])
             if payload is None:
                 why = self._sendbuf.failure(key)
                 if why is not None:
@@ -208,11 +218,21 @@ class KVEngine:
     def _sweep(self) -> None:
         affinity.pin_current_thread(self._cpus)
         while not self._stop.wait(_SWEEP_S):
+            self._drop_events(time.monotonic() - self._cfg.send_timeout_s - self._cfg.buffer_ttl_s)
             self._recv.expire()
             self._sendbuf.expire()
 
+    def _drop_events(self, older_than: float) -> None:
+        """Forget events of transfers long over (cancelled sends, payloads gone)."""
+        for table in (self._written, self._copied):
+            for key in [k for k, (_, t) in list(table.items()) if t < older_than]:
+                table.pop(key, None)
+
     # ---- producer (worker thread, and the per-peer sender threads) ----
     def _payload(self, spec: SaveSpec, copy: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        written = self._written.pop(spec.transfer_key, None)
+        if written is not None:  # CUDA: read the blocks only after the forward pass wrote them
+            torch.cuda.current_stream(self._device).wait_event(written[0])
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
         for name in self._layer_names:
@@ -220,9 +240,13 @@ class KVEngine:
             if run_lens is None:
                 run_lens = [p.shape[0] for p in parts]
             for p in parts:
-                # tcp moves host memory; GET must own its copy (blocks get freed).
-                if copy or p.device.type != "cpu" and not self._device_native:
-                    p = p.to("cpu", copy=True) if p.device.type != "cpu" else p.clone()
+                # GET must own its copy (blocks get freed): on the device when the transport
+                # moves device memory (nccl), else in host memory, which tcp moves.
+                stays = p.device.type == "cpu" or self._device_native  # where the transport reads it
+                if copy:
+                    p = p.clone() if stays else p.to("cpu", copy=True)
+                elif not stays:
+                    p = p.to("cpu")
                 tensors.append(p)
         header = {
             "op": "put",
@@ -236,7 +260,17 @@ class KVEngine:
         return header, tensors
 
     def save(self, spec: SaveSpec) -> None:
+        if self._device.type == "cuda":
+            # The forward pass that wrote these blocks may still be running on this thread's
+            # stream: the sender thread and the transport's stream wait for this event.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+            self._written[spec.transfer_key] = (event, time.monotonic())
         self.producer.save(spec)
+        if self._device.type == "cuda" and self._cfg.send_type == "GET":
+            event = torch.cuda.Event()  # GET's copy was enqueued on this thread's stream
+            event.record(torch.cuda.current_stream(self._device))
+            self._copied[spec.transfer_key] = (event, time.monotonic())
 
     def wait_sends(self, req_ids: list[str]) -> None:
         self.producer.wait_sends(req_ids)
