@@ -160,6 +160,11 @@ class Consumer:
             if spec.corrupt_for_test:
                 src = torch.zeros_like(src)
             kvlayout.scatter(self._caches[name], spec.dst_block_ids, src)
+        for t in payload.tensors:
+            if t.is_cuda:
+                # Received on the transport's stream, read on this thread's: keep the memory
+                # from being reused before this stream's copy ran.
+                t.record_stream(torch.cuda.current_stream(t.device))
         return None
 
     def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
