@@ -1,0 +1,136 @@
+"""One side (prefill or decode) of the two-process GPU engine test: a real KVEngine over
+CUDA KV caches laid out as a vLLM KVCacheLayout, talking to the other process over the
+transport the config names (nccl with the real library on the GPU machine). Needs torch
+and CUDA, not vLLM.
+
+    python tests/gpu_kv_peer.py --role d --port P --peer-port Q --layout BLHNC --send-type PUT_ASYNC
+
+Prints one JSON line: the sha256 of every layer's source blocks (P) or destination blocks
+(D), whether D's other blocks are untouched, and what the engine reported. NCCL refuses two
+ranks of one communicator on one GPU when they look like one host: the test gives each
+process its own NCCL_HOSTID (with NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connector import layout as kvlayout  # noqa: E402
+from connector.config import ConnectorConfig  # noqa: E402
+from connector.engine import KVEngine  # noqa: E402
+from connector.metadata import LoadSpec, SaveSpec  # noqa: E402
+
+HOST = "127.0.0.1"
+KEY = "0123456789abcdef0123456789abcdef"
+# Logical [L, B, H, N, C] -> physical order, as vLLM's KVCacheLayout values.
+LAYOUTS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+SRC_IDS = (3, 4, 9, 1, 12)
+DST_IDS = (7, 2, 11)  # D has the first 2 blocks already (prefix hit)
+FIRST = 2
+
+
+def make_caches(layout: str, seed: int, layers: int = 4, blocks: int = 16, heads: int = 8, tokens: int = 16,
+                content: int = 128, dtype: torch.dtype = torch.bfloat16,
+                device: str = "cuda") -> dict[str, torch.Tensor]:
+    """Per-layer [B, H, N, C] views over one buffer, strided as vLLM lays out ``layout``."""
+    shape = (layers, blocks, heads, tokens, content)
+    order = LAYOUTS[layout]
+    strides = [0] * 5
+    step = 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    raw = torch.randint(0, 1 << 15, (step,), dtype=torch.int16, generator=gen).view(dtype).to(device)
+    view = torch.as_strided(raw, shape, strides)
+    return {f"model.layers.{i}.self_attn.attn": view[i] for i in range(layers)}
+
+
+def block_sha(cache: torch.Tensor, ids: tuple[int, ...]) -> str:
+    data = cache[list(ids)].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=("p", "d"), required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--peer-port", type=int, required=True)
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    ap.add_argument("--send-type", default="PUT_ASYNC")
+    ap.add_argument("--transport", default="nccl")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--device", default="cuda", help="cpu: check this script itself (tcp only)")
+    args = ap.parse_args()
+
+    caches = make_caches(args.layout, seed=1 if args.role == "p" else 2, device=args.device)
+    first = next(iter(caches.values()))
+    tokens = first.shape[2]
+    vcfg = SimpleNamespace(cache_config=SimpleNamespace(
+        get_resolved_kv_cache_layout=lambda: SimpleNamespace(name=args.layout), num_gpu_blocks=first.shape[0]))
+    layout = kvlayout.detect(vcfg, caches)
+    cfg = ConnectorConfig(
+        role="kv_producer" if args.role == "p" else "kv_consumer", kv_ip=HOST, kv_port=args.port, http_host=HOST,
+        http_port=None, proxies=(), send_type=args.send_type, kv_buffer_size=1 << 30, kv_load_timeout_s=args.timeout,
+        send_timeout_s=args.timeout, buffer_ttl_s=120.0, heartbeat_interval_s=3.0, transport=args.transport,
+        thread_affinity="off", discovery_secret=None, allow_debug_corruption=False)
+    engine = KVEngine(cfg, 0, caches, layout)
+    n_prompt = len(SRC_IDS) * tokens - 3
+    out: dict = {"role": args.role, "transport": engine._transport.name, "layout": str(layout)}
+    try:
+        if args.role == "p":
+            out["sha"] = [block_sha(c, SRC_IDS[FIRST:]) for c in caches.values()]
+            print(json.dumps({"ready": True}), flush=True)
+            engine.save(SaveSpec(req_id="P-req", transfer_key=KEY, decode_addr=f"{HOST}:{args.peer_port}",
+                                 prefill_addr=f"{HOST}:{args.port}", block_ids=SRC_IDS, num_tokens=n_prompt,
+                                 delay_free=args.send_type == "PUT_ASYNC"))
+            sent = set()
+            deadline = time.monotonic() + args.timeout
+            while args.send_type == "PUT_ASYNC" and "P-req" not in sent and time.monotonic() < deadline:
+                sent |= engine.poll({"P-req"}).finished_sending
+                time.sleep(0.01)
+            out["sent"] = "P-req" in sent or args.send_type != "PUT_ASYNC"
+            sys.stdin.readline()  # GET: D fetches from us; the test closes stdin when D is done
+        else:
+            before = {k: v.clone() for k, v in caches.items()}
+            print(json.dumps({"ready": True}), flush=True)
+            sys.stdin.readline()  # P is up (GET) or has been told to send (PUT)
+            engine.add_load(LoadSpec(req_id="D-req", transfer_key=KEY, prefill_addr=f"{HOST}:{args.peer_port}",
+                                     dst_block_ids=DST_IDS, first_block=FIRST,
+                                     num_tokens=n_prompt - 1 - FIRST * tokens, prompt_tokens=n_prompt,
+                                     prompt_blocks=len(SRC_IDS)))
+            engine.release([KEY])
+            done, failed = set(), set()
+            t0 = time.monotonic()
+            while "D-req" not in done and time.monotonic() - t0 < args.timeout:
+                r = engine.poll(set())
+                done |= r.finished_recving
+                failed |= r.failed_recving
+                time.sleep(0.005)
+            if args.device != "cpu":
+                torch.cuda.synchronize()
+            out["load_ms"] = (time.monotonic() - t0) * 1e3
+            out["loaded"] = "D-req" in done and not failed
+            out["sha"] = [block_sha(c, DST_IDS) for c in caches.values()]
+            others = [b for b in range(first.shape[0]) if b not in DST_IDS]
+            out["others_untouched"] = all(torch.equal(c[others].view(torch.int16), before[k][others].view(torch.int16))
+                                          for k, c in caches.items())
+            out["communicators"] = getattr(engine._transport, "communicators", dict)()
+    finally:
+        engine.close()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
