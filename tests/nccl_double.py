@@ -1,11 +1,15 @@
 """A double of the NCCL library object (the nccl transport's lowest boundary) on host memory.
 
-It keeps NCCL's semantics that the transport relies on, so that everything above the
-library runs on CPU CI exactly as on a GPU: communicators are created non-blocking and are
-ready only once both ranks joined; ``send``/``recv`` are enqueued on a stream and run in
-order there, a send completes only when the matching receive took its bytes (rendezvous);
-events recorded on a stream complete when the stream reaches them; ``abort`` ends the
-communicator's pending operations (both ranks see an error afterwards).
+It keeps NCCL's semantics that the transport relies on, in their strictest form, so that
+everything above the library runs on CPU CI as on a GPU: communicators are created
+non-blocking and are ready only once both ranks joined; a posted ``send``/``recv`` is
+launched onto its stream in the background (a progress thread), and only once the peer
+posted the matching operation (until then
+``status`` says in progress, and an event recorded on the stream does not cover it: a
+caller that records events before the launch finished sees them complete early, as it
+would on a GPU); launched operations run in stream order, a send completes only when the
+matching receive took its bytes; ``abort`` ends the communicator's pending operations (both
+ranks see an error afterwards).
 
 Faults: ``FakeNccl(join=False)`` never joins the communicators it is asked to create (a
 peer stuck in set-up); ``kill()`` freezes an instance like a dead process: its streams stop,
@@ -88,12 +92,42 @@ class _Msg:
 
 
 @dataclass(slots=True)
+class _Op:
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    stream: "HostStream"
+    seq: int  # its index among this rank's operations of its kind with that peer
+    lib: "FakeNccl"
+
+
+@dataclass(slots=True)
 class _Group:
     nranks: int
     joined: set[int] = field(default_factory=set)
     aborted: bool = False
     mail: dict[tuple[int, int], deque[_Msg]] = field(default_factory=dict)
+    # Operations posted so far per (sender, receiver), by kind: what the other side matches.
+    sends_posted: dict[tuple[int, int], int] = field(default_factory=dict)
+    recvs_posted: dict[tuple[int, int], int] = field(default_factory=dict)
+    comms: dict[int, "FakeComm"] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def launch_ready(self) -> None:
+        """Move every rank's posted operations whose counterpart was posted onto their
+        streams, in posting order (caller holds the lock)."""
+        for comm in self.comms.values():
+            while comm.unlaunched:
+                op = comm.unlaunched[0]
+                if op.send:
+                    ready = self.recvs_posted.get((comm.rank, op.peer), 0) > op.seq
+                else:
+                    ready = self.sends_posted.get((op.peer, comm.rank), 0) > op.seq
+                if not ready or op.lib.stopped:
+                    break
+                comm.unlaunched.popleft()
+                run = op.lib._send if op.send else op.lib._recv
+                op.stream.enqueue(lambda run=run, op=op, comm=comm: run(comm, op.tensor, op.peer))
 
 
 @dataclass(slots=True)
@@ -101,15 +135,29 @@ class FakeComm:
     group: _Group
     rank: int
     config: CommConfig
+    unlaunched: deque[_Op] = field(default_factory=deque)
 
 
 class Fabric:
     """The network between doubles: communicators by unique id."""
 
-    def __init__(self) -> None:
+    def __init__(self, launch_every_s: float = 0.002) -> None:
         self._lock = threading.Lock()
         self._groups: dict[bytes, _Group] = {}
         self.libs: list[FakeNccl] = []
+        self._stop = threading.Event()
+        self._every = launch_every_s
+        self._progress = threading.Thread(target=self._launch_loop, name="nccl-double-progress", daemon=True)
+        self._progress.start()
+
+    def _launch_loop(self) -> None:
+        while not self._stop.wait(self._every):
+            with self._lock:
+                groups = list(self._groups.values())
+            for g in groups:
+                with g.lock:
+                    if not g.aborted:
+                        g.launch_ready()
 
     def group(self, uid: bytes, nranks: int) -> _Group:
         with self._lock:
@@ -119,6 +167,8 @@ class Fabric:
             return g
 
     def close(self) -> None:
+        self._stop.set()
+        self._progress.join(1.0)
         for lib in self.libs:
             lib.kill()
         for lib in self.libs:
@@ -137,6 +187,7 @@ class FakeNccl:
         self.configs: list[CommConfig] = []  # every config init_rank was given
         self.recv_bytes = 0  # counted before the receive completes: exact once its event fired
         self.aborts = 0
+        self.groups = 0  # group_start calls
         fabric.libs.append(self)
 
     # ---- the protocol ----
@@ -151,25 +202,47 @@ class FakeNccl:
             raise NcclError(3, "library closed")
         self.configs.append(config)
         g = self._fabric.group(unique_id, nranks)
+        comm = FakeComm(g, rank, config)
         if self._join:
             with g.lock:
                 g.joined.add(rank)
-        return FakeComm(g, rank, config)
+                g.comms[rank] = comm
+        return comm
 
     def status(self, comm: FakeComm) -> int:
         g = comm.group
         with g.lock:
             if g.aborted:
                 return NCCL_REMOTE_ERROR
-            return NCCL_SUCCESS if len(g.joined) == g.nranks else NCCL_IN_PROGRESS
+            if len(g.joined) < g.nranks or comm.unlaunched:
+                return NCCL_IN_PROGRESS
+            return NCCL_SUCCESS
+
+    def group_start(self) -> None:
+        self.groups += 1
+
+    def group_end(self) -> None:
+        pass
+
+    def _post(self, comm: FakeComm, send: bool, tensor: torch.Tensor, peer: int, stream: HostStream) -> None:
+        assert tensor.is_contiguous()
+        g = comm.group
+        with g.lock:
+            if g.aborted:
+                return
+            counts = g.sends_posted if send else g.recvs_posted
+            key = (comm.rank, peer) if send else (peer, comm.rank)
+            seq = counts.get(key, 0)
+            counts[key] = seq + 1
+            comm.unlaunched.append(_Op(send, tensor, peer, stream, seq, self))
+        # Launched by the fabric's progress thread, later: like NCCL's background launch of a
+        # non-blocking group, which is why callers must wait for status before an event.
 
     def send(self, comm: FakeComm, tensor: torch.Tensor, peer: int, stream: HostStream) -> None:
-        assert tensor.is_contiguous()
-        stream.enqueue(lambda: self._send(comm, tensor, peer))
+        self._post(comm, True, tensor, peer, stream)
 
     def recv(self, comm: FakeComm, tensor: torch.Tensor, peer: int, stream: HostStream) -> None:
-        assert tensor.is_contiguous()
-        stream.enqueue(lambda: self._recv(comm, tensor, peer))
+        self._post(comm, False, tensor, peer, stream)
 
     def abort(self, comm: FakeComm) -> None:
         self.aborts += 1

@@ -62,6 +62,13 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(slots=True)
+class _Pending:
+    tensors: list[torch.Tensor]
+    until: float
+    event: Any = None
+
+
+@dataclass(slots=True)
 class _Comm:
     cid: str
     peer: str
@@ -72,8 +79,11 @@ class _Comm:
     ready: bool = False
     broken: str | None = None  # why it was aborted
     lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
-    # Reply sends the server enqueued: (event, tensors kept alive, deadline).
-    pending: list[tuple[Any, list[torch.Tensor], float]] = field(default_factory=list)
+    # Reply sends the server posted and their deadline; their tensors stay alive until the
+    # stream ran them. ``unsettled``: NCCL may still be launching them (the caller posts its
+    # receives only once it has the reply), so no event was recorded for them yet.
+    pending: list[_Pending] = field(default_factory=list)
+    unsettled: bool = False
 
     @property
     def other(self) -> int:
@@ -231,20 +241,23 @@ class NcclTransport(Transport):
             time.sleep(_POLL_S)
 
     def _settle(self, comm: _Comm, deadline: float) -> str | None:
-        """After enqueueing on a non-blocking communicator: wait until NCCL took the
-        operation (status leaves in-progress); None, or why it failed."""
+        """Wait until NCCL launched what was posted on a non-blocking communicator (status
+        leaves in-progress: for a first send that is when the peer posted its receive);
+        None, or why not."""
         while True:
             code = self._lib.status(comm.handle)
             if code == NCCL_SUCCESS:
                 return None
             if code != NCCL_IN_PROGRESS:
                 return f"nccl error {code}: {self._lib.error_string(code)}"
-            if time.monotonic() >= deadline:
-                return "nccl did not take the operation before the deadline"
+            if comm.broken is not None:
+                return comm.broken
+            if time.monotonic() >= deadline or self._stop.is_set():
+                return "nccl did not launch the transfer before the deadline (peer gone or too slow)"
             time.sleep(_POLL_S)
 
     def _wait_event(self, comm: _Comm, event: Any, deadline: float) -> str | None:
-        """Wait for stream work to finish; None, or why not (deadline, peer error)."""
+        """Wait for launched stream work to finish; None, or why not (deadline, peer error)."""
         spins = 0
         while not event.query():
             spins += 1
@@ -259,23 +272,34 @@ class NcclTransport(Transport):
             time.sleep(_POLL_S if spins > 16 else 0)
         return None
 
+    def _complete(self, comm: _Comm, deadline: float) -> str | None:
+        """Wait until what was posted has launched, then until the stream ran it."""
+        why = self._settle(comm, deadline)
+        if why is None:
+            why = self._wait_event(comm, comm.stream.record_event(), deadline)
+        return why
+
     def _after_current_stream(self, stream: Any) -> None:
         """Order the communicator's stream after work the calling thread enqueued (the
         tensors it passes may still be being written on its current stream)."""
         if self._device.type == "cuda":
             stream.wait_stream(torch.cuda.current_stream(self._device))
 
-    def _enqueue(self, comm: _Comm, tensors: Sequence[torch.Tensor], send: bool, deadline: float) -> Any:
-        """Enqueue sends (or receives) of whole tensors; returns the completion event."""
+    def _post(self, comm: _Comm, tensors: Sequence[torch.Tensor], send: bool) -> bool:
+        """Post sends (or receives) of whole tensors as one NCCL group; False if there was
+        nothing to move. Does not wait: with a non-blocking communicator the group may
+        finish launching only once the peer posted its side."""
+        todo = [t for t in tensors if t.numel() > 0]
+        if not todo:
+            return False
         op = self._lib.send if send else self._lib.recv
-        for t in tensors:
-            if t.numel() == 0:
-                continue
-            op(comm.handle, _flat_bytes(t), comm.other, comm.stream)
-            why = self._settle(comm, deadline)
-            if why is not None:
-                raise TransportError(why)
-        return comm.stream.record_event()
+        self._lib.group_start()
+        try:
+            for t in todo:
+                op(comm.handle, _flat_bytes(t), comm.other, comm.stream)
+        finally:
+            self._lib.group_end()
+        return True
 
     def _on_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         out = []
@@ -369,32 +393,33 @@ class NcclTransport(Transport):
             if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):  # the peer went away since the last call
                 self._abort(comm, f"found broken: nccl error {code}: {self._lib.error_string(code)}")
                 return None
-            sent = None
+            posted = False
             if sends:
                 self._after_current_stream(comm.stream)
                 try:
-                    sent = self._enqueue(comm, sends, True, deadline)
-                except TransportError as e:
-                    self._abort(comm, str(e))
-                    raise
+                    # Not waited for here: the peer posts its receives when our header arrives.
+                    posted = self._post(comm, sends, True)
+                except RuntimeError as e:
+                    self._abort(comm, f"send not posted: {e}")
+                    raise TransportError(f"nccl send to {comm.peer}: {e}") from None
             wire = dict(header)
             wire[NCCL_KEY] = {"cid": comm.cid, "metas": _metas(sends),
                               "budget_ms": max(1, int((deadline - time.monotonic()) * 1000))}
             try:
                 reply, inline = self._control.call(comm.peer, wire, (), max(0.0, deadline - time.monotonic()))
             except TransportError as e:
-                if sends:  # our sends may be left unmatched on the stream
+                if posted:  # our sends may be left unmatched on the stream
                     self._abort(comm, f"control call failed: {e}")
                 raise
             if reply.pop(RESET_KEY, False):
                 self._abort(comm, f"peer does not know it: {reply.get('error')}")
                 return None
             consumed = bool(reply.pop(CONSUMED_KEY, False))
-            if sends and not consumed:
+            if posted and not consumed:
                 self._abort(comm, f"peer took no tensors: {reply.get('error')}")
                 return reply, inline
-            if sent is not None:
-                why = self._wait_event(comm, sent, deadline)
+            if posted:
+                why = self._complete(comm, deadline)
                 if why is not None:
                     self._abort(comm, why)
                     raise TransportError(f"nccl send to {comm.peer}: {why}")
@@ -409,11 +434,11 @@ class NcclTransport(Transport):
         try:
             specs = _checked_metas(metas, self._max_bytes, self._max_frames)
             out = [torch.empty(shape, dtype=dt, device=self._device) for dt, shape in specs]
-            done = self._enqueue(comm, out, False, deadline)
-        except (ValueError, RuntimeError) as e:  # incl. TransportError, allocation failures
+            posted = self._post(comm, out, False)
+        except (ValueError, RuntimeError) as e:  # caps, allocation failures, nccl errors
             self._abort(comm, f"reply tensors not received: {e}")
             raise TransportError(f"nccl reply from {comm.peer}: {e}") from None
-        why = self._wait_event(comm, done, deadline)
+        why = self._complete(comm, deadline) if posted else None
         if why is not None:
             self._abort(comm, why)
             raise TransportError(f"nccl receive from {comm.peer}: {why}")
@@ -442,16 +467,20 @@ class NcclTransport(Transport):
             if why is not None:
                 self._abort(comm, f"set-up failed: {why}")
                 return {"ok": False, "error": f"nccl set-up failed: {why}", RESET_KEY: True}, []
+            why = self._settle_replies(comm, deadline)
+            if why is not None:
+                self._abort(comm, f"earlier reply: {why}")
+                return {"ok": False, "error": f"nccl: earlier reply not taken: {why}", RESET_KEY: True}, []
             try:
                 specs = _checked_metas(req.get("metas", []), self._max_bytes, self._max_frames)
                 tensors = [torch.empty(shape, dtype=dt, device=self._device) for dt, shape in specs]
-                done = self._enqueue(comm, tensors, False, deadline) if tensors else None
+                posted = self._post(comm, tensors, False)
             except (ValueError, RuntimeError) as e:  # caps, allocation failure, nccl error
                 # The caller's sends stay unmatched: the communicator cannot be used again.
                 self._abort(comm, f"refused a call's tensors: {e}")
                 return {"ok": False, "error": f"nccl receive refused: {e}"}, []
-            if done is not None:
-                why = self._wait_event(comm, done, deadline)
+            if posted:
+                why = self._complete(comm, deadline)
                 if why is not None:
                     self._abort(comm, why)
                     return {"ok": False, "error": f"nccl receive: {why}"}, []
@@ -466,11 +495,13 @@ class NcclTransport(Transport):
                 try:
                     out = self._on_device(out)
                     self._after_current_stream(comm.stream)
-                    event = self._enqueue(comm, out, True, deadline)
+                    # Launches once the caller, holding this reply, posts its receives.
+                    if self._post(comm, out, True):
+                        comm.unsettled = True
                 except (TypeError, RuntimeError) as e:
                     self._abort(comm, f"reply send failed: {e}")
                     return {"ok": False, "error": f"nccl reply send failed: {e}", CONSUMED_KEY: True}, []
-                comm.pending.append((event, out, time.monotonic() + min(budget_s, self._max_wait_s)))
+                comm.pending.append(_Pending(out, time.monotonic() + min(budget_s, self._max_wait_s)))
                 reply[REPLY_KEY] = _metas(out)
             return reply, []
 
@@ -493,19 +524,39 @@ class NcclTransport(Transport):
             self._abort(old, "replaced by a new hello")
         return {"ok": True}
 
+    def _settle_replies(self, comm: _Comm, deadline: float) -> str | None:
+        """Before the next operation on a communicator: the reply sends posted last time
+        must have launched (NCCL takes nothing new on a non-blocking communicator before)."""
+        if not comm.unsettled:
+            return None
+        why = self._settle(comm, deadline)
+        if why is None:
+            comm.unsettled = False
+            event = comm.stream.record_event()
+            for p in comm.pending:
+                if p.event is None:
+                    p.event = event
+        return why
+
     def _reap_loop(self) -> None:
-        """Abort communicators whose reply sends were never taken (the caller gave up)."""
+        """Abort communicators whose reply tensors were never taken (the caller gave up)
+        and let go of reply tensors the stream has sent."""
         while not self._stop.wait(_REAP_S):
-            now = time.monotonic()
             with self._lock:
                 comms = list(self._in.values())
             for c in comms:
                 if not c.lock.acquire(blocking=False):
                     continue  # serving a call: its own deadline covers it
                 try:
-                    c.pending[:] = [p for p in c.pending if not p[0].query()]
-                    late = any(until < now for _, _, until in c.pending)
+                    now = time.monotonic()
+                    why = self._settle_replies(c, now) if c.unsettled else None  # a poll, no wait
+                    if why is not None and "deadline" not in why:
+                        late = why
+                    else:
+                        c.pending[:] = [p for p in c.pending if p.event is None or not p.event.query()]
+                        late = "reply tensors not taken before the deadline" \
+                            if any(p.until < now for p in c.pending) else None
                 finally:
                     c.lock.release()
                 if late:
-                    self._abort(c, "reply tensors not taken before the deadline")
+                    self._abort(c, late)

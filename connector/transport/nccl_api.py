@@ -7,8 +7,10 @@ this protocol (handshake, deadlines, abort, staging, layouts) is the transport's
 and runs unchanged over either.
 
 Semantics follow NCCL: communicators are created non-blocking (``init_rank`` returns at
-once, ``status`` says when the communicator is ready), ``send``/``recv`` enqueue work on a
-stream and return at once; completion is observed with ``stream.record_event().query()``.
+once, ``status`` says when the communicator is ready); ``send``/``recv`` (inside
+``group_start``/``group_end``) return at once, and their launch may go on in the background
+(``status`` in progress) until the peer posted the matching operations; once launched,
+completion is observed with ``stream.record_event().query()``.
 A communicator whose peer died is ``abort``-ed, which ends its pending operations.
 """
 
@@ -76,6 +78,17 @@ class NcclLibrary(Protocol):
 
     def recv(self, comm: Any, tensor: torch.Tensor, peer: int, stream: Stream) -> None:
         """Enqueue receiving into ``tensor`` (contiguous) from rank ``peer`` on ``stream``."""
+        ...
+
+    def group_start(self) -> None:
+        """``ncclGroupStart``: the operations until ``group_end`` launch together."""
+        ...
+
+    def group_end(self) -> None:
+        """``ncclGroupEnd``. On a non-blocking communicator the group may still be launching
+        when this returns (``status`` says NCCL_IN_PROGRESS): the operations are on the
+        stream only once ``status`` says NCCL_SUCCESS, so an event recorded before that may
+        complete early. Raises NcclError on failure."""
         ...
 
     def abort(self, comm: Any) -> None:
