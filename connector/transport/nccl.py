@@ -78,7 +78,9 @@ class _Comm:
     created: float = field(default_factory=time.monotonic)
     ready: bool = False
     broken: str | None = None  # why it was aborted
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
+    # One call at a time; also held around ncclCommAbort, which must not run while another
+    # thread is inside an NCCL call on the same communicator. Re-entrant: calls abort.
+    lock: threading.RLock = field(default_factory=threading.RLock)
     # Reply sends the server posted and their deadline; their tensors stay alive until the
     # stream ran them. ``unsettled``: NCCL may still be launching them (the caller posts its
     # receives only once it has the reply), so no event was recorded for them yet.
@@ -202,13 +204,14 @@ class NcclTransport(Transport):
             self._out.clear()
             self._in.clear()
         for c in comms:
-            self._abort(c, "transport closed", log=False)
+            self._abort(c, "transport closed", log=False, wait_s=2.0)
         if self._reaper is not None:
             self._reaper.join(timeout=2.0)
 
     # ---------------------------------------------------------------- helpers
-    def _abort(self, comm: _Comm, why: str, log: bool = True) -> None:
-        """End a communicator for good; its pending operations end with it."""
+    def _abort(self, comm: _Comm, why: str, log: bool = True, wait_s: float | None = None) -> None:
+        """End a communicator for good; its pending operations end with it. Waits (at most
+        ``wait_s``, default the longest call) for a call in flight on it to end first."""
         with self._lock:
             if comm.broken is not None:
                 return
@@ -220,10 +223,15 @@ class NcclTransport(Transport):
             self.aborted += 1
         if log:
             logger.warning("nccl communicator %s with %s aborted: %s", comm.cid, comm.peer, why)
+        if not comm.lock.acquire(timeout=self._max_wait_s + 1.0 if wait_s is None else wait_s):
+            logger.warning("nccl communicator %s still in use: not aborted (left to process exit)", comm.cid)
+            return
         try:
             self._lib.abort(comm.handle)
         except Exception as e:  # noqa: BLE001 - the communicator is gone either way
             logger.warning("nccl abort of %s failed: %s", comm.cid, e)
+        finally:
+            comm.lock.release()
 
     def _wait_ready(self, comm: _Comm, deadline: float) -> str | None:
         """Poll a communicator being created until ready; None, or why not."""
