@@ -324,3 +324,23 @@ def test_engine_and_transports_import_without_vllm():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_library_failure_at_set_up_is_a_transport_error(fabric):
+    """NCCL refusing to create a communicator here (e.g. out of resources) fails the call
+    with TransportError, which the engine's sender threads handle, never a stray exception."""
+    from connector.transport.nccl_api import NcclError
+
+    class Refusing(FakeNccl):
+        def init_rank(self, *a, **kw):
+            raise NcclError(2, "system error")
+
+    server = NcclTransport(FakeNccl(fabric), CPU)
+    server.start(HOST, 0, _echo)
+    client = NcclTransport(Refusing(fabric), CPU)
+    try:
+        with pytest.raises(TransportError, match="set-up"):
+            client.call(f"{HOST}:{server.bound_port}", {"op": "x"}, [_rand(10, 1)], timeout_s=5)
+    finally:
+        client.close()
+        server.close()

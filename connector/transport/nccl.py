@@ -345,7 +345,10 @@ class NcclTransport(Transport):
             creating.release()
 
     def _create(self, peer: str, deadline: float) -> _Comm | None:
-        uid = self._lib.unique_id()
+        try:
+            uid = self._lib.unique_id()
+        except Exception as e:  # noqa: BLE001 - see below
+            raise TransportError(f"nccl unique id: {type(e).__name__}: {e}") from e
         cid = f"{self._id}-{next(self._cids)}"
         reply, _ = self._control.call(
             peer, {"op": HELLO_OP, "cid": cid, "uid": uid, "from": self._address},
@@ -358,8 +361,11 @@ class NcclTransport(Transport):
                                peer, reply.get("error"))
                 return None
             raise TransportError(f"nccl set-up refused by {peer}: {reply.get('error')}")
-        handle = self._lib.init_rank(2, uid, 0, self._config)
-        comm = _Comm(cid, peer, 0, handle, self._lib.new_stream(self._device))
+        try:
+            handle = self._lib.init_rank(2, uid, 0, self._config)
+            comm = _Comm(cid, peer, 0, handle, self._lib.new_stream(self._device))
+        except Exception as e:  # noqa: BLE001 - a library failure is this call's failure, not a crash
+            raise TransportError(f"nccl set-up with {peer} failed here: {type(e).__name__}: {e}") from e
         why = self._wait_ready(comm, deadline)
         if why is not None:
             self._abort(comm, f"set-up failed: {why}")
@@ -379,7 +385,10 @@ class NcclTransport(Transport):
         for key in (NCCL_KEY, REPLY_KEY, CONSUMED_KEY, RESET_KEY):
             if key in header:
                 raise ValueError(f"header key {key!r} is reserved for the transport")
-        sends = self._on_device(tensors)
+        try:
+            sends = self._on_device(tensors)
+        except torch.OutOfMemoryError as e:
+            raise TransportError(f"no device memory to stage a send to {peer}: {e}") from e
         for _ in range(2):  # a peer that lost our communicator (restart) gets one new one
             comm = self._comm_for(peer, deadline)
             if comm is None:
