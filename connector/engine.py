@@ -236,7 +236,13 @@ class KVEngine:
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
         for name in self._layer_names:
-            parts = kvlayout.gather(self._caches[name], spec.block_ids, self._layout)
+            if self._device_native:
+                # One batched gather per layer: one NCCL op (not one per run of blocks), and
+                # a copy of its own, which GET needs anyway.
+                parts = [kvlayout.gather_packed(self._caches[name], spec.block_ids)]
+                copy = False
+            else:
+                parts = kvlayout.gather(self._caches[name], spec.block_ids, self._layout)
             if run_lens is None:
                 run_lens = [p.shape[0] for p in parts]
             for p in parts:

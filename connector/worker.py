@@ -45,6 +45,7 @@ class P2pWorker:
         if first.device.type == "cpu":
             init_cpu_amx()
         block_layout = kvlayout.detect(self._vllm_config, kv_caches)
+        kv_caches = kvlayout.regroup(kv_caches, block_layout)  # axis 0 = the scheduler's blocks
         # Our threads must not inherit the core OpenMP pinned the main thread to.
         on_cpu = first.device.type == "cpu" and self._cfg.thread_affinity == "auto"
         cpus = affinity.plan() if on_cpu else None
