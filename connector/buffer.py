@@ -49,8 +49,15 @@ class _Reservation:
 
 
 class KVBuffer:
-    def __init__(self, name: str, capacity_bytes: int, ttl_s: float, reservation_ttl_s: float | None = None) -> None:
+    """``evict_lru``: a payload that does not fit pushes out the least recently used ones
+    (``peek`` counts as use) instead of being refused (P's GET store: newer transfers
+    matter more); each evicted key is recorded as failed, so its reader is told at once."""
+
+    def __init__(self, name: str, capacity_bytes: int, ttl_s: float, reservation_ttl_s: float | None = None,
+                 evict_lru: bool = False) -> None:
         self._name = name
+        self._evict_lru = evict_lru
+        self.evicted = 0  # payloads pushed out by newer ones, since start
         self._capacity = capacity_bytes
         self._ttl = ttl_s
         self._reservation_ttl = reservation_ttl_s if reservation_ttl_s is not None else ttl_s
@@ -98,12 +105,26 @@ class KVBuffer:
             return "duplicate transfer"
         if key in self._failures:
             return f"transfer already failed: {self._failures[key][0]}"
+        if self._evict_lru and nbytes <= self._capacity - self._reserved_bytes:
+            self._evict_locked(nbytes)
         if self._used + self._reserved_bytes + nbytes > self._capacity:
             reason = (f"{self._name} buffer full ({self._used}+{self._reserved_bytes} reserved"
                       f"+{nbytes} > {self._capacity} bytes)")
             self._fail_locked(key, reason)
             return reason
         return None
+
+    def _evict_locked(self, nbytes: int) -> None:
+        """Drop least recently used payloads until nbytes more fit (dicts keep insertion
+        order; a use moves the key to the end)."""
+        while self._items and self._used + self._reserved_bytes + nbytes > self._capacity:
+            key = next(iter(self._items))
+            p = self._items.pop(key)
+            self._used -= p.nbytes
+            self.evicted += 1
+            self._fail_locked(key, f"evicted from the {self._name} buffer (least recently used) to make room "
+                                   f"for newer transfers: raise kv_buffer_size")
+            logger.warning("kv buffer=%s evicted transfer=%s bytes=%d (LRU)", self._name, key, p.nbytes)
 
     def reserve(self, key: str, nbytes: int) -> str | None:
         """Promise room for a payload of nbytes; None, or why not."""
@@ -133,7 +154,10 @@ class KVBuffer:
 
     def peek(self, key: str) -> Payload | None:
         with self._lock:
-            return self._items.get(key)
+            p = self._items.get(key)
+            if p is not None and self._evict_lru:
+                self._items[key] = self._items.pop(key)  # most recently used: evicted last
+            return p
 
     def pop(self, key: str) -> Payload | None:
         with self._lock:

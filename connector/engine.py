@@ -95,7 +95,8 @@ class KVEngine:
         # A reservation whose bytes did not come within the sender's deadline never will.
         self._recv = KVBuffer("recv", cfg.kv_buffer_size, cfg.buffer_ttl_s,
                               reservation_ttl_s=cfg.send_timeout_s + 1.0)
-        self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s)
+        # GET: P keeps copies until D pulls them; when full, the oldest unread go first.
+        self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s, evict_lru=True)
         self._stop = threading.Event()
         self._cpus = cpus
         # CUDA: events marking when the blocks of a transfer were written (the forward pass)

@@ -268,7 +268,10 @@ class Producer:
         """Called after the forward pass that completed the prompt."""
         if self._cfg.send_type == "GET":
             header, tensors = self._build(spec, True)
+            evicted = self._sendbuf.evicted
             refused = self._sendbuf.put(spec.transfer_key, Payload.of(header, tensors))
+            for _ in range(self._sendbuf.evicted - evicted):  # only this thread puts
+                self.stats.failure("send", "evicted")
             if refused:
                 # D's GET is answered with this reason at once, not left waiting.
                 self._sendbuf.fail(spec.transfer_key, refused)

@@ -51,10 +51,12 @@ RESULTS: tuple[Result, ...] = ("ok", "failed", "cancelled", "missed")
 # timeout: D's load deadline passed; aborted: D learnt the KV will not come
 # (P gave up, the payload expired or was refused); invalid: a payload that does
 # not fit this cache; queue_full: a store dropped by back-pressure; io: a file
-# could not be written; error: anything else.
-Reason = Literal["refused", "unreachable", "transport", "timeout", "aborted", "invalid", "queue_full", "io", "error"]
+# could not be written; evicted: P's GET store pushed an unread payload out for a
+# newer one; error: anything else.
+Reason = Literal["refused", "unreachable", "transport", "timeout", "aborted", "invalid", "queue_full", "io",
+                 "evicted", "error"]
 REASONS: tuple[Reason, ...] = ("refused", "unreachable", "transport", "timeout", "aborted", "invalid",
-                               "queue_full", "io", "error")
+                               "queue_full", "io", "evicted", "error")
 Direction = Literal["sent", "received"]
 DIRECTIONS: tuple[Direction, ...] = ("sent", "received")
 # Why the KV control socket refused a message (see connector/transport/base.py).
