@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,14 @@ class Payload:
     tensors: list[torch.Tensor]
     nbytes: int
     created: float = field(default_factory=time.monotonic)
+    # Gives back what holds the tensors (a pinned lease, a device budget share); called by
+    # the buffer when it drops the payload (consumed, discarded, expired, evicted). ``pop``
+    # hands the payload, and this duty, to the caller.
+    release: Callable[[], None] | None = None
+
+    def drop(self) -> None:
+        if self.release is not None:
+            self.release()
 
     @classmethod
     def of(cls, header: dict[str, Any], tensors: list[torch.Tensor]) -> "Payload":
@@ -121,6 +130,7 @@ class KVBuffer:
             key = next(iter(self._items))
             p = self._items.pop(key)
             self._used -= p.nbytes
+            p.drop()
             self.evicted += 1
             self._fail_locked(key, f"evicted from the {self._name} buffer (least recently used) to make room "
                                    f"for newer transfers: raise kv_buffer_size")
@@ -192,6 +202,7 @@ class KVBuffer:
             p = self._items.pop(key, None)
             if p is not None:
                 self._used -= p.nbytes
+                p.drop()
             self._unreserve_locked(key)
             self._tombstones[key] = time.monotonic() + self._ttl
 
@@ -205,6 +216,7 @@ class KVBuffer:
                 if now - p.created > self._ttl:
                     del self._items[key]
                     self._used -= p.nbytes
+                    p.drop()
                     dropped.append((key, f"dropped after the {self._ttl:g}s TTL"))
             for key in [k for k, res in self._reserved.items() if res.expires < now]:
                 self._unreserve_locked(key)

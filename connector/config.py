@@ -59,6 +59,25 @@ def _positive_int(extra: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
+# Pinned staging per role: a decode instance receives every prompt's KV (1 GiB absorbs a
+# burst of ~100 8k-token prompts of a 7B model beyond kv_buffer_size); a prefill-only
+# instance receives nothing, in every send mode.
+DEFAULT_POOL_GB = {"kv_consumer": 1.0, "kv_both": 1.0, "kv_producer": 0.0}
+
+
+def _pool_gb(extra: dict[str, Any], role: str) -> float:
+    value = extra.get("mem_pool_size_gb")
+    if value is None:
+        return DEFAULT_POOL_GB.get(role, 0.0)
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        gb = -1.0
+    if not gb >= 0:
+        raise ValueError(f"mem_pool_size_gb must be a number >= 0, got {value!r}")
+    return gb
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     role: str  # kv_producer | kv_consumer | kv_both
@@ -85,6 +104,8 @@ class ConnectorConfig:
     kv_auth: str = "mac"  # "mac": a MAC on every call; "curve": ZMQ CURVE (encrypted, slower)
     # NCCL channels of the KV communicators only (their ncclConfig_t); None: NCCL decides.
     nccl_num_channels: int | None = None
+    # Pinned host pool for received KV beyond kv_buffer_size on a GPU (GiB; 0: none).
+    mem_pool_size_gb: float = 0.0
 
     @property
     def is_producer(self) -> bool:
@@ -132,4 +153,5 @@ class ConnectorConfig:
             or _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
             kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
             nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
+            mem_pool_size_gb=_pool_gb(extra, role),
         )

@@ -28,6 +28,7 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec
 from connector.request_id import rank_address
+from connector.staging import RecvStager
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
 
@@ -48,8 +49,9 @@ class _Load:
 class Consumer:
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, caches: dict[str, torch.Tensor],
                  block_layout: kvlayout.BlockLayout, recv: KVBuffer, cpus: CpuPlan | None,
-                 stats: StatsRecorder | None = None) -> None:
+                 stats: StatsRecorder | None = None, stager: RecvStager | None = None) -> None:
         self._cfg = cfg
+        self._stager = stager
         self.stats = stats or StatsRecorder()
         self._rank = rank
         self._transport = transport
@@ -111,7 +113,13 @@ class Consumer:
             if reply.get("ok"):
                 header = {k: v for k, v in reply.items() if k != "ok"}
                 payload = Payload.of(header, tensors)
-                refused = self._recv.put(key, payload)
+                refused = self._stager.admit(payload) if self._stager is not None else None
+                if refused:
+                    self._recv.fail(key, refused)
+                else:
+                    refused = self._recv.put(key, payload)
+                    if refused:
+                        payload.drop()
                 if refused:
                     logger.warning("kv get refused locally transfer=%s reason=%s", key, refused)
                 else:

@@ -38,6 +38,7 @@ from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
 from connector.request_id import rank_address
+from connector.staging import RecvStager
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport
 from connector.transport import make_transport as transport_factory
@@ -92,8 +93,11 @@ class KVEngine:
         self._layer_names = list(kv_caches)
         self._layout = block_layout
         self._device = next(iter(kv_caches.values())).device
+        # GPU: received KV beyond kv_buffer_size of device memory goes to a pinned host pool.
+        self._stager = (RecvStager(cfg.kv_buffer_size, int(cfg.mem_pool_size_gb * (1 << 30)))
+                        if self._device.type == "cuda" else None)
         # A reservation whose bytes did not come within the sender's deadline never will.
-        self._recv = KVBuffer("recv", cfg.kv_buffer_size, cfg.buffer_ttl_s,
+        self._recv = KVBuffer("recv", self._stager.capacity if self._stager else cfg.kv_buffer_size, cfg.buffer_ttl_s,
                               reservation_ttl_s=cfg.send_timeout_s + 1.0)
         # GET: P keeps copies until D pulls them; when full, the oldest unread go first.
         self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s, evict_lru=True)
@@ -116,7 +120,7 @@ class KVEngine:
         self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
-                                 self.xfer_stats)
+                                 self.xfer_stats, self._stager)
         self.address = rank_address(cfg.advertised_address, rank)
         host, _, port = self.address.rpartition(":")
         self._transport.start(host, int(port), self._handle)
@@ -175,7 +179,13 @@ class KVEngine:
             return {"ok": True}, []
         if op == "put":
             payload = Payload.of(header, tensors)
-            refused = self._recv.put(key, payload)
+            refused = self._stager.admit(payload) if self._stager is not None else None
+            if refused:
+                self._recv.fail(key, refused)
+            else:
+                refused = self._recv.put(key, payload)
+                if refused:
+                    payload.drop()
             if refused:
                 logger.warning("refused kv transfer=%s reason=%s", key, refused)
                 return {"ok": False, "error": refused}, []

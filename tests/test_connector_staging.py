@@ -1,0 +1,178 @@
+"""Pinned staging (connector/staging.py): the pool allocator against a model, and the
+receive stager's placement and exactly-once release through every way a payload leaves
+the receive buffer. Host tensors stand in for device ones (the policy is device-agnostic;
+pinning needs CUDA, so the pool is plain host memory here)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from connector.buffer import KVBuffer, Payload
+from connector.staging import ALIGN, PinnedPool, RecvStager
+
+
+def test_alloc_free_coalesce():
+    pool = PinnedPool(4096, pin=False)
+    a, b, c = pool.alloc(1000), pool.alloc(1000), pool.alloc(1000)
+    assert a.offset == 0 and b.offset == 1024 and c.offset == 2048  # aligned to 256
+    assert pool.alloc(2000) is None  # 1024 left: refused, not raised
+    b.free()
+    assert pool.stats()["free_runs"] == 2
+    a.free()
+    assert pool.stats()["free_runs"] == 2 and pool.stats()["largest_free"] == 2048  # a+b merged
+    c.free()
+    c.free()  # a double free is harmless
+    assert pool.stats() == {"capacity": 4096, "used": 0, "free": 4096, "largest_free": 4096, "free_runs": 1,
+                            "leases": 0}
+
+
+def test_views_are_the_pool_bytes():
+    pool = PinnedPool(4096, pin=False)
+    lease = pool.alloc(512)
+    v = lease.view(torch.bfloat16, (4, 32))
+    v.fill_(1.5)
+    assert torch.equal(pool.buffer[lease.offset:lease.offset + 256].view(torch.bfloat16), v.reshape(-1))
+    try:
+        lease.view(torch.float32, (200,))
+    except ValueError as e:
+        assert "exceeds" in str(e)
+    else:
+        raise AssertionError("a view past the lease must be refused")
+
+
+def test_random_alloc_free_matches_a_model():
+    """Seeded random sequence: leases never overlap, accounting is exact, and all memory
+    comes back as one run at the end."""
+    rng = random.Random(7)
+    pool = PinnedPool(1 << 16, pin=False)
+    live = []
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live))).free()
+        else:
+            lease = pool.alloc(rng.randint(1, 5000))
+            if lease is not None:
+                live.append(lease)
+        spans = sorted((x.offset, x.offset + x.nbytes) for x in live)
+        assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        assert pool.stats()["used"] == sum(x.nbytes for x in live)
+        assert all(x.offset % ALIGN == 0 for x in live)
+    for x in live:
+        x.free()
+    assert pool.stats()["free_runs"] == 1 and pool.stats()["used"] == 0
+
+
+def test_threads_share_the_pool():
+    pool = PinnedPool(1 << 20, pin=False)
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(500):
+                lease = pool.alloc(rng.randint(1, 20000))
+                if lease is not None:
+                    lease.free()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and pool.stats()["used"] == 0 and pool.stats()["free_runs"] == 1
+
+
+def payload(n: int, seed: int = 0) -> Payload:
+    g = torch.Generator().manual_seed(seed)
+    return Payload.of({"k": seed}, [torch.randint(0, 255, (n // 2,), dtype=torch.uint8, generator=g),
+                                    torch.randint(0, 255, (n // 2,), dtype=torch.uint8, generator=g).view(torch.int16)])
+
+
+def stager(budget=1000, pool=4096):
+    return RecvStager(budget, pool, pool_factory=lambda n: PinnedPool(n, pin=False), on_device=lambda t: True)
+
+
+def test_overflow_goes_to_the_pool_with_its_bytes_and_comes_back_once():
+    st = stager()
+    first, second = payload(800, 1), payload(800, 2)
+    want = [t.clone() for t in second.tensors]
+    assert st.admit(first) is None and st.device_used == 800 and st.staged == 0
+    assert st.admit(second) is None and st.staged == 1  # 800 + 800 > 1000: staged
+    assert all(torch.equal(a, b) for a, b in zip(second.tensors, want, strict=True))
+    assert all(t.untyped_storage().data_ptr() == st.pool.buffer.untyped_storage().data_ptr()
+               for t in second.tensors)
+    assert st.pool.stats()["leases"] == 1
+    second.drop()
+    second.drop()
+    assert st.pool.stats()["leases"] == 0
+    first.drop()
+    first.drop()
+    assert st.device_used == 0
+
+
+def test_refused_only_when_both_are_full():
+    st = stager(budget=1000, pool=1024)
+    assert st.admit(payload(800)) is None
+    assert st.admit(payload(800)) is None  # to the pool
+    why = st.admit(payload(800))
+    assert why is not None and "receive buffer full" in why
+
+
+def test_every_way_out_of_the_buffer_releases_exactly_once():
+    st = stager(budget=0, pool=1 << 16)  # everything staged
+    buf = KVBuffer("recv", st.capacity, ttl_s=60)
+    p1, p2, p3 = payload(400, 1), payload(400, 2), payload(400, 3)
+    for k, p in (("a", p1), ("b", p2), ("c", p3)):
+        assert st.admit(p) is None and buf.put(k, p) is None
+    assert st.pool.stats()["leases"] == 3
+    buf.discard("a")  # consumed by the last load / released
+    assert st.pool.stats()["leases"] == 2
+    buf.expire(now=1e18)  # TTL
+    assert st.pool.stats()["leases"] == 0 and len(buf) == 0
+    buf.discard("b")  # already gone: nothing freed twice
+    assert st.pool.stats()["used"] == 0
+
+
+def test_pool_that_cannot_be_allocated_refuses_instead_of_raising():
+    def broken(n):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    st = RecvStager(0, 1 << 20, pool_factory=broken, on_device=lambda t: True)
+    assert "receive buffer full" in st.admit(payload(100))
+    assert "receive buffer full" in st.admit(payload(100))  # tried once, not every time
+
+
+@pytest.mark.gpu
+def test_decode_on_gpu_stages_overflow_in_pinned_memory_and_loads_it(engines):
+    """CUDA caches: the second of two payloads exceeds D's device share and is staged in
+    the pinned pool; both load byte-identical."""
+    from test_connector_engine import SRC_IDS, load_spec, make_caches, plan_load, poll_until, rank0, save_spec
+
+    prod_caches = {k: v.cuda() for k, v in make_caches(1).items()}
+    cons_caches = {k: v.cuda() for k, v in make_caches(2).items()}
+    one = sum(c[list(SRC_IDS)].numel() * c.element_size() for c in prod_caches.values())
+    prod = engines("kv_producer", "PUT_ASYNC", caches=prod_caches)
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=cons_caches, kv_buffer_size=one + one // 2,
+                   mem_pool_size_gb=0.01)
+    for i, dst in enumerate(((7, 2, 11), (13, 14, 15))):
+        key = f"{i:032x}"
+        prod.save(save_spec(prod, rank0(cons), req_id=f"P{i}", key=key))
+    deadline = time.monotonic() + 10
+    while cons._stager.staged < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cons._stager.staged == 1
+    for i, dst in enumerate(((7, 2, 11), (13, 14, 15))):
+        plan_load(cons, load_spec(rank0(prod), dst, 2, req_id=f"D{i}", key=f"{i:032x}"))
+        res, _ = poll_until(cons, lambda r, i=i: f"D{i}" in r.finished_recving)
+        assert not res.failed_recving
+        for name, cache in cons.caches.items():
+            for d, s in zip(dst, SRC_IDS[2:], strict=True):
+                assert torch.equal(cache[d].cpu().view(torch.int16), prod.caches[name][s].cpu().view(torch.int16))
+    assert cons._stager.pool.stats()["leases"] == 0
