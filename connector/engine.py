@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from connector import affinity
+from connector import affinity, tp
 from connector import layout as kvlayout
 from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
@@ -87,8 +87,12 @@ class KVEngine:
         block_layout: kvlayout.BlockLayout,
         transport: Transport | None = None,
         cpus: affinity.CpuPlan | None = None,
+        tp_side: tp.TpSide | None = None,
     ) -> None:
         self._cfg = cfg
+        self._rank = rank
+        # This instance's tensor parallelism, told to peers at first contact ("hello").
+        self._tp = tp_side or tp.TpSide(1, block_layout.num_kv_heads)
         self._caches = kv_caches
         self._layer_names = list(kv_caches)
         self._layout = block_layout
@@ -118,7 +122,8 @@ class KVEngine:
             KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None)
         self._transport.on_refuse = self.xfer_stats.refused
         self._device_native = bool(getattr(self._transport, "device_native", False))
-        self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats)
+        self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
+                                 self.check_peer)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
                                  self.xfer_stats, self._stager)
         self.address = rank_address(cfg.advertised_address, rank)
@@ -221,10 +226,25 @@ class KVEngine:
             return {"ok": True}, []
         if op == "ping":
             return {"ok": True, "address": self.address}, []
+        if op == "hello":  # first contact: what a sender must match before shipping KV
+            return {"ok": True, "rank": self._rank, **self._tp.describe(), **self._layout.describe()}, []
         if op == "stats":
             return {"ok": True, **self.stats(), "refused": self._transport.refusals()}, []
         # unknown_op: a caller's optional feature (e.g. nccl set-up) is not served here.
         return {"ok": False, "error": f"unknown op {op!r}", "unknown_op": True}, []
+
+    def check_peer(self, hello: dict[str, Any]) -> str | None:
+        """Why KV of this instance cannot go to the peer that answered ``hello``, or None."""
+        bad = self._layout.mismatch(hello)
+        if bad:
+            return f"peer cannot take this KV: {bad}"
+        try:
+            peer = tp.TpSide(int(hello["tp_size"]), int(hello["num_kv_heads"]), bool(hello["is_mla"]))
+            return tp.supported_by_data_path(self._tp, peer)
+        except tp.TopologyError as e:
+            return str(e)
+        except (KeyError, TypeError, ValueError) as e:
+            return f"malformed hello from peer: {type(e).__name__}: {e}"
 
     def _sweep(self) -> None:
         affinity.pin_current_thread(self._cpus)

@@ -43,6 +43,10 @@ MAX_PENDING_NOTICES = 4096
 
 # Builds (header, tensors) for a send; copy=True gives P its own copy (GET).
 PayloadBuilder = Callable[[SaveSpec, bool], tuple[dict[str, Any], list[torch.Tensor]]]
+# Checks a peer's "hello" (layout, dtype, block shape, TP): None, or why KV cannot go there.
+PeerCheck = Callable[[dict[str, Any]], str | None]
+# An incompatible peer is asked again after this long (it may have been reconfigured).
+RECHECK_S = 30.0
 
 
 @dataclass(slots=True)
@@ -76,8 +80,12 @@ class PeerSender:
     """The send queue of one decode peer (one worker rank), served by one thread."""
 
     def __init__(self, peer: str, transport: Transport, cfg: ConnectorConfig, build: PayloadBuilder,
-                 cpus: CpuPlan | None, stop: threading.Event, stats: StatsRecorder | None = None) -> None:
+                 cpus: CpuPlan | None, stop: threading.Event, stats: StatsRecorder | None = None,
+                 check: PeerCheck | None = None) -> None:
         self.peer = peer
+        self._check = check
+        # First contact: None until the peer's hello was checked; then (why or None, when).
+        self._contact: tuple[str | None, float] | None = None
         self._stats = stats or StatsRecorder()
         self._transport = transport
         self._cfg = cfg
@@ -160,6 +168,7 @@ class PeerSender:
             return False
         logger.info("kv peer %s answers again after %.1fs", self.peer, time.monotonic() - (self.dead_since or 0))
         self.dead_since = None
+        self._contact = None  # it may have restarted with another configuration
         return True
 
     def _mark_dead(self, err: Exception) -> None:
@@ -196,6 +205,28 @@ class PeerSender:
                         self._notices.setdefault(k, v)
             self._mark_dead(e)
 
+    def _first_contact(self) -> tuple[str | None, bool]:
+        """Before the first KV to this peer (and again after it came back, or RECHECK_S
+        after it could not take it): can it take our KV at all? Returns (why not, whether
+        the peer refused the call itself); raises TransportError when unreachable."""
+        if self._check is None:
+            return None, False
+        if self._contact is not None and (self._contact[0] is None or time.monotonic() - self._contact[1] < RECHECK_S):
+            return self._contact[0], False
+        reply, _ = self._transport.call(self.peer, {"op": "hello"}, timeout_s=min(self._cfg.send_timeout_s, 2.0))
+        if reply.get("refused"):  # before its handler (authentication): not an answer to cache
+            return f"refused the call: {reply.get('error')}", True
+        if reply.get("ok"):
+            why = self._check(reply)
+        elif reply.get("unknown_op"):
+            why = None  # an engine without hello: the load still checks every payload
+        else:
+            why = f"hello failed: {reply.get('error')}"
+        if why is not None:
+            logger.error("kv peer %s cannot take KV from this instance: %s", self.peer, why)
+        self._contact = (why, time.monotonic())
+        return why, False
+
     def _send(self, send: Send) -> None:
         if not send.claim():
             return  # cancelled by a preemption before it started
@@ -203,6 +234,15 @@ class PeerSender:
         deadline = time.monotonic() + self._cfg.send_timeout_s
         t0 = time.monotonic()
         try:
+            why, refused = self._first_contact()
+            if why is not None:
+                logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
+                               spec.req_id, spec.transfer_key, self.peer, why)
+                # Refused (e.g. another kv_secret): D knows and logs it, as for reserve.
+                self._stats.failure("send", "refused" if refused else "invalid")
+                if not refused:
+                    self._notice(spec.transfer_key, why)
+                return
             header, tensors = self._build(spec, False)
             nbytes = tensor_bytes(tensors)
             reply, _ = self._transport.call(
@@ -240,8 +280,10 @@ class Producer:
     """Plans nothing (the scheduler did): executes saves and tracks their end."""
 
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, build: PayloadBuilder,
-                 sendbuf: KVBuffer, cpus: CpuPlan | None, stats: StatsRecorder | None = None) -> None:
+                 sendbuf: KVBuffer, cpus: CpuPlan | None, stats: StatsRecorder | None = None,
+                 check: PeerCheck | None = None) -> None:
         self._cfg = cfg
+        self._check = check
         self.stats = stats or StatsRecorder()
         self._rank = rank
         self._transport = transport
@@ -261,7 +303,7 @@ class Producer:
         p = self._peers.get(addr)
         if p is None:
             p = self._peers[addr] = PeerSender(addr, self._transport, self._cfg, self._build, self._cpus,
-                                                  self._stop, self.stats)
+                                                  self._stop, self.stats, self._check)
         return p
 
     def save(self, spec: SaveSpec) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from connector import affinity
+from connector import affinity, tp
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
@@ -33,6 +33,19 @@ def init_cpu_amx() -> None:
         logger.debug("AMX init skipped: %s", e)
 
 
+def tp_side(vllm_config: Any, block_layout: kvlayout.BlockLayout) -> tp.TpSide:
+    """This instance's TP size, the model's total KV heads and MLA, from vLLM's config
+    (what a peer checks at first contact); the cache's own head count when unknown."""
+    size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    model = getattr(vllm_config, "model_config", None)
+    mla = bool(getattr(model, "use_mla", False))
+    try:
+        heads = 1 if mla else int(model.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - no model config (tests): what this rank holds, times TP
+        heads = block_layout.num_kv_heads * int(size)
+    return tp.TpSide(int(size), heads, mla)
+
+
 class P2pWorker:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any, rank: int) -> None:
         self._cfg = cfg
@@ -50,7 +63,8 @@ class P2pWorker:
         on_cpu = first.device.type == "cpu" and self._cfg.thread_affinity == "auto"
         cpus = affinity.plan() if on_cpu else None
         affinity.log_plan(cpus)
-        self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout, cpus=cpus)
+        self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout, cpus=cpus,
+                               tp_side=tp_side(self._vllm_config, block_layout))
 
     def _engine(self) -> KVEngine:
         if self.engine is None:

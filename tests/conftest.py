@@ -30,14 +30,15 @@ def engines():
     started: list[KVEngine] = []
 
     def start(role: str, send_type: str = "PUT_ASYNC", caches=None, layout=None, rank: int = 0,
-              seed: int = 0, transport=None, **over) -> KVEngine:
+              seed: int = 0, transport=None, tp_side=None, **over) -> KVEngine:
         """``transport(cfg)``, when given, builds the engine's transport instead of its config."""
         caches = caches if caches is not None else make_caches(seed)
         layout = layout or kvlayout.detect(None, caches)
         for _ in range(5):  # a free port can be taken by someone else before we bind it
             cfg = make_cfg(role, send_type, free_port() - rank, **over)
             try:
-                eng = KVEngine(cfg, rank, caches, layout, transport=transport(cfg) if transport else None)
+                eng = KVEngine(cfg, rank, caches, layout, transport=transport(cfg) if transport else None,
+                               tp_side=tp_side)
             except TransportError:
                 continue
             eng.caches, eng.cfg, eng.block_layout = caches, cfg, layout  # for assertions
