@@ -2,6 +2,7 @@
 """Benchmark the tcp transport between two processes on loopback against a memory copy.
 
     python scripts/bench_transport.py [--sizes 1,4,16,64,256] [--repeats 5] [--auth none,mac,curve]
+    python scripts/bench_transport.py --device cuda   # NCCL, see scripts/bench_nccl.py
 
 Payload: ``--layers`` bf16 tensors shaped like vLLM CPU KV-cache blocks
 ``[n_blocks, kv_heads, block_size, 2*head_dim]``, n_blocks chosen so the total is the
@@ -274,8 +275,15 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (copy_/clone)")
     ap.add_argument("--auth", default="none", type=lambda s: s.split(","),
                     help=f"comma-separated KV auth mechanisms to compare, first = baseline ({', '.join(AUTH_MODES)})")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: NCCL between two processes vs tcp and a device copy (scripts/bench_nccl.py)")
+    ap.add_argument("--nccl-channels", type=int, default=None, help="--device cuda: NCCL channels (default: NCCL's)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.device == "cuda" and not args.serve:
+        import bench_nccl
+
+        return bench_nccl.run(args)
     if not args.auth or any(m not in AUTH_MODES for m in args.auth) or len(set(args.auth)) != len(args.auth):
         ap.error(f"--auth: distinct values of {AUTH_MODES}")
     if args.serve:

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""CUDA half of ``scripts/bench_transport.py --device cuda``: KV over NCCL between two
+processes, against the tcp transport (host staging) between the same processes and a plain
+device-to-device copy of the same bytes, all measured in the same run.
+
+    python scripts/bench_transport.py --device cuda [--sizes 1,4,16,64,256] [--repeats 5]
+
+On one GPU the two processes are made two NCCL "hosts" (different NCCL_HOSTID,
+NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1), so NCCL uses its socket transport over loopback:
+the nccl figures are **loopback-socket** figures, not NVLink or InfiniBand link figures.
+Every payload is checked once for bit-identity (sha256) in both directions before timing.
+Needs torch with CUDA and libnccl (torch's nvidia-nccl wheel); not vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connector.transport import TcpTransport  # noqa: E402
+from connector.transport.nccl import NcclTransport  # noqa: E402
+from connector.transport.nccl_lib import load_nccl_library  # noqa: E402
+
+MiB = 1 << 20
+
+
+def nccl_env(host_id: str) -> dict[str, str]:
+    """Two processes on one GPU as two NCCL hosts joined by sockets on loopback."""
+    return {"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def kv_tensors(size_mib: int, layers: int, device: str, seed: int) -> list[torch.Tensor]:
+    """``layers`` bf16 tensors of whole blocks [n, 8 heads, 16 tokens, 128], ``size_mib`` in all."""
+    per_block = 8 * 16 * 128 * 2
+    n = max(1, size_mib * MiB // (layers * per_block))
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1 << 15, (n, 8, 16, 128), dtype=torch.int16, generator=g).view(torch.bfloat16).to(device)
+            for _ in range(layers)]
+
+
+def sha(tensors: list[torch.Tensor]) -> list[str]:
+    return [hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest() for t in tensors]
+
+
+def serve(args) -> None:
+    """The other process: an nccl and a tcp server with the same handler."""
+    device = "cuda"
+    store: dict[int, list[torch.Tensor]] = {}
+    stop = threading.Event()
+
+    def handler(header, tensors):
+        op = header.get("op")
+        if op == "put":
+            return ({"sha256": sha(tensors)} if header.get("verify") else {}), []
+        if op == "get":
+            size = header["size_mib"]
+            if size not in store:
+                store.clear()
+                store[size] = kv_tensors(size, args.layers, device, seed=size)
+            return ({"sha256": sha(store[size])} if header.get("verify") else {}), store[size]
+        if op == "stop":
+            stop.set()
+        return {}, []
+
+    nccl = NcclTransport(load_nccl_library(), torch.device(device), num_channels=args.nccl_channels)
+    nccl.start("127.0.0.1", 0, handler)
+    tcp = TcpTransport()
+    tcp.start("127.0.0.1", 0, handler)
+    print(nccl.bound_port, tcp.bound_port, flush=True)
+    stop.wait(timeout=1800)
+    nccl.close()
+    tcp.close()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str = "cuda") -> float:
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _median_gbs(fn, nbytes: int, repeats: int, device: str) -> float:
+    fn()  # warm-up (allocator, kernels)
+    return nbytes / statistics.median(_timed(fn, device) for _ in range(repeats)) / 1e9
+
+
+def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, picked: int = 512) -> list[tuple]:
+    """gather_packed / scatter_packed of ``picked`` scattered blocks of one layer, per
+    layout, against ``dst.copy_(src)`` of the same bytes on the same device (bar: >= 70 %)."""
+    from connector import layout as kvlayout
+    from tests.gpu_kv_peer import LAYOUTS, make_caches
+
+    rows = []
+    ids = sorted(random.Random(0).sample(range(blocks), picked))
+    dst_ids = sorted(random.Random(1).sample(range(blocks), picked))
+    for name in sorted(LAYOUTS):
+        kv = next(iter(make_caches(name, 1, layers=2, blocks=blocks, heads=8, tokens=16, content=128,
+                                   device=device).values()))
+        packed = kvlayout.gather_packed(kv, ids)
+        nbytes = packed.numel() * packed.element_size()
+        plain_src, plain_dst = packed.clone(), torch.empty_like(packed)
+        copy = _median_gbs(lambda: plain_dst.copy_(plain_src), nbytes, repeats, device)
+        gather = _median_gbs(lambda: kvlayout.gather_packed(kv, ids, out=plain_dst), nbytes, repeats, device)
+        scatter = _median_gbs(lambda: kvlayout.scatter_packed(kv, dst_ids, plain_src), nbytes, repeats, device)
+        rows.append((name, nbytes, gather, scatter, copy))
+    print(f"\n{'layout':>6} {'MiB':>6} {'gather':>8} {'scatter':>8} {'copy_':>8}   {'g/copy':>6} {'s/copy':>6}"
+          f"   (GB/s, {device}, {picked} of {blocks} blocks, medians of {repeats})")
+    for name, nbytes, g, sc, c in rows:
+        print(f"{name:>6} {nbytes / MiB:>6.1f} {g:>8.1f} {sc:>8.1f} {c:>8.1f}   {g / c:>6.2f} {sc / c:>6.2f}")
+    return rows
+
+
+def bench_staging(repeats: int = 5, sizes_mib: tuple[int, ...] = (4, 64, 256)) -> None:
+    """Pinned staging (what a decode does with KV beyond its device share): device ->
+    a lease of the pool, and back, against cudaMemcpy into a plain pinned tensor."""
+    from connector.staging import PinnedPool
+
+    pool = PinnedPool(max(sizes_mib) * MiB * 2)
+    print(f"\n{'MiB':>5} {'D2H pool':>9} {'D2H pin':>9} {'H2D pool':>9} {'H2D pin':>9}   (GB/s, medians of {repeats})")
+    for size in sizes_mib:
+        n = size * MiB
+        dev = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+        def to_pool():
+            lease = pool.alloc(n)
+            lease.view(torch.uint8, (n,)).copy_(dev)
+            lease.free()
+
+        lease = pool.alloc(n)
+        staged = lease.view(torch.uint8, (n,))
+        row = (_median_gbs(to_pool, n, repeats, "cuda"),
+               _median_gbs(lambda: pinned.copy_(dev), n, repeats, "cuda"),
+               _median_gbs(lambda: dev.copy_(staged), n, repeats, "cuda"),
+               _median_gbs(lambda: dev.copy_(pinned), n, repeats, "cuda"))
+        lease.free()
+        print(f"{size:>5} " + " ".join(f"{x:>9.1f}" for x in row))
+
+
+def run(args) -> int:
+    os.environ.update(nccl_env("xpyd-bench-client"))  # this process only, before NCCL loads
+    env = {**os.environ, **nccl_env("xpyd-bench-server")}
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--layers", str(args.layers),
+                             "--nccl-channels", str(args.nccl_channels or 0)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline().split()
+        if len(line) != 2:
+            print("server did not start", file=sys.stderr)
+            return 1
+        nccl_addr, tcp_addr = (f"127.0.0.1:{p}" for p in line)
+        lib = load_nccl_library()
+        client = NcclTransport(lib, torch.device("cuda"), num_channels=args.nccl_channels)
+        tcp = TcpTransport()
+        print(f"nccl library: {lib.name} {lib.version()}; device: {torch.cuda.get_device_name()}")
+        print("nccl figures: two processes on one GPU over NCCL's socket transport on loopback "
+              "(NCCL_HOSTID trick), not a link figure")
+        rows, ok_all = [], True
+        rng = random.Random(0)
+        for size in args.sizes:
+            src = kv_tensors(size, args.layers, "cuda", seed=1000 + size)
+            dst = [torch.empty_like(t) for t in src]
+            nbytes = sum(t.numel() * t.element_size() for t in src)
+            want = sha(src)
+            for addr, name in ((nccl_addr, "nccl"), (tcp_addr, "tcp")):
+                r, _ = (client if name == "nccl" else tcp).call(addr, {"op": "put", "verify": True}, src,
+                                                                timeout_s=120)
+                ok = r.get("sha256") == want
+                r, back = (client if name == "nccl" else tcp).call(addr, {"op": "get", "size_mib": size,
+                                                                          "verify": True}, timeout_s=120)
+                ok = ok and r.get("sha256") == sha(back)
+                ok_all &= ok
+                print(f"{size} MiB {name}: bit-identical both ways: {'yes' if ok else 'NO'}")
+            cols = {
+                "nccl_put": lambda: client.call(nccl_addr, {"op": "put"}, src, timeout_s=120),
+                "nccl_get": lambda: client.call(nccl_addr, {"op": "get", "size_mib": size}, timeout_s=120),
+                "tcp_put": lambda: tcp.call(tcp_addr, {"op": "put"}, src, timeout_s=120),
+                "d2d_copy": lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)],
+            }
+            times: dict[str, list[float]] = {k: [] for k in cols}
+            for _ in range(args.repeats):
+                order = list(cols)
+                rng.shuffle(order)  # interleaved: machine noise hits every column alike
+                for k in order:
+                    times[k].append(_timed(cols[k]))
+            gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+            rows.append((size, gbs))
+        print(f"\n{'MiB':>5} {'nccl PUT':>9} {'nccl GET':>9} {'tcp PUT':>9} {'d2d copy':>9}   "
+              f"{'nccl/tcp':>8} {'nccl/d2d':>8}   (GB/s, medians of {args.repeats})")
+        for size, g in rows:
+            print(f"{size:>5} {g['nccl_put']:>9.2f} {g['nccl_get']:>9.2f} {g['tcp_put']:>9.2f} {g['d2d_copy']:>9.1f}   "
+                  f"{g['nccl_put'] / g['tcp_put']:>8.2f} {g['nccl_put'] / g['d2d_copy']:>8.3f}")
+        bench_layouts("cuda", args.repeats)
+        bench_staging(args.repeats)
+        client.call(nccl_addr, {"op": "stop"}, timeout_s=10)
+        client.close()
+        tcp.close()
+        proc.wait(timeout=30)
+        return 0 if ok_all else 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--nccl-channels", type=int, default=0)
+    args = ap.parse_args()
+    args.nccl_channels = args.nccl_channels or None
+    if args.serve:
+        serve(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
