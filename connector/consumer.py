@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -49,8 +50,11 @@ class _Load:
 class Consumer:
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, caches: dict[str, torch.Tensor],
                  block_layout: kvlayout.BlockLayout, recv: KVBuffer, cpus: CpuPlan | None,
-                 stats: StatsRecorder | None = None, stager: RecvStager | None = None) -> None:
+                 stats: StatsRecorder | None = None, stager: RecvStager | None = None,
+                 check: Callable[[dict], str | None] | None = None) -> None:
         self._cfg = cfg
+        # Checks a payload header's layout and TP against ours (GET has no first contact).
+        self._check = check
         self._stager = stager
         self.stats = stats or StatsRecorder()
         self._rank = rank
@@ -140,7 +144,8 @@ class Consumer:
     def _apply(self, load: _Load, payload: Payload) -> str | None:
         """Copy a payload into the cache; returns an error or None."""
         spec, h = load.spec, payload.header
-        bad = self._layout.mismatch(h)
+        # Headers of older senders carry no TP: only the layout can be checked then.
+        bad = self._check(h) if self._check is not None and "tp_size" in h else self._layout.mismatch(h)
         if bad:
             return bad
         if h.get("layers") != self._layer_names:
@@ -192,7 +197,8 @@ class Consumer:
             payload = self._recv.peek(key)
             if payload is not None:
                 try:
-                    err = self._apply(load, payload)
+                    with payload.in_use():  # a TTL drop meanwhile frees a pinned lease only after
+                        err = self._apply(load, payload)
                 except Exception as e:  # noqa: BLE001 - a peer's bad payload must not kill the worker
                     err = f"malformed payload: {type(e).__name__}: {e}"
                 del self._loads[rid]

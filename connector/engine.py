@@ -125,7 +125,8 @@ class KVEngine:
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
                                  self.check_peer)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
-                                 self.xfer_stats, self._stager)
+                                 self.xfer_stats, self._stager,
+                                 lambda header: self.check_peer(header, we_send=False))
         self.address = rank_address(cfg.advertised_address, rank)
         host, _, port = self.address.rpartition(":")
         self._transport.start(host, int(port), self._handle)
@@ -159,8 +160,10 @@ class KVEngine:
             "recv_items": len(self._recv),
             "send_bytes": self._sendbuf.used_bytes,
             "send_items": len(self._sendbuf),
+            "send_evicted": self._sendbuf.evicted,
             "pending_sends": self.producer.pending,
             "pending_loads": self.consumer.pending,
+            **(self._stager.stats() if self._stager is not None else {}),
         }
 
     def refusals(self) -> dict[str, int]:
@@ -233,14 +236,15 @@ class KVEngine:
         # unknown_op: a caller's optional feature (e.g. nccl set-up) is not served here.
         return {"ok": False, "error": f"unknown op {op!r}", "unknown_op": True}, []
 
-    def check_peer(self, hello: dict[str, Any]) -> str | None:
-        """Why KV of this instance cannot go to the peer that answered ``hello``, or None."""
+    def check_peer(self, hello: dict[str, Any], we_send: bool = True) -> str | None:
+        """Why KV cannot move between this instance and the peer described by ``hello`` (a
+        hello reply, or a payload header), or None. ``we_send``: this side is the prefill."""
         bad = self._layout.mismatch(hello)
         if bad:
-            return f"peer cannot take this KV: {bad}"
+            return f"peer cannot take this KV: {bad}" if we_send else bad
         try:
             peer = tp.TpSide(int(hello["tp_size"]), int(hello["num_kv_heads"]), bool(hello["is_mla"]))
-            return tp.supported_by_data_path(self._tp, peer)
+            return tp.supported_by_data_path(*((self._tp, peer) if we_send else (peer, self._tp)))
         except tp.TopologyError as e:
             return str(e)
         except (KeyError, TypeError, ValueError) as e:
@@ -293,6 +297,7 @@ class KVEngine:
             "layers": self._layer_names,
             "runs": run_lens or [],
             **self._layout.describe(),
+            **self._tp.describe(),  # D checks it: rank r to rank r is right only for equal TP
         }
         return header, tensors
 

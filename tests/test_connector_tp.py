@@ -122,3 +122,27 @@ def test_first_contact_refuses_heterogeneous_tp_with_the_reason(engines):
     same = engines("kv_consumer", "PUT_ASYNC", seed=2)
     hello, _ = prod._transport.call(same.address, {"op": "hello"}, timeout_s=5)
     assert prod.check_peer(hello) is None
+
+
+def test_get_load_from_a_prefill_with_another_tp_fails_even_when_block_shapes_match(engines):
+    """GET has no first contact on P's side. P tp=8 and D tp=4 over 4 KV heads: both hold one
+    head per rank (P replicates), so block shapes match, but D rank r needs head r and P rank r
+    holds head r//2: the load must fail with the reason, never copy the wrong head."""
+    import torch
+    from test_connector_engine import SHAPE, load_spec, make_caches, plan_load, poll_until, rank0, save_spec, snapshot
+
+    one_head = (SHAPE[0], 1, *SHAPE[2:])
+    prod = engines("kv_producer", "GET", caches=make_caches(1, shape=one_head), tp_side=TpSide(8, 4))
+    cons = engines("kv_consumer", "GET", caches=make_caches(2, shape=one_head), tp_side=TpSide(4, 4))
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    plan_load(cons, load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == {"D-req"}
+    for name, cache in cons.caches.items():
+        assert torch.equal(cache, before[name])
+    same = engines("kv_consumer", "GET", caches=make_caches(3, shape=one_head), tp_side=TpSide(8, 4))
+    prod.save(save_spec(prod, rank0(same), key="f" * 32, delay_free=False))
+    plan_load(same, load_spec(rank0(prod), (7, 2, 11), 2, key="f" * 32))
+    res, _ = poll_until(same, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
