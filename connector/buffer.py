@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +42,38 @@ class Payload:
     # the buffer when it drops the payload (consumed, discarded, expired, evicted). ``pop``
     # hands the payload, and this duty, to the caller.
     release: Callable[[], None] | None = None
+    # Readers inside ``in_use``; a drop meanwhile (the TTL sweep) waits for the last one, so a
+    # lease is never handed to the next payload while its bytes are still being copied out.
+    _users: int = 0
+    _dropped: bool = False
+    _guard: threading.Lock = field(default_factory=threading.Lock)
 
     def drop(self) -> None:
-        if self.release is not None:
-            self.release()
+        """Give back what holds the tensors: once, however often called, and only after the
+        last reader left."""
+        with self._guard:
+            self._dropped = True
+            if self._users:
+                return
+            release, self.release = self.release, None
+        if release is not None:
+            release()
+
+    @contextmanager
+    def in_use(self) -> Iterator["Payload"]:
+        """Read the tensors without a concurrent ``drop`` freeing their memory under you."""
+        with self._guard:
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._guard:
+                self._users -= 1
+                release = None
+                if self._dropped and not self._users:
+                    release, self.release = self.release, None
+            if release is not None:
+                release()
 
     @classmethod
     def of(cls, header: dict[str, Any], tensors: list[torch.Tensor]) -> "Payload":

@@ -59,9 +59,12 @@ def _positive_int(extra: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
-# Pinned staging per role: a decode instance receives every prompt's KV (1 GiB absorbs a
-# burst of ~100 8k-token prompts of a 7B model beyond kv_buffer_size); a prefill-only
-# instance receives nothing, in every send mode.
+# Pinned staging per role. A decode instance receives every prompt's KV; 1 GiB of overflow
+# beyond kv_buffer_size holds ~8k tokens of an 8B GQA model (Llama-3-8B: 128 KiB/token), i.e.
+# a short burst, without pinning much of the host (pinned pages cannot be swapped; the pool
+# is allocated on first overflow, so a decode that never overflows pays nothing). A
+# prefill-only instance receives no KV in any send mode (GET copies live in its send store),
+# so it gets none.
 DEFAULT_POOL_GB = {"kv_consumer": 1.0, "kv_both": 1.0, "kv_producer": 0.0}
 
 

@@ -160,10 +160,8 @@ class KVEngine:
             "recv_items": len(self._recv),
             "send_bytes": self._sendbuf.used_bytes,
             "send_items": len(self._sendbuf),
-            "send_evicted": self._sendbuf.evicted,
             "pending_sends": self.producer.pending,
             "pending_loads": self.consumer.pending,
-            **(self._stager.stats() if self._stager is not None else {}),
         }
 
     def refusals(self) -> dict[str, int]:

@@ -101,10 +101,14 @@ class PinnedPool:
             self.leases -= 1
 
     def stats(self) -> dict[str, int]:
+        """Bytes used and free, the largest free run (the biggest lease that would succeed
+        now), and fragmentation: the share of free bytes, in percent, outside that run."""
         with self._lock:
             largest = max((n for _, n in self._free), default=0)
-            return {"capacity": self.capacity, "used": self._used, "free": self.capacity - self._used,
-                    "largest_free": largest, "free_runs": len(self._free), "leases": self.leases}
+            free = self.capacity - self._used
+            return {"capacity": self.capacity, "used": self._used, "free": free,
+                    "largest_free": largest, "free_runs": len(self._free), "leases": self.leases,
+                    "fragmentation_pct": (free - largest) * 100 // free if free else 0}
 
 
 class RecvStager:
@@ -132,6 +136,16 @@ class RecvStager:
     @property
     def pool(self) -> PinnedPool | None:
         return self._pool
+
+    def stats(self) -> dict[str, int]:
+        """Device share in use, payloads staged since start, and the pool's figures
+        (``pool_*``; zeros until the first overflow allocated it)."""
+        pool = self._pool
+        figures = pool.stats() if pool is not None else {"capacity": 0, "used": 0, "free": 0, "largest_free": 0,
+                                                          "free_runs": 0, "leases": 0, "fragmentation_pct": 0}
+        with self._lock:
+            out = {"staging_device_bytes": self.device_used, "staging_staged": self.staged}
+        return out | {f"pool_{k}": v for k, v in figures.items()}
 
     def _get_pool(self) -> PinnedPool | None:
         if self._pool is None and not self._pool_failed and self._pool_bytes > 0:

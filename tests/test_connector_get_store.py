@@ -49,6 +49,11 @@ def test_evicted_transfer_fails_the_decode_load_at_once(engines):
     prod.save(save_spec(prod, rank0(cons), req_id="P2", key=k2, delay_free=False))
     assert prod.send_buffer.evicted == 1
     assert prod.xfer_stats.peek().data["failures"].get("send/evicted") == 1
+    # P's get op answers the evicted key final (D stops asking), the kept one with its KV.
+    reply, tensors = prod._handle({"op": "get", "key": k1}, [])
+    assert reply["final"] is True and not reply["ok"] and "evicted" in reply["error"] and tensors == []
+    reply, tensors = prod._handle({"op": "get", "key": k2}, [])
+    assert reply["ok"] and tensors
     t0 = time.monotonic()
     plan_load(cons, load_spec(rank0(prod), (7, 2, 11), 2, req_id="D1", key=k1))
     res, t1 = poll_until(cons, lambda r: "D1" in r.finished_recving)

@@ -28,7 +28,20 @@ def test_alloc_free_coalesce():
     c.free()
     c.free()  # a double free is harmless
     assert pool.stats() == {"capacity": 4096, "used": 0, "free": 4096, "largest_free": 4096, "free_runs": 1,
-                            "leases": 0}
+                            "leases": 0, "fragmentation_pct": 0}
+
+
+def test_fragmentation_is_free_memory_outside_the_largest_run():
+    pool = PinnedPool(4096, pin=False)
+    leases = [pool.alloc(1024) for _ in range(4)]
+    assert pool.stats()["fragmentation_pct"] == 0  # nothing free: nothing fragmented
+    leases[0].free()
+    leases[2].free()  # two separate 1 KiB holes: half the free bytes lie outside the largest
+    st = pool.stats()
+    assert st["free"] == 2048 and st["largest_free"] == 1024 and st["fragmentation_pct"] == 50
+    assert pool.alloc(1500) is None  # 2 KiB free, but not in one piece
+    leases[1].free()  # holes merge: 3 KiB in one run
+    assert pool.stats()["fragmentation_pct"] == 0 and pool.alloc(3000) is not None
 
 
 def test_views_are_the_pool_bytes():
@@ -109,6 +122,9 @@ def test_overflow_goes_to_the_pool_with_its_bytes_and_comes_back_once():
     assert all(t.untyped_storage().data_ptr() == st.pool.buffer.untyped_storage().data_ptr()
                for t in second.tensors)
     assert st.pool.stats()["leases"] == 1
+    figures = st.stats()
+    assert figures["staging_device_bytes"] == 800 and figures["staging_staged"] == 1
+    assert figures["pool_leases"] == 1 and figures["pool_used"] == 1024  # 800 B + padding, 256-aligned
     second.drop()
     second.drop()
     assert st.pool.stats()["leases"] == 0
@@ -140,11 +156,58 @@ def test_every_way_out_of_the_buffer_releases_exactly_once():
     assert st.pool.stats()["used"] == 0
 
 
+def test_a_drop_while_a_reader_copies_frees_the_lease_only_after_it():
+    """The TTL sweep may drop a payload while the worker copies it into the cache: its pool
+    bytes must not go to the next payload until the copy is done (else that load reads
+    the newer payload's KV)."""
+    st = stager(budget=0, pool=512)  # room for exactly one staged payload (400 B + padding)
+    buf = KVBuffer("recv", st.capacity, ttl_s=60)
+    first = payload(400, 1)
+    assert st.admit(first) is None and buf.put("a", first) is None
+    want = [t.clone() for t in first.tensors]
+    with first.in_use():
+        assert buf.expire(now=1e18) == ["a"]  # out of the buffer ...
+        assert st.pool.stats()["leases"] == 1  # ... but its bytes still held
+        assert "receive buffer full" in st.admit(payload(400, 2))
+        assert all(torch.equal(a, b) for a, b in zip(first.tensors, want, strict=True))
+    assert st.pool.stats()["leases"] == 0  # the reader left: freed, once
+    first.drop()
+    assert st.pool.stats()["used"] == 0
+    assert st.admit(payload(400, 3)) is None
+
+
+def test_release_waits_for_the_last_of_several_readers_and_survives_errors():
+    calls = []
+    p = Payload.of({}, [torch.zeros(8, dtype=torch.uint8)])
+    p.release = lambda: calls.append(1)
+    with p.in_use():
+        try:
+            with p.in_use():
+                p.drop()
+                raise RuntimeError("bad payload")
+        except RuntimeError:
+            pass
+        assert calls == []  # the outer reader is still inside
+    assert calls == [1]
+    p.drop()
+    with p.in_use():
+        pass
+    assert calls == [1]
+    q = Payload.of({}, [torch.zeros(8, dtype=torch.uint8)])
+    q.release = lambda: calls.append(2)
+    with q.in_use():
+        pass
+    assert calls == [1]  # reading is not dropping
+    q.drop()
+    assert calls == [1, 2]
+
+
 def test_pool_that_cannot_be_allocated_refuses_instead_of_raising():
     def broken(n):
         raise RuntimeError("cudaHostAlloc failed")
 
     st = RecvStager(0, 1 << 20, pool_factory=broken, on_device=lambda t: True)
+    assert st.stats()["pool_capacity"] == 0  # not allocated yet: figures are zeros
     assert "receive buffer full" in st.admit(payload(100))
     assert "receive buffer full" in st.admit(payload(100))  # tried once, not every time
 
