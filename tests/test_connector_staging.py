@@ -73,6 +73,12 @@ def test_random_alloc_free_matches_a_model():
                 live.append(lease)
         spans = sorted((x.offset, x.offset + x.nbytes) for x in live)
         assert all(e1 <= s2 for (_, e1), (s2, _) in zip(spans, spans[1:]))
+        # The model: free memory is exactly the gaps between live leases, each one run
+        # (neighbours coalesced), so the pool's figures follow from the leases alone.
+        gaps = [(a, b - a) for a, b in zip([0] + [e for _, e in spans], [s for s, _ in spans] + [pool.capacity])
+                if b > a]
+        st = pool.stats()
+        assert st["free_runs"] == len(gaps) and st["largest_free"] == max((n for _, n in gaps), default=0)
         assert pool.stats()["used"] == sum(x.nbytes for x in live)
         assert all(x.offset % ALIGN == 0 for x in live)
     for x in live:
