@@ -9,6 +9,11 @@ planned load took it.
 
 GET mode: D pulls from P on a bounded pool of threads, one fetch per key,
 reserving the payload's size in its own buffer before asking.
+
+Heterogeneous TP (PUT, PUT_ASYNC): each prefill rank sends this rank the heads it owns
+as a piece under ``tp.piece_key(key, i)``; piece 0's header says how many there are. A
+load completes once every piece is here and each is checked against ``tp.sources``; it
+fails at once when any piece will not come.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
 
 from connector import layout as kvlayout
+from connector import tp
 from connector.affinity import CpuPlan, pin_current_thread
 from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
@@ -51,8 +58,11 @@ class Consumer:
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, caches: dict[str, torch.Tensor],
                  block_layout: kvlayout.BlockLayout, recv: KVBuffer, cpus: CpuPlan | None,
                  stats: StatsRecorder | None = None, stager: RecvStager | None = None,
-                 check: Callable[[dict], str | None] | None = None) -> None:
+                 check: Callable[[dict], str | None] | None = None, local: tp.TpSide | None = None,
+                 head_axis: int = kvlayout.HEAD_AXIS) -> None:
         self._cfg = cfg
+        self._local = local  # this instance's TP: which heads each piece must bring
+        self._head_axis = head_axis  # of the (regrouped) cache views
         # Checks a payload header's layout and TP against ours (GET has no first contact).
         self._check = check
         self._stager = stager
@@ -68,6 +78,7 @@ class Consumer:
         self._block_bytes = math.prod(block_layout.block_shape) * elem * len(self._layer_names)
         self._loads: dict[str, _Load] = {}  # req_id -> pending load, worker thread only
         self._released: set[str] = set()  # keys no further load will be planned for
+        self._pieces: dict[str, int] = {}  # key -> pieces announced (heterogeneous TP), worker thread only
         self._stop = threading.Event()
         self._fetches: dict[str, threading.Event] = {}  # GET: key -> cancel
         self._pool: ThreadPoolExecutor | None = None
@@ -117,7 +128,10 @@ class Consumer:
             if reply.get("ok"):
                 header = {k: v for k, v in reply.items() if k != "ok"}
                 payload = Payload.of(header, tensors)
-                refused = self._stager.admit(payload) if self._stager is not None else None
+                # Another TP size or layout: say so, not that the size missed the reservation.
+                refused = self._check(header) if self._check is not None and "tp_size" in header else None
+                if refused is None and self._stager is not None:
+                    refused = self._stager.admit(payload)
                 if refused:
                     self._recv.fail(key, refused)
                 else:
@@ -141,8 +155,81 @@ class Consumer:
             self._recv.fail(key, why)  # frees the reservation; waiting loads fail at once
 
     # ---- worker thread: complete what can be completed ----
-    def _apply(self, load: _Load, payload: Payload) -> str | None:
-        """Copy a payload into the cache; returns an error or None."""
+    def _arrived(self, key: str) -> tuple[list[Payload] | None, str | None]:
+        """(the payload, or every piece of it, when all are here; why it will not come)."""
+        payload = self._recv.peek(key)
+        if payload is not None:
+            return [payload], None
+        first = self._recv.peek(tp.piece_key(key, 0))
+        if first is None:
+            return None, self._recv.failure(key) or self._recv.failure(tp.piece_key(key, 0))
+        n = first.header.get("pieces")
+        if type(n) is not int or not 1 <= n <= 1024:
+            return None, f"malformed piece header: pieces={n!r}"
+        self._pieces[key] = n
+        got = [first]
+        for i in range(1, n):
+            p = self._recv.peek(tp.piece_key(key, i))
+            if p is None:
+                return None, self._recv.failure(key) or self._recv.failure(tp.piece_key(key, i))
+            got.append(p)
+        return got, None
+
+    def _apply_pieces(self, load: _Load, pieces: list[Payload]) -> str | None:
+        """Copy the head slices of a heterogeneous-TP transfer into the cache, after checking
+        all of them (a bad piece leaves the cache untouched); an error or None."""
+        spec = load.spec
+        last = spec.first_block + len(spec.dst_block_ids)
+        want: list[tp.Piece] | None = None
+        for i, p in enumerate(pieces):
+            h = p.header
+            bad = self._check(h) if self._check is not None else "no TP check configured"
+            if bad:
+                return bad
+            if self._local is None:
+                return "this instance's TP is unknown: cannot place head slices"
+            if want is None:
+                prefill = tp.TpSide(int(h["tp_size"]), int(h["num_kv_heads"]), bool(h["is_mla"]))
+                want = tp.sources(prefill, self._local, self._rank)
+                if len(want) != len(pieces):
+                    return f"prefill announced {len(pieces)} pieces, tp says {len(want)}"
+            if h.get("piece") != i or h.get("pieces") != len(pieces) or h.get("src_rank") != want[i].remote_rank \
+                    or h.get("heads") != [want[i].local_heads.start, want[i].local_heads.stop]:
+                return (f"piece {i} is not what tp expects: from rank {h.get('src_rank')} heads {h.get('heads')}, "
+                        f"want rank {want[i].remote_rank} heads {want[i].local_heads}")
+            if h.get("layers") != self._layer_names:
+                return "layer names differ between prefill and decode"
+            if h.get("num_tokens") != spec.prompt_tokens:
+                return f"payload is for a {h.get('num_tokens')}-token prompt, this request has {spec.prompt_tokens}"
+            nb = int(h.get("num_blocks", 0))
+            if nb < last:
+                return f"peer sent {nb} blocks, need {last}"
+            if h.get("runs") != [nb] or len(p.tensors) != len(self._layer_names):
+                return "piece tensor count does not match its header"
+            shape = list(self._layout.block_shape)
+            shape[self._head_axis - 1] = want[i].local_heads.stop - want[i].local_heads.start
+            for t in p.tensors:
+                if str(t.dtype).removeprefix("torch.") != self._layout.dtype or list(t.shape) != [nb, *shape]:
+                    return f"piece tensor {t.dtype}{list(t.shape)} does not match its header"
+        assert want is not None
+        for li, name in enumerate(self._layer_names):
+            for piece, p in zip(want, pieces, strict=True):
+                src = p.tensors[li].narrow(kvlayout.BLOCK_AXIS, spec.first_block, len(spec.dst_block_ids))
+                if spec.corrupt_for_test:
+                    src = torch.zeros_like(src)
+                kvlayout.scatter_packed(self._caches[name], spec.dst_block_ids, src, heads=piece.local_heads,
+                                        head_axis=self._head_axis)
+        for p in pieces:
+            for t in p.tensors:
+                if t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+        return None
+
+    def _apply(self, load: _Load, payloads: list[Payload]) -> str | None:
+        """Copy a payload (or the pieces of one) into the cache; returns an error or None."""
+        if len(payloads) > 1 or "pieces" in payloads[0].header:
+            return self._apply_pieces(load, payloads)
+        payload = payloads[0]
         spec, h = load.spec, payload.header
         # Headers of older senders carry no TP: only the layout can be checked then.
         bad = self._check(h) if self._check is not None and "tp_size" in h else self._layout.mismatch(h)
@@ -194,11 +281,13 @@ class Consumer:
                 self.stats.transfer("load", "cancelled")
                 logger.info("kv load cancelled req=%s transfer=%s (request finished)", rid, key)
                 continue
-            payload = self._recv.peek(key)
-            if payload is not None:
+            payloads, why = self._arrived(key)
+            if payloads is not None:
                 try:
-                    with payload.in_use():  # a TTL drop meanwhile frees a pinned lease only after
-                        err = self._apply(load, payload)
+                    with ExitStack() as held:  # a TTL drop meanwhile frees a pinned lease only after
+                        for p in payloads:
+                            held.enter_context(p.in_use())
+                        err = self._apply(load, payloads)
                 except Exception as e:  # noqa: BLE001 - a peer's bad payload must not kill the worker
                     err = f"malformed payload: {type(e).__name__}: {e}"
                 del self._loads[rid]
@@ -217,7 +306,6 @@ class Consumer:
                         " CORRUPTED(test)" if load.spec.corrupt_for_test else "",
                     )
                 continue
-            why = self._recv.failure(key)
             if why is None and now <= load.deadline:
                 continue
             del self._loads[rid]
@@ -240,6 +328,8 @@ class Consumer:
         wanted = {load.spec.transfer_key for load in self._loads.values()}
         for key in self._released - wanted:
             self._recv.discard(key)
+            for i in range(self._pieces.pop(key, 1)):  # late pieces are refused too
+                self._recv.discard(tp.piece_key(key, i))
             cancel = self._fetches.pop(key, None)
             if cancel is not None:
                 cancel.set()

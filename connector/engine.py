@@ -96,6 +96,8 @@ class KVEngine:
         self._caches = kv_caches
         self._layer_names = list(kv_caches)
         self._layout = block_layout
+        # Axis of the heads in the (regrouped) cache views: head slices for heterogeneous TP.
+        self._head_axis = kvlayout.HEAD_AXIS + (1 if block_layout.kernel_ratio > 1 else 0)
         self._device = next(iter(kv_caches.values())).device
         # GPU: received KV beyond kv_buffer_size of device memory goes to a pinned host pool.
         self._stager = (RecvStager(cfg.kv_buffer_size, int(cfg.mem_pool_size_gb * (1 << 30)))
@@ -123,10 +125,10 @@ class KVEngine:
         self._transport.on_refuse = self.xfer_stats.refused
         self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
-                                 self.check_peer)
+                                 self.check_peer, self._tp)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
                                  self.xfer_stats, self._stager,
-                                 lambda header: self.check_peer(header, we_send=False))
+                                 lambda header: self.check_peer(header, we_send=False), self._tp, self._head_axis)
         self.address = rank_address(cfg.advertised_address, rank)
         host, _, port = self.address.rpartition(":")
         self._transport.start(host, int(port), self._handle)
@@ -237,16 +239,39 @@ class KVEngine:
     def check_peer(self, hello: dict[str, Any], we_send: bool = True) -> str | None:
         """Why KV cannot move between this instance and the peer described by ``hello`` (a
         hello reply, or a payload header), or None. ``we_send``: this side is the prefill."""
-        bad = self._layout.mismatch(hello)
-        if bad:
-            return f"peer cannot take this KV: {bad}" if we_send else bad
         try:
             peer = tp.TpSide(int(hello["tp_size"]), int(hello["num_kv_heads"]), bool(hello["is_mla"]))
-            return tp.supported_by_data_path(*((self._tp, peer) if we_send else (peer, self._tp)))
+            prefill, decode = (self._tp, peer) if we_send else (peer, self._tp)
+            why = tp.supported_by_data_path(prefill, decode, get_mode=self._cfg.send_type == "GET")
+            if why is None:
+                hello, why = self._as_local_heads(hello, peer)
         except tp.TopologyError as e:
-            return str(e)
+            why = str(e)
         except (KeyError, TypeError, ValueError) as e:
             return f"malformed hello from peer: {type(e).__name__}: {e}"
+        if why is None:
+            why = self._layout.mismatch(hello)
+            if why and we_send:
+                why = f"peer cannot take this KV: {why}"
+        return why
+
+    def _as_local_heads(self, hello: dict[str, Any], peer: tp.TpSide) -> tuple[dict[str, Any], str | None]:
+        """A peer's block description with its head count replaced by ours, when the TP
+        sizes give the two sides different heads per rank: blocks then move as head slices,
+        so everything but the head axis must match. Refused when a cache's head axis does
+        not hold the heads its TP size says (heads are not a sliceable axis of it)."""
+        if peer.local_heads == self._tp.local_heads:
+            return hello, None
+        i = self._head_axis - 1  # the head axis within one block
+        shape = list(hello.get("block_shape") or [])
+        for who, side, have in (("this instance", self._tp, self._layout.block_shape[i]),
+                                ("the peer", peer, shape[i] if len(shape) > i else None)):
+            if have != side.local_heads:
+                return hello, (f"{who} (tp={side.tp_size}, {side.num_kv_heads} kv heads) holds {have} heads on its "
+                               f"cache's head axis, not {side.local_heads}: cannot split its blocks by head for "
+                               f"a different TP size (this tp={self._tp.tp_size}, peer tp={peer.tp_size})")
+        shape[i] = self._layout.block_shape[i]
+        return {**hello, "block_shape": shape}, None
 
     def _sweep(self) -> None:
         affinity.pin_current_thread(self._cpus)
@@ -262,14 +287,21 @@ class KVEngine:
                 table.pop(key, None)
 
     # ---- producer (worker thread, and the per-peer sender threads) ----
-    def _payload(self, spec: SaveSpec, copy: bool) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _payload(self, spec: SaveSpec, copy: bool, heads: slice | None = None) -> tuple[dict[str, Any],
+                                                                                      list[torch.Tensor]]:
+        """The blocks of ``spec`` (only ``heads`` of each, for a decode rank of another TP
+        size: then one packed tensor per layer)."""
         written = self._written.pop(spec.transfer_key, None)
         if written is not None:  # CUDA: read the blocks only after the forward pass wrote them
             torch.cuda.current_stream(self._device).wait_event(written[0])
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
         for name in self._layer_names:
-            if self._device_native:
+            if heads is not None:
+                parts = [kvlayout.gather_packed(self._caches[name], spec.block_ids, heads=heads,
+                                                head_axis=self._head_axis)]
+                copy = False  # a copy already
+            elif self._device_native:
                 # One batched gather per layer: one NCCL op (not one per run of blocks), and
                 # a copy of its own, which GET needs anyway.
                 parts = [kvlayout.gather_packed(self._caches[name], spec.block_ids)]

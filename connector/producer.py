@@ -9,6 +9,12 @@ load fails at its next poll instead of at its deadline.
 
 Every send first reserves room in D's buffer and ships the bytes only once D
 agreed: D's memory is bounded before it is spent.
+
+Before the first KV to a decode instance, P asks it ``hello`` (its rank's TP size, KV
+heads, block layout; cached, asked again after the peer came back) and refuses at once
+what cannot be mapped. With equal TP, worker rank r sends whole blocks to D's rank r;
+with different TP sizes it sends each D rank the head slice that rank owns
+(``connector.tp``), each piece under its own key, and D loads once it has all pieces.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 
+from connector import tp
 from connector.affinity import CpuPlan, pin_current_thread
 from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
@@ -41,8 +48,9 @@ PEER_IDLE_EXIT_S = 30.0
 # Abort notices not yet delivered are kept at most this many per peer.
 MAX_PENDING_NOTICES = 4096
 
-# Builds (header, tensors) for a send; copy=True gives P its own copy (GET).
-PayloadBuilder = Callable[[SaveSpec, bool], tuple[dict[str, Any], list[torch.Tensor]]]
+# Builds (header, tensors) for a send; copy=True gives P its own copy (GET); a third
+# argument (a slice of this rank's heads) gives only those heads of each block.
+PayloadBuilder = Callable[..., tuple[dict[str, Any], list[torch.Tensor]]]
 # Checks a peer's "hello" (layout, dtype, block shape, TP): None, or why KV cannot go there.
 PeerCheck = Callable[[dict[str, Any]], str | None]
 # An incompatible peer is asked again after this long (it may have been reconfigured).
@@ -77,15 +85,25 @@ class Send:
 
 
 class PeerSender:
-    """The send queue of one decode peer (one worker rank), served by one thread."""
+    """The send queue of one decode instance (the ranks this worker rank sends to), served
+    by one thread. ``instance``: the decode's rank-0 kv address."""
 
-    def __init__(self, peer: str, transport: Transport, cfg: ConnectorConfig, build: PayloadBuilder,
+    def __init__(self, instance: str, transport: Transport, cfg: ConnectorConfig, build: PayloadBuilder,
                  cpus: CpuPlan | None, stop: threading.Event, stats: StatsRecorder | None = None,
-                 check: PeerCheck | None = None) -> None:
-        self.peer = peer
+                 check: PeerCheck | None = None, rank: int = 0, local: tp.TpSide | None = None) -> None:
+        self.instance = instance
+        self._rank = rank
+        self._local = local
+        # The rank of the same number (equal TP): asked hello and probed; rank 0 when that is
+        # no rank of the decode (it has fewer ranks than we have).
+        self.home = rank_address(instance, rank)
+        self.peer = self.home
         self._check = check
         # First contact: None until the peer's hello was checked; then (why or None, when).
         self._contact: tuple[str | None, float] | None = None
+        # Where each send goes, set at first contact: (address, None) ships whole blocks (equal
+        # TP), (address, route) the route's head slice. Empty: our heads come from a replica.
+        self._routes: list[tuple[str, tp.Route | None]] = [(self.home, None)]
         self._stats = stats or StatsRecorder()
         self._transport = transport
         self._cfg = cfg
@@ -94,7 +112,7 @@ class PeerSender:
         self._stop = stop
         self._cond = threading.Condition()
         self._queue: deque[Send] = deque()
-        self._notices: dict[str, str] = {}  # transfer key -> why it will not come
+        self._notices: dict[str, dict[str, str]] = {}  # address -> transfer key -> why it will not come
         self._thread: threading.Thread | None = None
         self.dead_since: float | None = None  # monotonic; None while the peer answers
 
@@ -185,47 +203,120 @@ class PeerSender:
                 self._notice(send.spec.transfer_key, reason)
                 send.done.set()
 
-    def _notice(self, key: str, reason: str) -> None:
-        """Queue "this transfer will not come" for the peer; delivered by the peer
-        thread as soon as the peer answers."""
+    def _targets(self) -> list[str]:
+        """The decode ranks our sends go to (where a failed send is told)."""
+        return list(dict.fromkeys(addr for addr, _ in self._routes))
+
+    def _notice(self, key: str, reason: str, to: list[str] | None = None) -> None:
+        """Queue "this transfer will not come" for the decode ranks ``to`` (all ours by
+        default) under the transfer's own key: a decode rank waiting for pieces fails at once
+        whichever of them will not come. Delivered by the peer thread as soon as D answers."""
         with self._cond:
-            if len(self._notices) < MAX_PENDING_NOTICES:
-                self._notices[key] = f"sender gave up: {reason}"
+            for addr in self._targets() if to is None else to:
+                queued = self._notices.setdefault(addr, {})
+                if len(queued) < MAX_PENDING_NOTICES:
+                    queued[key] = f"sender gave up: {reason}"
             self._ensure_thread()
             self._cond.notify()
 
-    def _deliver(self, notices: dict[str, str]) -> None:
+    def _deliver(self, notices: dict[str, dict[str, str]]) -> None:
+        for i, (addr, keys) in enumerate(notices.items()):
+            try:
+                self._transport.call(addr, {"op": "abort", "keys": keys},
+                                     timeout_s=min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
+            except TransportError as e:
+                with self._cond:  # keep them for when the peer answers again
+                    for a, ks in list(notices.items())[i:]:
+                        queued = self._notices.setdefault(a, {})
+                        for k, v in ks.items():
+                            if len(queued) < MAX_PENDING_NOTICES:
+                                queued.setdefault(k, v)
+                self._mark_dead(e)
+                return
+
+    def _hello(self) -> tuple[dict[str, Any], str]:
+        """Ask the decode's rank of our number, or its rank 0 when that is no rank of it
+        (unreachable, or another engine answers): (reply, who answered). Raises
+        TransportError when neither answers."""
+        timeout = min(self._cfg.send_timeout_s, 2.0)
         try:
-            self._transport.call(self.peer, {"op": "abort", "keys": notices},
-                                 timeout_s=min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
-        except TransportError as e:
-            with self._cond:  # keep them for when the peer answers again
-                for k, v in notices.items():
-                    if len(self._notices) < MAX_PENDING_NOTICES:
-                        self._notices.setdefault(k, v)
-            self._mark_dead(e)
+            reply, _ = self._transport.call(self.home, {"op": "hello"}, timeout_s=timeout)
+            if self._rank == 0 or not reply.get("ok") or reply.get("rank") == self._rank:
+                return reply, self.home
+        except TransportError:
+            if self._rank == 0:
+                raise
+        first = rank_address(self.instance, 0)
+        reply, _ = self._transport.call(first, {"op": "hello"}, timeout_s=timeout)
+        return reply, first
+
+    def _plan(self, reply: dict[str, Any], contact: str) -> str | None:
+        """Set where sends go from a checked hello; why not, when we cannot send there."""
+        try:
+            peer = tp.TpSide(int(reply["tp_size"]), int(reply["num_kv_heads"]), bool(reply["is_mla"]))
+        except (KeyError, TypeError, ValueError):
+            peer = None  # an engine without TP in its hello: whole blocks, rank r to rank r
+        if peer is None or self._local is None or peer.tp_size == self._local.tp_size:
+            if contact != self.home:
+                return f"decode rank {self._rank} at {self.home} does not answer (rank 0 does)"
+            self._routes = [(self.home, None)]
+            return None
+        self._routes = [(rank_address(self.instance, r.decode_rank), r)
+                        for r in tp.routes(self._local, peer, self._rank)]
+        logger.info("kv peer %s: tp %d -> %d, rank %d sends %s", self.instance, self._local.tp_size,
+                    peer.tp_size, self._rank,
+                    [(r.decode_rank, f"heads {r.piece.remote_heads.start}:{r.piece.remote_heads.stop}")
+                     for _, r in self._routes if r is not None] or "nothing (a replica sends our heads)")
+        return None
 
     def _first_contact(self) -> tuple[str | None, bool]:
         """Before the first KV to this peer (and again after it came back, or RECHECK_S
-        after it could not take it): can it take our KV at all? Returns (why not, whether
-        the peer refused the call itself); raises TransportError when unreachable."""
+        after it could not take it): can it take our KV at all, and which of its ranks get
+        which heads? Returns (why not, whether the peer refused the call itself); raises
+        TransportError when unreachable."""
         if self._check is None:
             return None, False
         if self._contact is not None and (self._contact[0] is None or time.monotonic() - self._contact[1] < RECHECK_S):
             return self._contact[0], False
-        reply, _ = self._transport.call(self.peer, {"op": "hello"}, timeout_s=min(self._cfg.send_timeout_s, 2.0))
+        reply, contact = self._hello()
         if reply.get("refused"):  # before its handler (authentication): not an answer to cache
             return f"refused the call: {reply.get('error')}", True
+        self.peer = contact
         if reply.get("ok"):
-            why = self._check(reply)
+            why = self._check(reply) or self._plan(reply, contact)
         elif reply.get("unknown_op"):
-            why = None  # an engine without hello: the load still checks every payload
+            why = self._plan({}, contact)  # an engine without hello: the load still checks every payload
         else:
             why = f"hello failed: {reply.get('error')}"
         if why is not None:
-            logger.error("kv peer %s cannot take KV from this instance: %s", self.peer, why)
+            logger.error("kv peer %s cannot take KV from this instance: %s", self.instance, why)
         self._contact = (why, time.monotonic())
         return why, False
+
+    def _ship(self, spec: SaveSpec, addr: str, route: tp.Route | None, deadline: float) -> int | None:
+        """Reserve, then send, one payload to one decode rank: the bytes sent, or None when
+        D refused it. Raises TransportError."""
+        if route is None:
+            header, tensors = self._build(spec, False)
+        else:
+            header, tensors = self._build(spec, False, route.piece.remote_heads)
+            header.update(key=tp.piece_key(spec.transfer_key, route.index), piece=route.index,
+                          pieces=route.count, src_rank=self._rank,
+                          heads=[route.piece.local_heads.start, route.piece.local_heads.stop])
+        nbytes = tensor_bytes(tensors)
+        reply, _ = self._transport.call(addr, {"op": "reserve", "key": header["key"], "nbytes": nbytes},
+                                        timeout_s=self._cfg.send_timeout_s)
+        if reply.get("ok"):
+            reply, _ = self._transport.call(addr, header, tensors, timeout_s=max(0.05, deadline - time.monotonic()))
+        if reply.get("ok"):
+            return nbytes
+        logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
+                       spec.req_id, header["key"], addr, reply.get("error"))
+        self._stats.failure("send", "refused")
+        if route is not None:
+            # D knows this piece will not come, but waits for the transfer's key: tell it.
+            self._notice(spec.transfer_key, f"piece {route.index} refused: {reply.get('error')}", [addr])
+        return None
 
     def _send(self, send: Send) -> None:
         if not send.claim():
@@ -233,6 +324,7 @@ class PeerSender:
         spec = send.spec
         deadline = time.monotonic() + self._cfg.send_timeout_s
         t0 = time.monotonic()
+        pending: list[str] | None = None  # decode ranks not served yet (None: before first contact)
         try:
             why, refused = self._first_contact()
             if why is not None:
@@ -241,37 +333,32 @@ class PeerSender:
                 # Refused (e.g. another kv_secret): D knows and logs it, as for reserve.
                 self._stats.failure("send", "refused" if refused else "invalid")
                 if not refused:
-                    self._notice(spec.transfer_key, why)
+                    self._notice(spec.transfer_key, why, [self.peer])
                 return
-            header, tensors = self._build(spec, False)
-            nbytes = tensor_bytes(tensors)
-            reply, _ = self._transport.call(
-                self.peer, {"op": "reserve", "key": spec.transfer_key, "nbytes": nbytes},
-                timeout_s=self._cfg.send_timeout_s)
-            if reply.get("ok"):
-                reply, _ = self._transport.call(self.peer, header, tensors,
-                                                timeout_s=max(0.05, deadline - time.monotonic()))
-            if not reply.get("ok"):
-                # D refused (full, duplicate, request gone): it knows; nothing to tell it.
-                logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
-                               spec.req_id, spec.transfer_key, self.peer, reply.get("error"))
-                self._stats.failure("send", "refused")
-            else:
-                self._stats.transfer("send", "ok", nbytes, "sent")
-                logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ms=%.1f",
+            routes = list(self._routes)
+            pending = [addr for addr, _ in routes]
+            sent, ok = 0, True
+            for addr, route in routes:
+                nbytes = self._ship(spec, addr, route, deadline)
+                pending.remove(addr)
+                ok = ok and nbytes is not None
+                sent += nbytes or 0
+            if ok:
+                self._stats.transfer("send", "ok", sent, "sent")
+                logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f",
                             spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
-                            nbytes, self.peer, (time.monotonic() - t0) * 1e3)
+                            sent, self.instance, len(routes), (time.monotonic() - t0) * 1e3)
         except TransportError as e:
             logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                            spec.req_id, spec.transfer_key, self.peer, e)
             # Refused before its handler (another kv_secret, too large): no byte was taken.
             self._stats.failure("send", "refused" if isinstance(e, TransportRefused) else "transport")
-            self._notice(spec.transfer_key, str(e))
+            self._notice(spec.transfer_key, str(e), pending)
             self._mark_dead(e)
         except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send
             logger.exception("kv send failed req=%s transfer=%s peer=%s", spec.req_id, spec.transfer_key, self.peer)
             self._stats.failure("send", "error")
-            self._notice(spec.transfer_key, f"{type(e).__name__}: {e}")
+            self._notice(spec.transfer_key, f"{type(e).__name__}: {e}", pending)
         finally:
             send.done.set()
 
@@ -281,8 +368,9 @@ class Producer:
 
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, build: PayloadBuilder,
                  sendbuf: KVBuffer, cpus: CpuPlan | None, stats: StatsRecorder | None = None,
-                 check: PeerCheck | None = None) -> None:
+                 check: PeerCheck | None = None, local: tp.TpSide | None = None) -> None:
         self._cfg = cfg
+        self._local = local  # this instance's TP: which decode ranks get which heads
         self._check = check
         self.stats = stats or StatsRecorder()
         self._rank = rank
@@ -300,10 +388,11 @@ class Producer:
         return len(self._sends)  # len() of a dict is atomic under the GIL
 
     def peer(self, addr: str) -> PeerSender:
+        """The sender of the decode instance whose rank-0 kv address is ``addr``."""
         p = self._peers.get(addr)
         if p is None:
             p = self._peers[addr] = PeerSender(addr, self._transport, self._cfg, self._build, self._cpus,
-                                                  self._stop, self.stats, self._check)
+                                                  self._stop, self.stats, self._check, self._rank, self._local)
         return p
 
     def save(self, spec: SaveSpec) -> None:
@@ -321,7 +410,7 @@ class Producer:
                 logger.warning("GET buffer refused transfer=%s reason=%s", spec.transfer_key, refused)
             return
         send = Send(spec)
-        peer = self.peer(rank_address(spec.decode_addr, self._rank))
+        peer = self.peer(spec.decode_addr)
         if self._cfg.send_type == "PUT":
             peer.send_now(send)  # the step waits, bounded by send_timeout_s
             return

@@ -118,12 +118,40 @@ def targets(prefill: TpSide, decode: TpSide, prefill_rank: int) -> list[tuple[in
     return out
 
 
-def supported_by_data_path(prefill: TpSide, decode: TpSide) -> str | None:
-    """Why this pair cannot transfer with today's data path (whole blocks, rank r to rank
-    r), or None. Heterogeneous TP needs head slices per target rank: not wired yet."""
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What a prefill rank sends to one decode rank: ``piece`` is entry ``index`` of that
+    decode rank's ``sources`` (``count`` entries), so the decode rank knows which key
+    each piece arrives under and when it has all of them."""
+
+    decode_rank: int
+    index: int
+    count: int
+    piece: Piece
+
+
+def routes(prefill: TpSide, decode: TpSide, prefill_rank: int) -> list[Route]:
+    """``targets`` with each piece's place in its decode rank's list (empty: this rank's
+    heads are all fetched from another replica)."""
+    out = []
+    for d in range(decode.tp_size):
+        src = sources(prefill, decode, d)
+        out += [Route(d, i, len(src), p) for i, p in enumerate(src) if p.remote_rank == prefill_rank]
+    return out
+
+
+def piece_key(transfer_key: str, index: int) -> str:
+    """The receive-buffer key of piece ``index`` of a transfer split over prefill ranks."""
+    return f"{transfer_key}/{index}"
+
+
+def supported_by_data_path(prefill: TpSide, decode: TpSide, get_mode: bool = False) -> str | None:
+    """Why this pair cannot transfer with the data path, or None. Heterogeneous TP ships
+    head slices per target rank (PUT, PUT_ASYNC); GET pulls whole blocks from the same
+    rank, so it needs equal TP."""
     check(prefill, decode)
-    if prefill.tp_size != decode.tp_size:
+    if get_mode and prefill.tp_size != decode.tp_size:
         return (f"heterogeneous tensor parallelism (prefill tp={prefill.tp_size}, decode tp={decode.tp_size}) "
-                "is not supported by this connector's data path yet: run prefill and decode with the same "
-                "--tensor-parallel-size")
+                "is not supported with send_type GET: use PUT or PUT_ASYNC, or run prefill and decode "
+                "with the same --tensor-parallel-size")
     return None

@@ -83,9 +83,26 @@ def test_unsupported_pairs_are_refused_naming_both_sides(p, d, words):
     assert f"prefill tp={p.tp_size}" in str(e.value) and f"decode tp={d.tp_size}" in str(e.value)
 
 
-def test_heterogeneous_tp_is_refused_by_the_data_path_with_a_clear_message():
-    why = tp.supported_by_data_path(TpSide(1, 8), TpSide(2, 8))
-    assert why is not None and "prefill tp=1, decode tp=2" in why and "--tensor-parallel-size" in why
+def test_heterogeneous_tp_is_refused_only_for_get_with_a_clear_message():
+    assert tp.supported_by_data_path(TpSide(1, 8), TpSide(2, 8)) is None
+    why = tp.supported_by_data_path(TpSide(1, 8), TpSide(2, 8), get_mode=True)
+    assert why is not None and "prefill tp=1, decode tp=2" in why and "GET" in why
+    assert tp.supported_by_data_path(TpSide(2, 8), TpSide(2, 8), get_mode=True) is None
+
+
+@pytest.mark.parametrize("p_tp, d_tp, heads, mla", CASES)
+def test_routes_number_each_piece_as_its_decode_rank_expects(p_tp, d_tp, heads, mla):
+    p, d = TpSide(p_tp, heads, mla), TpSide(d_tp, heads, mla)
+    seen = {}
+    for p_rank in range(p_tp):
+        for r in tp.routes(p, d, p_rank):
+            assert r.piece.remote_rank == p_rank
+            assert tp.sources(p, d, r.decode_rank)[r.index] == r.piece
+            assert r.count == len(tp.sources(p, d, r.decode_rank))
+            assert (r.decode_rank, r.index) not in seen, "a piece sent twice"
+            seen[(r.decode_rank, r.index)] = p_rank
+    assert set(seen) == {(dr, i) for dr in range(d_tp) for i in range(len(tp.sources(p, d, dr)))}
+    assert len({tp.piece_key("k", i) for i in range(4)}) == 4 and "k" not in {tp.piece_key("k", i) for i in range(4)}
 
 
 # ------------------------------------------------------------------ first contact, real engines
@@ -116,9 +133,11 @@ def test_first_contact_refuses_heterogeneous_tp_with_the_reason(engines):
     hello, _ = prod._transport.call(cons.address, {"op": "hello"}, timeout_s=5)
     assert hello["tp_size"] == 2 and hello["num_kv_heads"] == 4
     assert "different numbers of KV heads" in prod.check_peer(hello)
+    # D says tp=2 over 2 heads (1 per rank) but its cache holds 2 heads per block: no head slicing
     cons2 = engines("kv_consumer", "PUT_ASYNC", seed=2, tp_side=TpSide(2, 2))
     hello, _ = prod._transport.call(cons2.address, {"op": "hello"}, timeout_s=5)
-    assert "heterogeneous tensor parallelism (prefill tp=1, decode tp=2)" in prod.check_peer(hello)
+    why = prod.check_peer(hello)
+    assert "the peer (tp=2, 2 kv heads) holds 2 heads" in why and "this tp=1, peer tp=2" in why
     same = engines("kv_consumer", "PUT_ASYNC", seed=2)
     hello, _ = prod._transport.call(same.address, {"op": "hello"}, timeout_s=5)
     assert prod.check_peer(hello) is None
@@ -146,3 +165,194 @@ def test_get_load_from_a_prefill_with_another_tp_fails_even_when_block_shapes_ma
     plan_load(same, load_spec(rank0(prod), (7, 2, 11), 2, key="f" * 32))
     res, _ = poll_until(same, lambda r: "D-req" in r.finished_recving)
     assert res.failed_recving == set()
+
+
+# ------------------------------------------------------------------ heterogeneous TP, real engines
+
+
+def _instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, blocks_heads: int,
+              dtypes: dict | None = None, **over) -> list:
+    """The ranks of one instance: engines at kv_port + r, each with its share of the heads
+    (``dtypes``: rank -> another KV dtype than bfloat16)."""
+    import torch
+    from test_connector_engine import SHAPE, free_port, make_caches, make_cfg
+
+    from connector import layout as kvlayout
+    from connector.engine import KVEngine
+    from connector.transport import TransportError
+
+    shape = (SHAPE[0], blocks_heads, *SHAPE[2:])
+    for _ in range(5):
+        port = free_port()
+        ranks: list = []
+        try:
+            for r in range(tp_size):
+                caches = make_caches(seed * 10 + r, shape=shape, dtype=(dtypes or {}).get(r, torch.bfloat16))
+                cfg = make_cfg(role, send_type, port, **over)
+                eng = KVEngine(cfg, r, caches, kvlayout.detect(None, caches), tp_side=TpSide(tp_size, heads))
+                eng.caches, eng.cfg = caches, cfg
+                ranks.append(eng)
+            return ranks
+        except TransportError:  # port + r taken meanwhile: another base
+            for eng in ranks:
+                eng.close()
+    raise RuntimeError("no free ports")
+
+
+@pytest.fixture
+def instances():
+    started: list = []
+
+    def start(*args, **kw) -> list:
+        ranks = _instance(*args, **kw)
+        started.extend(ranks)
+        return ranks
+
+    yield start
+    for eng in started:
+        eng.close()
+
+
+def _global_heads(ranks: list, name: str, block: int):
+    """One block of one layer with the heads of every rank side by side (replicas once)."""
+    import torch
+
+    side = ranks[0]._tp
+    per = {}
+    for r, eng in enumerate(ranks):
+        for i, h in enumerate(side.heads_of(r)):
+            per.setdefault(h, eng.caches[name][block][i])
+    return torch.stack([per[h] for h in sorted(per)])
+
+
+def _check_decode(d_ranks: list, p_ranks: list, before: list, dst=(7, 2, 11), src=None) -> None:
+    """Every decode rank's dst blocks hold exactly its heads of the prefill's src blocks,
+    byte for byte; nothing else changed."""
+    import torch
+    from test_connector_engine import SRC_IDS, bits
+
+    src = src or SRC_IDS[2:]
+    side = d_ranks[0]._tp
+    for r, eng in enumerate(d_ranks):
+        heads = list(side.heads_of(r))
+        for name, cache in eng.caches.items():
+            for d, s in zip(dst, src, strict=True):
+                want = _global_heads(p_ranks, name, s)[heads]
+                assert torch.equal(bits(cache[d]), bits(want)), (r, name, d, s)
+            others = [b for b in range(cache.shape[0]) if b not in dst]
+            assert torch.equal(bits(cache[others]), bits(before[r][name][others]))
+
+
+@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT"])
+def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type):
+    from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+
+    (prod,) = instances("kv_producer", send_type, 1, 4, seed=1, blocks_heads=4)
+    dec = instances("kv_consumer", send_type, 2, 4, seed=2, blocks_heads=2)
+    before = [snapshot(d.caches) for d in dec]
+    for d in dec:
+        plan_load(d, load_spec(rank0(prod), (7, 2, 11), 2))
+    prod.save(save_spec(prod, rank0(dec[0])))
+    for d in dec:
+        res, _ = poll_until(d, lambda r: "D-req" in r.finished_recving)
+        assert res.failed_recving == set()
+    _check_decode(dec, [prod], before)
+    if send_type == "PUT_ASYNC":  # PUT sent within save(): its blocks were never held
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    assert prod.xfer_stats.peek().data["failures"] == {}
+    for d in dec:  # the pieces are dropped once loaded and released
+        assert d.stats()["recv_items"] == 0
+
+
+def test_prefill_tp2_to_decode_tp1_waits_for_every_piece(instances):
+    """D's one rank assembles its 4 heads from both prefill ranks: nothing is written
+    before the second piece came; then every head is right."""
+    import time
+
+    from test_connector_engine import assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+
+    p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 4, seed=1, blocks_heads=2)
+    (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 4, seed=2, blocks_heads=4)
+    before = snapshot(dec.caches)
+    plan_load(dec, load_spec(rank0(p_ranks[0]), (7, 2, 11), 2))
+    p_ranks[1].save(save_spec(p_ranks[1], rank0(dec)))
+    poll_until(p_ranks[1], lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # one piece of two: the load must not complete
+        res = dec.poll(set())
+        assert "D-req" not in res.finished_recving
+        time.sleep(0.02)
+    assert dec.stats()["recv_items"] == 1
+    assert_untouched(dec, before)
+    p_ranks[0].save(save_spec(p_ranks[0], rank0(dec)))
+    res, _ = poll_until(dec, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    _check_decode([dec], p_ranks, [before])
+
+
+def test_replicated_heads_come_from_one_prefill_rank(instances):
+    """1 KV head, P tp=2 (both ranks hold it), D tp=1: rank 0 sends, rank 1 sends nothing
+    and still finishes its send at once."""
+    from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+
+    p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 1, seed=1, blocks_heads=1)
+    (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 1, seed=2, blocks_heads=1)
+    before = snapshot(dec.caches)
+    plan_load(dec, load_spec(rank0(p_ranks[0]), (7, 2, 11), 2))
+    for p in p_ranks:
+        p.save(save_spec(p, rank0(dec)))
+    res, _ = poll_until(dec, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    _check_decode([dec], p_ranks[:1], [before])
+    for p in p_ranks:
+        poll_until(p, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    sent = [p.xfer_stats.peek().data["bytes"].get("sent", 0) for p in p_ranks]
+    assert sent[0] > 0 and sent[1] == 0
+
+
+def test_a_piece_that_will_not_come_fails_the_load_at_once(instances):
+    """P tp=2 -> D tp=1: rank 0's piece arrives, rank 1 runs another KV dtype and is
+    refused at first contact: D's load fails at once (not at its deadline), cache untouched."""
+    import time
+
+    import torch
+    from test_connector_engine import assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+
+    p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 4, seed=1, blocks_heads=2, dtypes={1: torch.float16})
+    (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 4, seed=2, blocks_heads=4, kv_load_timeout_s=30.0)
+    before = snapshot(dec.caches)
+    plan_load(dec, load_spec(rank0(p_ranks[0]), (7, 2, 11), 2))
+    t0 = time.monotonic()
+    for p in p_ranks:
+        p.save(save_spec(p, rank0(dec)))
+    res, t1 = poll_until(dec, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == {"D-req"} and t1 - t0 < 5.0
+    assert p_ranks[0].xfer_stats.peek().data["bytes"].get("sent", 0) > 0
+    assert p_ranks[1].xfer_stats.peek().data["failures"].get("send/invalid") == 1
+    assert_untouched(dec, before)
+
+
+def test_get_refuses_heterogeneous_tp_at_the_load(instances):
+    """GET pulls whole blocks from the rank of the same number: a decode of another TP
+    size fails its load with the reason, cache untouched."""
+    from test_connector_engine import (
+        KEY,
+        assert_untouched,
+        load_spec,
+        plan_load,
+        poll_until,
+        rank0,
+        save_spec,
+        snapshot,
+    )
+
+    (prod,) = instances("kv_producer", "GET", 1, 4, seed=1, blocks_heads=4)
+    dec = instances("kv_consumer", "GET", 2, 4, seed=2, blocks_heads=2)
+    before = snapshot(dec[0].caches)
+    prod.save(save_spec(prod, rank0(dec[0]), delay_free=False))
+    plan_load(dec[0], load_spec(rank0(prod), (7, 2, 11), 2))
+    res, _ = poll_until(dec[0], lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == {"D-req"}
+    why = dec[0].recv_buffer.failure(KEY)
+    assert "heterogeneous tensor parallelism (prefill tp=1, decode tp=2)" in why and "GET" in why
+    assert_untouched(dec[0], before)
