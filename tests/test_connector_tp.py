@@ -171,9 +171,9 @@ def test_get_load_from_a_prefill_with_another_tp_fails_even_when_block_shapes_ma
 
 
 def _instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, blocks_heads: int,
-              dtypes: dict | None = None, **over) -> list:
+              dtypes: dict | None = None, transport=None, **over) -> list:
     """The ranks of one instance: engines at kv_port + r, each with its share of the heads
-    (``dtypes``: rank -> another KV dtype than bfloat16)."""
+    (``dtypes``: rank -> another KV dtype than bfloat16; ``transport(cfg)``: instead of tcp)."""
     import torch
     from test_connector_engine import SHAPE, free_port, make_caches, make_cfg
 
@@ -189,7 +189,8 @@ def _instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, bl
             for r in range(tp_size):
                 caches = make_caches(seed * 10 + r, shape=shape, dtype=(dtypes or {}).get(r, torch.bfloat16))
                 cfg = make_cfg(role, send_type, port, **over)
-                eng = KVEngine(cfg, r, caches, kvlayout.detect(None, caches), tp_side=TpSide(tp_size, heads))
+                eng = KVEngine(cfg, r, caches, kvlayout.detect(None, caches), tp_side=TpSide(tp_size, heads),
+                               transport=transport(cfg) if transport else None)
                 eng.caches, eng.cfg = caches, cfg
                 ranks.append(eng)
             return ranks
@@ -208,6 +209,7 @@ def instances():
         started.extend(ranks)
         return ranks
 
+    start.started = started
     yield start
     for eng in started:
         eng.close()
@@ -262,6 +264,42 @@ def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type
     assert prod.xfer_stats.peek().data["failures"] == {}
     for d in dec:  # the pieces are dropped once loaded and released
         assert d.stats()["recv_items"] == 0
+
+
+def test_head_slices_over_the_nccl_transport(instances):
+    """P tp=1 -> D tp=2 over the nccl transport (host-memory NCCL double): the head slices
+    go over the communicators, each D rank gets exactly its heads."""
+    import torch
+    from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+
+    from connector.transport.nccl import NcclTransport
+    from tests.nccl_double import Fabric, FakeNccl
+
+    fabric = Fabric()
+    libs: list = []
+
+    def build(cfg):
+        libs.append(FakeNccl(fabric))
+        return NcclTransport(libs[-1], torch.device("cpu"), max_msg_bytes=cfg.kv_buffer_size + (1 << 20))
+
+    try:
+        (prod,) = instances("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, transport=build)
+        dec = instances("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2, transport=build)
+        before = [snapshot(d.caches) for d in dec]
+        for d in dec:
+            plan_load(d, load_spec(rank0(prod), (7, 2, 11), 2))
+        prod.save(save_spec(prod, rank0(dec[0])))
+        for d in dec:
+            res, _ = poll_until(d, lambda r: "D-req" in r.finished_recving)
+            assert res.failed_recving == set()
+        _check_decode(dec, [prod], before)
+        half = sum(c[:5, :2].numel() * c.element_size() for c in prod.caches.values())  # 5 blocks, 2 heads
+        # (the libraries of engines built on a port taken meanwhile received nothing)
+        assert sorted(lib.recv_bytes for lib in libs if lib.recv_bytes) == [half, half]
+    finally:
+        for eng in instances.started:
+            eng.close()
+        fabric.close()
 
 
 def test_prefill_tp2_to_decode_tp1_waits_for_every_piece(instances):
