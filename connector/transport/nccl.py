@@ -22,6 +22,7 @@ tensors inline over the control socket, copied through host memory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -287,6 +288,11 @@ class NcclTransport(Transport):
             why = self._wait_event(comm, comm.stream.record_event(), deadline)
         return why
 
+    def _on_our_device(self) -> Any:
+        """NCCL attaches a new communicator to the calling thread's current CUDA device:
+        make that ours (a worker on cuda:1 whose threads default to cuda:0)."""
+        return torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
+
     def _after_current_stream(self, stream: Any) -> None:
         """Order the communicator's stream after work the calling thread enqueued (the
         tensors it passes may still be being written on its current stream)."""
@@ -362,7 +368,8 @@ class NcclTransport(Transport):
                 return None
             raise TransportError(f"nccl set-up refused by {peer}: {reply.get('error')}")
         try:
-            handle = self._lib.init_rank(2, uid, 0, self._config)
+            with self._on_our_device():  # NCCL binds a communicator to the current device
+                handle = self._lib.init_rank(2, uid, 0, self._config)
             comm = _Comm(cid, peer, 0, handle, self._lib.new_stream(self._device))
         except Exception as e:  # noqa: BLE001 - a library failure is this call's failure, not a crash
             raise TransportError(f"nccl set-up with {peer} failed here: {type(e).__name__}: {e}") from e
@@ -529,7 +536,8 @@ class NcclTransport(Transport):
         if self._stop.is_set():
             return {"ok": False, "error": "closing"}
         try:
-            handle = self._lib.init_rank(2, uid, 1, self._config)
+            with self._on_our_device():
+                handle = self._lib.init_rank(2, uid, 1, self._config)
         except Exception as e:  # noqa: BLE001 - NCCL broken here: the caller falls back to tcp
             logger.warning("nccl init for %s failed: %s", peer, e)
             return {"ok": False, "error": f"nccl init failed here: {e}", "no_nccl": True}
