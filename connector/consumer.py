@@ -36,7 +36,7 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec
 from connector.request_id import rank_address
-from connector.staging import RecvStager
+from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
 
@@ -130,14 +130,10 @@ class Consumer:
                 payload = Payload.of(header, tensors)
                 # Another TP size or layout: say so, not that the size missed the reservation.
                 refused = self._check(header) if self._check is not None and "tp_size" in header else None
-                if refused is None and self._stager is not None:
-                    refused = self._stager.admit(payload)
                 if refused:
                     self._recv.fail(key, refused)
                 else:
-                    refused = self._recv.put(key, payload)
-                    if refused:
-                        payload.drop()
+                    refused = store_received(self._recv, self._stager, key, payload)
                 if refused:
                     logger.warning("kv get refused locally transfer=%s reason=%s", key, refused)
                 else:

@@ -38,7 +38,7 @@ from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
 from connector.request_id import rank_address
-from connector.staging import RecvStager
+from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport
 from connector.transport import make_transport as transport_factory
@@ -187,13 +187,7 @@ class KVEngine:
             return {"ok": True}, []
         if op == "put":
             payload = Payload.of(header, tensors)
-            refused = self._stager.admit(payload) if self._stager is not None else None
-            if refused:
-                self._recv.fail(key, refused)
-            else:
-                refused = self._recv.put(key, payload)
-                if refused:
-                    payload.drop()
+            refused = store_received(self._recv, self._stager, key, payload)
             if refused:
                 logger.warning("refused kv transfer=%s reason=%s", key, refused)
                 return {"ok": False, "error": refused}, []

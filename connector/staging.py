@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connector.buffer import Payload
+from connector.buffer import KVBuffer, Payload
 from connector.log import get_logger
 
 logger = get_logger(__name__)
@@ -194,3 +194,17 @@ class RecvStager:
                 self.device_used -= n
 
         return release
+
+
+def store_received(recv: KVBuffer, stager: RecvStager | None, key: str, payload: Payload) -> str | None:
+    """Place a received payload (device or pinned pool) and store it under ``key``; None,
+    or why not. A refusal is recorded on the key (its loads fail at once) and gives back
+    whatever the payload held."""
+    refused = stager.admit(payload) if stager is not None else None
+    if refused:
+        recv.fail(key, refused)
+        return refused
+    refused = recv.put(key, payload)
+    if refused:
+        payload.drop()
+    return refused
