@@ -245,12 +245,11 @@ def _check_decode(d_ranks: list, p_ranks: list, before: list, dst=(7, 2, 11), sr
             assert torch.equal(bits(cache[others]), bits(before[r][name][others]))
 
 
-@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT"])
-def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type):
+def _send_one_and_check(prod, dec) -> None:
+    """One prompt from a single prefill rank to every decode rank: each loads without
+    failure, and each got exactly its heads (nothing else changed)."""
     from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
-    (prod,) = instances("kv_producer", send_type, 1, 4, seed=1, blocks_heads=4)
-    dec = instances("kv_consumer", send_type, 2, 4, seed=2, blocks_heads=2)
     before = [snapshot(d.caches) for d in dec]
     for d in dec:
         plan_load(d, load_spec(rank0(prod), (7, 2, 11), 2))
@@ -259,6 +258,15 @@ def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type
         res, _ = poll_until(d, lambda r: "D-req" in r.finished_recving)
         assert res.failed_recving == set()
     _check_decode(dec, [prod], before)
+
+
+@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT"])
+def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type):
+    from test_connector_engine import poll_until
+
+    (prod,) = instances("kv_producer", send_type, 1, 4, seed=1, blocks_heads=4)
+    dec = instances("kv_consumer", send_type, 2, 4, seed=2, blocks_heads=2)
+    _send_one_and_check(prod, dec)
     if send_type == "PUT_ASYNC":  # PUT sent within save(): its blocks were never held
         poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
     assert prod.xfer_stats.peek().data["failures"] == {}
@@ -270,7 +278,6 @@ def test_head_slices_over_the_nccl_transport(instances):
     """P tp=1 -> D tp=2 over the nccl transport (host-memory NCCL double): the head slices
     go over the communicators, each D rank gets exactly its heads."""
     import torch
-    from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
     from connector.transport.nccl import NcclTransport
     from tests.nccl_double import Fabric, FakeNccl
@@ -285,14 +292,7 @@ def test_head_slices_over_the_nccl_transport(instances):
     try:
         (prod,) = instances("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, transport=build)
         dec = instances("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2, transport=build)
-        before = [snapshot(d.caches) for d in dec]
-        for d in dec:
-            plan_load(d, load_spec(rank0(prod), (7, 2, 11), 2))
-        prod.save(save_spec(prod, rank0(dec[0])))
-        for d in dec:
-            res, _ = poll_until(d, lambda r: "D-req" in r.finished_recving)
-            assert res.failed_recving == set()
-        _check_decode(dec, [prod], before)
+        _send_one_and_check(prod, dec)
         half = sum(c[:5, :2].numel() * c.element_size() for c in prod.caches.values())  # 5 blocks, 2 heads
         # (the libraries of engines built on a port taken meanwhile received nothing)
         assert sorted(lib.recv_bytes for lib in libs if lib.recv_bytes) == [half, half]
