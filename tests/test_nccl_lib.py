@@ -27,16 +27,18 @@ from connector.transport import TcpTransport, make_transport, nccl_lib
 from connector.transport.nccl_api import NCCL_IN_PROGRESS, NCCL_SUCCESS, CommConfig, NcclError
 from connector.transport.nccl_lib import NcclUnavailable, make_config, ncclConfig
 
-# A stand-in libnccl: nccl.h's (2.18) declarations, each call recording what it received.
+# A stand-in libnccl: nccl.h's declarations (ncclConfig_t as of 2.26: 2.18's fields, then
+# trafficClass in what was 2.18's tail padding), each call recording what it received.
 FAKE_NCCL_C = r"""
 #include <stddef.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int ncclResult_t;
 typedef void* ncclComm_t;
 typedef void* cudaStream_t;
 typedef struct { char internal[128]; } ncclUniqueId;
-typedef struct ncclConfig_v21700 {  /* nccl.h, NCCL 2.18 */
+typedef struct ncclConfig_v21700 {  /* nccl.h, NCCL 2.26 */
   size_t size;
   unsigned int magic;
   unsigned int version;
@@ -46,25 +48,28 @@ typedef struct ncclConfig_v21700 {  /* nccl.h, NCCL 2.18 */
   int maxCTAs;
   const char *netName;
   int splitShare;
+  int trafficClass;
 } ncclConfig_t;
 
-size_t config_layout[10] = {
+size_t config_layout[11] = {
   sizeof(ncclConfig_t), offsetof(ncclConfig_t, size), offsetof(ncclConfig_t, magic),
   offsetof(ncclConfig_t, version), offsetof(ncclConfig_t, blocking),
   offsetof(ncclConfig_t, cgaClusterSize), offsetof(ncclConfig_t, minCTAs),
   offsetof(ncclConfig_t, maxCTAs), offsetof(ncclConfig_t, netName),
-  offsetof(ncclConfig_t, splitShare)};
+  offsetof(ncclConfig_t, splitShare), offsetof(ncclConfig_t, trafficClass)};
 
 int version_code = 21805;
 int async_state = 0;   /* what ncclCommGetAsyncError reports */
 int next_result = 0;   /* when set: the next call's result */
 size_t got_size; unsigned int got_magic, got_version;
-int got_blocking, got_cga, got_min, got_max, got_split, got_net_null;
+int got_blocking, got_cga, got_min, got_max, got_split, got_traffic, got_net_null;
 char got_net[32];
 int got_nranks, got_rank; unsigned char got_uid[128];
 void *got_buf, *got_comm, *got_stream; size_t got_count; int got_dtype, got_peer;
 unsigned long long got_sum;
 int groups_started, groups_ended; void *aborted, *destroyed;
+int init_rank_calls, init_sleep_ms, group_sleep_ms;  /* the blocking calls, made slow at will */
+int config_result;  /* when set: ncclCommInitRankConfig's own result (a refused config) */
 
 static ncclResult_t take(ncclResult_t dflt) { int r = next_result; next_result = 0; return r ? r : dflt; }
 
@@ -87,10 +92,12 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* comm, int nranks, ncclUniqueId i
                                     ncclConfig_t* config) {
   ncclConfig_t c;  /* as NCCL does: copy `size` bytes, no more */
   size_t n = config->size < sizeof(c) ? config->size : sizeof(c);
+  if (config_result) return config_result;
   memset(&c, 0, sizeof(c));
   memcpy(&c, config, n);
   got_size = c.size; got_magic = c.magic; got_version = c.version; got_blocking = c.blocking;
   got_cga = c.cgaClusterSize; got_min = c.minCTAs; got_max = c.maxCTAs; got_split = c.splitShare;
+  got_traffic = c.trafficClass;
   got_net_null = c.netName == NULL;
   memset(got_net, 0, sizeof(got_net));
   if (c.netName) strncpy(got_net, c.netName, sizeof(got_net) - 1);
@@ -104,7 +111,9 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
 #endif
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   got_nranks = nranks; got_rank = rank; memcpy(got_uid, id.internal, 128);
-  *comm = (void*)0x2000; return take(0);
+  init_rank_calls++;
+  if (init_sleep_ms) usleep(init_sleep_ms * 1000);
+  *comm = (void*)(size_t)(0x2000 + rank); return take(0);
 }
 static void p2p(void* buf, size_t count, int dtype, int peer, ncclComm_t comm, cudaStream_t s) {
   got_buf = buf; got_count = count; got_dtype = dtype; got_peer = peer; got_comm = comm; got_stream = s;
@@ -121,7 +130,11 @@ ncclResult_t ncclRecv(void* buf, size_t count, int dtype, int peer, ncclComm_t c
   return take(0);
 }
 ncclResult_t ncclGroupStart(void) { groups_started++; return take(0); }
-ncclResult_t ncclGroupEnd(void) { groups_ended++; return take(7); }  /* launches in the background */
+ncclResult_t ncclGroupEnd(void) {  /* non-blocking: launches in the background */
+  groups_ended++;
+  if (group_sleep_ms) { usleep(group_sleep_ms * 1000); return take(0); }
+  return take(7);
+}
 ncclResult_t ncclCommAbort(ncclComm_t c) { aborted = c; return take(0); }
 ncclResult_t ncclCommDestroy(ncclComm_t c) { destroyed = c; return take(0); }
 /* the rest of what vLLM's NCCLLibrary binds: present, never called here */
@@ -160,13 +173,14 @@ def _got(cdll: ctypes.CDLL, name: str, ctype=ctypes.c_int):
 
 
 def test_config_struct_matches_the_c_compilers_layout(fake_builds):
-    """ncclConfig_t of NCCL 2.18 as the C compiler lays it out on this machine; on x86-64:
-    size_t(0) 2 uint(8,12) 4 int(16..28) pointer(32) int(40), padded to 48."""
-    layout = list((ctypes.c_size_t * 10).in_dll(ctypes.CDLL(str(fake_builds["new"])), "config_layout"))
+    """ncclConfig_t's first fields as the C compiler lays them out on this machine; on
+    x86-64: size_t(0) 2 uint(8,12) 4 int(16..28) pointer(32) 2 int(40, 44): 48 bytes, the
+    size 2.18's 44 bytes of fields were padded to."""
+    layout = list((ctypes.c_size_t * 11).in_dll(ctypes.CDLL(str(fake_builds["new"])), "config_layout"))
     ours = [ctypes.sizeof(ncclConfig)] + [getattr(ncclConfig, name).offset for name, _ in ncclConfig._fields_]
     assert ours == layout
     if ctypes.sizeof(ctypes.c_void_p) == 8:
-        assert layout == [48, 0, 8, 12, 16, 20, 24, 28, 32, 40]
+        assert layout == [48, 0, 8, 12, 16, 20, 24, 28, 32, 40, 44]  # trafficClass: 2.18's tail padding
     assert ctypes.sizeof(nccl_lib.ncclUniqueId) == 128
 
 
@@ -175,6 +189,7 @@ def test_config_mapping_keeps_nccl_defaults_for_what_we_do_not_set():
     assert (c.size, c.magic, c.version) == (48, 0xCAFEBEEF, 21800)
     assert c.blocking == 0  # non-blocking: a dead peer can never hang a thread
     assert c.minCTAs == c.maxCTAs == c.cgaClusterSize == c.splitShare == -(2**31)  # NCCL_CONFIG_UNDEF_INT
+    assert c.trafficClass == -(2**31)  # not 0: 2.26 reads it without a version check
     assert c.netName is None
     c = make_config(CommConfig(blocking=True, num_channels=4, net_name="Socket"))
     assert (c.blocking, c.minCTAs, c.maxCTAs, c.netName) == (1, 4, 4, b"Socket")
@@ -198,6 +213,7 @@ def test_init_rank_hands_nccl_the_config_and_unique_id_it_was_given(fake_nccl, m
             _got(c, "got_version", ctypes.c_uint)) == (48, 0xCAFEBEEF, 21800)
     assert (_got(c, "got_blocking"), _got(c, "got_min"), _got(c, "got_max")) == (0, 3, 3)
     assert (_got(c, "got_cga"), _got(c, "got_split")) == (-(2**31), -(2**31))
+    assert _got(c, "got_traffic") == -(2**31)  # NCCL 2.26.x took our padding's 0 as traffic class 0
     assert bytes((ctypes.c_char * 32).in_dll(c, "got_net").value) == b"Socket"
     lib.init_rank(2, uid, 0, CommConfig(blocking=True))
     assert (_got(c, "got_blocking"), _got(c, "got_min"), _got(c, "got_net_null")) == (1, -(2**31), 1)
@@ -249,6 +265,96 @@ def test_results_map_to_status_and_errors(fake_nccl):
         lib.init_rank(2, lib.unique_id(), 0, CommConfig())
     assert e.value.code == 4
     assert lib.error_string(NCCL_IN_PROGRESS) == "NCCL operation in progress"
+
+
+def _set(cdll: ctypes.CDLL, name: str, value: int) -> None:
+    ctypes.c_int.in_dll(cdll, name).value = value
+
+
+def _until(pred, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@pytest.mark.parametrize("refusal", [3, 4, 5])  # internal error, invalid argument, invalid usage
+def test_refused_non_blocking_init_falls_back_to_vllms_blocking_init_on_a_thread(fake_nccl, refusal):
+    """NCCL refusing our config (or non-blocking mode) before this rank joined: the same
+    unique id goes to ncclCommInitRank, on a thread, and the caller sees a non-blocking
+    communicator: in progress until the blocking call returned, then ready."""
+    lib = nccl_lib.CtypesNccl(ctypes.CDLL(str(fake_nccl)))
+    c = lib._lib
+    _set(c, "config_result", refusal)
+    _set(c, "init_sleep_ms", 300)
+    uid = bytes(range(128))
+    t0 = time.monotonic()
+    comm = lib.init_rank(2, uid, 1, CommConfig())
+    assert time.monotonic() - t0 < 0.2  # returned at once, the blocking call runs elsewhere
+    assert lib.status(comm) == NCCL_IN_PROGRESS and lib.fallbacks == 1
+    assert _until(lambda: lib.status(comm) != NCCL_IN_PROGRESS)
+    assert lib.status(comm) == NCCL_SUCCESS
+    assert _got(c, "init_rank_calls") == 1 and _got(c, "got_rank") == 1
+    assert bytes((ctypes.c_ubyte * 128).in_dll(c, "got_uid")) == uid  # the id the peer was given
+    # a group on it runs on its thread too: in progress while NCCL's group end blocks
+    _set(c, "group_sleep_ms", 300)
+    stream = type("S", (), {"cuda_stream": 0xBEEF})()
+    src = torch.arange(10, dtype=torch.uint8)
+    lib.group_start()
+    lib.send(comm, src, 0, stream)
+    lib.group_end()
+    assert lib.status(comm) == NCCL_IN_PROGRESS
+    assert _until(lambda: lib.status(comm) != NCCL_IN_PROGRESS)
+    assert lib.status(comm) == NCCL_SUCCESS
+    assert (_got(c, "got_count", ctypes.c_size_t), _got(c, "got_comm", ctypes.c_void_p)) == (10, 0x2001)
+    assert _got(c, "got_sum", ctypes.c_ulonglong) == 45
+    lib.abort(comm)
+    assert _got(c, "aborted", ctypes.c_void_p) == 0x2001
+
+
+def test_peer_or_cuda_errors_do_not_fall_back(fake_nccl):
+    """A CUDA or system error is not our config: the blocking call would meet it too."""
+    lib = nccl_lib.CtypesNccl(ctypes.CDLL(str(fake_nccl)))
+    for code in (1, 2, 6):
+        _set(lib._lib, "config_result", code)
+        with pytest.raises(NcclError) as e:
+            lib.init_rank(2, bytes(128), 0, CommConfig())
+        assert e.value.code == code
+    assert _got(lib._lib, "init_rank_calls") == 0 and lib.fallbacks == 0
+    with pytest.raises(NcclError):  # a blocking config asked for and refused: nothing to fall back to
+        _set(lib._lib, "config_result", 4)
+        lib.init_rank(2, bytes(128), 0, CommConfig(blocking=True))
+
+
+def test_blocking_fallback_aborted_mid_call_is_aborted_when_the_call_returns(fake_nccl):
+    """The caller's deadline passed while the blocking init is still inside NCCL: abort
+    returns at once, the communicator is aborted by its thread once NCCL returns, and no
+    more than MAX_STUCK_BLOCKING such threads are allowed before set-ups are refused."""
+    lib = nccl_lib.CtypesNccl(ctypes.CDLL(str(fake_nccl)))
+    c = lib._lib
+    _set(c, "config_result", 4)
+    _set(c, "init_sleep_ms", 400)
+    stuck = [lib.init_rank(2, bytes(128), r, CommConfig()) for r in range(nccl_lib.MAX_STUCK_BLOCKING)]
+    t0 = time.monotonic()
+    for comm in stuck:
+        lib.abort(comm)
+    assert time.monotonic() - t0 < 0.2
+    assert _got(c, "aborted", ctypes.c_void_p) is None  # not yet: NCCL still has the call
+    with pytest.raises(NcclError, match="still inside NCCL"):
+        lib.init_rank(2, bytes(128), 0, CommConfig())
+    assert _until(lambda: not any(comm.busy() for comm in stuck))
+    assert _got(c, "aborted", ctypes.c_void_p) in (0x2000, 0x2001)
+    _set(c, "init_sleep_ms", 0)
+    comm = lib.init_rank(2, bytes(128), 0, CommConfig())  # the threads returned: allowed again
+    assert _until(lambda: lib.status(comm) == NCCL_SUCCESS)
+    with pytest.raises(NcclError, match="aborted"):
+        lib.group_start()
+        try:
+            lib.send(stuck[0], torch.zeros(4, dtype=torch.uint8), 1, type("S", (), {"cuda_stream": 0})())
+        finally:
+            lib.group_end()
 
 
 def test_library_without_the_non_blocking_api_is_refused(fake_builds, tmp_path):

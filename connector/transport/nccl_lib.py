@@ -7,10 +7,48 @@ answers "in progress" (``ncclGroupEnd``, ``ncclCommInitRankConfig``), so the cal
 our own ctypes prototypes over that same loaded library; vLLM also binds neither
 ``ncclCommInitRankConfig`` nor ``ncclCommGetAsyncError``. Our prototypes live on function
 pointers of our own (``cdll[name]``), never on the CDLL's cached attributes, which carry
-vLLM's prototypes (its own ``ncclUniqueId`` class) for its TP communicators.
+vLLM's prototypes (its own ``ncclUniqueId`` class) for its TP communicators. vLLM 0.32's
+binding refuses a libnccl without ``ncclCommSuspend`` (NCCL < 2.29.7): ``auto`` then uses
+ours over the same file.
 Without vLLM (the GPU test machine has torch and NCCL only) the library is found by
 ``XPYD_NCCL_LIBRARY``, the copy torch ships (the ``nvidia-nccl-cu*`` wheel, or torch/lib),
 then the loader's search path.
+
+Checked against the real libraries (tests/test_nccl_real_lib.py, every CI run, no GPU):
+the nvidia-nccl-cu12/cu13 wheels 2.18.1, 2.21.5, 2.26.2, 2.27.5, 2.29.7, 2.30.7, 2.32.3.
+
+Where this path differs from vLLM's GPU path, and why (``pynccl.py`` / ``pynccl_wrapper.py``
+of vLLM 0.32, and the P2P NCCL connector's ``p2p_nccl_engine.py`` that vLLM removed):
+
+* Init: ``ncclCommInitRankConfig`` non-blocking, not ``ncclCommInitRank`` (blocking). A peer
+  that never joins would hold a blocking init, and the thread in it, until process exit
+  (vLLM's P2P engine ran it on its only listener thread); only a non-blocking communicator
+  can be aborted mid-init. Where non-blocking itself is the risk (NCCL refuses our config
+  or the mode: internal error, invalid argument/usage, returned before this rank joined the
+  bootstrap) the same unique id is joined with vLLM's exact call, blocking, on a thread of
+  its own (``_BlockingComm``): the caller's deadline and abort still hold.
+* Channels: per communicator in ``ncclConfig_t`` (minCTAs = maxCTAs), not vLLM P2P's
+  ``NCCL_MIN/MAX_NCHANNELS`` (and ``NCCL_CUMEM_ENABLE``) set in ``os.environ`` around the
+  init: the environment is process-wide (vLLM's TP communicators, other threads) and NCCL
+  reads each such variable once per process, so the second communicator on sees the first
+  one's values. Default: NCCL's choice (vLLM P2P forced 8); the doctor measures both.
+* Data type: bytes (``ncclUint8``, count = nbytes) for every dtype, not vLLM's per-dtype
+  count: send/recv never reduce, so the type only scales the count; fp8 (an NCCL type only
+  since 2.24) and bool go the same way (vLLM's pynccl sends fp8 as uint8 too).
+* Groups: every transfer's tensors are one ``ncclGroupStart/End`` (as vLLM's
+  ``batch_isend_irecv``); P2P engine called ``ncclSend`` alone per tensor. One group per
+  call is one launch, and on a non-blocking communicator the group is what "in progress"
+  and ``ncclCommGetAsyncError`` report on.
+* Streams: one stream per communicator, ordered after the caller's current stream
+  (``wait_stream``); vLLM's pynccl uses the caller's current stream, the P2P engine one
+  send and one receive stream shared by every peer with no ordering after the producer's
+  stream. Completion is seen by an event recorded after the group launched (polled, with
+  the call's deadline), not ``stream.synchronize()``, which blocks without bound.
+* Errors: ``ncclCommGetAsyncError`` is polled while waiting (vLLM never calls it), and a
+  communicator that failed is aborted, never destroyed (``ncclCommDestroy`` waits for the
+  peer; vLLM's pynccl also aborts, on a thread, when it tears down).
+* No warm-up ``all_reduce`` after init (pynccl does one): these communicators carry
+  point-to-point transfers only, and the first transfer sets its own connection up.
 """
 
 from __future__ import annotations
@@ -20,8 +58,10 @@ import ctypes
 import ctypes.util
 import glob
 import importlib.util
+import logging
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +71,25 @@ from .nccl_api import NCCL_IN_PROGRESS, NCCL_SUCCESS, UNIQUE_ID_BYTES, CommConfi
 
 __all__ = ["CtypesNccl", "NcclUnavailable", "VllmNccl", "find_nccl_library", "load_nccl_library"]
 
+logger = logging.getLogger(__name__)
+
 ENV_LIBRARY = "XPYD_NCCL_LIBRARY"
 NCCL_UINT8 = 1  # ncclDataType_t: every transfer moves bytes
 CONFIG_MAGIC = 0xCAFEBEEF
 CONFIG_UNDEF_INT = -(2**31)  # NCCL_CONFIG_UNDEF_INT (INT_MIN)
-# The ncclConfig_t prefix below is NCCL 2.18's; NCCL copies min(size, its sizeof) bytes over
-# its own NCCL_CONFIG_INITIALIZER, so every later field keeps that version's default.
+# We declare NCCL 2.18's version: NCCL copies min(size, its sizeof) bytes of ours over its own
+# NCCL_CONFIG_INITIALIZER and resets every field newer than the declared version to its
+# default (init.cc parseCommConfig, 2.27 on; 2.26 does not reset trafficClass, hence that
+# field below), so a later NCCL runs with its own defaults for what we do not know.
 CONFIG_VERSION = 2 * 10000 + 18 * 100 + 0  # NCCL_VERSION(2, 18, 0)
+# Results that mean NCCL refused our config or non-blocking mode, not the peer, when
+# ncclCommInitRankConfig returns them itself: the rank never reached the bootstrap, so the
+# same unique id can still be joined by vLLM's blocking ncclCommInitRank.
+NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE = 3, 4, 5
+_FALLBACK_CODES = frozenset({NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE})
+# Blocking calls may stay inside NCCL after their communicator was given up (a peer that
+# never joins): at most this many such threads per library, then set-ups are refused.
+MAX_STUCK_BLOCKING = 2
 
 ncclResult_t = ctypes.c_int
 ncclComm_t = ctypes.c_void_p
@@ -52,8 +104,12 @@ class ncclUniqueId(ctypes.Structure):
 
 
 class ncclConfig(ctypes.Structure):
-    """``ncclConfig_t`` up to ``splitShare`` (nccl.h of 2.18, struct ncclConfig_v21700);
-    x86-64: 48 bytes."""
+    """The first fields of ``ncclConfig_t``: x86-64, 48 bytes. Checked against nccl.h and
+    init.cc (parseCommConfig) of NCCL 2.18.1 and 2.30.7 (NVIDIA/nccl), and, by compiling
+    against each wheel's nccl.h in tests/test_nccl_real_lib.py, 2.18.1, 2.21.5, 2.26.2,
+    2.27.5, 2.29.7, 2.30.7 and 2.32.3: same offsets, same NCCL_CONFIG_INITIALIZER values.
+    ``trafficClass`` (2.26 on) fills what was tail padding in 2.18's 44-byte struct: 2.26.x
+    reads it from our 48 bytes without a version check, so it must be INT_MIN, not 0."""
 
     _fields_ = [
         ("size", ctypes.c_size_t),
@@ -65,6 +121,7 @@ class ncclConfig(ctypes.Structure):
         ("maxCTAs", ctypes.c_int),
         ("netName", ctypes.c_char_p),
         ("splitShare", ctypes.c_int),
+        ("trafficClass", ctypes.c_int),
     ]
 
 
@@ -82,6 +139,7 @@ def make_config(config: CommConfig) -> ncclConfig:
     c.maxCTAs = config.num_channels if config.num_channels else CONFIG_UNDEF_INT
     c.netName = config.net_name.encode() if config.net_name else None  # NCCL_CONFIG_UNDEF_PTR
     c.splitShare = CONFIG_UNDEF_INT
+    c.trafficClass = CONFIG_UNDEF_INT
     return c
 
 
@@ -92,6 +150,7 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
     "ncclGetUniqueId": (ncclResult_t, [ctypes.POINTER(ncclUniqueId)]),
     "ncclCommInitRankConfig": (ncclResult_t, [ctypes.POINTER(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int,
                                               ctypes.POINTER(ncclConfig)]),
+    "ncclCommInitRank": (ncclResult_t, [ctypes.POINTER(ncclComm_t), ctypes.c_int, ncclUniqueId, ctypes.c_int]),
     "ncclCommGetAsyncError": (ncclResult_t, [ncclComm_t, ctypes.POINTER(ncclResult_t)]),
     "ncclSend": (ncclResult_t, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ncclComm_t,
                                 ctypes.c_void_p]),
@@ -145,6 +204,27 @@ def find_nccl_library() -> ctypes.CDLL:
     raise NcclUnavailable(f"no loadable libnccl (set {ENV_LIBRARY}); tried: " + "; ".join(tried))
 
 
+class _BlockingComm:
+    """A communicator made by vLLM's blocking ``ncclCommInitRank`` (the fallback, see the
+    module docstring). Every call on it that can wait for the peer (the init, a group of
+    send/recv, whose connection set-up waits for the peer's matching group) runs on a
+    thread of its own, so callers see what a non-blocking communicator shows: ``status``
+    says in progress until that call returned, then its result. Aborted while a call is
+    still inside NCCL, it is aborted by that thread once the call returns (NCCL does not
+    support aborting a blocking communicator under a running call); the tensors of the
+    call stay referenced until then."""
+
+    def __init__(self) -> None:
+        self.handle = ncclComm_t()
+        self.lock = threading.Lock()  # guards the fields below
+        self.worker: threading.Thread | None = None
+        self.result = NCCL_IN_PROGRESS  # of the last call run on the worker
+        self.aborted = False
+
+    def busy(self) -> bool:
+        return self.worker is not None and self.worker.is_alive()
+
+
 class CtypesNccl:
     """Our binding over a loaded libnccl (``cdll``); ``find_nccl_library()`` when None."""
 
@@ -170,6 +250,10 @@ class CtypesNccl:
         self._version = raw.value
         if self._version < CONFIG_VERSION:
             raise NcclUnavailable(f"NCCL {self.version()} is older than 2.18 (no non-blocking communicators)")
+        self._group = threading.local()  # per thread, as NCCL's groups: ops on fallback communicators
+        self._blocking_lock = threading.Lock()
+        self._blocking: list[_BlockingComm] = []  # fallback communicators, to count stuck calls
+        self.fallbacks = 0  # set-ups that fell back to the blocking init (logs, doctor)
 
     def _check(self, code: int) -> int:
         if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
@@ -179,6 +263,9 @@ class CtypesNccl:
     def version(self) -> str:
         v = self._version  # NCCL_VERSION(X,Y,Z) = X*10000 + Y*100 + Z since 2.9
         return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+    def version_code(self) -> int:
+        return self._version
 
     def error_string(self, code: int) -> str:
         text = self._f["ncclGetErrorString"](code)
@@ -190,7 +277,7 @@ class CtypesNccl:
         return bytes(ctypes.string_at(ctypes.addressof(uid), UNIQUE_ID_BYTES))
 
     def init_rank(self, nranks: int, unique_id: bytes, rank: int, config: CommConfig,
-                  device: torch.device | None = None) -> ncclComm_t:
+                  device: torch.device | None = None) -> ncclComm_t | _BlockingComm:
         """NCCL binds the communicator to the calling thread's current CUDA device; ``device``
         (optional, beyond the protocol) makes it that one for the call."""
         if len(unique_id) != UNIQUE_ID_BYTES:
@@ -200,38 +287,146 @@ class CtypesNccl:
         comm = ncclComm_t()
         cfg = make_config(config)
         with _on_device(device):
-            self._check(self._f["ncclCommInitRankConfig"](ctypes.byref(comm), nranks, uid, rank, ctypes.byref(cfg)))
+            code = self._f["ncclCommInitRankConfig"](ctypes.byref(comm), nranks, uid, rank, ctypes.byref(cfg))
+        if code in _FALLBACK_CODES and not config.blocking:
+            return self._blocking_init(nranks, uid, rank, device, code)
+        self._check(code)
         return comm
 
-    def status(self, comm: ncclComm_t) -> int:
+    def _blocking_init(self, nranks: int, uid: ncclUniqueId, rank: int, device: torch.device | None,
+                       why: int) -> _BlockingComm:
+        with self._blocking_lock:
+            self._blocking = [b for b in self._blocking if b.busy()]
+            stuck = sum(1 for b in self._blocking if b.aborted)
+            if stuck >= MAX_STUCK_BLOCKING:
+                raise NcclError(why, f"{self.error_string(why)}; no blocking fallback: {stuck} earlier "
+                                     "blocking calls are still inside NCCL")
+            bc = _BlockingComm()
+            self._blocking.append(bc)
+            self.fallbacks += 1
+        logger.warning("NCCL %s refused a non-blocking communicator (%s): this one uses the blocking "
+                       "ncclCommInitRank vLLM uses, on a thread of its own", self.version(), self.error_string(why))
+
+        def run() -> None:
+            with _on_device(device):
+                return self._f["ncclCommInitRank"](ctypes.byref(bc.handle), nranks, uid, rank)
+
+        self._start_worker(bc, run)
+        return bc
+
+    def _start_worker(self, bc: _BlockingComm, call: Any) -> None:
+        """Run ``call`` (one NCCL call or group on ``bc``) on a thread; its result becomes
+        ``bc.result``; a communicator aborted meanwhile is aborted once the call returned."""
+
+        def work() -> None:
+            try:
+                code = call()
+            except Exception:  # noqa: BLE001 - ctypes/torch failure: reported as NCCL's internal error
+                logger.exception("blocking NCCL call failed")
+                code = NCCL_INTERNAL_ERROR
+            with bc.lock:
+                bc.result = code
+                late_abort = bc.aborted
+            if late_abort and bc.handle.value:
+                self._f["ncclCommAbort"](bc.handle)
+
+        with bc.lock:
+            bc.result = NCCL_IN_PROGRESS
+            bc.worker = threading.Thread(target=work, name="xpyd-nccl-blocking", daemon=True)
+            bc.worker.start()
+
+    def status(self, comm: ncclComm_t | _BlockingComm) -> int:
+        if isinstance(comm, _BlockingComm):
+            with comm.lock:
+                if comm.busy():
+                    return NCCL_IN_PROGRESS
+                if comm.result != NCCL_SUCCESS:
+                    return comm.result
+            comm = comm.handle
         state = ncclResult_t()
         code = self._f["ncclCommGetAsyncError"](comm, ctypes.byref(state))
         return code if code != NCCL_SUCCESS else state.value
 
-    def _p2p(self, fname: str, comm: ncclComm_t, tensor: torch.Tensor, peer: int, stream: Any) -> None:
+    def _p2p(self, fname: str, comm: ncclComm_t | _BlockingComm, tensor: torch.Tensor, peer: int,
+             stream: Any) -> None:
         if not tensor.is_contiguous():
             raise ValueError("nccl moves contiguous tensors only")
+        if isinstance(comm, _BlockingComm):
+            pending = getattr(self._group, "ops", None)
+            if pending is None:  # outside a group: a group of one
+                self.group_start()
+                try:
+                    self._p2p(fname, comm, tensor, peer, stream)
+                finally:
+                    self.group_end()
+                return
+            pending.append((fname, comm, tensor, peer, stream))
+            return
         nbytes = tensor.numel() * tensor.element_size()
         with _on_device(tensor.device):
             self._check(self._f[fname](ctypes.c_void_p(tensor.data_ptr()), nbytes, NCCL_UINT8, peer, comm,
                                        ctypes.c_void_p(stream.cuda_stream)))
 
-    def send(self, comm: ncclComm_t, tensor: torch.Tensor, peer: int, stream: Any) -> None:
+    def send(self, comm: ncclComm_t | _BlockingComm, tensor: torch.Tensor, peer: int, stream: Any) -> None:
         self._p2p("ncclSend", comm, tensor, peer, stream)
 
-    def recv(self, comm: ncclComm_t, tensor: torch.Tensor, peer: int, stream: Any) -> None:
+    def recv(self, comm: ncclComm_t | _BlockingComm, tensor: torch.Tensor, peer: int, stream: Any) -> None:
         self._p2p("ncclRecv", comm, tensor, peer, stream)
 
     def group_start(self) -> None:
+        self._group.ops = []
         self._check(self._f["ncclGroupStart"]())
 
     def group_end(self) -> None:
+        ops = getattr(self._group, "ops", None) or []
+        self._group.ops = None
         self._check(self._f["ncclGroupEnd"]())  # in progress is normal when non-blocking
+        if ops:
+            self._launch_blocking(ops)
 
-    def abort(self, comm: ncclComm_t) -> None:
+    def _launch_blocking(self, ops: list[tuple]) -> None:
+        """A group's ops on a fallback communicator, as one NCCL group on its worker."""
+        comms = {id(op[1]): op[1] for op in ops}
+        if len(comms) != 1:
+            raise ValueError("a group on a blocking-fallback communicator must not mix communicators")
+        bc = ops[0][1]
+        with bc.lock:
+            if bc.busy():
+                raise NcclError(NCCL_INVALID_USAGE, "the communicator's previous call has not returned")
+            if bc.aborted or bc.result != NCCL_SUCCESS:
+                raise NcclError(NCCL_INVALID_USAGE, "the communicator is aborted or failed")
+
+        def run() -> int:
+            code = self._f["ncclGroupStart"]()
+            for fname, _, tensor, peer, stream in ops:
+                if code == NCCL_SUCCESS:
+                    with _on_device(tensor.device):
+                        code = self._f[fname](ctypes.c_void_p(tensor.data_ptr()),
+                                              tensor.numel() * tensor.element_size(), NCCL_UINT8, peer,
+                                              bc.handle, ctypes.c_void_p(stream.cuda_stream))
+            end = self._f["ncclGroupEnd"]()
+            return code if code != NCCL_SUCCESS else end
+
+        self._start_worker(bc, run)
+
+    def abort(self, comm: ncclComm_t | _BlockingComm) -> None:
+        if isinstance(comm, _BlockingComm):
+            with comm.lock:
+                if comm.aborted:
+                    return
+                comm.aborted = True
+                if comm.busy():
+                    return  # the worker aborts it when its call returns
+            comm = comm.handle
         self._check(self._f["ncclCommAbort"](comm))
 
-    def destroy(self, comm: ncclComm_t) -> None:
+    def destroy(self, comm: ncclComm_t | _BlockingComm) -> None:
+        if isinstance(comm, _BlockingComm):
+            with comm.lock:
+                if comm.busy() or comm.aborted:
+                    raise NcclError(NCCL_INVALID_USAGE, "destroy of a busy or aborted communicator")
+                comm.aborted = True
+            comm = comm.handle
         self._check(self._f["ncclCommDestroy"](comm))
 
     def new_stream(self, device: torch.device) -> torch.cuda.Stream:
