@@ -1,0 +1,67 @@
+"""The greedy comparison the end-to-end tests use: equal tokens, or a near tie in
+both answers at the step where they part (no server needed)."""
+
+from __future__ import annotations
+
+import pytest
+from e2e_client import NEAR_TIE, Answer, answer_of, assert_greedy_differs, assert_same_greedy, parting_step
+
+
+def ans(steps: list[tuple[str, dict[str, float]]]) -> Answer:
+    return Answer.of("".join(t for t, _ in steps), steps)
+
+
+WANT = ans([("a", {"a": -1.0, "b": -2.0}), ("b", {"b": -1.0, "c": -1.01}), ("c", {"c": -0.5, "a": -3.0})])
+
+
+def test_equal_tokens_agree():
+    assert parting_step(WANT, WANT) == (3, None)
+    assert_same_greedy(WANT, WANT)
+    with pytest.raises(AssertionError, match="agree up to step 3"):
+        assert_greedy_differs(WANT, WANT)
+
+
+def test_parting_at_a_near_tie_in_both_is_accepted_and_ends_the_comparison():
+    got = ans([("a", {"a": -1.0, "b": -2.0}), ("c", {"c": -1.0, "b": -1.0 - NEAR_TIE / 2}), ("x", {"x": -0.1})])
+    assert parting_step(got, WANT) == (1, None)
+    assert_same_greedy(got, WANT)
+
+
+def test_parting_at_a_wide_margin_fails():
+    got = ans([("z", {"z": -0.5, "a": -2.0}), ("b", {"b": -1.0}), ("c", {"c": -0.5})])
+    step, why = parting_step(got, WANT)
+    assert step == 0 and "'z' instead of 'a'" in why
+    with pytest.raises(AssertionError, match="step 0"):
+        assert_same_greedy(got, WANT)
+    assert_greedy_differs(got, WANT)
+
+
+def test_a_tie_on_one_side_only_is_no_near_tie():
+    # WANT's step 1 is a near tie (b vs c, 0.01) but got is sure of c: a real difference.
+    got = ans([("a", {"a": -1.0, "b": -2.0}), ("c", {"c": -0.2, "b": -3.0}), ("c", {"c": -0.5})])
+    assert parting_step(got, WANT)[1] is not None
+
+
+def test_token_missing_from_the_other_top_logprobs_is_wide():
+    got = ans([("a", {"a": -1.0, "b": -2.0}), ("q", {"q": -1.0, "b": -1.001}), ("c", {"c": -0.5})])
+    assert parting_step(got, WANT)[1] is not None
+
+
+def test_length_difference_fails():
+    with pytest.raises(AssertionError, match="lengths differ"):
+        assert_same_greedy(ans(list(zip(WANT.tokens[:2], WANT.top[:2]))), WANT)
+
+
+def test_reference_without_logprobs_is_refused():
+    with pytest.raises(AssertionError, match="reported no logprobs"):
+        assert_same_greedy(Answer.of("text", []), Answer.of("text", []))
+
+
+def test_answer_of_reads_completions_and_chat_logprobs():
+    comp = {"text": "ab", "logprobs": {"tokens": ["a", "b"], "top_logprobs": [{"a": -0.1, "x": -2.0}, {"b": -0.2}]}}
+    chat = {"message": {"content": "ab"}, "logprobs": {"content": [
+        {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}, {"token": "x", "logprob": -2.0}]},
+        {"token": "b", "logprob": -0.2, "top_logprobs": []}]}}
+    for choice in (comp, chat):
+        a = answer_of(choice)
+        assert str(a) == "ab" and a.tokens == ("a", "b") and a.top[0] == {"a": -0.1, "x": -2.0} and a.top[1] == {"b": -0.2}
