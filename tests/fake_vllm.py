@@ -47,6 +47,12 @@ class Fault:
     token_delay: float | None = None  # stream: seconds between events
     times: int | None = None
     paths: tuple[str, ...] = ()  # only these paths (empty: all)
+    # Only requests whose X-Request-Id starts with this (DISAGGREGATED_ID: a P/D transfer,
+    # as when D's KV load fails; "xpyd-local-": D alone). None: any request.
+    id_prefix: str | None = None
+
+
+DISAGGREGATED_ID = "___prefill_addr_"  # how connector.request_id.build() ids begin
 
 
 @dataclass
@@ -284,9 +290,11 @@ class FakeVLLM:
 
     # ------------------------------------------------------------------ HTTP handling
 
-    def _take_fault(self, path: str) -> Fault | None:
+    def _take_fault(self, path: str, request_id: str) -> Fault | None:
         fault = self.fault
         if fault is None or (fault.paths and path not in fault.paths):
+            return None
+        if fault.id_prefix is not None and not request_id.startswith(fault.id_prefix):
             return None
         if fault.times is not None:
             if fault.times <= 0:
@@ -377,7 +385,7 @@ class FakeVLLM:
             return self._send_json(conn, req, rec, 200, json.dumps(data).encode())
         if req.method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
             return self._send_json(conn, req, rec, 404, b'{"detail":"Not Found"}')
-        fault = self._take_fault(path)
+        fault = self._take_fault(path, req.headers.get("x-request-id", ""))
         if fault is not None:
             if fault.delay:
                 await asyncio.sleep(fault.delay)
