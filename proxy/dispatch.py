@@ -3,7 +3,9 @@
 Failures are sorted by what can still be done about them:
 - P unreachable or timed out: try another P (bounded by prefill_retries);
 - D unreachable, dropped or 5xx before its first byte: redo the request on another D with a
-  new P/D pair (bounded by decode_retries): nothing has reached the client yet;
+  new P/D pair (bounded by decode_retries): nothing has reached the client yet; when no D
+  is left (or every retry failed), D alone once (local_rescue): a lost KV transfer fails
+  D's request, D prefilling itself does not need one;
 - an instance's own HTTP error (4xx, or P's 5xx): relayed as it is, never retried.
 """
 
@@ -37,10 +39,15 @@ DISAGGREGATED = "disaggregated"
 LOCAL_SHORT = "local_short"  # prompt below local_prefill_threshold
 LOCAL_CACHED = "local_cached"  # D holds all but a short tail of the prompt
 LOCAL_NO_PREFILL = "local_no_prefill"  # no P live or reachable
+LOCAL_RESCUE = "local_rescue"  # D failed disaggregated attempts before its first byte
 
 
 class DecodeFailed(Exception):
-    """D failed before anything reached the client: the request may go to another D."""
+    """D failed before anything reached the client: the request may go to another D, or
+    to D alone. Raised for D's 5xx, a refused, reset or dropped connection, a connect
+    timeout and an invalid response; not for D's 4xx (its verdict on the request, the same
+    on any D), an answer over max_response_bytes (as large anywhere) nor a D silent for
+    decode_ttfb_timeout (the deadline is spent): those are ProxyErrors, relayed."""
 
     def __init__(self, error: ProxyError) -> None:
         super().__init__(error.message)
@@ -66,6 +73,10 @@ class Call:
     flight: Flight
     t0: float  # perf_counter() at arrival
     t_decode: float = 0.0  # when D's part began: P answered, or D was asked alone
+    # When the current disaggregated attempt's D answer became due (P answered): a rescue
+    # gets what is left of that attempt's decode_ttfb_timeout, never a new one.
+    decode_due: float | None = None
+    went_local: bool = False  # D was asked alone: a rescue would be a second try of that
 
 
 class Dispatcher:
@@ -87,10 +98,12 @@ class Dispatcher:
         req = call.req
         tried: list[Instance] = []
         last: ProxyError | None = None
+        attempts = 0
         for attempt in range(self.cfg.decode_retries + 1):
             d = await self.selector.acquire("D", req, tried)
             if d is None:
                 break
+            attempts += 1
             if attempt:
                 self.metrics.decode_retries.inc()
             call.flight.extra.clear()  # headers describe the attempt that answers
@@ -105,19 +118,71 @@ class Dispatcher:
                         d.http_address, attempt + 1, e,
                     )  # fmt: skip
                     continue
-                try:
-                    await self._relay(answer, d, call.send, call.flight)
-                finally:
-                    # Unread (client left, error, timeout): closes the connection, D aborts.
-                    await answer.resp.aclose()
-                d.served += 1
-                self._phase["decode"].observe(time.perf_counter() - call.t_decode)
-                return answer.resp.status
+                return await self._serve(call, d, answer)
             finally:
                 self.selector.release(d, req)
-        if last is not None:
+        if last is None:
+            raise ProxyError(503, "no decode instance is available", "no_decode_instance")
+        if call.went_local:
             raise last
-        raise ProxyError(503, "no decode instance is available", "no_decode_instance")
+        return await self._rescue(call, tried, last, attempts + 1)
+
+    async def _serve(self, call: Call, d: Instance, answer: Answer) -> int:
+        try:
+            await self._relay(answer, d, call.send, call.flight)
+        finally:
+            # Unread (client left, error, timeout): closes the connection, D aborts.
+            await answer.resp.aclose()
+        d.served += 1
+        self._phase["decode"].observe(time.perf_counter() - call.t_decode)
+        return answer.resp.status
+
+    async def _rescue(self, call: Call, tried: list[Instance], failed: ProxyError,
+                      attempt: int) -> int:  # fmt: skip
+        """D alone, once, after every disaggregated attempt failed before D's first byte
+        (typically D's 500 for a KV load that failed: vLLM's kv_load_failure_policy=fail).
+        Nothing reached the client, so the request may be redone; a plain request id makes
+        D prefill itself. If this fails too, the client gets `failed`, as without it."""
+        req = call.req
+        due = call.decode_due if call.decode_due is not None else time.perf_counter()
+        deadline = due + self.cfg.decode_ttfb_timeout
+        if deadline <= time.perf_counter():
+            log.warning("decode rescue skipped attempt=%d reason=deadline_spent", attempt)
+            raise failed
+        saved = list(call.flight.extra)  # the failed attempt's id, which `failed` quotes
+        try:
+            async with asyncio.timeout(deadline - time.perf_counter()):
+                # An untried D if any; else any D: the one that failed when it is the only
+                # one (a failed KV load leaves D healthy), cooling-down ones last.
+                d = await self.selector.acquire("D", req, tried)
+                if d is None:
+                    d = await self.selector.acquire("D", req)
+        except (TimeoutError, ProxyError) as e:  # no slot in time, or shed (429)
+            log.warning("decode rescue skipped attempt=%d reason=no_slot error=%s", attempt, e)
+            raise failed from None
+        if d is None:  # every D left meanwhile
+            log.warning("decode rescue skipped attempt=%d reason=no_instance", attempt)
+            raise failed
+        log.warning(
+            "decode rescue: D alone instance=%s attempt=%d failed_status=%d error=%s",
+            d.http_address, attempt, failed.status, failed.message,
+        )  # fmt: skip
+        try:
+            call.flight.extra.clear()
+            if self._expose:
+                call.flight.extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+            try:
+                answer = await self._local(call, d, LOCAL_RESCUE, deadline - time.perf_counter())
+            except (DecodeFailed, ProxyError) as e:
+                log.warning(
+                    "decode rescue failed instance=%s attempt=%d error=%s relaying_status=%d",
+                    d.http_address, attempt, e, failed.status,
+                )  # fmt: skip
+                call.flight.extra[:] = saved
+                raise failed from None
+            return await self._serve(call, d, answer)
+        finally:
+            self.selector.release(d, req)
 
     # ------------------------------------------------------------------ one attempt
 
@@ -148,15 +213,17 @@ class Dispatcher:
                 path = LOCAL_NO_PREFILL
         return await self._local(call, d, path)
 
-    async def _local(self, call: Call, d: Instance, path: str) -> Answer:
+    async def _local(self, call: Call, d: Instance, path: str,
+                     limit: float | None = None) -> Answer:  # fmt: skip
         """D prefills the prompt itself: a plain request id, so its connector loads nothing."""
+        call.went_local = True
         self.metrics.dispatch(path)
         rid = request_id.build_local()
         call.flight.extra.append((b"x-request-id", self._client_id(rid)))
         call.flight.extra.append((b"x-xpyd-path", path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
-        answer = await self._first_bytes(d, self._open(call.req, d, headers))
+        answer = await self._first_bytes(d, self._open(call.req, d, headers), limit)
         self._observe_ttfb(call, t)
         return answer
 
@@ -168,6 +235,7 @@ class Dispatcher:
         except orjson.JSONEncodeError:
             # orjson reads nesting up to 1024 levels but writes only up to 254.
             raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None
+        call.decode_due = None
         tried: list[Instance] = []
         slow: list[Instance] = []  # timed out: never worth a second try
         failures: list[str] = []  # UpstreamError kinds and "timeout", per attempt
@@ -205,6 +273,7 @@ class Dispatcher:
                 self._prefill_done(call, p, rid, t_start)
                 raise
             t_pre = self._prefill_done(call, p, rid, t_start)
+            call.decode_due = t_pre
             p.served += 1
             self.metrics.dispatch(DISAGGREGATED)
             try:
@@ -309,9 +378,12 @@ class Dispatcher:
                 raw=self._upstream_error(resp.status, data, "prefill", p, headers),
             )
 
-    async def _first_bytes(self, d: Instance, opening: Awaitable[Answer]) -> Answer:
-        """D's first bytes, under the deadline that starts when D's answer is due."""
-        limit = self.cfg.decode_ttfb_timeout
+    async def _first_bytes(self, d: Instance, opening: Awaitable[Answer],
+                           limit: float | None = None) -> Answer:  # fmt: skip
+        """D's first bytes, under the deadline that starts when D's answer is due (a
+        rescue: what is left of it)."""
+        if limit is None:
+            limit = self.cfg.decode_ttfb_timeout
         try:
             async with asyncio.timeout(limit):
                 return await opening

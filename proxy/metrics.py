@@ -87,7 +87,8 @@ class Metrics:
         self.dispatch_paths = Counter(
             "xpyd_dispatch",
             "Requests by dispatch path: disaggregated, or D alone (local_short: short prompt, "
-            "local_cached: D holds the prefix, local_no_prefill: no P live or reachable)",
+            "local_cached: D holds the prefix, local_no_prefill: no P live or reachable, "
+            "local_rescue: D failed disaggregated attempts before its first byte)",
             ["path"],
             registry=r,
         )

@@ -4,9 +4,15 @@ request alone (short prompt, no P). Real proxy, fake instances over real HTTP an
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import time
 
-from proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
+import pytest
+from fake_vllm import DISAGGREGATED_ID
+from proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_until
+
+from connector import request_id
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -46,12 +52,14 @@ async def test_decode_5xx_before_first_byte_is_retried_4xx_is_not():
     async with running_proxy(decode_retries=1) as px:
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
-        d1.fault = Fault(status=503, times=1)
-        d2.fault = Fault(status=503, times=1)
+        d1.fault = Fault(status=503)
+        d2.fault = Fault(status=503)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
-        assert resp.status_code == 503  # both failed: D's own error JSON is relayed
+        # Both failed, and D alone (the local rescue) too: D's own error JSON is relayed.
+        assert resp.status_code == 503
         assert resp.json()["error"]["message"] == "fake D failure"
         assert await px.metric("xpyd_decode_retries_total") == 1
+        d1.fault = d2.fault = None
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 200
         d1.fault = Fault(status=400)
@@ -64,12 +72,19 @@ async def test_decode_5xx_before_first_byte_is_retried_4xx_is_not():
 
 
 async def test_decode_retries_zero_relays_the_first_failure():
+    """No second P/D pair; D alone once (on the D not tried), and when that fails too the
+    first failure is relayed."""
     async with running_proxy(decode_retries=0) as px:
-        await px.fake("P")
+        p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
-        d1.fault = d2.fault = Fault(status=500, times=1)
+        d1.fault = Fault(status=500, error_body=b'{"error": {"message": "first", "type": '
+                         b'"InternalServerError", "param": null, "code": 500}}')  # fmt: skip
+        d2.fault = Fault(status=502)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
-        assert resp.status_code == 500
+        assert resp.status_code == 500 and resp.json()["error"]["message"] == "first"
+        assert len(p.completions()) == 1
+        assert [r.request_id.startswith("xpyd-local-") for r in d2.completions()] == [True]
+        assert await px.metric("xpyd_decode_retries_total") == 0
 
 
 async def test_concurrent_dispatch_overlaps_decode_with_prefill():
@@ -158,3 +173,147 @@ async def test_client_leaving_during_concurrent_dispatch_aborts_both():
         )
         assert px.registry.live("D")[0].in_flight == 0
         assert px.registry.live("P")[0].in_flight == 0
+
+
+# ---------------------------------------------------------------- local rescue
+# D fails a disaggregated request before its first byte (vLLM answers 500 when the KV load
+# failed: kv_load_failure_policy=fail) and no other D is left: D alone, once.
+
+CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}],
+               "max_tokens": 4, "stream": True}  # fmt: skip
+KV_LOAD_FAILED = Fault(status=500, id_prefix=DISAGGREGATED_ID, error_body=json.dumps({"error": {
+    "message": "Internal server error ({request_id})", "type": "InternalServerError",
+    "param": None, "code": 500}}).encode())  # fmt: skip
+
+
+def kv_load_fails(times: int | None = None) -> Fault:
+    """D answers vLLM's 500 to disaggregated requests, quoting the request id."""
+    return Fault(**{**KV_LOAD_FAILED.__dict__, "times": times})
+
+
+def local_id(rid: str) -> bool:
+    return rid.startswith("xpyd-local-") and request_id.parse(rid) is None
+
+
+@pytest.mark.parametrize(
+    "path,body,dispatch",
+    [
+        ("/v1/completions", COMPLETION, "sequential"),
+        ("/v1/chat/completions", CHAT_STREAM, "sequential"),
+        ("/v1/completions", STREAM, "concurrent"),
+    ],
+    ids=["json", "stream", "stream-concurrent"],
+)
+async def test_rescue_decode_alone_after_failed_kv_load(path, body, dispatch):
+    async with running_proxy(dispatch=dispatch) as px:
+        p, d = await px.pd()
+        d.fault = kv_load_fails(times=1)
+        resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        first, second = d.completions()
+        assert request_id.parse(first.request_id) is not None and first.status == 500
+        # The second time D got the client's request unchanged, under a plain id: no KV to
+        # load, D prefills itself; the client gets exactly what D computed alone.
+        assert local_id(second.request_id) and second.json == body
+        assert resp.content == relayed(second)
+        if body.get("stream"):
+            assert resp.text.endswith("data: [DONE]\n\n")
+        else:
+            assert resp.json()["choices"][0]["text"] == " t0 t1 t2 t3 t4"
+        assert resp.headers["x-xpyd-path"] == "local_rescue"
+        assert resp.headers["x-request-id"] == second.request_id[-32:]
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+        assert await px.metric("xpyd_dispatch_total", path="disaggregated") == 1
+        assert await px.metric("xpyd_decode_retries_total") == 0
+        assert len(p.completions()) == 1
+        assert px.registry.live("D")[0].in_flight == 0
+        # The next request is disaggregated again.
+        assert (await px.client.post(path, json=body)).status_code == 200
+        assert request_id.parse(d.completions()[2].request_id) is not None
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+async def test_rescue_after_every_decode_retry_failed():
+    async with running_proxy(decode_retries=1) as px:
+        p = await px.fake("P")
+        d1, d2 = await px.fake("D"), await px.fake("D")
+        d1.fault, d2.fault = kv_load_fails(), kv_load_fails()
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        seen = d1.completions() + d2.completions()
+        assert [request_id.parse(r.request_id) is not None for r in seen].count(True) == 2
+        (alone,) = [r for r in seen if local_id(r.request_id)]
+        assert resp.content == relayed(alone)
+        assert len(p.completions()) == 2  # one P/D pair per D
+        assert await px.metric("xpyd_decode_retries_total") == 1
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+@pytest.mark.parametrize("body", [COMPLETION, STREAM], ids=["json", "stream"])
+async def test_rescue_failing_too_relays_the_original_error(body):
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "id_prefix": None})  # alone too
+        resp = await px.client.post("/v1/completions", json=body)
+        assert resp.status_code == 500
+        assert resp.headers["content-type"].startswith("application/json")
+        err = resp.json()["error"]
+        assert set(err) >= {"message", "type", "param", "code"}
+        first, second = d.completions()
+        assert local_id(second.request_id)
+        # The disaggregated attempt's error (it quotes that request's id), with its headers.
+        assert err["message"] == f"Internal server error ({first.request_id[-32:]})"
+        assert resp.headers["x-request-id"] == first.request_id[-32:]
+        assert "x-xpyd-path" not in resp.headers
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+        assert px.registry.live("D")[0].in_flight == 0
+
+
+async def test_rescue_keeps_to_the_failed_attempts_deadline():
+    """D alone gets what is left of the decode_ttfb_timeout of the attempt it rescues."""
+    async with running_proxy(decode_ttfb_timeout=1.0) as px:
+        p, d = await px.pd()
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "delay": 0.7, "times": 1})
+        task = asyncio.get_running_loop().create_task(
+            px.client.post("/v1/completions", json=COMPLETION)
+        )
+        await wait_until(lambda: d.completions(), what="D got the disaggregated request")
+        t0 = time.monotonic()
+        d.fault = Fault(hang=True)  # D alone never answers
+        resp = await asyncio.wait_for(task, 5)
+        elapsed = time.monotonic() - t0
+        assert resp.status_code == 500 and "Internal server error" in resp.json()["error"]["message"]
+        assert 0.9 < elapsed < 1.45, elapsed  # not 0.7 s + another full 1 s
+        first, second = d.completions()
+        assert local_id(second.request_id)
+        await wait_until(lambda: second.cancelled, what="D alone aborted")
+
+
+@pytest.mark.parametrize("status", [400, 413])
+async def test_decode_client_error_is_not_rescued(status):
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=status, id_prefix=DISAGGREGATED_ID)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == status
+        assert resp.json()["error"]["message"] == "fake D failure"
+        assert len(d.completions()) == 1
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+
+
+async def test_local_paths_and_oversized_answers_are_not_rescued():
+    # D alone already (a short prompt) failing: no second try alone.
+    async with running_proxy(local_prefill_threshold=50) as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500)
+        assert (await px.client.post("/v1/completions", json=COMPLETION)).status_code == 500
+        assert len(d.completions()) == 1 and not p.completions()
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+    # An answer over max_response_bytes would be as large from D alone.
+    async with running_proxy(max_response_bytes=1000) as px:  # P's 1-token answer fits
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json={**COMPLETION, "max_tokens": 300})
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "upstream_response_too_large"
+        assert len(d.completions()) == 1
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0

@@ -212,10 +212,12 @@ async def test_prefill_timeout_retries_then_504():
 
 
 async def test_decode_error_before_first_byte_is_relayed():
+    """D's 5xx, when D alone (the local rescue) fails as well: D's error is relayed."""
     async with running_proxy() as px:
         p, d = await px.pd()
-        d.fault = Fault(status=503, times=1)
+        d.fault = Fault(status=503)
         assert_error(await px.client.post("/v1/completions", json=STREAM), 503)
+        assert len(d.completions()) == 2  # the disaggregated request, then D alone
         d.fault = Fault(status=500, error_body=b"Internal Server Error", content_type="text/plain")
         err = assert_error(
             await px.client.post("/v1/completions", json=STREAM), 500, "decode_error"
@@ -238,6 +240,9 @@ async def test_decode_first_byte_timeout_is_504():
         d.fault = Fault(stall_after=0)  # headers, then nothing
         assert_error(await px.client.post("/v1/completions", json=STREAM), 504, "decode_timeout")
         await wait_until(lambda: d.completions()[0].cancelled, what="D saw the abort")
+        # The deadline is spent: D is not asked again alone.
+        assert len(d.completions()) == 1
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
 
 
 async def test_decode_fails_mid_stream_sends_error_event():
