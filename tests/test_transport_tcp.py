@@ -370,3 +370,53 @@ def test_receive_is_zero_copy_view_of_the_frame():
     del frame
     gc.collect()
     assert torch.equal(t.reshape(-1), x)  # the tensor keeps the frame's memory alive
+
+
+def test_deferred_replies_leave_the_server_serving():
+    """A handler that answers later (a Deferred resolved from another thread): other calls
+    are served meanwhile, the late reply reaches its caller (signed, with its call id), and
+    one never resolved is dropped after its deadline without holding anything up."""
+    from connector.transport import KVAuth
+    from connector.transport.base import Deferred
+
+    auth = KVAuth.from_secret("s3cret", "mac")
+    held: list[Deferred] = []
+
+    def handler(header, tensors):
+        if header.get("op") == "slow":
+            d = Deferred(time.monotonic() + 5.0)
+            threading.Timer(0.5, d.resolve, ({"late": header["n"]}, [t * 2 for t in tensors])).start()
+            return d
+        if header.get("op") == "never":
+            d = Deferred(time.monotonic() + 0.2)
+            held.append(d)
+            return d
+        return {"now": True}, []
+
+    srv = TcpTransport(auth=auth)
+    srv.start(HOST, 0, handler)
+    cli = TcpTransport(auth=auth)
+    addr = f"{HOST}:{srv.bound_port}"
+    try:
+        out: dict = {}
+
+        def slow() -> None:
+            out["slow"] = cli.call(addr, {"op": "slow", "n": 7}, [torch.arange(4)], timeout_s=3)
+
+        t = threading.Thread(target=slow)
+        t.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        reply, _ = cli.call(addr, {"op": "fast"}, timeout_s=1)
+        assert reply == {"ok": True, "now": True} and time.monotonic() - t0 < 0.3
+        t.join(3)
+        reply, tensors = out["slow"]
+        assert reply == {"ok": True, "late": 7} and torch.equal(tensors[0], torch.arange(4) * 2)
+        with pytest.raises(TransportError, match="timeout"):
+            cli.call(addr, {"op": "never"}, timeout_s=0.5)
+        held[0].resolve({"too": "late"})  # after its deadline: dropped, nobody waits for it
+        reply, _ = cli.call(addr, {"op": "fast"}, timeout_s=1)
+        assert reply["now"]
+    finally:
+        cli.close()
+        srv.close()

@@ -8,13 +8,14 @@ peer handler's reply. Implementations: :class:`connector.transport.tcp.TcpTransp
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 
-__all__ = ["REFUSAL_REASONS", "Handler", "Refusal", "Transport", "TransportError", "TransportRefused"]
+__all__ = ["REFUSAL_REASONS", "Deferred", "Handler", "Refusal", "Transport", "TransportError", "TransportRefused"]
 
 # Why a request never reached the handler (a fixed set: these label a Prometheus series).
 # unauthenticated: no auth frame (or, with no secret here, a signed call); bad_mac: a
@@ -40,8 +41,45 @@ class TransportRefused(TransportError):
     its answer says why, but is not signed, so it only ever means failure."""
 
 
-# handler(header, tensors) -> (reply_header, reply_tensors); runs in the server thread.
-Handler = Callable[[dict, list[torch.Tensor]], tuple[dict, list[torch.Tensor]]]
+class Deferred:
+    """A reply a handler gives later: the handler returns this object at once and someone
+    calls ``resolve`` once (from any thread). The server sends the reply when it comes and
+    forgets it, unsent, after ``until`` (monotonic): the caller has given up by then."""
+
+    __slots__ = ("until", "_lock", "_result", "_sink")
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self._lock = threading.Lock()
+        self._result: tuple[dict, list[torch.Tensor]] | None = None
+        self._sink: Callable[[Deferred], None] | None = None
+
+    def resolve(self, header: dict, tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Give the reply; only the first call counts."""
+        with self._lock:
+            if self._result is not None:
+                return
+            self._result = (header, list(tensors))
+            sink = self._sink
+        if sink is not None:
+            sink(self)
+
+    def result(self) -> tuple[dict, list[torch.Tensor]] | None:
+        with self._lock:
+            return self._result
+
+    def on_resolve(self, sink: Callable[["Deferred"], None]) -> None:
+        """The transport: call ``sink(self)`` once resolved (now, if it is already)."""
+        with self._lock:
+            self._sink = sink
+            ready = self._result is not None
+        if ready:
+            sink(self)
+
+
+# handler(header, tensors) -> (reply_header, reply_tensors), or a Deferred resolved later
+# (transports that support it: tcp); runs in the server thread.
+Handler = Callable[[dict, list[torch.Tensor]], tuple[dict, list[torch.Tensor]] | Deferred]
 
 
 class Transport(ABC):

@@ -19,7 +19,11 @@ with a plain ``{"ok": false, "error": ..., "refused": reason}`` so the caller le
 A client with a secret treats such an unauthenticated answer as a failure only
 (``TransportRefused``): it acts on nothing a holder of the key did not sign.
 
-Server: one ROUTER socket served by one daemon thread; handlers run in that thread.
+Server: one ROUTER socket served by one daemon thread; handlers run in that thread. A
+handler may answer later instead (it returns a :class:`Deferred` and resolves it from
+another thread): the server thread goes on serving and sends that reply when it comes,
+or drops it after its deadline (the caller has given up by then). The nccl transport
+waits for received tensors that way, so pings and hellos never queue behind a transfer.
 Client: DEALER sockets pooled per peer; a socket is used by one call at a time and is
 discarded (linger 0) whenever a call fails, so a late reply can never be read as the reply
 to a later call. Replies are also matched by call id as a second line of defence.
@@ -30,9 +34,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -45,9 +52,9 @@ from zmq.utils.monitor import recv_monitor_message
 from connector.affinity import CpuPlan, pin_current_thread
 
 from .auth import KVAuth, MacAuth, RateLimitedLog, ZapHandler, is_reply_auth, is_request_auth
-from .base import REFUSAL_REASONS, Handler, Transport, TransportError, TransportRefused
+from .base import REFUSAL_REASONS, Deferred, Handler, Transport, TransportError, TransportRefused
 
-__all__ = ["TcpTransport"]
+__all__ = ["Deferred", "TcpTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,16 @@ _DTYPE_NAMES: MappingProxyType[torch.dtype, str] = MappingProxyType(
 
 class _Malformed(ValueError):
     """An incoming message that does not follow the wire format."""
+
+
+@dataclass(slots=True)
+class _Later:
+    """A deferred reply the server thread waits for: where it goes and how it is signed."""
+
+    deferred: Deferred
+    call_id: int | None
+    nonce: bytes | None
+    ident: Any = None
 
 
 # ---------------------------------------------------------------------------- encoding
@@ -283,6 +300,10 @@ class TcpTransport(Transport):
         self._stop = threading.Event()
         self._ids = itertools.count(1)  # next() is atomic under the GIL
         self._refused = dict.fromkeys(REFUSAL_REASONS, 0)
+        # Deferred replies: resolved ones queue here and wake the server thread (a socket
+        # pair it polls beside the ROUTER: a zmq socket is not for other threads to touch).
+        self._resolved: queue.SimpleQueue[Deferred] = queue.SimpleQueue()
+        self._wake: tuple[socket.socket, socket.socket] | None = None
         self._log_refusal = RateLimitedLog(logger.warning)
         self.on_refuse: Callable[[str], None] | None = None  # e.g. the engine's metrics
         self.bound_port: int | None = None
@@ -389,6 +410,9 @@ class TcpTransport(Transport):
             with self._lock:
                 self._serving = False
             raise TransportError(f"cannot bind tcp://{bind_host}:{port}: {e}") from e
+        self._wake = socket.socketpair()
+        for w in self._wake:
+            w.setblocking(False)
         self._server_thread = threading.Thread(
             target=self._serve, args=(sock, handler, monitor), name=f"xpyd-tcp-server:{self.bound_port}",
             daemon=True,
@@ -399,16 +423,22 @@ class TcpTransport(Transport):
 
     def _serve(self, sock: zmq.Socket, handler: Handler, monitor: zmq.Socket | None) -> None:
         pin_current_thread(self._cpus)
+        assert self._wake is not None
+        wake = self._wake[0]
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
+        later: dict[int, _Later] = {}  # id(deferred) -> where its reply goes
         try:
             while not self._stop.is_set():
                 try:
                     ready = dict(poller.poll(self._poll_ms))
                     if monitor is not None and monitor in ready:
                         self._handshake_failures(monitor)
+                    if later or wake in ready:
+                        self._send_resolved(sock, wake, later)
                     if sock not in ready:
                         continue
                     frames, oversized = self._recv_message(sock)
@@ -425,11 +455,12 @@ class TcpTransport(Transport):
                 except Exception as e:  # noqa: BLE001 - no message may stop the server thread
                     logger.exception("tcp transport: serving a request failed")
                     reply = _encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), None)
-                try:
-                    # ROUTER never blocks: a reply to a caller that went away is dropped.
-                    sock.send_multipart([ident, *reply], copy=False)
-                except zmq.ZMQError as e:
-                    logger.warning("tcp transport: sending reply failed: %s", e)
+                if isinstance(reply, _Later):
+                    reply.ident = ident
+                    later[id(reply.deferred)] = reply
+                    reply.deferred.on_resolve(self._on_resolved)
+                    continue
+                self._send_reply(sock, ident, reply)
         except Exception:  # pragma: no cover - the loop above is meant to catch everything
             logger.exception("tcp transport: server thread crashed")
         finally:
@@ -437,11 +468,65 @@ class TcpTransport(Transport):
                 sock.disable_monitor()
                 monitor.close(linger=0)
             sock.close(linger=0)
+            for w in self._wake:
+                w.close()
             if self._zap is not None:
                 self._zap.close()
             with self._lock:
                 self._serving = False
             self._maybe_term_ctx()
+
+    @staticmethod
+    def _send_reply(sock: zmq.Socket, ident: Any, reply: list[Any]) -> None:
+        try:
+            # ROUTER never blocks: a reply to a caller that went away is dropped.
+            sock.send_multipart([ident, *reply], copy=False)
+        except zmq.ZMQError as e:
+            logger.warning("tcp transport: sending reply failed: %s", e)
+
+    def _on_resolved(self, deferred: Deferred) -> None:
+        """Any thread: a deferred reply is ready; wake the server thread."""
+        self._resolved.put(deferred)
+        wake = self._wake
+        try:
+            if wake is not None:
+                wake[1].send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is pending already, or the server is gone
+
+    def _send_resolved(self, sock: zmq.Socket, wake: socket.socket, later: dict[int, _Later]) -> None:
+        """Server thread: send the deferred replies that came, forget those past their time."""
+        for _ in range(64):  # drain the wake-ups (one byte each; bounded)
+            try:
+                if not wake.recv(4096):
+                    break
+            except (BlockingIOError, OSError):
+                break
+        while True:
+            try:
+                d = self._resolved.get_nowait()
+            except queue.Empty:
+                break
+            item = later.pop(id(d), None)
+            result = d.result()
+            if item is None or result is None:
+                continue
+            try:
+                frames = self._reply_frames(result, item.call_id)
+            except Exception as e:  # noqa: BLE001 - as for a handler's reply
+                logger.exception("tcp transport: encoding a deferred reply failed")
+                frames = _encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), item.call_id)
+            self._send_reply(sock, item.ident, self._signed(frames, item.nonce))
+        now = time.monotonic()
+        for key in [k for k, v in later.items() if v.deferred.until < now]:
+            del later[key]  # never resolved in time: the caller gave up
+
+    @staticmethod
+    def _reply_frames(result: tuple[dict, Sequence[torch.Tensor]], call_id: int | None) -> list[Any]:
+        reply_header, reply_tensors = result
+        reply_header = dict(reply_header)
+        reply_header.setdefault("ok", True)
+        return _encode(reply_header, reply_tensors, call_id)
 
     def _handshake_failures(self, monitor: zmq.Socket) -> None:
         while monitor.poll(0):
@@ -454,7 +539,7 @@ class TcpTransport(Transport):
         self._count_refusal(reason, detail)
         return _encode({"ok": False, "error": text or _REFUSAL_TEXT.get(reason, detail), "refused": reason}, (), None)
 
-    def _serve_one(self, body: list[zmq.Frame], oversized: bool, handler: Handler) -> list[Any]:
+    def _serve_one(self, body: list[zmq.Frame], oversized: bool, handler: Handler) -> list[Any] | _Later:
         if oversized:
             return self._refuse("oversized", "over the cap",
                                 f"message over {self._max_msg_bytes} bytes or {self._max_frames} frames "
@@ -487,10 +572,10 @@ class TcpTransport(Transport):
             return self._signed(_encode({"ok": False, "error": f"malformed request: {_printable(str(e))}",
                                          "refused": "malformed"}, (), call_id), nonce)
         try:
-            reply_header, reply_tensors = handler(header, tensors)
-            reply_header = dict(reply_header)
-            reply_header.setdefault("ok", True)
-            reply = _encode(reply_header, reply_tensors, call_id)
+            result = handler(header, tensors)
+            if isinstance(result, Deferred):
+                return _Later(result, call_id, nonce)
+            reply = self._reply_frames(result, call_id)
         except Exception as e:
             logger.exception("tcp transport: handler failed")
             reply = _encode({"ok": False, "error": f"handler error: {type(e).__name__}: {e}"}, (), call_id)
