@@ -3,21 +3,41 @@
 Every call still goes over the engine's ZMQ control socket (``TcpTransport``: same
 authentication, size caps and refusal counters); only the tensors move over NCCL, straight
 between the two GPUs' memory. Per peer pair there is one communicator per direction of
-initiation (two ranks; the caller that created it is rank 0), created lazily on the first
-call over the control socket (``_nccl_hello`` carries the unique id), on its own stream.
+initiation (two ranks; the caller that created it is rank 0), on its own stream.
+
+Set-up runs on a thread of its own with its own budget (``init_timeout_s``), never a
+call's: a cold NCCL init can outlast the 1-2 s of a probe or a hello. First ``_nccl_hello``
+(our NCCL version; the peer says whether it will), and only if the peer agreed a unique id
+(each ``ncclGetUniqueId`` starts a bootstrap thread and socket that live until both ranks
+joined) goes to it in ``_nccl_init``; both ranks then initialise non-blocking. A call
+finding no ready communicator waits for a set-up in progress at most half of its own time,
+then carries its tensors inline over the control socket (through host memory): slower,
+never wrong. A failed set-up is remembered (``_SETUP_RETRY_S``; a peer without NCCL or with
+another NCCL version ``_NO_NCCL_RETRY_S``): those calls go inline meanwhile.
 
 A call with tensors: the caller enqueues its sends on the communicator's stream, then sends
-the header with the tensors' shapes over the control socket; the server allocates, enqueues
-the matching receives, waits for them (bounded by the caller's remaining time), runs the
-handler and answers. Reply tensors go back the same way, the other direction. Calls on one
-communicator are serialised (NCCL matches sends and receives in order).
+the header with the tensors' shapes over the control socket; the server allocates (on the
+communicator's stream), enqueues the matching receives, waits for them (bounded by the
+caller's remaining time) on a worker thread - the control socket's thread keeps serving
+pings and hellos meanwhile (the reply is deferred) - runs the handler and answers. Reply
+tensors go back the same way, the other direction. Calls on one communicator are
+serialised (NCCL matches sends and receives in order).
 
-Nothing waits unbounded: communicator set-up has ``init_timeout_s``, a transfer has the
-call's deadline, reply sends the server could not deliver are reaped. A communicator that
-missed a deadline, whose peer vanished or which saw any error is aborted (``ncclCommAbort``,
-non-blocking communicators) and the next call creates a new one. A peer that cannot do NCCL
-(tcp-only, CPU caches, no libnccl) answers the hello with a refusal: calls to it carry their
-tensors inline over the control socket, copied through host memory.
+Nothing waits unbounded: set-up has ``init_timeout_s``, a transfer has the call's deadline,
+reply sends the caller never took are reaped, and so are incoming communicators whose
+set-up never finished, that sat idle for ``idle_timeout_s``, or that their caller replaced
+with a new one. A communicator that missed a deadline, whose peer vanished or which saw any
+error is aborted (``ncclCommAbort``) on a thread of its own - NCCL asks all ranks to abort
+together, and one-sided aborts are reported to hang (NVIDIA/nccl #863, #992, #1777) - which
+holds the memory NCCL may still touch until the abort returned. An abort that does not
+return within ``abort_timeout_s`` quarantines that peer (tcp only, until restart). The
+caller tells the peer when it aborted (``_nccl_bye``): over P2P/SHM the peer would never
+learn it otherwise.
+
+Where this differs from the removed vLLM ``p2p_nccl_engine`` (one communicator per peer,
+blocking init inside the first send, receives on a listener thread): init is non-blocking
+and polled against a deadline, and every wait (init, launch, completion) has one, so a dead
+peer costs a timeout, never a hung thread.
 """
 
 from __future__ import annotations
@@ -30,12 +50,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .base import Handler, Transport, TransportError
+from .base import Deferred, Handler, Transport, TransportError
 from .nccl_api import NCCL_IN_PROGRESS, NCCL_SUCCESS, UNIQUE_ID_BYTES, CommConfig, NcclLibrary
 from .tcp import TcpTransport
 
@@ -47,11 +68,25 @@ NCCL_KEY = "_nccl"  # request: {"cid", "metas", "budget_ms"}
 REPLY_KEY = "_nccl_reply"  # reply: metas of the tensors coming back over NCCL
 CONSUMED_KEY = "_nccl_consumed"  # reply: the server received every tensor the call sent
 RESET_KEY = "_nccl_reset"  # reply: the server does not know (or dropped) that communicator
-HELLO_OP = "_nccl_hello"
+HELLO_OP = "_nccl_hello"  # may we set up? our NCCL version; makes no NCCL resource
+INIT_OP = "_nccl_init"  # the unique id: join as rank 1
+BYE_OP = "_nccl_bye"  # the caller aborted its side: abort yours
 _POLL_S = 0.0005  # between status/event polls: completion is usually a few ms away
-_REAP_S = 0.5
-# A peer that refused NCCL is asked again after this long (it may have been restarted).
+_REAP_S = 0.25
+# A peer that refused NCCL (none there, another version) is asked again after this long
+# (it may have been restarted with another image).
 _NO_NCCL_RETRY_S = 30.0
+# A set-up that failed (init error, not ready in time) is tried again after this long.
+_SETUP_RETRY_S = 10.0
+# A set-up whose control calls found the peer unreachable: again soon (the calls fail anyway).
+_UNREACHABLE_RETRY_S = 1.0
+_BYE_TIMEOUT_S = 1.0
+# Server: threads waiting for receives; calls beyond this many in progress are refused.
+_SERVE_THREADS = 16
+_MAX_SERVING = 64
+# Aborts that did not return: after this many, no NCCL at all (each holds a thread, and
+# NCCL's state is not to be trusted any more).
+_MAX_HUNG_ABORTS = 2
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -62,6 +97,7 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+
 @dataclass(slots=True)
 class _Pending:
     tensors: list[torch.Tensor]
@@ -69,19 +105,27 @@ class _Pending:
     event: Any = None
 
 
-@dataclass(slots=True)
+@dataclass(eq=False, slots=True)
 class _Comm:
     cid: str
-    peer: str
+    peer: str  # outgoing: the peer's address; incoming: the caller (address, else its id)
     rank: int  # 0: we created it (the caller side), 1: the peer did
     handle: Any
     stream: Any
+    caller: str = ""  # incoming: caller and the address it called; a new set-up from it replaces this one
     created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
     ready: bool = False
-    broken: str | None = None  # why it was aborted
-    # One call at a time; also held around ncclCommAbort, which must not run while another
+    broken: str | None = None  # why it was given up: no NCCL call may start on it after this
+    # Set, under ``lock``, just before ncclCommAbort: the handle is gone from then on. Every
+    # NCCL call on the handle is made holding ``lock`` after checking ``broken``.
+    freed: bool = False
+    # One call at a time; held around ncclCommAbort, which must not run while another
     # thread is inside an NCCL call on the same communicator. Re-entrant: calls abort.
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # What the call in progress posted: NCCL may read or write it until the call finished or
+    # the abort returned, so it is held here until then (the abort runs on another thread).
+    inflight: list[torch.Tensor] = field(default_factory=list)
     # Reply sends the server posted and their deadline; their tensors stay alive until the
     # stream ran them. ``unsettled``: NCCL may still be launching them (the caller posts its
     # receives only once it has the reply), so no event was recorded for them yet.
@@ -91,6 +135,32 @@ class _Comm:
     @property
     def other(self) -> int:
         return 1 - self.rank
+
+
+@dataclass(eq=False, slots=True)
+class _AbortJob:
+    comm: _Comm
+    started: float
+    bye: bool  # tell the peer (we created the communicator and the peer did not end it)
+    done: threading.Event = field(default_factory=threading.Event)
+    hung: bool = False  # reported as not returning within abort_timeout_s
+
+
+@dataclass(slots=True)
+class _PeerState:
+    """A peer we call: the set-up in progress, and until when its calls go inline."""
+
+    setup: threading.Event | None = None  # set when the running set-up ended; None: none runs
+    inline_until: float = 0.0  # monotonic
+    why: str | None = None  # why its calls go inline
+
+
+class _NoNccl(Exception):
+    """The peer will not do NCCL with us (none there, another version, quarantined)."""
+
+
+class _Unreachable(Exception):
+    """A set-up's control call failed: the peer is down or slow (its calls fail too)."""
 
 
 def _metas(tensors: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
@@ -131,8 +201,11 @@ class NcclTransport(Transport):
         lib: the NCCL library object (``nccl_lib.load_nccl_library()``, or a test double).
         device: where received tensors are allocated and sent tensors must live.
         num_channels: NCCL channels of this transport's communicators only (``ncclConfig_t``).
-        init_timeout_s: bound on creating one communicator.
+        init_timeout_s: bound on creating one communicator (its own budget, not a call's).
         max_wait_s: bound on the server waiting for a call's tensors, whatever the caller asked.
+        abort_timeout_s: an abort not returned by then quarantines its peer.
+        idle_timeout_s: an incoming communicator unused this long is ended (its caller sets
+            up a new one when it needs it).
         control: the control transport (its auth and caps apply to every call);
             ``control_kwargs`` build one when not given.
     """
@@ -141,23 +214,32 @@ class NcclTransport(Transport):
     device_native = True
 
     def __init__(self, lib: NcclLibrary, device: torch.device, *, num_channels: int | None = None,
-                 init_timeout_s: float = 10.0, max_wait_s: float = 30.0,
-                 control: TcpTransport | None = None, **control_kwargs: Any) -> None:
+                 init_timeout_s: float = 10.0, max_wait_s: float = 30.0, abort_timeout_s: float = 10.0,
+                 idle_timeout_s: float = 600.0, control: TcpTransport | None = None, **control_kwargs: Any) -> None:
         self._lib = lib
         self._device = torch.device(device)
         self._config = CommConfig(blocking=False, num_channels=num_channels)
         self._init_timeout_s = init_timeout_s
         self._max_wait_s = max_wait_s
+        self._abort_timeout_s = abort_timeout_s
+        self._idle_timeout_s = idle_timeout_s
         self._control = control or TcpTransport(**control_kwargs)
         self._max_bytes: int | None = control_kwargs.get("max_msg_bytes")
         self._max_frames: int | None = control_kwargs.get("max_frames")
         self._id = uuid.uuid4().hex[:12]
+        self._version = str(lib.version())
         self._cids = itertools.count(1)
         self._lock = threading.Lock()  # guards the tables below
-        self._out: dict[str, _Comm] = {}  # peer address -> communicator we created
+        self._out: dict[str, _Comm] = {}  # peer address -> ready communicator we created
         self._in: dict[str, _Comm] = {}  # cid -> communicator a peer created
-        self._creating: dict[str, threading.Lock] = {}  # peer -> lock: one set-up at a time
-        self._no_nccl: dict[str, float] = {}  # peer -> monotonic time it refused NCCL
+        self._peers: dict[str, _PeerState] = {}  # peer address -> set-up state
+        self._aborting: list[_AbortJob] = []  # running, and hung ones (they keep their memory)
+        self._quarantined: dict[str, str] = {}  # peer -> why: no NCCL with it until restart
+        self._serving = 0  # deferred NCCL calls in progress on the server side
+        # Handlers run one at a time, as on the tcp transport (the server thread and the
+        # workers that finish NCCL calls both run them).
+        self._handler_lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(_SERVE_THREADS, thread_name_prefix="xpyd-nccl-serve")
         self._address = "?"
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -188,11 +270,22 @@ class NcclTransport(Transport):
             return {"out": sum(1 for c in self._out.values() if c.broken is None),
                     "in": sum(1 for c in self._in.values() if c.broken is None)}
 
+    def quarantined(self) -> dict[str, str]:
+        """Peers this transport does no NCCL with any more (an abort with them hung), and why."""
+        with self._lock:
+            return dict(self._quarantined)
+
     # ---------------------------------------------------------------- lifecycle
     def start(self, bind_host: str, port: int, handler: Handler) -> None:
         self._control.start(bind_host, port, lambda h, t: self._serve(h, t, handler))
         self._address = f"{bind_host}:{self._control.bound_port or port}"
-        self._reaper = threading.Thread(target=self._reap_loop, name="xpyd-nccl-reap", daemon=True)
+        self._ensure_reaper()
+
+    def _ensure_reaper(self) -> None:
+        with self._lock:
+            if self._reaper is not None or self._stop.is_set():
+                return
+            self._reaper = threading.Thread(target=self._reap_loop, name="xpyd-nccl-reap", daemon=True)
         self._reaper.start()
 
     def close(self) -> None:
@@ -205,41 +298,114 @@ class NcclTransport(Transport):
             self._out.clear()
             self._in.clear()
         for c in comms:
-            self._abort(c, "transport closed", log=False, wait_s=2.0)
+            self._abort(c, "transport closed", log=False, bye=False)
+        deadline = time.monotonic() + 2.0
+        with self._lock:
+            jobs = list(self._aborting)
+        for job in jobs:
+            job.done.wait(max(0.0, deadline - time.monotonic()))
+        self._workers.shutdown(wait=False, cancel_futures=True)
         if self._reaper is not None:
             self._reaper.join(timeout=2.0)
 
-    # ---------------------------------------------------------------- helpers
-    def _abort(self, comm: _Comm, why: str, log: bool = True, wait_s: float | None = None) -> None:
-        """End a communicator for good; its pending operations end with it. Waits (at most
-        ``wait_s``, default the longest call) for a call in flight on it to end first."""
+    # ---------------------------------------------------------------- abort
+    def _abort(self, comm: _Comm, why: str, log: bool = True, bye: bool | None = None) -> None:
+        """Give a communicator up for good; returns at once. ncclCommAbort runs on a thread
+        of its own (it can hang, and must not stop the caller or the server), which keeps
+        the memory NCCL may still touch until it returned. ``bye``: tell the peer (by
+        default when we created it)."""
         with self._lock:
             if comm.broken is not None:
                 return
             comm.broken = why
             if self._out.get(comm.peer) is comm:
                 del self._out[comm.peer]
-            self._in.pop(comm.cid, None)
-            comm.pending.clear()
+            if self._in.get(comm.cid) is comm:
+                del self._in[comm.cid]
             self.aborted += 1
+            job = _AbortJob(comm, time.monotonic(), bye=(comm.rank == 0 if bye is None else bye)
+                            and not self._stop.is_set())
+            self._aborting.append(job)
         if log:
             logger.warning("nccl communicator %s with %s aborted: %s", comm.cid, comm.peer, why)
-        if not comm.lock.acquire(timeout=self._max_wait_s + 1.0 if wait_s is None else wait_s):
-            logger.warning("nccl communicator %s still in use: not aborted (left to process exit)", comm.cid)
+        threading.Thread(target=self._run_abort, args=(job,), name="xpyd-nccl-abort", daemon=True).start()
+        self._ensure_reaper()  # watches the abort's deadline (a caller-only transport too)
+
+    def _run_abort(self, job: _AbortJob) -> None:
+        comm = job.comm
+        # Whoever holds the lock sees ``broken`` and lets go within a poll interval (or is
+        # stuck inside NCCL: then this abort is reported hung by the reaper).
+        if not comm.lock.acquire(timeout=self._abort_timeout_s):
+            logger.error("nccl communicator %s still in use after %.1fs: not aborted", comm.cid, self._abort_timeout_s)
             return
         try:
-            self._lib.abort(comm.handle)
-        except Exception as e:  # noqa: BLE001 - the communicator is gone either way
-            logger.warning("nccl abort of %s failed: %s", comm.cid, e)
+            comm.freed = True
+            try:
+                self._lib.abort(comm.handle)
+            except Exception as e:  # noqa: BLE001 - the communicator is gone either way
+                logger.warning("nccl abort of %s failed: %s", comm.cid, e)
         finally:
             comm.lock.release()
+        # NCCL let go of them now. A CUDA caching allocator reuses the memory only once the
+        # communicator's stream ran past this point (recorded when they were posted).
+        comm.inflight.clear()
+        comm.pending.clear()
+        job.done.set()
+        with self._lock:
+            if job in self._aborting:
+                self._aborting.remove(job)
+        if job.bye:
+            self._send_bye(comm.peer, comm.cid)
+
+    def _check_aborts(self, now: float) -> None:
+        """Aborts that did not return in time: quarantine their peer (tcp only from now on)."""
+        with self._lock:
+            late = [j for j in self._aborting if not j.hung and not j.done.is_set()
+                    and now - j.started > self._abort_timeout_s]
+            for j in late:
+                j.hung = True
+                self._quarantined[j.comm.peer] = (f"ncclCommAbort of communicator {j.comm.cid} did not return within "
+                                                  f"{self._abort_timeout_s:g}s")
+            hung = sum(j.hung for j in self._aborting)
+        for j in late:
+            logger.error("nccl abort of communicator %s with %s did not return within %.1fs: no NCCL with that "
+                         "peer until restart (its tensors go over tcp via host memory); the memory NCCL may "
+                         "still use is kept%s", j.comm.cid, j.comm.peer, self._abort_timeout_s,
+                         "; too many hung aborts: no NCCL with any peer" if hung >= _MAX_HUNG_ABORTS else "")
+
+    def _nccl_off(self, peer: str) -> str | None:
+        """Why no NCCL with ``peer`` at all now (caller holds self._lock), or None."""
+        if self._stop.is_set():
+            return "closing"
+        why = self._quarantined.get(peer)
+        if why is None and sum(j.hung for j in self._aborting) >= _MAX_HUNG_ABORTS:
+            why = f"{_MAX_HUNG_ABORTS} nccl aborts hung here"
+        return why
+
+    def _send_bye(self, peer: str, cid: str) -> None:
+        """Best effort: the peer aborts its side too (over P2P/SHM nothing else tells it)."""
+        if self._stop.is_set() or peer == "?":
+            return
+        try:
+            self._control.call(peer, {"op": BYE_OP, "cid": cid, "id": self._id, "from": self._address},
+                               timeout_s=_BYE_TIMEOUT_S)
+        except TransportError:
+            pass  # its reaper ends it: set-up or idle timeout, or a new set-up from us
+
+    # ---------------------------------------------------------------- waits
+    def _status(self, comm: _Comm) -> int | None:
+        """ncclCommGetAsyncError, or None once the communicator was given up. The caller
+        holds ``comm.lock``: the handle cannot be freed under it."""
+        if comm.broken is not None or comm.freed:
+            return None
+        return self._lib.status(comm.handle)
 
     def _wait_ready(self, comm: _Comm, deadline: float) -> str | None:
         """Poll a communicator being created until ready; None, or why not."""
-        while True:
-            if comm.broken is not None:
-                return comm.broken
-            code = self._lib.status(comm.handle)
+        while True:  # bounded by the deadline
+            code = self._status(comm)
+            if code is None:
+                return comm.broken or "aborted"
             if code == NCCL_SUCCESS:
                 comm.ready = True
                 return None
@@ -253,14 +419,14 @@ class NcclTransport(Transport):
         """Wait until NCCL launched what was posted on a non-blocking communicator (status
         leaves in-progress: for a first send that is when the peer posted its receive);
         None, or why not."""
-        while True:
-            code = self._lib.status(comm.handle)
+        while True:  # bounded by the deadline
+            code = self._status(comm)
+            if code is None:
+                return comm.broken or "aborted"
             if code == NCCL_SUCCESS:
                 return None
             if code != NCCL_IN_PROGRESS:
                 return f"nccl error {code}: {self._lib.error_string(code)}"
-            if comm.broken is not None:
-                return comm.broken
             if time.monotonic() >= deadline or self._stop.is_set():
                 return "nccl did not launch the transfer before the deadline (peer gone or too slow)"
             time.sleep(_POLL_S)
@@ -268,10 +434,12 @@ class NcclTransport(Transport):
     def _wait_event(self, comm: _Comm, event: Any, deadline: float) -> str | None:
         """Wait for launched stream work to finish; None, or why not (deadline, peer error)."""
         spins = 0
-        while not event.query():
+        while not event.query():  # bounded by the deadline
             spins += 1
             if spins % 64 == 0:  # an error on the communicator ends the wait early
-                code = self._lib.status(comm.handle)
+                code = self._status(comm)
+                if code is None:
+                    return comm.broken or "aborted"
                 if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
                     return f"nccl error {code}: {self._lib.error_string(code)}"
             if comm.broken is not None:
@@ -288,6 +456,7 @@ class NcclTransport(Transport):
             why = self._wait_event(comm, comm.stream.record_event(), deadline)
         return why
 
+    # ---------------------------------------------------------------- devices and streams
     def _on_our_device(self) -> Any:
         """NCCL attaches a new communicator to the calling thread's current CUDA device:
         make that ours (a worker on cuda:1 whose threads default to cuda:0)."""
@@ -299,13 +468,27 @@ class NcclTransport(Transport):
         if self._device.type == "cuda":
             stream.wait_stream(torch.cuda.current_stream(self._device))
 
+    def _alloc(self, comm: _Comm, specs: list[tuple[torch.dtype, list[int]]]) -> list[torch.Tensor]:
+        """Receive buffers, allocated on the stream NCCL writes them on: the caching
+        allocator then never hands their memory to that stream's later work early. (Their
+        readers on other streams record those: the consumer does, after its copy.)"""
+        ctx = torch.cuda.stream(comm.stream) if self._device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            return [torch.empty(shape, dtype=dt, device=self._device) for dt, shape in specs]
+
     def _post(self, comm: _Comm, tensors: Sequence[torch.Tensor], send: bool) -> bool:
         """Post sends (or receives) of whole tensors as one NCCL group; False if there was
         nothing to move. Does not wait: with a non-blocking communicator the group may
-        finish launching only once the peer posted its side."""
+        finish launching only once the peer posted its side. The caller holds comm.lock
+        and keeps ``tensors`` (``inflight`` or ``pending``) until done or aborted."""
         todo = [t for t in tensors if t.numel() > 0]
         if not todo:
             return False
+        if comm.broken is not None:
+            raise RuntimeError(f"communicator aborted: {comm.broken}")
+        for t in todo:
+            if t.is_cuda:  # allocated on another stream (the caller's): used on this one too
+                t.record_stream(comm.stream)
         op = self._lib.send if send else self._lib.recv
         self._lib.group_start()
         try:
@@ -329,59 +512,114 @@ class NcclTransport(Transport):
 
     # ---------------------------------------------------------------- client
     def _comm_for(self, peer: str, deadline: float) -> _Comm | None:
-        """The ready communicator we created with ``peer``; made now if there is none.
-        None when the peer does not do NCCL (its tensors then go inline)."""
+        """The ready communicator we created with ``peer``, or None: the call then carries
+        its tensors inline. Starts a set-up (its own thread and budget) when none runs and
+        none failed lately, and waits for one in progress at most half the call's time."""
         with self._lock:
             c = self._out.get(peer)
-            if c is not None and c.ready:
+            if c is not None and c.ready and c.broken is None:
                 return c
-            refused_at = self._no_nccl.get(peer)
-            if refused_at is not None and time.monotonic() - refused_at < _NO_NCCL_RETRY_S:
+            st = self._peers.setdefault(peer, _PeerState())
+            if time.monotonic() < st.inline_until or self._nccl_off(peer) is not None:
                 return None
-            creating = self._creating.setdefault(peer, threading.Lock())
-        if not creating.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise TransportError(f"nccl set-up with {peer} still running at the deadline")
-        try:
-            with self._lock:
-                c = self._out.get(peer)
-            if c is not None and c.ready:
-                return c
-            return self._create(peer, min(deadline, time.monotonic() + self._init_timeout_s))
-        finally:
-            creating.release()
+            done = st.setup
+            if done is None:
+                done = st.setup = threading.Event()
+                threading.Thread(target=self._set_up, args=(peer, st, done), name="xpyd-nccl-setup",
+                                 daemon=True).start()
+        done.wait(max(0.0, (deadline - time.monotonic()) / 2))
+        with self._lock:
+            c = self._out.get(peer)
+            return c if c is not None and c.ready and c.broken is None else None
 
-    def _create(self, peer: str, deadline: float) -> _Comm | None:
+    def _set_up(self, peer: str, st: _PeerState, done: threading.Event) -> None:
+        """A set-up thread: one communicator with ``peer`` within ``init_timeout_s``."""
+        t0 = time.monotonic()
+        retry_s, why = 0.0, None
         try:
-            uid = self._lib.unique_id()
-        except Exception as e:  # noqa: BLE001 - see below
-            raise TransportError(f"nccl unique id: {type(e).__name__}: {e}") from e
-        cid = f"{self._id}-{next(self._cids)}"
-        reply, _ = self._control.call(
-            peer, {"op": HELLO_OP, "cid": cid, "uid": uid, "from": self._address},
-            timeout_s=max(0.05, deadline - time.monotonic()))
+            comm = self._create(peer, t0 + self._init_timeout_s)
+            with self._lock:
+                if self._stop.is_set():
+                    why = "closing"
+                else:
+                    self._out[peer] = comm
+            if why is not None:
+                self._abort(comm, why, log=False, bye=False)
+            else:
+                logger.info("nccl communicator %s with %s ready in %.0f ms (lib=%s %s, channels=%s)", comm.cid, peer,
+                            (time.monotonic() - t0) * 1e3, self._lib.name, self._version,
+                            self._config.num_channels or "auto")
+        except _NoNccl as e:
+            retry_s, why = _NO_NCCL_RETRY_S, str(e)
+            logger.warning("kv peer %s: no nccl with it (%s): its tensors go over tcp via host memory; asked again "
+                           "in %.0fs", peer, why, retry_s)
+        except _Unreachable as e:
+            retry_s, why = _UNREACHABLE_RETRY_S, str(e)
+            logger.info("nccl set-up with %s: peer unreachable (%s)", peer, why)
+        except Exception as e:  # noqa: BLE001 - NcclError, TransportError, anything: calls go inline meanwhile
+            retry_s, why = _SETUP_RETRY_S, f"{type(e).__name__}: {e}" if not isinstance(e, TransportError) else str(e)
+            logger.warning("nccl set-up with %s failed: %s: its tensors go over tcp via host memory; tried again in "
+                           "%.0fs", peer, why, retry_s)
+        finally:
+            with self._lock:
+                st.setup = None
+                if why is not None:
+                    st.inline_until, st.why = time.monotonic() + retry_s, why
+                else:
+                    st.inline_until, st.why = 0.0, None
+            done.set()
+
+    def _create(self, peer: str, deadline: float) -> _Comm:
+        """Set up one communicator with ``peer`` (we are rank 0). Raises _NoNccl when the
+        peer will not, _Unreachable when it does not answer, else TransportError."""
+
+        def left() -> float:
+            return max(0.05, deadline - time.monotonic())
+
+        try:
+            reply, _ = self._control.call(
+                peer, {"op": HELLO_OP, "version": self._version, "from": self._address, "id": self._id},
+                timeout_s=left())
+        except TransportError as e:
+            raise _Unreachable(str(e)) from None
         if not reply.get("ok"):
             if reply.get("no_nccl") or reply.get("unknown_op"):
-                with self._lock:
-                    self._no_nccl[peer] = time.monotonic()
-                logger.warning("kv peer %s does not do nccl (%s): its tensors go over tcp via host memory",
-                               peer, reply.get("error"))
-                return None
+                raise _NoNccl(str(reply.get("error")))
+            raise TransportError(f"nccl set-up refused by {peer}: {reply.get('error')}")
+        if reply.get("version") != self._version:
+            # NCCL's init compares the full version of every rank and fails: do not try.
+            raise _NoNccl(f"NCCL {self._version} here, {reply.get('version')} at {peer} (NCCL needs the same "
+                          "version on both sides)")
+        # Only now a unique id: each starts a bootstrap thread and socket that live until
+        # both ranks joined, so none is made for a peer that would not join.
+        try:
+            uid = self._lib.unique_id()
+        except Exception as e:  # noqa: BLE001 - a library failure is a failed set-up
+            raise TransportError(f"nccl unique id: {type(e).__name__}: {e}") from e
+        cid = f"{self._id}-{next(self._cids)}"
+        try:
+            reply, _ = self._control.call(
+                peer, {"op": INIT_OP, "cid": cid, "uid": uid, "from": self._address, "id": self._id, "to": peer},
+                timeout_s=left())
+        except TransportError as e:
+            self._send_bye(peer, cid)  # it may have joined late
+            raise _Unreachable(str(e)) from None
+        if not reply.get("ok"):
+            if reply.get("no_nccl"):
+                raise _NoNccl(str(reply.get("error")))
             raise TransportError(f"nccl set-up refused by {peer}: {reply.get('error')}")
         try:
             with self._on_our_device():  # NCCL binds a communicator to the current device
                 handle = self._lib.init_rank(2, uid, 0, self._config)
             comm = _Comm(cid, peer, 0, handle, self._lib.new_stream(self._device))
-        except Exception as e:  # noqa: BLE001 - a library failure is this call's failure, not a crash
+        except Exception as e:  # noqa: BLE001 - a library failure is a failed set-up, not a crash
+            self._send_bye(peer, cid)  # its side was made
             raise TransportError(f"nccl set-up with {peer} failed here: {type(e).__name__}: {e}") from e
-        why = self._wait_ready(comm, deadline)
+        with comm.lock:
+            why = self._wait_ready(comm, deadline)
         if why is not None:
-            self._abort(comm, f"set-up failed: {why}")
+            self._abort(comm, f"set-up failed: {why}")  # its thread tells the peer
             raise TransportError(f"nccl set-up with {peer} failed: {why}")
-        with self._lock:
-            self._out[peer] = comm
-            self._no_nccl.pop(peer, None)
-        logger.info("nccl communicator %s with %s ready in %.0f ms (lib=%s channels=%s)", cid, peer,
-                    (time.monotonic() - comm.created) * 1e3, self._lib.name, self._config.num_channels or "auto")
         return comm
 
     def call(self, peer: str, header: dict, tensors: Sequence[torch.Tensor] = (),
@@ -398,7 +636,7 @@ class NcclTransport(Transport):
             raise TransportError(f"no device memory to stage a send to {peer}: {e}") from e
         for _ in range(2):  # a peer that lost our communicator (restart) gets one new one
             comm = self._comm_for(peer, deadline)
-            if comm is None:
+            if comm is None:  # no NCCL with it (now): the tensors go inline, via host memory
                 return self._control.call(peer, header, tensors, max(0.0, deadline - time.monotonic()))
             result = self._call_on(comm, header, sends, deadline)
             if result is not None:
@@ -411,15 +649,17 @@ class NcclTransport(Transport):
         if not comm.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TransportError(f"timeout waiting for the nccl communicator with {comm.peer}")
         try:
-            if comm.broken is not None:
+            code = self._status(comm)
+            if code is None:
                 return None
-            code = self._lib.status(comm.handle)
             if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):  # the peer went away since the last call
                 self._abort(comm, f"found broken: nccl error {code}: {self._lib.error_string(code)}")
                 return None
+            comm.last_used = time.monotonic()
             posted = False
             if sends:
                 self._after_current_stream(comm.stream)
+                comm.inflight = list(sends)  # until sent, or the abort returned
                 try:
                     # Not waited for here: the peer posts its receives when our header arrives.
                     posted = self._post(comm, sends, True)
@@ -436,7 +676,7 @@ class NcclTransport(Transport):
                     self._abort(comm, f"control call failed: {e}")
                 raise
             if reply.pop(RESET_KEY, False):
-                self._abort(comm, f"peer does not know it: {reply.get('error')}")
+                self._abort(comm, f"peer does not know it: {reply.get('error')}", bye=False)
                 return None
             consumed = bool(reply.pop(CONSUMED_KEY, False))
             if posted and not consumed:
@@ -447,6 +687,7 @@ class NcclTransport(Transport):
                 if why is not None:
                     self._abort(comm, why)
                     raise TransportError(f"nccl send to {comm.peer}: {why}")
+            comm.inflight = []
             metas = reply.pop(REPLY_KEY, None)
             if metas is None:
                 return reply, inline
@@ -457,7 +698,8 @@ class NcclTransport(Transport):
     def _receive(self, comm: _Comm, metas: Any, deadline: float) -> list[torch.Tensor]:
         try:
             specs = _checked_metas(metas, self._max_bytes, self._max_frames)
-            out = [torch.empty(shape, dtype=dt, device=self._device) for dt, shape in specs]
+            out = self._alloc(comm, specs)
+            comm.inflight = out
             posted = self._post(comm, out, False)
         except (ValueError, RuntimeError) as e:  # caps, allocation failures, nccl errors
             self._abort(comm, f"reply tensors not received: {e}")
@@ -466,17 +708,31 @@ class NcclTransport(Transport):
         if why is not None:
             self._abort(comm, why)
             raise TransportError(f"nccl receive from {comm.peer}: {why}")
+        comm.inflight = []
         return out
 
     # ---------------------------------------------------------------- server
-    def _serve(self, header: dict, inline: list[torch.Tensor], handler: Handler) -> tuple[dict, list[torch.Tensor]]:
-        if header.get("op") == HELLO_OP:
+    def _run_handler(self, handler: Handler, header: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[Any]]:
+        with self._handler_lock:
+            result = handler(header, tensors)
+        assert not isinstance(result, Deferred), "the nccl transport's handler answers at once"
+        reply, out = result
+        return dict(reply), list(out)
+
+    def _serve(self, header: dict, inline: list[torch.Tensor], handler: Handler) -> tuple[dict, list[Any]] | Deferred:
+        op = header.get("op")
+        if op == HELLO_OP:
             return self._hello(header), []
+        if op == INIT_OP:  # NCCL's init may take a while: off the control socket's thread
+            return self._deferred(time.monotonic() + self._init_timeout_s, self._init_in, header)
+        if op == BYE_OP:
+            return self._bye(header), []
         req = header.pop(NCCL_KEY, None)
         for key in (REPLY_KEY, CONSUMED_KEY, RESET_KEY):
             header.pop(key, None)
-        if req is None:
-            return handler(header, inline)  # a peer without NCCL: tensors came inline
+        if req is None:  # a peer without NCCL (or calling inline): tensors came inline
+            with self._handler_lock:
+                return handler(header, inline)
         if not isinstance(req, dict) or not isinstance(req.get("cid"), str):
             return {"ok": False, "error": "malformed nccl request"}, []
         with self._lock:
@@ -486,31 +742,79 @@ class NcclTransport(Transport):
         budget = req.get("budget_ms")
         budget_s = budget / 1000 if type(budget) is int and budget > 0 else self._max_wait_s
         deadline = time.monotonic() + min(budget_s, self._max_wait_s)
-        with comm.lock:
+        # The receive is waited for on a worker: pings and hellos from other instances are
+        # answered meanwhile (queued behind it they would time out and mark us dead).
+        return self._deferred(deadline + 1.0, self._serve_on, comm, req, header, handler, deadline)
+
+    def _deferred(self, until: float, fn: Callable[..., dict], *args: Any) -> Deferred | tuple[dict, list[Any]]:
+        """Run ``fn(*args) -> reply header`` on a worker; its reply is sent when it returns."""
+        with self._lock:
+            if self._serving >= _MAX_SERVING or self._stop.is_set():
+                busy = True
+            else:
+                busy = False
+                self._serving += 1
+        if busy:
+            comm = args[0] if args and isinstance(args[0], _Comm) else None
+            if comm is not None:  # the caller's sends stay unmatched: it cannot be used again
+                self._abort(comm, "too many nccl calls in progress here")
+            return {"ok": False, "error": f"nccl: {_MAX_SERVING} calls in progress here, or closing"}, []
+        d = Deferred(until)
+
+        def run() -> None:
+            reply: dict = {"ok": False, "error": "nccl: server error"}
+            try:
+                reply = fn(*args)
+            except Exception as e:  # noqa: BLE001 - answered, as the tcp transport does
+                logger.exception("nccl transport: serving a call failed")
+                reply = {"ok": False, "error": f"server error: {type(e).__name__}: {e}"}
+            finally:
+                with self._lock:
+                    self._serving -= 1
+                d.resolve(reply, [])
+
+        try:
+            self._workers.submit(run)
+        except RuntimeError:  # shut down: closing
+            with self._lock:
+                self._serving -= 1
+            return {"ok": False, "error": "closing"}, []
+        return d
+
+    def _serve_on(self, comm: _Comm, req: dict, header: dict, handler: Handler, deadline: float) -> dict:
+        """A worker: receive a call's tensors over ``comm``, run the handler, post the reply's."""
+        if not comm.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            self._abort(comm, "busy past the call's deadline")  # its sends stay unmatched
+            return {"ok": False, "error": "nccl communicator busy past the call's deadline"}
+        try:
+            if comm.broken is not None:
+                return {"ok": False, "error": f"nccl communicator ended: {comm.broken}", RESET_KEY: True}
+            comm.last_used = time.monotonic()
             why = self._wait_ready(comm, deadline) if not comm.ready else None
             if why is not None:
                 self._abort(comm, f"set-up failed: {why}")
-                return {"ok": False, "error": f"nccl set-up failed: {why}", RESET_KEY: True}, []
+                return {"ok": False, "error": f"nccl set-up failed: {why}", RESET_KEY: True}
             why = self._settle_replies(comm, deadline)
             if why is not None:
                 self._abort(comm, f"earlier reply: {why}")
-                return {"ok": False, "error": f"nccl: earlier reply not taken: {why}", RESET_KEY: True}, []
+                return {"ok": False, "error": f"nccl: earlier reply not taken: {why}", RESET_KEY: True}
             try:
                 specs = _checked_metas(req.get("metas", []), self._max_bytes, self._max_frames)
-                tensors = [torch.empty(shape, dtype=dt, device=self._device) for dt, shape in specs]
+                tensors = self._alloc(comm, specs)
+                comm.inflight = tensors
                 posted = self._post(comm, tensors, False)
             except (ValueError, RuntimeError) as e:  # caps, allocation failure, nccl error
                 # The caller's sends stay unmatched: the communicator cannot be used again.
                 self._abort(comm, f"refused a call's tensors: {e}")
-                return {"ok": False, "error": f"nccl receive refused: {e}"}, []
+                return {"ok": False, "error": f"nccl receive refused: {e}"}
             if posted:
                 why = self._complete(comm, deadline)
                 if why is not None:
                     self._abort(comm, why)
-                    return {"ok": False, "error": f"nccl receive: {why}"}, []
+                    return {"ok": False, "error": f"nccl receive: {why}"}
+            comm.inflight = []
             try:
-                reply, out = handler(header, tensors)
-                reply = dict(reply)
+                reply, out = self._run_handler(handler, header, tensors)
             except Exception as e:  # noqa: BLE001 - answered, as the tcp transport does
                 logger.exception("nccl transport: handler failed")
                 reply, out = {"ok": False, "error": f"handler error: {type(e).__name__}: {e}"}, []
@@ -520,33 +824,78 @@ class NcclTransport(Transport):
                     out = self._on_device(out)
                     self._after_current_stream(comm.stream)
                     # Launches once the caller, holding this reply, posts its receives.
+                    # The caller takes them before its deadline (ours, give or take the wire) or never.
+                    pending = _Pending(out, max(deadline, time.monotonic()) + 1.0)
+                    comm.pending.append(pending)  # kept until sent or the abort returned
                     if self._post(comm, out, True):
                         comm.unsettled = True
                 except (TypeError, RuntimeError) as e:
                     self._abort(comm, f"reply send failed: {e}")
-                    return {"ok": False, "error": f"nccl reply send failed: {e}", CONSUMED_KEY: True}, []
-                comm.pending.append(_Pending(out, time.monotonic() + min(budget_s, self._max_wait_s)))
+                    return {"ok": False, "error": f"nccl reply send failed: {e}", CONSUMED_KEY: True}
                 reply[REPLY_KEY] = _metas(out)
-            return reply, []
+            return reply
+        finally:
+            comm.lock.release()
+
+    @staticmethod
+    def _caller(header: dict) -> str:
+        """Who set up a communicator with us: its address when it serves one, else its id."""
+        frm, cid = header.get("from"), header.get("id")
+        if isinstance(frm, str) and frm and frm != "?":
+            return frm
+        return f"id:{cid}" if isinstance(cid, str) else "?"
 
     def _hello(self, header: dict) -> dict:
-        cid, uid, peer = header.get("cid"), header.get("uid"), header.get("from")
-        if not isinstance(cid, str) or not isinstance(uid, bytes) or len(uid) != UNIQUE_ID_BYTES:
-            return {"ok": False, "error": "malformed nccl hello"}
+        """May the caller set up a communicator with us? Makes nothing: the unique id (and
+        its bootstrap thread) comes only once both sides agreed."""
         if self._stop.is_set():
             return {"ok": False, "error": "closing"}
+        theirs, caller = header.get("version"), self._caller(header)
+        if theirs != self._version:
+            logger.info("nccl hello from %s refused: NCCL %s there, %s here", caller, theirs, self._version)
+            return {"ok": False, "no_nccl": True, "version": self._version,
+                    "error": f"NCCL {theirs} at the caller, {self._version} here (NCCL needs the same version on both "
+                             "sides)"}
+        with self._lock:
+            off = self._nccl_off(caller)
+        if off is not None:
+            return {"ok": False, "no_nccl": True, "error": f"no nccl with you here: {off}"}
+        return {"ok": True, "version": self._version}
+
+    def _init_in(self, header: dict) -> dict:
+        """A worker: join the caller's communicator as rank 1; a new one from the same caller
+        replaces its old one (its side is gone, or it would not set up again)."""
+        cid, uid = header.get("cid"), header.get("uid")
+        if not isinstance(cid, str) or not isinstance(uid, bytes) or len(uid) != UNIQUE_ID_BYTES:
+            return {"ok": False, "error": "malformed nccl init"}
+        caller = self._caller(header)
+        with self._lock:
+            off = self._nccl_off(caller)
+        if off is not None:
+            return {"ok": False, "no_nccl": True, "error": f"no nccl with you here: {off}"}
         try:
             with self._on_our_device():
                 handle = self._lib.init_rank(2, uid, 1, self._config)
+            stream = self._lib.new_stream(self._device)
         except Exception as e:  # noqa: BLE001 - NCCL broken here: the caller falls back to tcp
-            logger.warning("nccl init for %s failed: %s", peer, e)
+            logger.warning("nccl init for %s failed: %s", caller, e)
             return {"ok": False, "error": f"nccl init failed here: {e}", "no_nccl": True}
-        comm = _Comm(cid, str(peer), 1, handle, self._lib.new_stream(self._device))
+        comm = _Comm(cid, caller, 1, handle, stream, caller=f"{caller}>{header.get('to')}")
         with self._lock:
-            old = self._in.get(cid)
+            old = [c for c in self._in.values() if c.caller == comm.caller or c.cid == cid]
             self._in[cid] = comm
-        if old is not None:
-            self._abort(old, "replaced by a new hello")
+        for c in old:
+            self._abort(c, "replaced by a new set-up from the same caller", log=False)
+        self._ensure_reaper()
+        return {"ok": True}
+
+    def _bye(self, header: dict) -> dict:
+        """The caller aborted its side of a communicator: abort ours (asynchronously)."""
+        cid = header.get("cid")
+        with self._lock:
+            comm = self._in.get(cid) if isinstance(cid, str) else None
+        if comm is not None and comm.peer == self._caller(header):
+            self._abort(comm, "its caller ended it", log=False)
         return {"ok": True}
 
     def _settle_replies(self, comm: _Comm, deadline: float) -> str | None:
@@ -556,32 +905,55 @@ class NcclTransport(Transport):
             return None
         why = self._settle(comm, deadline)
         if why is None:
-            comm.unsettled = False
-            event = comm.stream.record_event()
-            for p in comm.pending:
-                if p.event is None:
-                    p.event = event
+            self._settled(comm)
         return why
 
+    @staticmethod
+    def _settled(comm: _Comm) -> None:
+        comm.unsettled = False
+        event = comm.stream.record_event()
+        for p in comm.pending:
+            if p.event is None:
+                p.event = event
+
+    # ---------------------------------------------------------------- reaper
     def _reap_loop(self) -> None:
-        """Abort communicators whose reply tensors were never taken (the caller gave up)
-        and let go of reply tensors the stream has sent."""
+        """End incoming communicators nobody will use (set-up never finished, reply tensors
+        never taken, idle), let go of reply tensors the stream has sent, and watch aborts."""
         while not self._stop.wait(_REAP_S):
+            now = time.monotonic()
             with self._lock:
                 comms = list(self._in.values())
             for c in comms:
-                if not c.lock.acquire(blocking=False):
-                    continue  # serving a call: its own deadline covers it
-                try:
-                    now = time.monotonic()
-                    why = self._settle_replies(c, now) if c.unsettled else None  # a poll, no wait
-                    if why is not None and "deadline" not in why:
-                        late = why
-                    else:
-                        c.pending[:] = [p for p in c.pending if p.event is None or not p.event.query()]
-                        late = "reply tensors not taken before the deadline" \
-                            if any(p.until < now for p in c.pending) else None
-                finally:
-                    c.lock.release()
-                if late:
-                    self._abort(c, late)
+                why = self._reap_one(c, now)
+                if why is not None:
+                    self._abort(c, why)
+            self._check_aborts(now)
+
+    def _reap_one(self, c: _Comm, now: float) -> str | None:
+        """Why ``c`` should go, or None. Polls, never waits."""
+        if not c.lock.acquire(blocking=False):
+            return None  # serving a call: its own deadline covers it
+        try:
+            code = self._status(c)
+            if code is None:
+                return None  # aborted meanwhile
+            if code not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+                return f"nccl error {code}: {self._lib.error_string(code)}"
+            if not c.ready:
+                if code == NCCL_SUCCESS:
+                    c.ready = True
+                elif now - c.created > self._init_timeout_s:
+                    # The caller gave up (its abort never reaches us over P2P/SHM).
+                    return f"set-up not finished within {self._init_timeout_s:g}s"
+                return None
+            if c.unsettled and code == NCCL_SUCCESS:
+                self._settled(c)
+            c.pending[:] = [p for p in c.pending if p.event is None or not p.event.query()]
+            if any(p.until < now for p in c.pending):
+                return "reply tensors not taken before the deadline"
+            if not c.pending and now - c.last_used > self._idle_timeout_s:
+                return f"idle for {self._idle_timeout_s:g}s"
+            return None
+        finally:
+            c.lock.release()
