@@ -62,7 +62,7 @@ def _positive_int(extra: dict[str, Any], key: str) -> int | None:
 # Pinned staging per role. A decode instance receives every prompt's KV; 1 GiB of overflow
 # beyond kv_buffer_size holds ~8k tokens of an 8B GQA model (Llama-3-8B: 128 KiB/token), i.e.
 # a short burst, without pinning much of the host (pinned pages cannot be swapped; the pool
-# is allocated on first overflow, so a decode that never overflows pays nothing). A
+# is allocated and pinned, at exactly this size, in the background as the engine starts). A
 # prefill-only instance receives no KV in any send mode (GET copies live in its send store),
 # so it gets none.
 DEFAULT_POOL_GB = {"kv_consumer": 1.0, "kv_both": 1.0, "kv_producer": 0.0}

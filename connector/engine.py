@@ -359,3 +359,5 @@ class KVEngine:
         self.consumer.close()
         self._sweeper.join(timeout=2.0)
         self._transport.close()
+        if self._stager is not None:
+            self._stager.close()

@@ -6,8 +6,12 @@ host pool (``mem_pool_size_gb``) and its device memory freed, so a burst of prom
 take the GPU memory vLLM planned for itself; it is copied back into the cache when its
 request is scheduled. Refused only when neither has room.
 
-The pool is one pinned buffer allocated on first use, carved by a best-fit allocator with
-coalescing. An allocation that does not fit returns None (a refusal, never an exception in
+The pool is one host buffer of exactly ``mem_pool_size_gb``, page-locked with
+``cudaHostRegister`` (``torch.empty(pin_memory=True)`` goes through torch's caching host
+allocator, which rounds every block up to a power of two: 20 GB would pin 32 GiB), allocated
+and pinned on a thread of its own as the engine starts: pinning gigabytes takes seconds,
+which inside a receive would outlast the sender's deadline. Until it is ready, overflow is
+refused (and said so). It is carved by a best-fit allocator with coalescing. An allocation that does not fit returns None (a refusal, never an exception in
 the transport's thread); a lease is returned when its payload is consumed, discarded,
 expired or refused (``Payload.release``), and a second return is harmless.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +32,22 @@ from connector.log import get_logger
 logger = get_logger(__name__)
 
 ALIGN = 256  # bytes: every lease starts aligned, whatever dtype it is viewed as
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+
+
+def _pin(buf: torch.Tensor) -> None:
+    """Page-lock ``buf``'s memory as it is, byte for byte (as torch's own checkpoint stager
+    does, ``torch.cuda._pin_memory_utils``)."""
+    nbytes = buf.numel() * buf.element_size()
+    code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaError {code}")
+
+
+def _unpin(buf: torch.Tensor) -> None:
+    code = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+    if code != 0:
+        logger.warning("cudaHostUnregister of the staging pool failed: cudaError %d", code)
 
 
 @dataclass(slots=True)
@@ -59,7 +80,13 @@ class PinnedPool:
         if nbytes <= 0:
             raise ValueError("pool size must be positive")
         pin = torch.cuda.is_available() if pin is None else pin
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        # Exactly nbytes: plain host memory, then page-locked in place (not pin_memory=True,
+        # whose caching allocator rounds up to the next power of two).
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            _pin(self.buffer)
+            self.pinned = True
         self.capacity = nbytes
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
@@ -100,6 +127,12 @@ class PinnedPool:
             self._used -= size
             self.leases -= 1
 
+    def close(self) -> None:
+        """Unpin (once). Views handed out stay valid host memory, just no longer pinned."""
+        if self.pinned:
+            self.pinned = False
+            _unpin(self.buffer)
+
     def stats(self) -> dict[str, int]:
         """Bytes used and free, the largest free run (the biggest lease that would succeed
         now), and fragmentation: the share of free bytes, in percent, outside that run."""
@@ -123,10 +156,48 @@ class RecvStager:
         self._pool_bytes = pool_bytes
         self._factory = pool_factory
         self._pool: PinnedPool | None = None
-        self._pool_failed = False
+        self._pool_error: str | None = None
+        self._pool_done = threading.Event()  # allocated, failed, or none configured
+        self._closed = False
         self._lock = threading.Lock()
         self.device_used = 0
         self.staged = 0  # payloads moved to the pool, since start
+        if pool_bytes > 0:
+            threading.Thread(target=self._allocate, name="xpyd-kv-pool", daemon=True).start()
+        else:
+            self._pool_done.set()
+
+    def _allocate(self) -> None:
+        """Allocate and pin the pool off the receive path, as the engine starts."""
+        t0 = time.monotonic()
+        try:
+            pool = self._factory(self._pool_bytes)
+        except Exception as e:  # noqa: BLE001 - no pool is a refusal later, not a dead engine
+            self._pool_error = f"{type(e).__name__}: {e}"
+            logger.error("pinned staging pool of %d bytes not allocated: %s", self._pool_bytes, e)
+            self._pool_done.set()
+            return
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._pool = pool
+        if closed:
+            pool.close()
+        else:
+            logger.info("pinned staging pool of %d bytes ready in %.1fs", self._pool_bytes, time.monotonic() - t0)
+        self._pool_done.set()
+
+    def wait_pool(self, timeout_s: float) -> bool:
+        """Whether the pool's allocation ended (ready or failed) within ``timeout_s``."""
+        return self._pool_done.wait(timeout_s)
+
+    def close(self) -> None:
+        """Unpin the pool (once its allocation ended, if it is still running)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     @property
     def capacity(self) -> int:
@@ -139,22 +210,13 @@ class RecvStager:
 
     def stats(self) -> dict[str, int]:
         """Device share in use, payloads staged since start, and the pool's figures
-        (``pool_*``; zeros until the first overflow allocated it)."""
+        (``pool_*``; zeros until it is allocated)."""
         pool = self._pool
         figures = pool.stats() if pool is not None else {"capacity": 0, "used": 0, "free": 0, "largest_free": 0,
                                                           "free_runs": 0, "leases": 0, "fragmentation_pct": 0}
         with self._lock:
             out = {"staging_device_bytes": self.device_used, "staging_staged": self.staged}
         return out | {f"pool_{k}": v for k, v in figures.items()}
-
-    def _get_pool(self) -> PinnedPool | None:
-        if self._pool is None and not self._pool_failed and self._pool_bytes > 0:
-            try:
-                self._pool = self._factory(self._pool_bytes)
-            except Exception as e:  # noqa: BLE001 - no pool is a refusal later, not a dead thread
-                self._pool_failed = True
-                logger.error("pinned staging pool of %d bytes not allocated: %s", self._pool_bytes, e)
-        return self._pool
 
     def admit(self, payload: Payload) -> str | None:
         """Place ``payload`` (in place); None, or why there is no room for it."""
@@ -164,12 +226,18 @@ class RecvStager:
                 self.device_used += n
                 payload.release = self._device_release(n)
                 return None
-            pool = self._get_pool()
+            pool = self._pool  # never allocated here: pinning takes seconds
         # Each tensor starts 16-byte aligned inside the lease (room for that padding too).
         lease = pool.alloc(n + 16 * len(payload.tensors)) if pool is not None else None
         if lease is None:
+            if pool is not None:
+                where = str(pool.stats())
+            elif self._pool_bytes and not self._pool_done.is_set():
+                where = f"the pool of {self._pool_bytes} bytes is still being allocated"
+            else:
+                where = f"none: {self._pool_error}" if self._pool_error else "none"
             return (f"receive buffer full: device share {self.device_used}+{n} > {self._budget} bytes and "
-                    f"no room in the pinned pool ({pool.stats() if pool else 'none'})")
+                    f"no room in the pinned pool ({where})")
         at = 0
         staged = []
         for t in payload.tensors:

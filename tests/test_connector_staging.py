@@ -115,7 +115,9 @@ def payload(n: int, seed: int = 0) -> Payload:
 
 
 def stager(budget=1000, pool=4096):
-    return RecvStager(budget, pool, pool_factory=lambda n: PinnedPool(n, pin=False), on_device=lambda t: True)
+    st = RecvStager(budget, pool, pool_factory=lambda n: PinnedPool(n, pin=False), on_device=lambda t: True)
+    assert st.wait_pool(5)
+    return st
 
 
 def test_overflow_goes_to_the_pool_with_its_bytes_and_comes_back_once():
@@ -212,10 +214,84 @@ def test_pool_that_cannot_be_allocated_refuses_instead_of_raising():
     def broken(n):
         raise RuntimeError("cudaHostAlloc failed")
 
-    st = RecvStager(0, 1 << 20, pool_factory=broken, on_device=lambda t: True)
-    assert st.stats()["pool_capacity"] == 0  # not allocated yet: figures are zeros
+    calls = []
+
+    def counted(n):
+        calls.append(n)
+        broken(n)
+
+    st = RecvStager(0, 1 << 20, pool_factory=counted, on_device=lambda t: True)
+    assert st.wait_pool(5)
+    assert st.stats()["pool_capacity"] == 0  # not allocated: figures are zeros
+    assert "cudaHostAlloc failed" in st.admit(payload(100))
     assert "receive buffer full" in st.admit(payload(100))
-    assert "receive buffer full" in st.admit(payload(100))  # tried once, not every time
+    assert calls == [1 << 20]  # tried once, not every time
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() of a CPU machine: records what would be page-locked."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.registered.append((ptr, size, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pool_pins_exactly_its_size_not_the_next_power_of_two(monkeypatch):
+    """pin_memory=True goes through torch's caching host allocator, which rounds up to a
+    power of two (20 GB -> 32 GiB pinned): the pool page-locks exactly its own bytes."""
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    real_empty = torch.empty
+    asked_pinned = []
+
+    def empty(*a, **kw):
+        asked_pinned.append(bool(kw.get("pin_memory")))
+        return real_empty(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    nbytes = 3 * (1 << 20) + 12345  # no power of two
+    pool = PinnedPool(nbytes, pin=True)
+    assert not any(asked_pinned)
+    assert pool.buffer.numel() == nbytes and pool.capacity == nbytes
+    assert cudart.registered == [(pool.buffer.data_ptr(), nbytes, 1)]
+    pool.close()
+    pool.close()
+    assert cudart.unregistered == [pool.buffer.data_ptr()]
+
+
+def test_pool_is_allocated_at_start_off_the_receive_path():
+    """Pinning gigabytes takes seconds: it starts with the stager, on a thread of its own,
+    and a receive never waits for it (overflow meanwhile is refused, saying why)."""
+    threads, gate = [], threading.Event()
+
+    def slow(n):
+        threads.append(threading.current_thread().name)
+        gate.wait(5)
+        return PinnedPool(n, pin=False)
+
+    t0 = time.monotonic()
+    st = RecvStager(0, 4096, pool_factory=slow, on_device=lambda t: True)
+    assert time.monotonic() - t0 < 0.5
+    deadline = time.monotonic() + 5
+    while not threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threads and threads[0] != threading.current_thread().name  # started before any receive
+    t0 = time.monotonic()
+    why = st.admit(payload(400, 1))
+    assert time.monotonic() - t0 < 0.5 and why is not None and "still being allocated" in why
+    gate.set()
+    assert st.wait_pool(5) and st.pool is not None
+    assert st.admit(payload(400, 2)) is None and st.staged == 1
+    assert len(threads) == 1
+    st.close()
 
 
 @pytest.mark.gpu
@@ -230,6 +306,7 @@ def test_decode_on_gpu_stages_overflow_in_pinned_memory_and_loads_it(engines):
     prod = engines("kv_producer", "PUT_ASYNC", caches=prod_caches)
     cons = engines("kv_consumer", "PUT_ASYNC", caches=cons_caches, kv_buffer_size=one + one // 2,
                    mem_pool_size_gb=0.01)
+    assert cons._stager.wait_pool(30)
     for i, dst in enumerate(((7, 2, 11), (13, 14, 15))):
         key = f"{i:032x}"
         prod.save(save_spec(prod, rank0(cons), req_id=f"P{i}", key=key))
