@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""CUDA half of ``scripts/bench_transport.py --device cuda``: KV over NCCL between two
+"""CUDA half of ``scripts/bench_transport.py --device cuda`` (and the figures of ``xpyd doctor``): KV over NCCL between two
 processes, against the tcp transport (host staging) between the same processes and a plain
 device-to-device copy of the same bytes, all measured in the same run.
 
@@ -26,11 +25,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector.transport import TcpTransport  # noqa: E402
-from connector.transport.nccl import NcclTransport  # noqa: E402
-from connector.transport.nccl_lib import load_nccl_library  # noqa: E402
+from connector.transport import TcpTransport
+from connector.transport.nccl import NcclTransport
+from connector.transport.nccl_lib import load_nccl_library
 
 MiB = 1 << 20
 
@@ -55,7 +52,7 @@ def sha(tensors: list[torch.Tensor]) -> list[str]:
 
 def serve(args) -> None:
     """The other process: an nccl and a tcp server with the same handler."""
-    device = "cuda"
+    device = args.server_device
     store: dict[int, list[torch.Tensor]] = {}
     stop = threading.Event()
 
@@ -104,7 +101,7 @@ def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, pi
     """gather_packed / scatter_packed of ``picked`` scattered blocks of one layer, per
     layout, against ``dst.copy_(src)`` of the same bytes on the same device (bar: >= 70 %)."""
     from connector import layout as kvlayout
-    from tests.gpu_kv_peer import LAYOUTS, make_caches
+    from connector.gpu_peer import LAYOUTS, make_caches
 
     rows = []
     ids = sorted(random.Random(0).sample(range(blocks), picked))
@@ -126,12 +123,13 @@ def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, pi
     return rows
 
 
-def bench_staging(repeats: int = 5, sizes_mib: tuple[int, ...] = (4, 64, 256)) -> None:
+def bench_staging(repeats: int = 5, sizes_mib: tuple[int, ...] = (4, 64, 256)) -> list[tuple]:
     """Pinned staging (what a decode does with KV beyond its device share): device ->
     a lease of the pool, and back, against cudaMemcpy into a plain pinned tensor."""
     from connector.staging import PinnedPool
 
     pool = PinnedPool(max(sizes_mib) * MiB * 2)
+    rows = []
     print(f"\n{'MiB':>5} {'D2H pool':>9} {'D2H pin':>9} {'H2D pool':>9} {'H2D pin':>9}   (GB/s, medians of {repeats})")
     for size in sizes_mib:
         n = size * MiB
@@ -150,73 +148,90 @@ def bench_staging(repeats: int = 5, sizes_mib: tuple[int, ...] = (4, 64, 256)) -
                _median_gbs(lambda: dev.copy_(staged), n, repeats, "cuda"),
                _median_gbs(lambda: dev.copy_(pinned), n, repeats, "cuda"))
         lease.free()
+        rows.append((size, *row))
         print(f"{size:>5} " + " ".join(f"{x:>9.1f}" for x in row))
+    return rows
 
 
-def run(args) -> int:
-    os.environ.update(nccl_env("xpyd-bench-client"))  # this process only, before NCCL loads
-    env = {**os.environ, **nccl_env("xpyd-bench-server")}
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--layers", str(args.layers),
-                             "--nccl-channels", str(args.nccl_channels or 0)],
+def measure_transfers(sizes: list[int], repeats: int = 5, layers: int = 4, nccl_channels: int | None = None,
+                      split_hosts: bool = True, server_device: str = "cuda", timeout_s: float = 120.0) -> dict:
+    """NCCL PUT/GET between this process (cuda, the current device) and a server process
+    against tcp between the same two and a device copy of the same bytes, in one run.
+    Every size is checked for bit-identity both ways before it is timed. Returns
+    {"library", "ok", "rows": [{"mib", "nccl_put", "nccl_get", "tcp_put", "d2d_copy"}] (GB/s)}.
+    ``split_hosts``: the two processes share a GPU (NCCL_HOSTID trick, loopback sockets);
+    False with ``server_device`` on another GPU measures the production path (P2P/SHM)."""
+    if split_hosts:
+        os.environ.update(nccl_env("xpyd-bench-client"))  # this process only, before NCCL loads
+    env = {**os.environ, **(nccl_env("xpyd-bench-server") if split_hosts else {})}
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
+    proc = subprocess.Popen([sys.executable, "-m", "connector.gpu_bench", "--serve", "--layers", str(layers),
+                             "--nccl-channels", str(nccl_channels or 0), "--server-device", server_device],
                             stdout=subprocess.PIPE, text=True, env=env)
+    out: dict = {"ok": True, "rows": [], "channels": nccl_channels or "auto"}
     try:
         line = proc.stdout.readline().split()
         if len(line) != 2:
-            print("server did not start", file=sys.stderr)
-            return 1
+            raise RuntimeError("bench server did not start")
         nccl_addr, tcp_addr = (f"127.0.0.1:{p}" for p in line)
         lib = load_nccl_library()
-        client = NcclTransport(lib, torch.device("cuda"), num_channels=args.nccl_channels)
+        client = NcclTransport(lib, torch.device("cuda", torch.cuda.current_device()), num_channels=nccl_channels)
         tcp = TcpTransport()
-        print(f"nccl library: {lib.name} {lib.version()}; device: {torch.cuda.get_device_name()}")
-        print("nccl figures: two processes on one GPU over NCCL's socket transport on loopback "
-              "(NCCL_HOSTID trick), not a link figure")
-        rows, ok_all = [], True
+        out["library"] = f"{lib.name} {lib.version()}"
         rng = random.Random(0)
-        for size in args.sizes:
-            src = kv_tensors(size, args.layers, "cuda", seed=1000 + size)
+        for size in sizes:
+            src = kv_tensors(size, layers, "cuda", seed=1000 + size)
             dst = [torch.empty_like(t) for t in src]
             nbytes = sum(t.numel() * t.element_size() for t in src)
             want = sha(src)
             for addr, name in ((nccl_addr, "nccl"), (tcp_addr, "tcp")):
-                r, _ = (client if name == "nccl" else tcp).call(addr, {"op": "put", "verify": True}, src,
-                                                                timeout_s=120)
+                t = client if name == "nccl" else tcp
+                r, _ = t.call(addr, {"op": "put", "verify": True}, src, timeout_s=timeout_s)
                 ok = r.get("sha256") == want
-                r, back = (client if name == "nccl" else tcp).call(addr, {"op": "get", "size_mib": size,
-                                                                          "verify": True}, timeout_s=120)
+                r, back = t.call(addr, {"op": "get", "size_mib": size, "verify": True}, timeout_s=timeout_s)
                 ok = ok and r.get("sha256") == sha(back)
-                ok_all &= ok
-                print(f"{size} MiB {name}: bit-identical both ways: {'yes' if ok else 'NO'}")
+                out["ok"] &= ok
+                out.setdefault("identical", []).append({"mib": size, "transport": name, "both_ways": ok})
             cols = {
-                "nccl_put": lambda: client.call(nccl_addr, {"op": "put"}, src, timeout_s=120),
-                "nccl_get": lambda: client.call(nccl_addr, {"op": "get", "size_mib": size}, timeout_s=120),
-                "tcp_put": lambda: tcp.call(tcp_addr, {"op": "put"}, src, timeout_s=120),
+                "nccl_put": lambda: client.call(nccl_addr, {"op": "put"}, src, timeout_s=timeout_s),
+                "nccl_get": lambda: client.call(nccl_addr, {"op": "get", "size_mib": size}, timeout_s=timeout_s),
+                "tcp_put": lambda: tcp.call(tcp_addr, {"op": "put"}, src, timeout_s=timeout_s),
                 "d2d_copy": lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)],
             }
             times: dict[str, list[float]] = {k: [] for k in cols}
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 order = list(cols)
                 rng.shuffle(order)  # interleaved: machine noise hits every column alike
                 for k in order:
                     times[k].append(_timed(cols[k]))
-            gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-            rows.append((size, gbs))
-        print(f"\n{'MiB':>5} {'nccl PUT':>9} {'nccl GET':>9} {'tcp PUT':>9} {'d2d copy':>9}   "
-              f"{'nccl/tcp':>8} {'nccl/d2d':>8}   (GB/s, medians of {args.repeats})")
-        for size, g in rows:
-            print(f"{size:>5} {g['nccl_put']:>9.2f} {g['nccl_get']:>9.2f} {g['tcp_put']:>9.2f} {g['d2d_copy']:>9.1f}   "
-                  f"{g['nccl_put'] / g['tcp_put']:>8.2f} {g['nccl_put'] / g['d2d_copy']:>8.3f}")
-        bench_layouts("cuda", args.repeats)
-        bench_staging(args.repeats)
+            out["rows"].append({"mib": size, **{k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}})
         client.call(nccl_addr, {"op": "stop"}, timeout_s=10)
         client.close()
         tcp.close()
         proc.wait(timeout=30)
-        return 0 if ok_all else 1
+        return out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def run(args) -> int:
+    res = measure_transfers(args.sizes, args.repeats, args.layers, args.nccl_channels)
+    print(f"nccl library: {res['library']}; device: {torch.cuda.get_device_name()}")
+    print("nccl figures: two processes on one GPU over NCCL's socket transport on loopback "
+          "(NCCL_HOSTID trick), not a link figure")
+    for row in res.get("identical", []):
+        print(f"{row['mib']} MiB {row['transport']}: bit-identical both ways: {'yes' if row['both_ways'] else 'NO'}")
+    print(f"\n{'MiB':>5} {'nccl PUT':>9} {'nccl GET':>9} {'tcp PUT':>9} {'d2d copy':>9}   "
+          f"{'nccl/tcp':>8} {'nccl/d2d':>8}   (GB/s, medians of {args.repeats})")
+    for g in res["rows"]:
+        print(f"{g['mib']:>5} {g['nccl_put']:>9.2f} {g['nccl_get']:>9.2f} {g['tcp_put']:>9.2f} {g['d2d_copy']:>9.1f}   "
+              f"{g['nccl_put'] / g['tcp_put']:>8.2f} {g['nccl_put'] / g['d2d_copy']:>8.3f}")
+    bench_layouts("cuda", args.repeats)
+    bench_staging(args.repeats)
+    return 0 if res["ok"] else 1
 
 
 def main() -> int:
@@ -226,6 +241,7 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--nccl-channels", type=int, default=0)
+    ap.add_argument("--server-device", default="cuda")
     args = ap.parse_args()
     args.nccl_channels = args.nccl_channels or None
     if args.serve:

@@ -1,14 +1,16 @@
-"""One side (prefill or decode) of the two-process GPU engine test: a real KVEngine over
-CUDA KV caches laid out as a vLLM KVCacheLayout, talking to the other process over the
-transport the config names (nccl with the real library on the GPU machine). Needs torch
-and CUDA, not vLLM.
+"""One side (prefill or decode) of the two-process engine test: a real KVEngine over KV
+caches laid out as a vLLM KVCacheLayout, talking to the other process over the transport
+the config names (nccl with the real library on a GPU machine). Needs torch, not vLLM. Run
+by ``run_pair`` (tests/test_gpu_nccl_engine.py, ``xpyd doctor``):
 
-    python tests/gpu_kv_peer.py --role d --port P --peer-port Q --layout BLHNC --send-type PUT_ASYNC
+    python -m connector.gpu_peer --role d --port P --peer-port Q --layout BLHNC --send-type PUT_ASYNC
 
 Prints one JSON line: the sha256 of every layer's source blocks (P) or destination blocks
 (D), whether D's other blocks are untouched, and what the engine reported. NCCL refuses two
-ranks of one communicator on one GPU when they look like one host: the test gives each
-process its own NCCL_HOSTID (with NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1).
+ranks of one communicator on one GPU when they look like one host ("Duplicate GPU
+detected"): on one GPU each process gets its own NCCL_HOSTID (with NCCL_SOCKET_IFNAME=lo,
+NCCL_IB_DISABLE=1), so NCCL joins them with its socket transport on loopback; on two GPUs
+they run as they would in production (P2P/SHM).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,12 +28,10 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from connector import layout as kvlayout  # noqa: E402
-from connector.config import ConnectorConfig  # noqa: E402
-from connector.engine import KVEngine  # noqa: E402
-from connector.metadata import LoadSpec, SaveSpec  # noqa: E402
+from connector import layout as kvlayout
+from connector.config import ConnectorConfig
+from connector.engine import KVEngine
+from connector.metadata import LoadSpec, SaveSpec
 
 HOST = "127.0.0.1"
 KEY = "0123456789abcdef0123456789abcdef"
@@ -130,6 +133,67 @@ def main() -> None:
     finally:
         engine.close()
     print(json.dumps(out), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_host_env(host_id: str) -> dict[str, str]:
+    """This process as an NCCL host of its own, joined to the others over loopback sockets."""
+    return {"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def _json_line(proc: subprocess.Popen, what: str) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{what} ended without output: {proc.stderr.read()[-3000:]}")
+    return json.loads(line)
+
+
+def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str = "cuda",
+             timeout: float = 90.0, p_device: str | None = None, d_device: str | None = None,
+             split_hosts: bool = True) -> tuple[dict, dict]:
+    """A prefill and a decode engine, each in a process of its own, move one request's
+    blocks; returns what each printed (checksums, load result). ``p_device``/``d_device``
+    (default ``device``) put them on two GPUs; ``split_hosts`` makes the two processes two
+    NCCL hosts (needed when they share a GPU, not otherwise)."""
+    p_port, d_port = _free_port(), _free_port()
+    common = ["--layout", layout, "--send-type", send_type, "--transport", transport, "--timeout",
+              str(int(timeout * 2 / 3))]
+    repo = str(Path(__file__).resolve().parents[1])
+
+    def env(host_id: str) -> dict[str, str]:
+        e = {**os.environ, "PYTHONUNBUFFERED": "1",
+             "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
+        return {**e, **split_host_env(host_id)} if split_hosts else e
+
+    def start(role: str, port: int, peer_port: int, dev: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "connector.gpu_peer", "--role", role, "--port", str(port),
+                                 "--peer-port", str(peer_port), "--device", dev, *common],
+                                env=env(f"xpyd-pair-{role}"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    d = start("d", d_port, p_port, d_device or device)
+    p = start("p", p_port, d_port, p_device or device)
+    try:
+        if not _json_line(d, "decode").get("ready") or not _json_line(p, "prefill").get("ready"):
+            raise RuntimeError("a peer did not get ready")
+        d.stdin.write("go\n")
+        d.stdin.flush()
+        d_out = _json_line(d, "decode")
+        p.stdin.close()
+        p_out = _json_line(p, "prefill")
+        d.wait(timeout)
+        p.wait(timeout)
+        return p_out, d_out
+    finally:
+        for proc in (p, d):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 if __name__ == "__main__":

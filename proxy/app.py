@@ -38,7 +38,8 @@ class ProxyState:
 
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
-        self.registry = Registry(cfg.heartbeat_timeout)
+        self.registry = Registry(cfg.heartbeat_timeout, cfg.discovery_max_per_role,
+                                 cfg.discovery_max_per_source)  # fmt: skip
         self.metrics = Metrics(self.registry)
         self.upstream: Upstream = make_upstream(cfg.upstream_client, cfg.connect_timeout, cfg.max_response_bytes)
         self.discovery = Discovery(
@@ -63,8 +64,8 @@ class ProxyState:
             return full
         name = f"{inst.role}/{inst.http_address}".encode()
         label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
-        keep = ("role", "models", "healthy", "static", "in_flight", "in_flight_tokens", "served",
-                "cooling_down", "heartbeat_age_s", "load")  # fmt: skip
+        keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
+                "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 
     async def start(self) -> None:

@@ -33,6 +33,11 @@ class ProxyConfig:
     # Binding discovery beyond loopback without a secret needs this explicit opt-in.
     allow_unauthenticated_discovery: bool = False
     heartbeat_timeout: float = 10.0
+    # Discovered instances the proxy holds (live or pending) per role, and per source host
+    # (the discovery connection's peer address): registrations beyond are refused, so a
+    # flood of addresses cannot grow the registry or the probing without bound.
+    discovery_max_per_role: int = 1024
+    discovery_max_per_source: int = 64
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     # cache_aware: the proxy's model of each instance's prefix cache, and when to follow it
@@ -88,6 +93,8 @@ class ProxyConfig:
     # Deadline of one /health or /v1/models probe; models are re-read every interval.
     probe_timeout: float = 5.0
     models_refresh_interval: float = 30.0
+    # Join probes (of instances not yet answered) in flight at once.
+    probe_concurrency: int = 32
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
     # Runtime choices (see README for the measurements behind the defaults).
@@ -137,6 +144,9 @@ class ProxyConfig:
                      "prefill_max_in_flight", "decode_max_in_flight", "queue_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+        for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
         if self.cache_aware_chunk_tokens < 1:
             raise ConfigError("cache_aware_chunk_tokens must be >= 1")
         if self.cache_aware_capacity_tokens < self.cache_aware_chunk_tokens:
@@ -176,6 +186,10 @@ HELP = MappingProxyType(
         "allow_unauthenticated_discovery": "allow a non-loopback --discovery-host without "
         "--discovery-secret",
         "heartbeat_timeout": "seconds without a heartbeat before an instance is removed",
+        "discovery_max_per_role": "discovered instances (live or pending) held per role; "
+        "registrations beyond are refused",
+        "discovery_max_per_source": "discovered instances held per source host (the "
+        "registering connection's peer address); registrations beyond are refused",
         "prefill_policy": "P selection policy",
         "decode_policy": "D selection policy",
         "cache_aware_chunk_tokens": "cache_aware: prefix index granularity, tokens (4 chars each)",
@@ -213,6 +227,7 @@ HELP = MappingProxyType(
         "health_interval": "seconds between /health checks of static instances",
         "probe_timeout": "deadline of one /health or /v1/models probe, seconds",
         "models_refresh_interval": "seconds between re-reading each instance's /v1/models",
+        "probe_concurrency": "probes of newly registered (pending) instances in flight at once",
         "shutdown_grace_s": "on SIGTERM, seconds to let in-flight requests finish",
         "log_level": "logging level",
         "upstream_client": "HTTP client for P/D requests: native (fastest), aiohttp, httpx",

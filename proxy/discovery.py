@@ -21,7 +21,7 @@ from proxy.protocol import (
     ReplayGuard,
     decode,
 )
-from proxy.registry import Registry
+from proxy.registry import RegistrationRefused, Registry
 
 log = logging.getLogger("xpyd.proxy.discovery")
 
@@ -29,7 +29,8 @@ log = logging.getLogger("xpyd.proxy.discovery")
 LOG_BURST = 10
 LOG_WINDOW_S = 10.0
 # The label values of xpyd_discovery_messages_total: a fixed, small set.
-RESULTS = ("accepted", "left", *DROP_REASONS)
+# "refused": a valid registration beyond --discovery-max-per-role / --discovery-max-per-source.
+RESULTS = ("accepted", "left", "refused", *DROP_REASONS)
 
 
 @dataclass(slots=True)
@@ -129,7 +130,10 @@ class Discovery:
         sock = self._sock
         while True:
             try:
-                frames = await sock.recv_multipart(copy=True)
+                # Frames, not bytes: they carry the sending connection's peer address.
+                received = await sock.recv_multipart(copy=False)
+                frames = [f.bytes for f in received]
+                source = _peer_host(received[-1])
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # never let one bad receive stop discovery
@@ -137,20 +141,24 @@ class Discovery:
                 await asyncio.sleep(0.01)
                 continue
             try:
-                self.handle_frames(frames)
+                self.handle_frames(frames, source)
             except Exception as e:  # defensive: a bug here must not kill the loop either
                 if self._log_limit.allow(time.monotonic()):
                     log.exception("discovery handler failed: %s", e)
 
-    def handle_frames(self, frames: list[bytes]) -> None:
+    def handle_frames(self, frames: list[bytes], source: str | None = None) -> None:
         # ROUTER prepends the sender identity. DEALER senders send [payload]; REQ senders add an
         # empty delimiter frame. The payload is the last frame either way.
         if len(frames) < 2:
             self._drop(MALFORMED, f"expected identity and payload, got {len(frames)} frame(s)")
             return
-        self.handle_message(frames[-1])
+        self.handle_message(frames[-1], source=source)
 
-    def handle_message(self, payload: bytes, now: float | None = None) -> None:
+    def handle_message(
+        self, payload: bytes, now: float | None = None, source: str | None = None
+    ) -> None:
+        """One discovery message. `source`: the host it came from (the TCP peer), which
+        bounds registrations per source; None: unknown, bounded per role only."""
         now = time.time() if now is None else now
         try:
             reg = decode(payload, secret=self.secret, now=now)
@@ -168,7 +176,13 @@ class Discovery:
             self.registry.remove(reg.role, reg.http_address, "leave")
             self._counters["left"].inc()
             return
-        self.registry.upsert(reg)
+        try:
+            self.registry.upsert(reg, source=source)
+        except RegistrationRefused as e:
+            self.metrics.discovery_refuse(reg.role, e.reason)
+            self._drop("refused", f"{e.reason}: {e} (role={reg.role} "
+                       f"http_address={reg.http_address} source={source})")  # fmt: skip
+            return
         self._counters["accepted"].inc()
 
     def _drop(self, result: str, reason: str) -> None:
@@ -189,3 +203,13 @@ class Discovery:
                 self.registry.expire()
             except Exception as e:
                 log.exception("expiry sweep failed: %s", e)
+
+
+def _peer_host(frame: zmq.Frame) -> str | None:
+    """The host of the TCP connection a message arrived on (libzmq's Peer-Address property).
+    Unlike its ROUTER identity or the addresses it advertises, a sender cannot set this to an
+    arbitrary value: only to an address of its own. None where the transport has none."""
+    try:
+        return frame.get("Peer-Address") or None
+    except zmq.ZMQError:
+        return None

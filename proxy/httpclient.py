@@ -311,7 +311,15 @@ class NativeUpstream:
             pool = self._pools[hostport] = _Pool(hostport)
         conn = pool.acquire(asyncio.get_running_loop().time())
         if conn is None:
-            return await self._exchange(await self._connect(pool), method, path, body, headers)
+            try:
+                conn = await self._connect(pool)
+            except UpstreamError:
+                # Keep no pool for an address that never connected: discovery lets anyone
+                # advertise addresses, and the join probe asks each one.
+                if not pool.all and self._pools.get(hostport) is pool:
+                    del self._pools[hostport]
+                raise
+            return await self._exchange(conn, method, path, body, headers)
         try:
             return await self._exchange(conn, method, path, body, headers)
         except UpstreamError as e:

@@ -30,6 +30,14 @@ class _InstanceCollector(Collector):
         for role in ("P", "D"):
             live.add_metric([role], self._registry.count(role))
         yield live
+        pending = GaugeMetricFamily(
+            "xpyd_instances_pending",
+            "Registered instances not heard from yet (never selected), by role",
+            labels=["role"],
+        )
+        for role in ("P", "D"):
+            pending.add_metric([role], self._registry.count_pending(role))
+        yield pending
         inflight = GaugeMetricFamily(
             "xpyd_instance_in_flight",
             "Requests the proxy has in flight per instance",
@@ -69,8 +77,15 @@ class Metrics:
         )
         self.discovery = Counter(
             "xpyd_discovery_messages",
-            "Discovery messages by result (accepted, left, malformed, invalid_field, unauthorized, replayed)",
+            "Discovery messages by result (accepted, left, refused, malformed, invalid_field, "
+            "unauthorized, replayed)",
             ["result"],
+            registry=r,
+        )
+        self.discovery_refused = Counter(
+            "xpyd_discovery_refused",
+            "Registrations refused by a bound, by role and reason (role_limit, source_limit)",
+            ["role", "reason"],
             registry=r,
         )
         self.disconnects = Counter(
@@ -130,6 +145,9 @@ class Metrics:
 
     def shed(self, reason: str) -> None:
         self.shed_requests.labels(reason).inc()
+
+    def discovery_refuse(self, role: str, reason: str) -> None:
+        self.discovery_refused.labels(role, reason).inc()
 
     def upstream_error(self, role: str, instance: str, kind: str) -> None:
         self.upstream_errors.labels(role, instance, kind).inc()

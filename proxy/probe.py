@@ -1,7 +1,11 @@
-"""What the proxy asks the instances by itself: each instance's models (/v1/models, on joining
-and every models_refresh_interval) and the health of static instances (/health, every
-health_interval). Every probe has a deadline (probe_timeout); a failed probe is logged and
-counted, never fatal: an instance whose models are unknown stays eligible for any model."""
+"""What the proxy asks the instances by itself: whether a newly discovered instance answers at
+all (its join probe: /v1/models, else /health; until one answers it stays pending, never
+selected), each instance's models (/v1/models, on joining and every models_refresh_interval)
+and the health of static instances (/health, every health_interval). Every probe has a
+deadline (probe_timeout); a failed probe is logged and counted, never fatal: an instance
+whose models are unknown stays eligible for any model. Join probes go to addresses that anyone
+who reaches the discovery port may advertise, so they are bounded: probe_concurrency at once,
+retries only in free slots, failures logged at a limited rate and not counted per address."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import orjson
 
 from proxy.config import ProxyConfig
 from proxy.credentials import probe_headers
+from proxy.discovery import LogLimiter
 from proxy.metrics import Metrics
 from proxy.registry import Instance, Registry
 from proxy.static import parse_static
@@ -23,6 +28,9 @@ log = logging.getLogger("xpyd.proxy.probe")
 # A probe's answer (/health, /v1/models) is read whole: at most this much (or
 # max_response_bytes when smaller). vLLM's model cards are under 1 KiB each.
 PROBE_MAX_BYTES = 4 * 1024 * 1024
+# A join probe that failed so got no HTTP answer at all (refused, unreachable, silent, not
+# HTTP): /health would fail the same way, so it is not asked.
+_UNREACHED = frozenset({"connect", "connect_timeout", "timeout", "disconnect", "protocol"})
 
 
 class ProbeError(Exception):
@@ -48,6 +56,11 @@ class Prober:
         # (instance, what): one warning per failing probe until it succeeds again.
         self._warned: set[tuple[Instance, str]] = set()
         self._task: asyncio.Task | None = None
+        # Join probes of pending instances (one task each, in flight or waiting for a slot).
+        self._join_slots = asyncio.Semaphore(cfg.probe_concurrency)
+        self._joining: dict[Instance, asyncio.Task[bool]] = {}
+        self._tried_at: dict[Instance, float] = {}  # monotonic start of the last join probe
+        self._join_log = LogLimiter()
 
     async def start(self) -> None:
         for role, specs in (("P", self.cfg.prefill), ("D", self.cfg.decode)):
@@ -55,10 +68,12 @@ class Prober:
                 s = parse_static(role, spec)
                 self.static.append(self.registry.add_static(role, s.http_address, s.zmq_address))
         self.registry.listeners.append(self._joined)
+        self.registry.pending_listeners.append(self._registered)
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="xpyd-probe")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._fetching.values()) if t is not None]
+        tasks = [t for t in (self._task, *self._fetching.values(), *self._joining.values())
+                 if t is not None]  # fmt: skip
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -68,11 +83,87 @@ class Prober:
                 pass
         self._task = None
         self._fetching.clear()
+        self._joining.clear()
+
+    # ------------------------------------------------------------------ joining
+
+    def _registered(self, inst: Instance) -> None:
+        if self._task is not None:  # probe it right away, off the registration path
+            self.admit_soon(inst)
+
+    def admit_soon(self, inst: Instance) -> asyncio.Task[bool]:
+        task = self._joining.get(inst)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self.admit(inst))
+            self._joining[inst] = task
+            task.add_done_callback(lambda t, i=inst: self._joining.pop(i, None)
+                                   if self._joining.get(i) is t else None)  # fmt: skip
+        return task
+
+    async def admit(self, inst: Instance) -> bool:
+        """The join probe of a pending instance: it becomes a routing candidate once it
+        answers /v1/models (its models learned on the way) or, when that answers with an
+        error (no models route, a key the proxy lacks), /health. True once admitted."""
+        models_error: ProbeError | None = None
+        async with self._join_slots:
+            if not inst.pending or not self.registry.holds(inst):
+                return not inst.pending  # admitted meanwhile, or gone
+            self._tried_at[inst] = time.monotonic()
+            try:
+                models = _parse_models(await self._get(inst, "/v1/models"))
+            except ProbeError as e:
+                models, models_error = None, e
+                if e.kind in _UNREACHED:
+                    self._unanswered(inst, e)
+                    return False
+                try:
+                    await self._get(inst, "/health")
+                except ProbeError as e2:
+                    self._unanswered(inst, e2)
+                    return False
+        if not self.registry.holds(inst):
+            return False  # expired or left while we asked
+        # It answered: from here on it is an instance like any other (counted, logged).
+        if models is not None:
+            self._warned.discard((inst, "models"))
+            self._models_at[inst] = time.monotonic()
+            self.registry.set_models(inst, models)
+        elif models_error is not None:
+            self._failed(inst, "models", models_error)
+        self.registry.admit(inst)
+        return True
+
+    def _unanswered(self, inst: Instance, e: ProbeError) -> None:
+        first = inst.probe_error is None
+        inst.probe_error = e.kind
+        # Not in xpyd_upstream_errors_total: a label per address that anyone may advertise
+        # would grow /metrics without bound (xpyd_instances_pending counts them instead).
+        if first and self._join_log.allow(time.monotonic()):
+            log.warning("instance not answering, kept pending (never selected) role=%s "
+                        "instance=%s kind=%s error=%s suppressed_since_last=%d", inst.role,
+                        inst.http_address, e.kind, e, self._join_log.take_suppressed())  # fmt: skip
+        else:
+            log.debug("instance still not answering role=%s instance=%s kind=%s",
+                      inst.role, inst.http_address, e.kind)  # fmt: skip
+
+    def _retry_pending(self) -> None:
+        """Ask the pending instances again (one may have registered before its HTTP server
+        was up). Retries take only free slots, least recently tried first: a new instance's
+        first probe never queues behind a crowd of dead addresses being retried."""
+        free = self.cfg.probe_concurrency - len(self._joining)
+        if free <= 0:
+            return
+        waiting = [i for i in self.registry.pending() if i not in self._joining]
+        waiting.sort(key=lambda i: self._tried_at.get(i, 0.0))
+        for inst in waiting[:free]:
+            self.admit_soon(inst)
 
     # ------------------------------------------------------------------ models
 
     def _joined(self, inst: Instance) -> None:
-        if self._task is not None:  # learn its models right away, off the registration path
+        # A static instance healthy again: its models may have changed. (A discovered one
+        # joins through admit(), which has just asked.)
+        if self._task is not None and inst.static:
             self.fetch_models_soon(inst)
 
     def fetch_models_soon(self, inst: Instance) -> asyncio.Task[bool]:
@@ -130,9 +221,10 @@ class Prober:
                     # Unknown models are retried every tick, known ones refreshed.
                     if learned is None or now - learned >= cfg.models_refresh_interval:
                         self.fetch_models_soon(inst)
+                self._retry_pending()
                 # Forget instances that are gone (discovered ones are new objects on return).
                 known = set(self.registry.every())
-                for table in (self._models_at, self._fetching):
+                for table in (self._models_at, self._fetching, self._tried_at):
                     for inst in [i for i in table if i not in known]:
                         table.pop(inst, None)
                 self._warned = {w for w in self._warned if w[0] in known}

@@ -1,4 +1,9 @@
-"""The table of live P and D instances, fed by discovery and read by the router."""
+"""The table of live P and D instances, fed by discovery and read by the router.
+
+A discovered instance starts *pending*: listed, never a routing candidate, until the prober
+hears it answer (proxy/probe.py, Prober.admit), so an address where nothing listens (mistyped,
+or a flood of them) never costs a client request. Discovered instances are bounded per role
+and per source host; registrations beyond the bounds are refused (RegistrationRefused)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,13 @@ from dataclasses import dataclass, field
 from proxy.protocol import Load, Registration
 
 log = logging.getLogger("xpyd.proxy.registry")
+
+class RegistrationRefused(Exception):
+    """reason: role_limit or source_limit (the label of xpyd_discovery_refused_total)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +47,12 @@ class Instance:
     # Given on the command line: never expires by heartbeat, live only while /health passes.
     static: bool = False
     healthy: bool = True
+    # Discovered and not heard from yet: listed, never selected (see the module docstring).
+    pending: bool = False
+    # Kind of the last failed join probe ("connect", "timeout", "http_503", ...), for /instances.
+    probe_error: str | None = None
+    # Host of the discovery connection it registered from (None: unknown), for the bounds.
+    source: str | None = None
 
     def to_json(self, now_wall: float) -> dict:
         load = self.load
@@ -52,6 +70,9 @@ class Instance:
             "models": None if self.models is None else sorted(self.models),
             "static": self.static,
             "healthy": self.healthy,
+            "pending": self.pending,
+            "probe_error": self.probe_error,
+            "source": self.source,
             "load": None
             if load is None
             else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
@@ -62,17 +83,26 @@ class Instance:
 @dataclass(slots=True)
 class Registry:
     heartbeat_timeout: float
+    # Discovered (non-static) instances held, live or pending, per role and per source host.
+    max_per_role: int = 1024
+    max_per_source: int = 64
     _by_role: dict[str, dict[str, Instance]] = field(default_factory=lambda: {"P": {}, "D": {}})
     # Snapshot lists per role, rebuilt only on membership change: the hot path reads these.
     _lists: dict[str, list[Instance]] = field(default_factory=lambda: {"P": [], "D": []})
     # (role, model) -> live instances that serve it (or whose models are not known yet).
     _pools: dict[tuple[str, str], list[Instance]] = field(default_factory=dict)
     _models: dict[str, dict] | None = None  # models() cache
-    # Called with each instance that becomes live (registered, or healthy again).
+    # Called with each instance that becomes live (answered its join probe, or healthy again).
     listeners: list[Callable[[Instance], None]] = field(default_factory=list)
+    # Called with each newly discovered instance, pending until it answers (the prober).
+    pending_listeners: list[Callable[[Instance], None]] = field(default_factory=list)
+    # Discovered instances held per role and per source host (keys at 0 are deleted).
+    _per_role: dict[str, int] = field(default_factory=lambda: {"P": 0, "D": 0})
+    _per_source: dict[str, int] = field(default_factory=dict)
 
     def _rebuild(self, role: str) -> None:
-        self._lists[role] = [i for i in self._by_role[role].values() if i.healthy]
+        self._lists[role] = [i for i in self._by_role[role].values()
+                             if i.healthy and not i.pending]  # fmt: skip
         self._pools.clear()
         self._models = None
 
@@ -83,12 +113,25 @@ class Registry:
             except Exception:  # a listener's bug must not break registration
                 log.exception("registry listener failed instance=%s", inst.http_address)
 
-    def upsert(self, reg: Registration, now: float | None = None) -> Instance:
+    def upsert(
+        self, reg: Registration, now: float | None = None, source: str | None = None
+    ) -> Instance:
+        """A heartbeat: updates a known instance, or adds a new one as pending (raises
+        RegistrationRefused when its role or its source is at its bound). `source` is the
+        host the message came from; None (unknown) is bounded per role only."""
         now = time.monotonic() if now is None else now
         table = self._by_role[reg.role]
         inst = table.get(reg.http_address)
         wall = time.time()
         if inst is None:
+            if self._per_role[reg.role] >= self.max_per_role:
+                raise RegistrationRefused(
+                    "role_limit", f"{self.max_per_role} {reg.role} instances registered already"
+                )
+            if source is not None and self._per_source.get(source, 0) >= self.max_per_source:
+                raise RegistrationRefused(
+                    "source_limit", f"{self.max_per_source} instances registered from {source}"
+                )
             inst = Instance(
                 role=reg.role,
                 http_address=reg.http_address,
@@ -98,16 +141,24 @@ class Registry:
                 last_heartbeat=now,
                 last_heartbeat_wall=wall,
                 load=reg.load,
+                pending=True,
+                source=source,
             )
             table[reg.http_address] = inst
-            self._rebuild(reg.role)
+            self._per_role[reg.role] += 1
+            if source is not None:
+                self._per_source[source] = self._per_source.get(source, 0) + 1
+            # Not a candidate yet: the live lists are unchanged (no rebuild: a burst of
+            # registrations costs O(1) each).
             log.info(
-                "instance registered role=%s http=%s zmq=%s",
-                reg.role,
-                reg.http_address,
-                reg.zmq_address,
-            )
-            self._joined(inst)
+                "instance registered, pending until it answers role=%s http=%s zmq=%s source=%s",
+                reg.role, reg.http_address, reg.zmq_address, source,
+            )  # fmt: skip
+            for listener in self.pending_listeners:
+                try:
+                    listener(inst)
+                except Exception:  # a listener's bug must not break registration
+                    log.exception("registry listener failed instance=%s", inst.http_address)
             return inst
         if inst.zmq_address != reg.zmq_address:
             log.info(
@@ -135,6 +186,30 @@ class Registry:
         self._rebuild(role)
         log.info("static instance added role=%s http=%s zmq=%s", role, http_address, zmq_address)
         return inst
+
+    def holds(self, inst: Instance) -> bool:
+        """inst is still in the table (not removed or replaced by a re-registration)."""
+        return self._by_role[inst.role].get(inst.http_address) is inst
+
+    def admit(self, inst: Instance) -> None:
+        """A pending instance answered its join probe: it becomes a routing candidate."""
+        if not inst.pending:
+            return
+        inst.pending = False
+        inst.probe_error = None
+        if not self.holds(inst):
+            return
+        self._rebuild(inst.role)
+        log.info("instance answered, now a candidate role=%s http=%s",
+                 inst.role, inst.http_address)  # fmt: skip
+        self._joined(inst)
+
+    def pending(self) -> list[Instance]:
+        """Discovered instances that have not answered yet, in registration order."""
+        return [i for table in self._by_role.values() for i in table.values() if i.pending]
+
+    def count_pending(self, role: str) -> int:
+        return sum(1 for i in self._by_role[role].values() if i.pending)
 
     def set_healthy(self, inst: Instance, healthy: bool) -> None:
         if inst.healthy == healthy:
@@ -192,7 +267,15 @@ class Registry:
             log.info("static instance kept role=%s http=%s reason=%s", role, http_address, reason)
             return False
         del table[http_address]
-        self._rebuild(role)
+        self._per_role[role] -= 1
+        if inst.source is not None:
+            left = self._per_source[inst.source] - 1
+            if left:
+                self._per_source[inst.source] = left
+            else:  # keyed by whatever addresses connect: keep no empty entries
+                del self._per_source[inst.source]
+        if not inst.pending:  # a pending one was never in the live lists
+            self._rebuild(role)
         log.info("instance removed role=%s http=%s reason=%s", role, http_address, reason)
         return True
 

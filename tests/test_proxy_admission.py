@@ -157,7 +157,7 @@ def _selector(limit: int) -> tuple[Selector, Registry]:
     registry = Registry(heartbeat_timeout=10)
     cfg = ProxyConfig(decode_max_in_flight=limit, queue_size=8, queue_timeout=5).validate()
     selector = Selector(cfg, registry, Metrics(registry))
-    registry.upsert(Registration("D", "127.0.0.1:1", "127.0.0.1:2"))
+    registry.admit(registry.upsert(Registration("D", "127.0.0.1:1", "127.0.0.1:2")))
     return selector, registry
 
 
@@ -197,8 +197,11 @@ async def test_a_new_instance_serves_the_waiters_and_full_queue_sheds():
         raise AssertionError("expected 429")
     except ProxyError as e:
         assert e.status == 429 and e.code == "queue_full" and e.headers["retry-after"] == "1"
-    registry.upsert(Registration("D", "127.0.0.1:3", "127.0.0.1:4"))  # joins: takes waiter 0
-    second = registry.live("D")[1]
+    # Registered, it is pending: no waiter is served by it until it answered.
+    second = registry.upsert(Registration("D", "127.0.0.1:3", "127.0.0.1:4"))
+    await asyncio.sleep(0)
+    assert not any(w.done() for w in waiters) and registry.live("D") == [first]
+    registry.admit(second)  # it answered: it joins and takes waiter 0
     assert await asyncio.wait_for(waiters[0], 1) is second
     assert not any(w.done() for w in waiters[1:])
     for w in waiters:

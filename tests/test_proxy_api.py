@@ -256,7 +256,8 @@ async def test_fastapi_app_serves_completions_without_fast_path():
     fakes = [await FakeVLLM(role, register=False).start() for role in ("P", "D")]
     try:
         for f in fakes:
-            state.registry.upsert(Registration(f.role, f.http_address, f.zmq_address))
+            state.registry.admit(state.registry.upsert(Registration(f.role, f.http_address,
+                                                                    f.zmq_address)))  # fmt: skip
         await state.upstream.start()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:

@@ -462,6 +462,6 @@ def test_handle_message_counts_each_drop_reason_once():
     for payload in [b"\xc1", _msg(type="X"), _msg(), good, good]:
         disc.handle_message(payload, now=now)
     counts = {r: disc._counters[r]._value.get() for r in RESULTS}
-    assert counts == {"accepted": 1, "left": 0, "malformed": 1, "invalid_field": 0,
-                      "unauthorized": 2, "replayed": 1}  # fmt: skip
-    assert registry.count("P") == 1
+    assert counts == {"accepted": 1, "left": 0, "refused": 0, "malformed": 1,
+                      "invalid_field": 0, "unauthorized": 2, "replayed": 1}  # fmt: skip
+    assert registry.count_pending("P") == 1  # a candidate once it answers (no prober here)

@@ -7,9 +7,7 @@ import asyncio
 import json
 
 import pytest
-from proxy_helpers import Fault, free_port, running_proxy, wait_until
-
-from proxy.protocol import Registration, encode
+from proxy_helpers import Fault, running_proxy, wait_until
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -25,12 +23,17 @@ def assert_error(resp, status: int, code=None) -> dict:
     return err
 
 
-async def register_dead(px, role: str) -> str:
-    """Register an instance whose HTTP port refuses connections."""
-    addr = f"127.0.0.1:{free_port()}"
-    sender = await px.fake(role, register=False)
-    await sender.send_raw(encode(Registration(role, addr, f"127.0.0.1:{free_port()}")))
+async def register_dead(px, role: str, models: bool = True) -> str:
+    """Register an instance that answered its join probe and then went away: its HTTP port
+    now refuses connections (one that never answered is never selected at all). Its
+    registration lives on until the heartbeat timeout. models=False: it never told its models."""
+    gone = await px.fake(role, register=False)
+    if not models:
+        gone.models_status = 404  # admitted on /health, models unknown
+    await gone.send_registration()
+    addr = gone.http_address
     await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
+    await gone.stop()
     return addr
 
 
@@ -358,5 +361,5 @@ async def test_api_key():
 
 async def test_models_when_instances_unreachable_is_502():
     async with running_proxy() as px:
-        await register_dead(px, "D")
+        await register_dead(px, "D", models=False)
         assert_error(await px.client.get("/v1/models"), 502)

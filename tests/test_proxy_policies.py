@@ -24,7 +24,7 @@ SYSTEMS = [f"System prompt {k}: " + f"rule {k} says be precise. " * 40 for k in 
 def _instances(n: int, role: str = "P"):
     r = Registry(heartbeat_timeout=10)
     for port in range(1, n + 1):
-        r.upsert(Registration(role, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1000}"), now=0)
+        r.admit(r.upsert(Registration(role, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1000}"), now=0))
     return list(r.live(role))
 
 

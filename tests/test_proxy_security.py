@@ -13,7 +13,6 @@ import re
 import pytest
 from proxy_helpers import REQUEST_ID_RE, Fault, free_port, relayed, running_proxy, wait_until
 
-from proxy.protocol import Registration, encode
 from proxy.relay import at_event_boundary
 from proxy.rewrite import IdRewrite
 
@@ -192,10 +191,9 @@ async def test_errors_name_no_instance_by_default():
             "decode instance failed before answering: connection refused or unreachable")
     async with running_proxy(prefill_retries=0, fallback_to_decode=False) as px:
         d = await px.fake("D")
-        sender = await px.fake("P", register=False)
-        dead = f"127.0.0.1:{free_port()}"
-        await sender.send_raw(encode(Registration("P", dead, f"127.0.0.1:{free_port()}")))
-        await wait_until(lambda: px.registry.live("P"))
+        gone = await px.fake("P")  # answered on joining, then went away
+        dead = gone.http_address
+        await gone.stop()
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 502 and dead not in resp.text and not leaks(resp.text, d), resp.text
         # ... but the log and the metrics still say which one.

@@ -126,8 +126,8 @@ async def test_sigterm_grace_period_bounds_the_drain(tmp_path):
 async def test_ready_is_503_while_draining():
     app = create_app(ProxyConfig())
     state = app.state.proxy
-    state.registry.upsert(_reg("P"))
-    state.registry.upsert(_reg("D"))
+    for role in ("P", "D"):
+        state.registry.admit(state.registry.upsert(_reg(role)))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
         assert (await client.get("/ready")).status_code == 200

@@ -22,13 +22,23 @@ def reg(role: str, port: int, zmq: int | None = None, load: Load | None = None) 
 
 REQ = RouteRequest(COMPLETIONS, b"{}", {}, 10, {})
 
+
+def join(r: Registry, registration: Registration, now: float):
+    """Register and admit, as the prober does once the instance has answered."""
+    inst = r.upsert(registration, now=now)
+    r.admit(inst)
+    return inst
+
 # ---------------------------------------------------------------- registry
 
 
 def test_registry_upsert_and_zmq_update():
     r = Registry(heartbeat_timeout=10)
     a = r.upsert(reg("P", 1), now=0)
-    assert r.live("P") == [a] and r.live("D") == []
+    # Pending until it answered: listed, never a candidate.
+    assert a.pending and r.live("P") == [] and r.every() == [a] and r.count_pending("P") == 1
+    r.admit(a)
+    assert r.live("P") == [a] and r.live("D") == [] and r.count_pending("P") == 0
     b = r.upsert(reg("P", 1, zmq=5555), now=1)
     assert b is a and a.zmq_address == "127.0.0.1:5555" and a.last_heartbeat == 1
     assert r.count("P") == 1
@@ -36,15 +46,15 @@ def test_registry_upsert_and_zmq_update():
 
 def test_registry_same_address_different_roles_are_distinct():
     r = Registry(heartbeat_timeout=10)
-    r.upsert(reg("P", 1), now=0)
-    r.upsert(reg("D", 1), now=0)
+    join(r, reg("P", 1), now=0)
+    join(r, reg("D", 1), now=0)
     assert r.count("P") == 1 and r.count("D") == 1
 
 
 def test_registry_expires_any_position():
     r = Registry(heartbeat_timeout=10)
     for port in (1, 2, 3):
-        r.upsert(reg("D", port), now=0)
+        join(r, reg("D", port), now=0)
     r.upsert(reg("D", 1), now=8)
     r.upsert(reg("D", 3), now=8)
     gone = r.expire(now=12)  # the middle one is stale, the others are not
@@ -73,7 +83,7 @@ def test_registry_heartbeat_keeps_load():
 def _instances(n: int):
     r = Registry(heartbeat_timeout=10)
     for port in range(1, n + 1):
-        r.upsert(reg("D", port), now=0)
+        join(r, reg("D", port), now=0)
     return r.live("D")
 
 
