@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
-from connector.facade import XpydConnectorBase
+from connector.facade import XpydConnectorBase, warn_unless_recompute
 from connector.metadata import P2pConnectorMetadata
 from connector.scheduler import P2pScheduler
 from connector.worker import P2pWorker
@@ -44,11 +44,20 @@ class P2pNcclConnector(XpydConnectorBase):
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if cfg.is_consumer:
+                warn_unless_recompute("P2pNcclConnector", vllm_config,
+                                      "a KV transfer that fails (P gone, a send timed out, refused or evicted KV)")
             self._scheduler = P2pScheduler(cfg, vllm_config.cache_config.block_size)
         else:
             self._worker = P2pWorker(cfg, vllm_config, _worker_rank())
 
     # ---- worker side ----
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: first contact with new decode peers starts now."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, P2pConnectorMetadata):
+            self._worker.prepare(connector_metadata)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None
         if isinstance(kv_connector_metadata, P2pConnectorMetadata):

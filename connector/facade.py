@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata
 
+from connector.log import get_logger
 from connector.stats import XpydPromMetrics, XpydStats
 
 if TYPE_CHECKING:
@@ -18,6 +19,20 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+logger = get_logger(__name__)
+
+
+def warn_unless_recompute(name: str, vllm_config: Any, lost: str) -> None:
+    """A consumer under vLLM's default kv_load_failure_policy ("fail") turns every load that
+    fails into an error for the client. Say so once at start-up, with what is lost and how to
+    recompute instead (operators copy vLLM's own examples, which do not set it)."""
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy != "recompute":
+        logger.warning("%s: kv_load_failure_policy is %r, so %s fails the request with an internal error "
+                       "(the xPyD proxy then retries it on a decode instance alone); set "
+                       "\"kv_load_failure_policy\": \"recompute\" to recompute the prompt instead", name, policy, lost)
 
 
 class XpydConnectorBase(KVConnectorBase_V1):

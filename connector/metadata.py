@@ -58,3 +58,7 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     # request carrying the key was planned or is gone). The worker drops their
     # KV once the loads already planned took it, and refuses late arrivals.
     release: list[str] = field(default_factory=list)
+    # Producer (PUT_ASYNC): decode instances (rank-0 kv addresses) of requests that arrived
+    # since the last step: the worker makes first contact with them during this step's
+    # forward pass, so the send after it does not pay for a new connection and hello.
+    contacts: list[str] = field(default_factory=list)

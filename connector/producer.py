@@ -19,6 +19,7 @@ with different TP sizes it sends each D rank the head slice that rank owns
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -55,6 +56,23 @@ PayloadBuilder = Callable[..., tuple[dict[str, Any], list[torch.Tensor]]]
 PeerCheck = Callable[[dict[str, Any]], str | None]
 # An incompatible peer is asked again after this long (it may have been reconfigured).
 RECHECK_S = 30.0
+# A send slower than this is logged at WARNING with where its time went.
+SLOW_SEND_S = 1.0
+
+
+@dataclass(slots=True)
+class SendPhases:
+    """Where one send's time went (ms per phase: contact, build, reserve, put)."""
+
+    ms: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, since: float) -> float:
+        now = time.monotonic()
+        self.ms[name] = self.ms.get(name, 0.0) + (now - since) * 1e3
+        return now
+
+    def describe(self) -> str:
+        return ",".join(f"{k}:{v:.1f}" for k, v in self.ms.items())
 
 
 @dataclass(slots=True)
@@ -115,6 +133,7 @@ class PeerSender:
         self._notices: dict[str, dict[str, str]] = {}  # address -> transfer key -> why it will not come
         self._thread: threading.Thread | None = None
         self.dead_since: float | None = None  # monotonic; None while the peer answers
+        self._contact_wanted = False  # prepare() asked for first contact ahead of a send
 
     # ---- called from the worker thread ----
     def submit(self, send: Send) -> None:
@@ -127,6 +146,27 @@ class PeerSender:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name=f"xpyd-kv-send:{self.peer}", daemon=True)
             self._thread.start()
+
+    @property
+    def contacted(self) -> bool:
+        """Whether this peer's hello was answered and checked (first contact is behind us)."""
+        return self._contact is not None
+
+    def prepare(self) -> None:
+        """Make first contact in the peer thread now, ahead of the send (PUT_ASYNC only: the
+        peer thread is then the only one that touches the contact state)."""
+        with self._cond:
+            if self._contact is not None or self.dead_since is not None or self._contact_wanted:
+                return
+            self._contact_wanted = True
+            self._ensure_thread()
+            self._cond.notify()
+
+    def _early_contact(self) -> None:
+        try:
+            self._first_contact(time.monotonic() + self._cfg.send_timeout_s)
+        except TransportError as e:  # the send tries again within its own deadline
+            logger.info("kv peer %s: first contact ahead of the send failed: %s", self.instance, e)
 
     def wake(self) -> None:
         with self._cond:
@@ -164,7 +204,7 @@ class PeerSender:
                 self._stop.wait(PROBE_INTERVAL_S)
                 continue
             with self._cond:
-                if not self._queue and not self._notices:
+                if not self._queue and not self._notices and not self._contact_wanted:
                     if time.monotonic() - idle_since > PEER_IDLE_EXIT_S:
                         self._thread = None
                         return
@@ -173,8 +213,11 @@ class PeerSender:
                 notices = dict(self._notices)
                 self._notices.clear()
                 send = self._queue.popleft() if self._queue else None
+                early, self._contact_wanted = self._contact_wanted, False
             if notices:
                 self._deliver(notices)
+            if early and send is None:
+                self._early_contact()  # (a queued send makes first contact itself)
             if send is not None:
                 self._send(send)
             idle_since = time.monotonic()
@@ -234,20 +277,23 @@ class PeerSender:
                 self._mark_dead(e)
                 return
 
-    def _hello(self) -> tuple[dict[str, Any], str]:
+    def _hello(self, deadline: float) -> tuple[dict[str, Any], str]:
         """Ask the decode's rank of our number, or its rank 0 when that is no rank of it
         (unreachable, or another engine answers): (reply, who answered). Raises
-        TransportError when neither answers."""
-        timeout = min(self._cfg.send_timeout_s, 2.0)
+        TransportError when neither answers by ``deadline``.
+
+        First contact opens a connection and may meet a busy peer: it gets the same budget as
+        the send it precedes (it had a 2 s cap of its own, which a loaded box's ordinary
+        stall outlasted: issue 21)."""
         try:
-            reply, _ = self._transport.call(self.home, {"op": "hello"}, timeout_s=timeout)
+            reply, _ = self._transport.call(self.home, {"op": "hello"}, timeout_s=max(0.05, deadline - time.monotonic()))
             if self._rank == 0 or not reply.get("ok") or reply.get("rank") == self._rank:
                 return reply, self.home
         except TransportError:
             if self._rank == 0:
                 raise
         first = rank_address(self.instance, 0)
-        reply, _ = self._transport.call(first, {"op": "hello"}, timeout_s=timeout)
+        reply, _ = self._transport.call(first, {"op": "hello"}, timeout_s=max(0.05, deadline - time.monotonic()))
         return reply, first
 
     def _plan(self, reply: dict[str, Any], contact: str) -> str | None:
@@ -269,16 +315,18 @@ class PeerSender:
                      for _, r in self._routes if r is not None] or "nothing (a replica sends our heads)")
         return None
 
-    def _first_contact(self) -> tuple[str | None, bool]:
+    def _first_contact(self, deadline: float) -> tuple[str | None, bool]:
         """Before the first KV to this peer (and again after it came back, or RECHECK_S
         after it could not take it): can it take our KV at all, and which of its ranks get
         which heads? Returns (why not, whether the peer refused the call itself); raises
-        TransportError when unreachable."""
+        TransportError when unreachable by ``deadline``."""
         if self._check is None:
             return None, False
         if self._contact is not None and (self._contact[0] is None or time.monotonic() - self._contact[1] < RECHECK_S):
             return self._contact[0], False
-        reply, contact = self._hello()
+        t0 = time.monotonic()
+        reply, contact = self._hello(deadline)
+        logger.info("kv peer %s first contact ms=%.1f", contact, (time.monotonic() - t0) * 1e3)
         if reply.get("refused"):  # before its handler (authentication): not an answer to cache
             return f"refused the call: {reply.get('error')}", True
         self.peer = contact
@@ -293,9 +341,11 @@ class PeerSender:
         self._contact = (why, time.monotonic())
         return why, False
 
-    def _ship(self, spec: SaveSpec, addr: str, route: tp.Route | None, deadline: float) -> int | None:
+    def _ship(self, spec: SaveSpec, addr: str, route: tp.Route | None, deadline: float,
+              phases: SendPhases) -> int | None:
         """Reserve, then send, one payload to one decode rank: the bytes sent, or None when
         D refused it. Raises TransportError."""
+        t = time.monotonic()
         if route is None:
             header, tensors = self._build(spec, False)
         else:
@@ -304,10 +354,13 @@ class PeerSender:
                           pieces=route.count, src_rank=self._rank,
                           heads=[route.piece.local_heads.start, route.piece.local_heads.stop])
         nbytes = tensor_bytes(tensors)
+        t = phases.add("build", t)
         reply, _ = self._transport.call(addr, {"op": "reserve", "key": header["key"], "nbytes": nbytes},
-                                        timeout_s=self._cfg.send_timeout_s)
+                                        timeout_s=max(0.05, deadline - time.monotonic()))
+        t = phases.add("reserve", t)
         if reply.get("ok"):
             reply, _ = self._transport.call(addr, header, tensors, timeout_s=max(0.05, deadline - time.monotonic()))
+            phases.add("put", t)
         if reply.get("ok"):
             return nbytes
         logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
@@ -325,8 +378,10 @@ class PeerSender:
         deadline = time.monotonic() + self._cfg.send_timeout_s
         t0 = time.monotonic()
         pending: list[str] | None = None  # decode ranks not served yet (None: before first contact)
+        phases = SendPhases()
         try:
-            why, refused = self._first_contact()
+            why, refused = self._first_contact(deadline)
+            phases.add("contact", t0)
             if why is not None:
                 logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                                spec.req_id, spec.transfer_key, self.peer, why)
@@ -339,18 +394,21 @@ class PeerSender:
             pending = [addr for addr, _ in routes]
             sent, ok = 0, True
             for addr, route in routes:
-                nbytes = self._ship(spec, addr, route, deadline)
+                nbytes = self._ship(spec, addr, route, deadline, phases)
                 pending.remove(addr)
                 ok = ok and nbytes is not None
                 sent += nbytes or 0
             if ok:
                 self._stats.transfer("send", "ok", sent, "sent")
-                logger.info("kv sent req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f",
-                            spec.req_id, spec.transfer_key, spec.num_tokens, len(spec.block_ids),
-                            sent, self.instance, len(routes), (time.monotonic() - t0) * 1e3)
+                took = time.monotonic() - t0
+                logger.log(logging.WARNING if took > SLOW_SEND_S else logging.INFO,
+                           "kv sent%s req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f "
+                           "phases_ms=%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
+                           spec.num_tokens, len(spec.block_ids), sent, self.instance, len(routes), took * 1e3,
+                           phases.describe())
         except TransportError as e:
-            logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
-                           spec.req_id, spec.transfer_key, self.peer, e)
+            logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s phases_ms=%s",
+                           spec.req_id, spec.transfer_key, self.peer, e, phases.describe())
             # Refused before its handler (another kv_secret, too large): no byte was taken.
             self._stats.failure("send", "refused" if isinstance(e, TransportRefused) else "transport")
             self._notice(spec.transfer_key, str(e), pending)
@@ -394,6 +452,12 @@ class Producer:
             p = self._peers[addr] = PeerSender(addr, self._transport, self._cfg, self._build, self._cpus,
                                                   self._stop, self.stats, self._check, self._rank, self._local)
         return p
+
+    def prepare(self, addr: str) -> None:
+        """PUT_ASYNC: first contact with this decode instance, in its peer thread, now (the
+        scheduler announces peers of new requests before their prompt's forward pass)."""
+        if self._cfg.send_type == "PUT_ASYNC":
+            self.peer(addr).prepare()
 
     def save(self, spec: SaveSpec) -> None:
         """Called after the forward pass that completed the prompt."""

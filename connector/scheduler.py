@@ -81,6 +81,7 @@ class P2pScheduler:
         self._new_loads: list[LoadSpec] = []
         self._loaded: dict[str, LoadSpec] = {}
         self._failed_loads: set[str] = set()  # from the workers' failed_recving
+        self._contacts: dict[str, None] = {}  # producer: decode addresses to announce (ordered set)
         # Consumer: per key, the live requests that may still plan a load of it.
         self._unplanned: dict[str, set[str]] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
@@ -148,6 +149,8 @@ class P2pScheduler:
         if self._produces(tid) and tid.key not in self._key_owner:
             self._key_owner[tid.key] = rid
             self._outgoing[rid] = _Outgoing(tid, request.num_prompt_tokens)
+            if self._cfg.send_type == "PUT_ASYNC":
+                self._contacts[tid.decode_addr] = None
         if self._consumes(tid) and tid.key not in self._released:
             self._grace.pop(tid.key, None)  # a late sibling: it loads too
             self._unplanned.setdefault(tid.key, set()).add(rid)
@@ -204,9 +207,10 @@ class P2pScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
         if self._grace:
             self._release_due(time.monotonic())
-        meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release)
+        meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release, contacts=list(self._contacts))
         self._new_loads = []
         self._release = []
+        self._contacts.clear()
         self._running = len(scheduler_output.num_scheduled_tokens)
         if scheduler_output.preempted_req_ids:
             meta.preempted = self._preempt(scheduler_output.preempted_req_ids)

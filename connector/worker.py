@@ -71,6 +71,11 @@ class P2pWorker:
             raise RuntimeError("register_kv_caches was not called")
         return self.engine
 
+    def prepare(self, meta: P2pConnectorMetadata) -> None:
+        if meta.contacts and self.engine is not None:
+            for addr in meta.contacts:
+                self.engine.producer.prepare(addr)
+
     def start_load_kv(self, meta: P2pConnectorMetadata) -> None:
         for spec in meta.loads:
             self._engine().add_load(spec)

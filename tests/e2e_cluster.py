@@ -3,6 +3,7 @@ baseline, all vLLM CPU-build servers on 127.0.0.1 with free ports."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -55,6 +56,21 @@ class E2ECluster:
     def stop(self) -> None:
         for s in self.servers():
             s.stop()
+
+
+def wait_instances(proxy: cluster.Server, prefill: int, decode: int, timeout: float = 60.0) -> None:
+    """Until the proxy routes to (at least) this many live P and D instances."""
+    deadline = time.monotonic() + timeout
+    counts: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        status, raw = cluster.http_get(proxy.url + "/instances")
+        if status == 200:
+            live = [i for i in json.loads(raw) if i.get("healthy", True) and not i.get("pending", False)]
+            counts = {r: sum(1 for i in live if i["role"] == r) for r in ("P", "D")}
+            if counts["P"] >= prefill and counts["D"] >= decode:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"{proxy.name} routes to {counts}, not {prefill} P and {decode} D, after {timeout}s")
 
 
 def bind_env(bind: str | None) -> dict[str, str | None]:

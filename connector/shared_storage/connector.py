@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.facade import XpydConnectorBase
+from connector.facade import XpydConnectorBase, warn_unless_recompute
 from connector.log import get_logger
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import SharedStorageMetadata
@@ -53,11 +53,8 @@ class SharedStorageConnector(XpydConnectorBase):
         self._scheduler: SharedStorageScheduler | None = None
         self._worker: SharedStorageWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if cfg.is_consumer and vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
-                logger.warning("SharedStorageConnector: kv_load_failure_policy is %r, so a missing, evicted or "
-                               "damaged block file fails the request; set \"kv_load_failure_policy\": "
-                               "\"recompute\" to recompute it instead",
-                               vllm_config.kv_transfer_config.kv_load_failure_policy)
+            if cfg.is_consumer:
+                warn_unless_recompute("SharedStorageConnector", vllm_config, "a missing, evicted or damaged block file")
             self._scheduler = SharedStorageScheduler(cfg, vllm_config.cache_config.block_size, world, model_id)
         else:
             from vllm.distributed.parallel_state import get_world_group

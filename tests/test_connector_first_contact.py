@@ -1,0 +1,121 @@
+"""First contact between a prefill and a decode engine (issue 21): made ahead of the
+send when the scheduler announces the peer, and given the send's budget, not a cap of
+its own that a loaded box's ordinary stall outlasts."""
+
+from __future__ import annotations
+
+import time
+
+from test_connector_engine import (SRC_IDS, assert_loaded, load_spec, plan_load, poll_until, rank0, save_spec,
+                                   snapshot, wait_for)
+
+from connector.metadata import P2pConnectorMetadata
+from connector.transport.tcp import TcpTransport
+
+
+class SlowHello:
+    """Stands in front of a decode engine's KV port: answers like it, but each hello only
+    after ``delay_s`` (a peer slow to answer its first call); counts the hellos."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        self.target = target
+        self.delay_s = delay_s
+        self.hellos = 0
+        self._client = TcpTransport()
+        self._server = TcpTransport()
+        self._server.start("127.0.0.1", 0, self._handle)
+        self.address = f"127.0.0.1:{self._server.bound_port}"
+
+    def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
+        if header.get("op") == "hello":
+            self.hellos += 1
+            time.sleep(self.delay_s)
+        return self._client.call(self.target, header, tensors, timeout_s=10)
+
+    def close(self) -> None:
+        self._server.close()
+        self._client.close()
+
+
+def test_scheduler_announces_peers_of_new_requests_once_per_step():
+    from test_connector_engine import make_cfg
+
+    from connector.scheduler import P2pScheduler
+
+    class Req:  # the fields on_new_request reads
+        def __init__(self, rid: str) -> None:
+            self.request_id, self.num_prompt_tokens, self.kv_transfer_params = rid, 100, None
+
+    sched = P2pScheduler(make_cfg("kv_producer", "PUT_ASYNC", 1), 16, start_registrar=False)
+    d1, d2 = "127.0.0.1:7001", "127.0.0.1:7002"
+    for i, d in enumerate((d1, d2, d1)):
+        sched.on_new_request(Req(f"cmpl-___prefill_addr_127.0.0.1:1___decode_addr_{d}_{i:032x}-0-abcdef12"))
+
+    class Out:
+        num_scheduled_tokens: dict = {}
+        preempted_req_ids = None
+        scheduled_new_reqs: list = []
+
+        class scheduled_cached_reqs:  # noqa: N801
+            req_ids: list = []
+            num_computed_tokens: list = []
+
+    assert sched.build_connector_meta(Out()).contacts == [d1, d2]
+    assert sched.build_connector_meta(Out()).contacts == []
+
+
+def test_first_contact_is_made_ahead_of_the_send(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    slow = SlowHello(rank0(cons), delay_s=0.5)
+    try:
+        peer = prod.producer.peer(slow.address)
+        prod.producer.prepare(slow.address)
+        wait_for(lambda: peer.contacted)  # no send yet: the hello was made on its own
+        assert slow.hellos == 1
+        before = snapshot(cons.caches)
+        t0 = time.monotonic()
+        prod.save(save_spec(prod, slow.address))
+        plan_load(cons, load_spec(rank0(prod), (7, 2, 11), 2))
+        res, t_done = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+        assert res.failed_recving == set()
+        assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+        assert slow.hellos == 1  # the send did not say hello again
+        assert t_done - t0 < slow.delay_s  # and did not wait for one
+        prod.producer.prepare(slow.address)  # contact made: nothing more to do
+        time.sleep(0.2)
+        assert slow.hellos == 1
+    finally:
+        slow.close()
+
+
+def test_first_contact_slower_than_two_seconds_still_delivers(engines):
+    """The hello used to be capped at 2 s whatever send_timeout_s was: a peer slow to
+    answer its first call (2.5 s here; seen on loaded boxes) failed the transfer and was
+    marked dead. It now has the send's own budget."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, send_timeout_s=6.0)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=6.0)
+    slow = SlowHello(rank0(cons), delay_s=2.5)
+    try:
+        before = snapshot(cons.caches)
+        prod.save(save_spec(prod, slow.address))
+        plan_load(cons, load_spec(rank0(prod), (7, 2, 11), 2))
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving or bool(r.failed_recving), timeout=10)
+        assert res.failed_recving == set()
+        assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+        assert prod.producer.peer(slow.address).dead_since is None
+    finally:
+        slow.close()
+
+
+def test_worker_prepares_contacts_from_the_metadata(engines):
+    """The worker half turns the metadata's contacts into first contacts (before the
+    forward pass: the connector calls it from bind_connector_metadata)."""
+    from connector.worker import P2pWorker
+
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    worker = P2pWorker(prod.cfg, None, 0)
+    worker.engine = prod
+    worker.prepare(P2pConnectorMetadata(contacts=[rank0(cons)]))
+    wait_for(lambda: prod.producer.peer(rank0(cons)).contacted)

@@ -1,0 +1,188 @@
+"""2 P + 1 D + two proxies, as a new user runs them: vLLM's defaults everywhere (its
+CPU thread binding, no ``kv_load_failure_policy`` — so a failed load would be vLLM's
+``fail`` — no kv_secret, the proxy's default policies), the P2P connector in PUT_ASYNC.
+
+Every request must be answered 200 with the tokens D computes for the prompt alone,
+and every transfer must load: each P's first contact with D included (it used to time
+out on 2-core Intel boxes, issue 21). Each P -> D first-contact latency is logged by P
+("kv peer ... first contact ms=") and printed here for the record.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+
+import e2e_cluster
+import httpx
+import pytest
+from e2e_client import BLOCK, MODEL_DIR, answer_of, assert_same_greedy, body_for, generate, make_prompt, with_logprobs
+from e2e_cluster import free_port, free_port_pair
+
+cluster = e2e_cluster.cluster
+pytestmark = pytest.mark.vllm
+
+REQUESTS = 40
+
+
+def _kv_config(role: str, kv_port: int, http_port: int, proxies: list[str]) -> dict:
+    cfg = cluster.kv_transfer_config(role, kv_port, http_port, None, proxies=proxies, heartbeat_interval_s=1.0)
+    del cfg["kv_load_failure_policy"]  # vLLM's default ("fail"), as in vLLM's own P2P example
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory):
+    if not MODEL_DIR.joinpath("model.safetensors").exists():
+        pytest.fail("tiny model missing: run scripts/setup.sh")
+    log_dir = Path(tmp_path_factory.mktemp("e2e-defaults"))
+    discs = [free_port(), free_port()]
+    servers: dict[str, cluster.Server] = {}
+    try:
+        for i, disc in enumerate(discs):
+            servers[f"proxy{i}"] = cluster.start_proxy(free_port(), disc, log_dir, name=f"proxy{i}")
+        proxies = [f"{cluster.HOST}:{d}" for d in discs]
+        env = e2e_cluster.bind_env(None)  # vLLM's default CPU thread binding
+        for name, role in (("p0", "kv_producer"), ("p1", "kv_producer"), ("d", "kv_consumer")):
+            port = free_port()
+            servers[name] = cluster.start_vllm(
+                name, port, log_dir, max_num_batched_tokens=e2e_cluster.MAX_BATCHED_TOKENS, env=env,
+                kv_config=_kv_config(role, free_port_pair(), port, proxies))
+        cluster.wait_until([servers["proxy0"], servers["proxy1"]], "/health", 60)
+        cluster.wait_until([servers[n] for n in ("p0", "p1", "d")], "/health", 600)
+        for i in range(2):
+            e2e_cluster.wait_instances(servers[f"proxy{i}"], prefill=2, decode=1)
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _first_contacts(log: str) -> list[float]:
+    return [float(ms) for ms in re.findall(r"kv peer \S+ first contact ms=([0-9.]+)", log)]
+
+
+def test_requests_over_two_proxies_all_answer_with_loaded_kv(system, tokenizer):
+    """REQUESTS sequential requests alternating between the proxies (each proxy's round
+    robin alternates the Ps): every one 200, its tokens D's own for the prompt, its KV
+    loaded from P (no failed load, so no rescue either)."""
+    d = system["d"]
+    failures: list[str] = []
+    for i in range(REQUESTS):
+        prompt = make_prompt(tokenizer, BLOCK + 20 + 7 * (i % 5), seed=21000 + i)
+        body = with_logprobs("completions", body_for("completions", prompt, False))
+        proxy = system[f"proxy{i % 2}"]
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
+        if r.status_code != 200:
+            failures.append(f"request {i} via {proxy.name}: {r.status_code} {r.text[:300]}")
+            continue
+        data = r.json()
+        xpyd = (data.get("kv_transfer_params") or {}).get("xpyd") or {}
+        if xpyd.get("load_failed") or xpyd.get("loaded_tokens") != data["usage"]["prompt_tokens"] - 1:
+            failures.append(f"request {i} via {proxy.name}: KV not loaded {xpyd} path={r.headers.get('x-xpyd-path')}")
+        # D computing the prompt itself (a fresh cache_salt: nothing cached, nothing loaded).
+        want, _ = generate(d.url, "completions", {**body, "cache_salt": uuid.uuid4().hex})
+        assert_same_greedy(answer_of(data["choices"][0]), want)
+    assert not failures, failures
+    sent = {name: len(re.findall(r"kv sent( slowly)? req=", system[name].log())) for name in ("p0", "p1")}
+    assert all(n >= REQUESTS // 4 for n in sent.values()), sent  # both Ps served
+    contacts = {name: _first_contacts(system[name].log()) for name in ("p0", "p1")}
+    print(f"\nfirst contact P -> D (ms): {contacts}; transfers per P: {sent}")
+    assert all(len(c) == 1 for c in contacts.values()), contacts  # one hello each, never re-checked
+
+
+def test_decode_warns_about_the_default_failure_policy(system):
+    assert "kv_load_failure_policy is 'fail'" in system["d"].log()
+
+
+class _LostTransferPrefill:
+    """A stand-in P (the other side of the boundary under test): answers the proxy's
+    prefill like vLLM, but instead of sending the KV tells D's connector that the
+    transfer is lost (the abort notice a real P sends when its send fails), before it
+    answers. D plans the load, the load fails at once, and under vLLM's default policy D
+    fails the request: the proxy must still answer the client correctly."""
+
+    def __init__(self) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from connector import request_id
+        from connector.transport import TcpTransport
+
+        self.aborted: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _json(self, obj: dict) -> None:
+                raw = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                if self.path == "/v1/models":
+                    self._json({"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]})
+                else:
+                    self._json({})
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                tid = request_id.parse(self.headers.get("x-request-id", "") + "-0")
+                if tid is not None:
+                    t = TcpTransport()
+                    try:
+                        t.call(tid.decode_addr, {"op": "abort", "keys": {tid.key: "sender gave up: test"}}, timeout_s=5)
+                    finally:
+                        t.close()
+                    outer.aborted.append(tid.key)
+                chat = b"messages" in body
+                self._json({"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "tiny-llama",
+                            "choices": [{"index": 0, "finish_reason": "length",
+                                         **({"message": {"role": "assistant", "content": "a"}} if chat else {"text": "a"})}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+        self.server = ThreadingHTTPServer((cluster.HOST, 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_lost_transfer_under_default_policy_is_rescued_by_decode_alone(system, tokenizer, tmp_path, stream):
+    """D's load fails (P reported the transfer lost) and vLLM's default policy fails the
+    request on D: the proxy asks D once more alone, and the client gets D's own answer."""
+    d = system["d"]
+    fake = _LostTransferPrefill()
+    proxy = None
+    try:
+        d_kv = f"{cluster.HOST}:{d.kv_port}"
+        proxy = cluster.start_proxy(free_port(), free_port(), tmp_path, name=f"proxy-rescue-{stream}", extra_args=[
+            "--prefill", f"http://{cluster.HOST}:{fake.port},kv={cluster.HOST}:{free_port()}",
+            "--decode", f"{d.url},kv={d_kv}"])
+        cluster.wait_until([proxy], "/health", 60)
+        e2e_cluster.wait_instances(proxy, prefill=1, decode=1)
+        prompt = make_prompt(tokenizer, BLOCK + 30, seed=22000 + stream)
+        body = body_for("completions", prompt, stream)
+        failed_before = d.log().count("kv load failed")
+        got, last = generate(proxy.url, "completions", body)
+        want, _ = generate(d.url, "completions", {**body, "stream": False, "cache_salt": uuid.uuid4().hex})
+        assert_same_greedy(got, want)
+        assert fake.aborted, "the proxy never asked the stand-in P"
+        assert d.log().count("kv load failed") > failed_before  # D really failed the load first
+        _, raw = cluster.http_get(proxy.url + "/metrics")
+        assert re.search(rb'xpyd_dispatch_total\{path="local_rescue"\} 1\.0', raw), raw.decode()[-2000:]
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        fake.close()
