@@ -267,7 +267,7 @@ def main() -> int:
         while True:  # /ready, and both Ds registered
             st, body = cluster.http_get(proxy.url + "/instances")
             if cluster.http_get(proxy.url + "/ready")[0] == 200 and st == 200 \
-                    and sum(i.get("role") == "D" for i in json.loads(body)) == 2:
+                    and sum(i.get("role") == "D" and not i.get("pending") for i in json.loads(body)) == 2:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError("proxy never saw P and both Ds register")

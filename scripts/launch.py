@@ -133,10 +133,11 @@ def _ok(url: str) -> bool:
 
 
 def registered(proxy: ProxySpec, insts: Sequence[InstanceSpec]) -> set[str]:
-    """Names of insts the proxy lists in /instances."""
+    """Names of insts the proxy lists in /instances as candidates (not pending: a newly
+    registered instance is routed to only once it has answered the proxy's probe)."""
     try:
         status, body = http_get(proxy.url + "/instances", timeout=1.0)
-        entries = json.loads(body) if status == 200 else []
+        entries = [e for e in (json.loads(body) if status == 200 else []) if not e.get("pending")]
         if all("http_address" in e for e in entries):  # --expose-routing-headers: by address
             listed = {(e["role"], e["http_address"]) for e in entries}
             return {i.name for i in insts if (i.role, f"{i.host}:{i.port}") in listed}
