@@ -123,6 +123,7 @@ class KVEngine:
             cfg, self._device, cpus, cfg.kv_buffer_size + _HEADER_SLACK, max_frames,
             KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None)
         self._transport.on_refuse = self.xfer_stats.refused
+        self._transport.on_fallback = self.xfer_stats.fallback  # nccl -> host-staged tcp, per peer
         self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
                                  self.check_peer, self._tp)
@@ -226,7 +227,11 @@ class KVEngine:
         if op == "hello":  # first contact: what a sender must match before shipping KV
             return {"ok": True, "rank": self._rank, **self._tp.describe(), **self._layout.describe()}, []
         if op == "stats":
-            return {"ok": True, **self.stats(), "refused": self._transport.refusals()}, []
+            out = {"ok": True, **self.stats(), "refused": self._transport.refusals()}
+            fallbacks = getattr(self._transport, "fallbacks", None)  # nccl: peers on the host path, and why
+            if callable(fallbacks):
+                out["fallbacks"] = fallbacks()
+            return out, []
         # unknown_op: a caller's optional feature (e.g. nccl set-up) is not served here.
         return {"ok": False, "error": f"unknown op {op!r}", "unknown_op": True}, []
 

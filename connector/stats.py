@@ -38,7 +38,7 @@ except ImportError:  # the engine without vLLM (GPU tests, benchmarks): counters
 
     PromMetric = PromMetricT = Any  # type: ignore[misc,assignment]
 
-from connector.transport.base import REFUSAL_REASONS
+from connector.transport.base import FALLBACK_REASONS, REFUSAL_REASONS
 
 # Label values are fixed sets: Prometheus series must not grow with traffic.
 Role = Literal["send", "load"]  # P ships KV (or stores it) / D takes KV in
@@ -65,20 +65,22 @@ REFUSALS = REFUSAL_REASONS
 # From a same-host copy (ms) to the default kv_load_timeout_s (30 s) and beyond.
 LOAD_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-_COUNTERS = ("transfers", "failures", "bytes", "refused")
+_COUNTERS = ("transfers", "failures", "bytes", "refused", "fallbacks")
 
 
 def _empty() -> dict[str, Any]:
     # Plain dicts, str keys (rank keys are ints): msgpack carries them to the
     # API server's loggers as they are.
-    return {"buffers": {}, "transfers": {}, "failures": {}, "bytes": {}, "refused": {}, "load_wait_s": []}
+    return {"buffers": {}, "transfers": {}, "failures": {}, "bytes": {}, "refused": {}, "fallbacks": {},
+            "load_wait_s": []}
 
 
 @dataclass
 class XpydStats(KVConnectorStats):
     """``data``: ``buffers`` {rank: [used, capacity]}, ``transfers``
     {"role/result": n}, ``failures`` {"role/reason": n}, ``bytes``
-    {direction: n}, ``refused`` {reason: n}, ``load_wait_s`` [seconds, ...]."""
+    {direction: n}, ``refused`` {reason: n}, ``fallbacks`` {reason: n} (a peer's KV moved
+    from NCCL to the host-staged tcp path), ``load_wait_s`` [seconds, ...]."""
 
     def __post_init__(self) -> None:
         base = _empty()
@@ -128,6 +130,9 @@ class XpydStats(KVConnectorStats):
     def record_refused(self, reason: str) -> None:
         self._inc("refused", reason)
 
+    def record_fallback(self, reason: str) -> None:
+        self._inc("fallbacks", reason)
+
     # ---- reading ----
     def transfers(self, role: str, result: str) -> int:
         return int(self.data["transfers"].get(f"{role}/{result}", 0))
@@ -140,6 +145,9 @@ class XpydStats(KVConnectorStats):
 
     def refused(self, reason: str) -> int:
         return int(self.data["refused"].get(reason, 0))
+
+    def fallbacks(self, reason: str) -> int:
+        return int(self.data["fallbacks"].get(reason, 0))
 
     def has_buffers(self) -> bool:
         return bool(self.data["buffers"])
@@ -183,6 +191,8 @@ class XpydStats(KVConnectorStats):
                 out[f"MB {d}"] = round(self.nbytes(d) / 2**20, 3)
         for k in sorted(self.data["refused"]):
             out[f"refused {k}"] = self.data["refused"][k]
+        for k in sorted(self.data["fallbacks"]):
+            out[f"nccl fallbacks {k}"] = self.data["fallbacks"][k]
         waits = self.data["load_wait_s"]
         if waits:
             out["avg load wait (ms)"] = round(sum(waits) / len(waits) * 1e3, 3)
@@ -225,6 +235,10 @@ class StatsRecorder:
         with self._lock:
             self._stats.record_refused(reason)
 
+    def fallback(self, reason: str) -> None:
+        with self._lock:
+            self._stats.record_fallback(reason)
+
     def take(self, rank: int, used_bytes: int, capacity_bytes: int) -> XpydStats:
         """This step's counters plus the current occupancy, as a new object; the
         counters start again from zero."""
@@ -254,7 +268,10 @@ class XpydPromMetrics(KVConnectorPromMetrics):
       storage) occupancy, 0..1, the figure the heartbeat reports;
     - ``vllm:xpyd_kv_refused_messages_total{reason}``: messages the KV control socket
       dropped before serving them (unauthenticated, bad_mac, stale, replay, handshake,
-      oversized, malformed).
+      oversized, malformed);
+    - ``vllm:xpyd_kv_transport_fallbacks_total{reason}``: times a peer's KV moved from NCCL to
+      the host-staged tcp path (setup, version, peer_no_nccl, transfers, abort_hung); NCCL is
+      tried again later.
     """
 
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
@@ -297,6 +314,12 @@ class XpydPromMetrics(KVConnectorPromMetrics):
                           "(unauthenticated, bad_mac, stale, replay, handshake, oversized, malformed).",
             labelnames=[*labelnames, "reason"])
         self.refused = {i: {r: refused.labels(*lv, r) for r in REFUSALS} for i, lv in engines.items()}
+        fallbacks = self._counter_cls(
+            name="vllm:xpyd_kv_transport_fallbacks",
+            documentation="Times a peer's KV moved from NCCL to the host-staged tcp path, by reason (setup, "
+                          "version, peer_no_nccl, transfers, abort_hung); NCCL is tried again later.",
+            labelnames=[*labelnames, "reason"])
+        self.fallbacks = {i: {r: fallbacks.labels(*lv, r) for r in FALLBACK_REASONS} for i, lv in engines.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         s = XpydStats.from_dict(transfer_stats_data)
@@ -314,6 +337,10 @@ class XpydPromMetrics(KVConnectorPromMetrics):
                 child.inc(n)
         for r, n in s.data["refused"].items():
             child = self.refused[engine_idx].get(r)
+            if child is not None and n > 0:
+                child.inc(n)
+        for r, n in s.data["fallbacks"].items():
+            child = self.fallbacks[engine_idx].get(r)
             if child is not None and n > 0:
                 child.inc(n)
         for w in s.data["load_wait_s"]:

@@ -21,7 +21,8 @@ Faults: ``FakeNccl(join=False)`` never joins the communicators it is asked to cr
 peer stuck in set-up); ``init_delay_s`` joins them only after that long (a cold init);
 ``init_error`` refuses ``init_rank``; ``version`` is what ``version()`` says (P and D must
 match); ``abort_gate`` makes ``abort`` hang until the event is set (NVIDIA/nccl #863,
-#992); ``kill()`` freezes an instance like a dead process: its streams stop, its pending
+#992); ``send_error`` (settable) makes ``send`` refuse; ``stall`` (settable) leaves what is
+posted unlaunched for ever, status in progress (a wedged NCCL); ``kill()`` freezes an instance like a dead process: its streams stop, its pending
 operations are never matched, and nothing it held is released.
 
 One :class:`Fabric` stands for the network: every ``FakeNccl`` of a test shares one.
@@ -150,6 +151,7 @@ class _Group:
     nranks: int
     joined: set[int] = field(default_factory=set)
     aborted: bool = False  # seen by every rank (socket transport, or a truncation error)
+    version: str | None = None  # of the first rank that joined: NCCL's bootstrap fails another
     mail: dict[tuple[int, int], deque[_Msg]] = field(default_factory=dict)
     # Operations posted so far per (sender, receiver), by kind: what the other side matches.
     sends_posted: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -167,7 +169,7 @@ class _Group:
                     ready = self.recvs_posted.get((comm.rank, op.peer), 0) > op.seq
                 else:
                     ready = self.sends_posted.get((op.peer, comm.rank), 0) > op.seq
-                if not ready or op.lib.stopped:
+                if not ready or op.lib.stopped or op.lib.stall:
                     break
                 comm.unlaunched.popleft()
                 run = op.lib._send if op.send else op.lib._recv
@@ -263,6 +265,9 @@ class FakeNccl:
         self._init_error = init_error
         self._version = version
         self.abort_gate = abort_gate
+        self.send_error: int | None = None
+        self.stall = False
+        self.send_calls = 0
         self.stopped = False
         self._streams: list[HostStream] = []
         self.configs: list[CommConfig] = []  # every config init_rank was given
@@ -305,6 +310,10 @@ class FakeNccl:
         g = comm.group
         with g.lock:
             if not self.stopped and not comm.aborted:
+                if g.version is None:
+                    g.version = self._version
+                elif g.version != self._version:  # NCCL's init compares every rank's version
+                    g.aborted = True
                 g.joined.add(comm.rank)
                 g.comms[comm.rank] = comm
 
@@ -351,6 +360,9 @@ class FakeNccl:
         # non-blocking group, which is why callers must wait for status before an event.
 
     def send(self, comm: FakeComm, tensor: torch.Tensor, peer: int, stream: HostStream) -> None:
+        self.send_calls += 1
+        if self.send_error is not None:
+            raise NcclError(self.send_error, self.error_string(self.send_error))
         self._post(comm, True, tensor, peer, stream)
 
     def recv(self, comm: FakeComm, tensor: torch.Tensor, peer: int, stream: HostStream) -> None:
@@ -379,7 +391,8 @@ class FakeNccl:
         self.abort(comm)
 
     def error_string(self, code: int) -> str:
-        return {NCCL_REMOTE_ERROR: "remote process exited or there was a network error"}.get(code, f"code {code}")
+        return {2: "unhandled system error", 3: "internal error", 5: "invalid usage",
+                NCCL_REMOTE_ERROR: "remote process exited or there was a network error"}.get(code, f"code {code}")
 
     def new_stream(self, device: torch.device) -> HostStream:
         s = HostStream(self)

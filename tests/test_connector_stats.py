@@ -301,3 +301,28 @@ def test_every_connector_series_the_dashboard_queries_is_exposed():
     wanted = {n for n in dashboard_metrics() if n.startswith("vllm:xpyd_")}
     assert len(wanted) >= 5
     assert wanted <= exposed_metrics(generate_latest(reg).decode()), wanted
+
+
+def test_transport_fallbacks_reach_the_prometheus_series():
+    """A peer's KV moved from NCCL to the host-staged tcp path: counted by reason per worker,
+    added up over workers and steps, and exposed as xpyd_kv_transport_fallbacks_total."""
+    rec = StatsRecorder()
+    rec.fallback("setup")
+    rec.fallback("transfers")
+    a = rec.take(0, 0, 1000)
+    b = XpydStats.of(1, 0, 1000)
+    b.record_fallback("setup")
+    merged = XpydStats.from_dict(msgspec.msgpack.decode(msgspec.msgpack.encode(a.data))).aggregate(b)
+    assert merged.fallbacks("setup") == 2 and merged.fallbacks("transfers") == 1
+    assert merged.reduce()["nccl fallbacks setup"] == 2
+    reg = CollectorRegistry()
+    prom = registry_prom(reg)(p2p_config(), ["model_name", "engine"], {0: ["tiny", "0"]})
+
+    def val(reason):
+        return reg.get_sample_value("vllm:xpyd_kv_transport_fallbacks_total",
+                                    {"model_name": "tiny", "engine": "0", "reason": reason})
+
+    assert val("abort_hung") == 0 and val("setup") == 0  # every series exists from the start
+    prom.observe(merged.to_dict(), 0)
+    prom.observe(XpydStats.from_dict({"fallbacks": {"teleport": 3}}).to_dict(), 0)  # not a known reason: ignored
+    assert val("setup") == 2 and val("transfers") == 1 and val("version") == 0

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["REFUSAL_REASONS", "Deferred", "Handler", "Refusal", "Transport", "TransportError", "TransportRefused"]
+__all__ = ["FALLBACK_REASONS", "REFUSAL_REASONS", "Deferred", "Fallback", "Handler", "Refusal", "Transport", "TransportError", "TransportRefused"]
 
 # Why a request never reached the handler (a fixed set: these label a Prometheus series).
 # unauthenticated: no auth frame (or, with no secret here, a signed call); bad_mac: a
@@ -26,6 +26,15 @@ __all__ = ["REFUSAL_REASONS", "Deferred", "Handler", "Refusal", "Transport", "Tr
 Refusal = Literal["unauthenticated", "bad_mac", "stale", "replay", "handshake", "oversized", "malformed"]
 REFUSAL_REASONS: tuple[Refusal, ...] = ("unauthenticated", "bad_mac", "stale", "replay", "handshake", "oversized",
                                         "malformed")
+
+
+# Why a device transport (nccl) moved a peer's tensors to the host-staged tcp path (a fixed
+# set: these label a Prometheus series). setup: NCCL could not be set up with the peer
+# (init refused or failed, not ready in time); version: the peer runs another NCCL version;
+# peer_no_nccl: the peer does no NCCL (tcp only, CPU caches, none loaded); transfers: that
+# many transfers in a row failed; abort_hung: an ncclCommAbort with that peer never returned.
+Fallback = Literal["setup", "version", "peer_no_nccl", "transfers", "abort_hung"]
+FALLBACK_REASONS: tuple[Fallback, ...] = ("setup", "version", "peer_no_nccl", "transfers", "abort_hung")
 
 
 class TransportError(RuntimeError):
@@ -88,6 +97,9 @@ class Transport(ABC):
     name: str
     # Called with the reason of every request refused before the handler (metrics).
     on_refuse: Callable[[str], None] | None = None
+    # Called with a FALLBACK_REASONS entry each time a peer's tensors move to the host path
+    # (metrics); never by transports that have no other path (tcp).
+    on_fallback: Callable[[str], None] | None = None
 
     def refusals(self) -> dict[str, int]:
         """Requests dropped before reaching the handler, by reason, since start."""

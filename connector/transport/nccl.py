@@ -12,8 +12,16 @@ call's: a cold NCCL init can outlast the 1-2 s of a probe or a hello. First ``_n
 joined) goes to it in ``_nccl_init``; both ranks then initialise non-blocking. A call
 finding no ready communicator waits for a set-up in progress at most half of its own time,
 then carries its tensors inline over the control socket (through host memory): slower,
-never wrong. A failed set-up is remembered (``_SETUP_RETRY_S``; a peer without NCCL or with
-another NCCL version ``_NO_NCCL_RETRY_S``): those calls go inline meanwhile.
+never wrong.
+
+Degrade, never break: when NCCL cannot be set up with a peer (init refused or failed, not
+ready in time, another NCCL version, none there) or ``fallback_after`` NCCL transfers in a
+row failed, that peer's calls go inline (the host-staged tcp path) - one WARN naming the
+error, ``on_fallback(reason)`` for the metric, ``fallbacks()`` for operators - and NCCL is
+tried again after ``retry_s`` (doubling to ``_RETRY_MAX_S`` while it keeps failing). A call
+whose NCCL part failed before the peer's handler saw it (a send not posted, a receive the
+peer could not complete) is resent inline within its deadline, so its KV still arrives;
+reply tensors the server could not send over NCCL come inline in its reply.
 
 A call with tensors: the caller enqueues its sends on the communicator's stream, then sends
 the header with the tensors' shapes over the control socket; the server allocates (on the
@@ -56,7 +64,7 @@ from typing import Any
 
 import torch
 
-from .base import Deferred, Handler, Transport, TransportError
+from .base import Deferred, Fallback, Handler, Transport, TransportError
 from .nccl_api import NCCL_IN_PROGRESS, NCCL_SUCCESS, UNIQUE_ID_BYTES, CommConfig, NcclLibrary
 from .tcp import TcpTransport
 
@@ -71,13 +79,13 @@ RESET_KEY = "_nccl_reset"  # reply: the server does not know (or dropped) that c
 HELLO_OP = "_nccl_hello"  # may we set up? our NCCL version; makes no NCCL resource
 INIT_OP = "_nccl_init"  # the unique id: join as rank 1
 BYE_OP = "_nccl_bye"  # the caller aborted its side: abort yours
+# reply: NCCL failed before the handler saw the call (the caller may resend it inline)
+FAILED_KEY = "_nccl_failed"
 _POLL_S = 0.0005  # between status/event polls: completion is usually a few ms away
 _REAP_S = 0.25
-# A peer that refused NCCL (none there, another version) is asked again after this long
-# (it may have been restarted with another image).
-_NO_NCCL_RETRY_S = 30.0
-# A set-up that failed (init error, not ready in time) is tried again after this long.
-_SETUP_RETRY_S = 10.0
+# NCCL with a peer on the host path is tried again after retry_s, doubling while it keeps
+# failing, up to this.
+_RETRY_MAX_S = 600.0
 # A set-up whose control calls found the peer unreachable: again soon (the calls fail anyway).
 _UNREACHABLE_RETRY_S = 1.0
 _BYE_TIMEOUT_S = 1.0
@@ -148,15 +156,32 @@ class _AbortJob:
 
 @dataclass(slots=True)
 class _PeerState:
-    """A peer we call: the set-up in progress, and until when its calls go inline."""
+    """A peer we call: the set-up in progress, and whether (and until when) its calls go
+    over the host path instead of NCCL."""
 
     setup: threading.Event | None = None  # set when the running set-up ended; None: none runs
-    inline_until: float = 0.0  # monotonic
-    why: str | None = None  # why its calls go inline
+    inline_until: float = 0.0  # monotonic: until then no NCCL with it
+    fails: int = 0  # NCCL transfers failed in a row
+    fallback: Fallback | None = None  # why its calls go over the host path; None: NCCL
+    error: str = ""  # the NCCL error that sent it there
+    backoffs: int = 0  # fallbacks in a row: the next wait doubles
 
 
 class _NoNccl(Exception):
     """The peer will not do NCCL with us (none there, another version, quarantined)."""
+
+    def __init__(self, reason: Fallback, why: str) -> None:
+        super().__init__(why)
+        self.reason: Fallback = reason
+
+
+class _NcclFailed(TransportError):
+    """NCCL failed during a call. ``unsent``: before the peer's handler saw the call, so it
+    may be resent inline; else the call fails (the handler may have run)."""
+
+    def __init__(self, why: str, unsent: bool) -> None:
+        super().__init__(why)
+        self.unsent = unsent
 
 
 class _Unreachable(Exception):
@@ -206,6 +231,12 @@ class NcclTransport(Transport):
         abort_timeout_s: an abort not returned by then quarantines its peer.
         idle_timeout_s: an incoming communicator unused this long is ended (its caller sets
             up a new one when it needs it).
+        fallback_after: NCCL transfers failed in a row with a peer before its calls go over
+            the host-staged tcp path (a failed set-up sends them there at once). 2: a GET
+            whose reply tensors fail is retried twice by the consumer, so its last try goes
+            inline (a failed send is resent inline at once anyway).
+        retry_s: how long a peer stays on the host path before NCCL is tried again (doubling
+            while it keeps failing, up to 10 minutes).
         control: the control transport (its auth and caps apply to every call);
             ``control_kwargs`` build one when not given.
     """
@@ -215,7 +246,8 @@ class NcclTransport(Transport):
 
     def __init__(self, lib: NcclLibrary, device: torch.device, *, num_channels: int | None = None,
                  init_timeout_s: float = 10.0, max_wait_s: float = 30.0, abort_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 600.0, control: TcpTransport | None = None, **control_kwargs: Any) -> None:
+                 idle_timeout_s: float = 600.0, fallback_after: int = 2, retry_s: float = 30.0,
+                 control: TcpTransport | None = None, **control_kwargs: Any) -> None:
         self._lib = lib
         self._device = torch.device(device)
         self._config = CommConfig(blocking=False, num_channels=num_channels)
@@ -223,6 +255,9 @@ class NcclTransport(Transport):
         self._max_wait_s = max_wait_s
         self._abort_timeout_s = abort_timeout_s
         self._idle_timeout_s = idle_timeout_s
+        self._fallback_after = max(1, fallback_after)
+        self._retry_s = retry_s
+        self.on_fallback: Callable[[str], None] | None = None
         self._control = control or TcpTransport(**control_kwargs)
         self._max_bytes: int | None = control_kwargs.get("max_msg_bytes")
         self._max_frames: int | None = control_kwargs.get("max_frames")
@@ -270,6 +305,15 @@ class NcclTransport(Transport):
             return {"out": sum(1 for c in self._out.values() if c.broken is None),
                     "in": sum(1 for c in self._in.values() if c.broken is None)}
 
+    def fallbacks(self) -> dict[str, dict[str, Any]]:
+        """Peers whose calls go over the host-staged tcp path now: reason, the NCCL error,
+        and in how many seconds NCCL is tried again."""
+        now = time.monotonic()
+        with self._lock:
+            return {peer: {"reason": st.fallback, "error": st.error,
+                           "retry_in_s": round(max(0.0, st.inline_until - now), 1)}
+                    for peer, st in self._peers.items() if st.fallback is not None}
+
     def quarantined(self) -> dict[str, str]:
         """Peers this transport does no NCCL with any more (an abort with them hung), and why."""
         with self._lock:
@@ -307,6 +351,46 @@ class NcclTransport(Transport):
         self._workers.shutdown(wait=False, cancel_futures=True)
         if self._reaper is not None:
             self._reaper.join(timeout=2.0)
+
+    # ---------------------------------------------------------------- degrade
+    def _fall_back(self, peer: str, reason: Fallback, error: str) -> None:
+        """``peer``'s calls go over the host path for a while: said once (WARN, metric) when
+        it leaves NCCL, quietly again while retries keep failing."""
+        with self._lock:
+            st = self._peers.setdefault(peer, _PeerState())
+            first = st.fallback is None
+            st.backoffs += 1
+            wait = min(self._retry_s * 2 ** (st.backoffs - 1), _RETRY_MAX_S)
+            st.fallback, st.error, st.fails = reason, error, 0
+            st.inline_until = time.monotonic() + wait
+            hook = self.on_fallback
+        if not first:
+            logger.info("kv peer %s: NCCL still failing (%s: %s): host path for %.0fs more", peer, reason, error, wait)
+            return
+        logger.warning("kv peer %s: KV leaves NCCL for the host-staged tcp path (%s: %s); NCCL is tried again "
+                       "in %.0fs", peer, reason, error, wait)
+        if hook is not None:
+            try:
+                hook(reason)
+            except Exception:  # noqa: BLE001 - counting must never break a call
+                logger.exception("nccl transport: fallback hook failed")
+
+    def _nccl_failed(self, peer: str, error: str) -> None:
+        with self._lock:
+            st = self._peers.setdefault(peer, _PeerState())
+            st.fails += 1
+            n = st.fails
+        if n >= self._fallback_after:
+            self._fall_back(peer, "transfers", f"{n} transfers in a row failed, the last: {error}")
+
+    def _nccl_ok(self, peer: str) -> None:
+        st = self._peers.get(peer)
+        if st is None or (st.fails == 0 and st.backoffs == 0):  # the common case, without the lock
+            return
+        with self._lock:
+            was, st.fallback, st.error, st.fails, st.backoffs = st.fallback, None, "", 0, 0
+        if was is not None:
+            logger.info("kv peer %s: KV back on NCCL (it had left for %s)", peer, was)
 
     # ---------------------------------------------------------------- abort
     def _abort(self, comm: _Comm, why: str, log: bool = True, bye: bool | None = None) -> None:
@@ -372,6 +456,7 @@ class NcclTransport(Transport):
                          "peer until restart (its tensors go over tcp via host memory); the memory NCCL may "
                          "still use is kept%s", j.comm.cid, j.comm.peer, self._abort_timeout_s,
                          "; too many hung aborts: no NCCL with any peer" if hung >= _MAX_HUNG_ABORTS else "")
+            self._fall_back(j.comm.peer, "abort_hung", f"ncclCommAbort of {j.comm.cid} hung")
 
     def _nccl_off(self, peer: str) -> str | None:
         """Why no NCCL with ``peer`` at all now (caller holds self._lock), or None."""
@@ -535,38 +620,29 @@ class NcclTransport(Transport):
     def _set_up(self, peer: str, st: _PeerState, done: threading.Event) -> None:
         """A set-up thread: one communicator with ``peer`` within ``init_timeout_s``."""
         t0 = time.monotonic()
-        retry_s, why = 0.0, None
         try:
             comm = self._create(peer, t0 + self._init_timeout_s)
             with self._lock:
-                if self._stop.is_set():
-                    why = "closing"
-                else:
+                closing = self._stop.is_set()
+                if not closing:
                     self._out[peer] = comm
-            if why is not None:
-                self._abort(comm, why, log=False, bye=False)
+            if closing:
+                self._abort(comm, "closing", log=False, bye=False)
             else:
                 logger.info("nccl communicator %s with %s ready in %.0f ms (lib=%s %s, channels=%s)", comm.cid, peer,
                             (time.monotonic() - t0) * 1e3, self._lib.name, self._version,
                             self._config.num_channels or "auto")
         except _NoNccl as e:
-            retry_s, why = _NO_NCCL_RETRY_S, str(e)
-            logger.warning("kv peer %s: no nccl with it (%s): its tensors go over tcp via host memory; asked again "
-                           "in %.0fs", peer, why, retry_s)
-        except _Unreachable as e:
-            retry_s, why = _UNREACHABLE_RETRY_S, str(e)
-            logger.info("nccl set-up with %s: peer unreachable (%s)", peer, why)
+            self._fall_back(peer, e.reason, str(e))
+        except _Unreachable as e:  # its calls fail too: not NCCL's fault, no fallback
+            logger.info("nccl set-up with %s: peer unreachable (%s)", peer, e)
+            with self._lock:
+                st.inline_until = max(st.inline_until, time.monotonic() + _UNREACHABLE_RETRY_S)
         except Exception as e:  # noqa: BLE001 - NcclError, TransportError, anything: calls go inline meanwhile
-            retry_s, why = _SETUP_RETRY_S, f"{type(e).__name__}: {e}" if not isinstance(e, TransportError) else str(e)
-            logger.warning("nccl set-up with %s failed: %s: its tensors go over tcp via host memory; tried again in "
-                           "%.0fs", peer, why, retry_s)
+            self._fall_back(peer, "setup", str(e) if isinstance(e, TransportError) else f"{type(e).__name__}: {e}")
         finally:
             with self._lock:
                 st.setup = None
-                if why is not None:
-                    st.inline_until, st.why = time.monotonic() + retry_s, why
-                else:
-                    st.inline_until, st.why = 0.0, None
             done.set()
 
     def _create(self, peer: str, deadline: float) -> _Comm:
@@ -582,14 +658,18 @@ class NcclTransport(Transport):
                 timeout_s=left())
         except TransportError as e:
             raise _Unreachable(str(e)) from None
+        if not reply.get("ok") and reply.get("error") == "closing":
+            raise _Unreachable(f"{peer} is closing")
         if not reply.get("ok"):
             if reply.get("no_nccl") or reply.get("unknown_op"):
-                raise _NoNccl(str(reply.get("error")))
+                reason = reply.get("reason")
+                raise _NoNccl(reason if reason in ("version", "abort_hung", "setup") else "peer_no_nccl",
+                              f"{peer}: {reply.get('error')}")
             raise TransportError(f"nccl set-up refused by {peer}: {reply.get('error')}")
         if reply.get("version") != self._version:
             # NCCL's init compares the full version of every rank and fails: do not try.
-            raise _NoNccl(f"NCCL {self._version} here, {reply.get('version')} at {peer} (NCCL needs the same "
-                          "version on both sides)")
+            raise _NoNccl("version", f"NCCL {self._version} here, {reply.get('version')} at {peer} (NCCL needs the "
+                                     "same version on both sides)")
         # Only now a unique id: each starts a bootstrap thread and socket that live until
         # both ranks joined, so none is made for a peer that would not join.
         try:
@@ -606,7 +686,8 @@ class NcclTransport(Transport):
             raise _Unreachable(str(e)) from None
         if not reply.get("ok"):
             if reply.get("no_nccl"):
-                raise _NoNccl(str(reply.get("error")))
+                reason = reply.get("reason")
+                raise _NoNccl(reason if reason in ("abort_hung",) else "setup", f"{peer}: {reply.get('error')}")
             raise TransportError(f"nccl set-up refused by {peer}: {reply.get('error')}")
         try:
             with self._on_our_device():  # NCCL binds a communicator to the current device
@@ -627,7 +708,7 @@ class NcclTransport(Transport):
         deadline = time.monotonic() + timeout_s
         if not isinstance(header, dict):
             raise TypeError(f"header must be a dict, got {type(header).__name__}")
-        for key in (NCCL_KEY, REPLY_KEY, CONSUMED_KEY, RESET_KEY):
+        for key in (NCCL_KEY, REPLY_KEY, CONSUMED_KEY, RESET_KEY, FAILED_KEY):
             if key in header:
                 raise ValueError(f"header key {key!r} is reserved for the transport")
         try:
@@ -636,16 +717,30 @@ class NcclTransport(Transport):
             raise TransportError(f"no device memory to stage a send to {peer}: {e}") from e
         for _ in range(2):  # a peer that lost our communicator (restart) gets one new one
             comm = self._comm_for(peer, deadline)
-            if comm is None:  # no NCCL with it (now): the tensors go inline, via host memory
-                return self._control.call(peer, header, tensors, max(0.0, deadline - time.monotonic()))
-            result = self._call_on(comm, header, sends, deadline)
+            if comm is None:  # no NCCL with it (now)
+                break
+            try:
+                result = self._call_on(comm, header, sends, deadline)
+            except _NcclFailed as e:
+                self._nccl_failed(peer, str(e))
+                if not e.unsent:
+                    raise TransportError(str(e)) from None
+                logger.info("nccl call to %s failed before its handler (%s): sent inline", peer, e)
+                break  # the peer's handler never saw it: resend inline, within the call's time
             if result is not None:
-                return result
-        raise TransportError(f"nccl communicator with {peer} reset twice")
+                reply, out, moved = result
+                if moved:  # tensors went over NCCL: its data path works (a call without any proves nothing)
+                    self._nccl_ok(peer)
+                return reply, out
+        else:
+            raise TransportError(f"nccl communicator with {peer} reset twice")
+        # The host path: tensors inline over the control socket, through host memory.
+        return self._control.call(peer, header, tensors, max(0.0, deadline - time.monotonic()))
 
     def _call_on(self, comm: _Comm, header: dict, sends: list[torch.Tensor],
-                 deadline: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """One call over a ready communicator; None if the peer did not know it (retry)."""
+                 deadline: float) -> tuple[dict, list[torch.Tensor], bool] | None:
+        """One call over a ready communicator: (reply, tensors, whether tensors moved over
+        NCCL); None if the peer did not know it (retry)."""
         if not comm.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise TransportError(f"timeout waiting for the nccl communicator with {comm.peer}")
         try:
@@ -665,33 +760,41 @@ class NcclTransport(Transport):
                     posted = self._post(comm, sends, True)
                 except RuntimeError as e:
                     self._abort(comm, f"send not posted: {e}")
-                    raise TransportError(f"nccl send to {comm.peer}: {e}") from None
+                    raise _NcclFailed(f"nccl send to {comm.peer}: {e}", unsent=True) from None
             wire = dict(header)
             wire[NCCL_KEY] = {"cid": comm.cid, "metas": _metas(sends),
                               "budget_ms": max(1, int((deadline - time.monotonic()) * 1000))}
             try:
                 reply, inline = self._control.call(comm.peer, wire, (), max(0.0, deadline - time.monotonic()))
             except TransportError as e:
-                if posted:  # our sends may be left unmatched on the stream
+                if posted:  # our sends may be left unmatched on the stream (a hung transfer looks so)
                     self._abort(comm, f"control call failed: {e}")
+                    raise _NcclFailed(f"{e} (nccl sends posted)", unsent=False) from None
                 raise
             if reply.pop(RESET_KEY, False):
                 self._abort(comm, f"peer does not know it: {reply.get('error')}", bye=False)
                 return None
             consumed = bool(reply.pop(CONSUMED_KEY, False))
+            nccl_failed = bool(reply.pop(FAILED_KEY, False))
             if posted and not consumed:
                 self._abort(comm, f"peer took no tensors: {reply.get('error')}")
-                return reply, inline
+                if nccl_failed:  # its handler never saw the call
+                    raise _NcclFailed(f"nccl receive at {comm.peer}: {reply.get('error')}", unsent=True)
+                return reply, inline, False  # refused (caps): inline would be too
             if posted:
                 why = self._complete(comm, deadline)
                 if why is not None:
                     self._abort(comm, why)
-                    raise TransportError(f"nccl send to {comm.peer}: {why}")
+                    raise _NcclFailed(f"nccl send to {comm.peer}: {why}", unsent=False)
             comm.inflight = []
+            if nccl_failed:  # the peer's reply tensors could not go over NCCL: they came inline
+                self._abort(comm, f"peer's reply send failed: {reply.get('error')}", bye=False)
+                self._nccl_failed(comm.peer, f"reply tensors from {comm.peer} not sent over nccl")
+                return reply, inline, False
             metas = reply.pop(REPLY_KEY, None)
             if metas is None:
-                return reply, inline
-            return reply, self._receive(comm, metas, deadline)
+                return reply, inline, posted
+            return reply, self._receive(comm, metas, deadline), True
         finally:
             comm.lock.release()
 
@@ -703,11 +806,11 @@ class NcclTransport(Transport):
             posted = self._post(comm, out, False)
         except (ValueError, RuntimeError) as e:  # caps, allocation failures, nccl errors
             self._abort(comm, f"reply tensors not received: {e}")
-            raise TransportError(f"nccl reply from {comm.peer}: {e}") from None
+            raise _NcclFailed(f"nccl reply from {comm.peer}: {e}", unsent=False) from None
         why = self._complete(comm, deadline) if posted else None
         if why is not None:
             self._abort(comm, why)
-            raise TransportError(f"nccl receive from {comm.peer}: {why}")
+            raise _NcclFailed(f"nccl receive from {comm.peer}: {why}", unsent=False)
         comm.inflight = []
         return out
 
@@ -728,7 +831,7 @@ class NcclTransport(Transport):
         if op == BYE_OP:
             return self._bye(header), []
         req = header.pop(NCCL_KEY, None)
-        for key in (REPLY_KEY, CONSUMED_KEY, RESET_KEY):
+        for key in (REPLY_KEY, CONSUMED_KEY, RESET_KEY, FAILED_KEY):
             header.pop(key, None)
         if req is None:  # a peer without NCCL (or calling inline): tensors came inline
             with self._handler_lock:
@@ -740,8 +843,9 @@ class NcclTransport(Transport):
         if comm is None:
             return {"ok": False, "error": f"unknown nccl communicator {req['cid']}", RESET_KEY: True}, []
         budget = req.get("budget_ms")
-        budget_s = budget / 1000 if type(budget) is int and budget > 0 else self._max_wait_s
-        deadline = time.monotonic() + min(budget_s, self._max_wait_s)
+        budget_s = min(budget / 1000 if type(budget) is int and budget > 0 else self._max_wait_s, self._max_wait_s)
+        # Give up a little before the caller does, so that it hears why (and may resend inline).
+        deadline = time.monotonic() + budget_s - min(0.25, budget_s / 10)
         # The receive is waited for on a worker: pings and hellos from other instances are
         # answered meanwhile (queued behind it they would time out and mark us dead).
         return self._deferred(deadline + 1.0, self._serve_on, comm, req, header, handler, deadline)
@@ -758,20 +862,23 @@ class NcclTransport(Transport):
             comm = args[0] if args and isinstance(args[0], _Comm) else None
             if comm is not None:  # the caller's sends stay unmatched: it cannot be used again
                 self._abort(comm, "too many nccl calls in progress here")
-            return {"ok": False, "error": f"nccl: {_MAX_SERVING} calls in progress here, or closing"}, []
+            return {"ok": False, "error": f"nccl: {_MAX_SERVING} calls in progress here, or closing",
+                    FAILED_KEY: True}, []
         d = Deferred(until)
 
         def run() -> None:
             reply: dict = {"ok": False, "error": "nccl: server error"}
+            inline: list[torch.Tensor] = []
             try:
-                reply = fn(*args)
+                result = fn(*args)
+                reply, inline = result if isinstance(result, tuple) else (result, [])
             except Exception as e:  # noqa: BLE001 - answered, as the tcp transport does
                 logger.exception("nccl transport: serving a call failed")
                 reply = {"ok": False, "error": f"server error: {type(e).__name__}: {e}"}
             finally:
                 with self._lock:
                     self._serving -= 1
-                d.resolve(reply, [])
+                d.resolve(reply, inline)
 
         try:
             self._workers.submit(run)
@@ -781,11 +888,13 @@ class NcclTransport(Transport):
             return {"ok": False, "error": "closing"}, []
         return d
 
-    def _serve_on(self, comm: _Comm, req: dict, header: dict, handler: Handler, deadline: float) -> dict:
-        """A worker: receive a call's tensors over ``comm``, run the handler, post the reply's."""
+    def _serve_on(self, comm: _Comm, req: dict, header: dict, handler: Handler,
+                  deadline: float) -> dict | tuple[dict, list[torch.Tensor]]:
+        """A worker: receive a call's tensors over ``comm``, run the handler, post the reply's
+        (or, when NCCL will not take them, put them inline in the reply)."""
         if not comm.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._abort(comm, "busy past the call's deadline")  # its sends stay unmatched
-            return {"ok": False, "error": "nccl communicator busy past the call's deadline"}
+            return {"ok": False, "error": "nccl communicator busy past the call's deadline", FAILED_KEY: True}
         try:
             if comm.broken is not None:
                 return {"ok": False, "error": f"nccl communicator ended: {comm.broken}", RESET_KEY: True}
@@ -800,18 +909,22 @@ class NcclTransport(Transport):
                 return {"ok": False, "error": f"nccl: earlier reply not taken: {why}", RESET_KEY: True}
             try:
                 specs = _checked_metas(req.get("metas", []), self._max_bytes, self._max_frames)
-                tensors = self._alloc(comm, specs)
-                comm.inflight = tensors
-                posted = self._post(comm, tensors, False)
-            except (ValueError, RuntimeError) as e:  # caps, allocation failure, nccl error
+            except ValueError as e:  # caps: refused whichever way the tensors come
                 # The caller's sends stay unmatched: the communicator cannot be used again.
                 self._abort(comm, f"refused a call's tensors: {e}")
                 return {"ok": False, "error": f"nccl receive refused: {e}"}
+            try:
+                tensors = self._alloc(comm, specs)
+                comm.inflight = tensors
+                posted = self._post(comm, tensors, False)
+            except RuntimeError as e:  # device allocation, nccl error: the host path may still work
+                self._abort(comm, f"could not receive a call's tensors: {e}")
+                return {"ok": False, "error": f"nccl receive failed: {e}", FAILED_KEY: True}
             if posted:
                 why = self._complete(comm, deadline)
                 if why is not None:
                     self._abort(comm, why)
-                    return {"ok": False, "error": f"nccl receive: {why}"}
+                    return {"ok": False, "error": f"nccl receive: {why}", FAILED_KEY: True}
             comm.inflight = []
             try:
                 reply, out = self._run_handler(handler, header, tensors)
@@ -829,9 +942,18 @@ class NcclTransport(Transport):
                     comm.pending.append(pending)  # kept until sent or the abort returned
                     if self._post(comm, out, True):
                         comm.unsettled = True
-                except (TypeError, RuntimeError) as e:
+                except TypeError as e:  # not tensors we can send: the handler's bug
                     self._abort(comm, f"reply send failed: {e}")
                     return {"ok": False, "error": f"nccl reply send failed: {e}", CONSUMED_KEY: True}
+                except RuntimeError as e:  # NCCL refused: the handler ran, its tensors go the host path
+                    self._abort(comm, f"reply send failed: {e}")
+                    try:
+                        host = [t.cpu() for t in out]
+                    except RuntimeError as e2:
+                        return {"ok": False, "error": f"nccl reply send failed: {e}; host copy: {e2}",
+                                CONSUMED_KEY: True, FAILED_KEY: True}
+                    reply[FAILED_KEY] = True
+                    return reply, host
                 reply[REPLY_KEY] = _metas(out)
             return reply
         finally:
@@ -853,13 +975,13 @@ class NcclTransport(Transport):
         theirs, caller = header.get("version"), self._caller(header)
         if theirs != self._version:
             logger.info("nccl hello from %s refused: NCCL %s there, %s here", caller, theirs, self._version)
-            return {"ok": False, "no_nccl": True, "version": self._version,
+            return {"ok": False, "no_nccl": True, "version": self._version, "reason": "version",
                     "error": f"NCCL {theirs} at the caller, {self._version} here (NCCL needs the same version on both "
                              "sides)"}
         with self._lock:
             off = self._nccl_off(caller)
         if off is not None:
-            return {"ok": False, "no_nccl": True, "error": f"no nccl with you here: {off}"}
+            return {"ok": False, "no_nccl": True, "reason": "abort_hung", "error": f"no nccl with you here: {off}"}
         return {"ok": True, "version": self._version}
 
     def _init_in(self, header: dict) -> dict:
@@ -872,14 +994,14 @@ class NcclTransport(Transport):
         with self._lock:
             off = self._nccl_off(caller)
         if off is not None:
-            return {"ok": False, "no_nccl": True, "error": f"no nccl with you here: {off}"}
+            return {"ok": False, "no_nccl": True, "reason": "abort_hung", "error": f"no nccl with you here: {off}"}
         try:
             with self._on_our_device():
                 handle = self._lib.init_rank(2, uid, 1, self._config)
             stream = self._lib.new_stream(self._device)
         except Exception as e:  # noqa: BLE001 - NCCL broken here: the caller falls back to tcp
             logger.warning("nccl init for %s failed: %s", caller, e)
-            return {"ok": False, "error": f"nccl init failed here: {e}", "no_nccl": True}
+            return {"ok": False, "error": f"nccl init failed here: {e}", "no_nccl": True, "reason": "setup"}
         comm = _Comm(cid, caller, 1, handle, stream, caller=f"{caller}>{header.get('to')}")
         with self._lock:
             old = [c for c in self._in.values() if c.caller == comm.caller or c.cid == cid]

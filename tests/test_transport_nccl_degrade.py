@@ -1,0 +1,159 @@
+"""Degrade, never break (issue 20, "What to build" 3), on the host-memory NCCL double: when
+NCCL cannot be set up with a peer or its transfers keep failing, that peer's calls move to
+the host-staged tcp path (one WARN naming the NCCL error, ``on_fallback(reason)`` for the
+metric, ``fallbacks()``), their tensors still arrive, and NCCL is tried again later."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from connector.transport.nccl import NcclTransport
+from tests.nccl_double import Fabric, FakeNccl
+
+HOST = "127.0.0.1"
+CPU = torch.device("cpu")
+LOGGER = "connector.transport.nccl"
+
+
+def _rand(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _echo(header, tensors):
+    return {"sums": [int(t.sum()) for t in tensors]}, [t.flip(0) for t in tensors]
+
+
+def _until(pred, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return pred()
+
+
+@pytest.fixture(params=[True, False], ids=["socket", "p2p"])
+def pair(request):
+    """(client, server, address, reasons): reasons collects the client's on_fallback calls."""
+    fabric = Fabric(abort_reaches_peer=request.param)
+    made: list[NcclTransport] = []
+
+    def make(server_lib=None, client_lib=None, **kw):
+        server = NcclTransport(server_lib or FakeNccl(fabric), CPU, **kw)
+        server.start(HOST, 0, _echo)
+        client = NcclTransport(client_lib or FakeNccl(fabric), CPU, **kw)
+        made.extend((client, server))
+        reasons: list[str] = []
+        client.on_fallback = reasons.append
+        return client, server, f"{HOST}:{server.bound_port}", reasons
+
+    make.fabric = fabric
+    yield make
+    for t in made:
+        t.close()
+    fabric.close()
+
+
+def _roundtrip(client, addr, seed: int, n: int = 3000, timeout_s: float = 5.0) -> None:
+    t = _rand(n, seed)
+    reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=timeout_s)
+    assert reply["ok"] and reply["sums"] == [int(t.sum())] and torch.equal(back[0], t.flip(0))
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == LOGGER
+            and "host-staged" in r.getMessage()]
+
+
+def test_init_refused_moves_the_peer_to_tcp_at_once_and_nccl_is_tried_again_later(pair, caplog):
+    server_lib = FakeNccl(pair.fabric, init_error=2)
+    client, server, addr, reasons = pair(server_lib=server_lib, retry_s=0.5)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for seed in range(3):
+            _roundtrip(client, addr, seed)
+        assert server_lib.recv_bytes == 0  # all inline, through host memory
+        assert reasons == ["setup"]
+        (warn,) = _warnings(caplog)
+        assert "unhandled system error" in warn and addr in warn  # names the NCCL error and the peer
+        assert client.fallbacks()[addr]["reason"] == "setup"
+        assert len(server_lib.configs) == 0  # asked once, refused, not asked per call
+        server_lib._init_error = None  # fixed (say, the other side restarted)
+        time.sleep(0.6)
+        _roundtrip(client, addr, 7)
+        assert _until(lambda: client.communicators()["out"] == 1)
+        _roundtrip(client, addr, 8)
+        assert server_lib.recv_bytes > 0 and client.fallbacks() == {}
+        assert any("back on NCCL" in r.getMessage() for r in caplog.records)
+    assert reasons == ["setup"] and len(_warnings(caplog)) == 1
+
+
+def test_a_retry_that_fails_again_backs_off_quietly(pair, caplog):
+    server_lib = FakeNccl(pair.fabric, init_error=2)
+    client, server, addr, reasons = pair(server_lib=server_lib, retry_s=0.3)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _roundtrip(client, addr, 1)
+        first = client.fallbacks()[addr]["retry_in_s"]
+        time.sleep(0.4)
+        _roundtrip(client, addr, 2)  # retries NCCL, fails again: still inline
+        assert _until(lambda: client.fallbacks().get(addr, {}).get("retry_in_s", 0) > first)
+    assert reasons == ["setup"] and len(_warnings(caplog)) == 1  # one WARN, one count per switch
+
+
+def test_send_errors_resend_inline_and_n_in_a_row_move_the_peer_to_tcp(pair, caplog):
+    client_lib = FakeNccl(pair.fabric)
+    client, server, addr, reasons = pair(client_lib=client_lib, fallback_after=3)
+    _roundtrip(client, addr, 0)
+    assert server._lib.recv_bytes > 0
+    before = server._lib.recv_bytes
+    client_lib.send_error = 3
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        for seed in range(1, 6):
+            _roundtrip(client, addr, seed)  # every request keeps its tensors
+    assert client_lib.send_calls == 1 + 3  # the warm-up, then three tries; then no more NCCL
+    assert server._lib.recv_bytes == before
+    assert reasons == ["transfers"]
+    (warn,) = _warnings(caplog)
+    assert "internal error" in warn and "3 transfers in a row" in warn
+
+
+def test_a_success_between_failures_resets_the_count(pair):
+    client_lib = FakeNccl(pair.fabric)
+    client, server, addr, reasons = pair(client_lib=client_lib, fallback_after=3)
+    for _ in range(3):
+        client_lib.send_error = 3
+        _roundtrip(client, addr, 1)
+        _roundtrip(client, addr, 2)
+        client_lib.send_error = None
+        _roundtrip(client, addr, 3)  # a fresh communicator, over NCCL
+    assert reasons == [] and client.fallbacks() == {}
+
+
+def test_transfers_hanging_past_their_deadline_move_the_peer_to_tcp(pair):
+    """The peer's NCCL wedges (nothing posted ever launches): each call ends by its deadline,
+    and after fallback_after of them the peer's calls take the host path, promptly."""
+    client, server, addr, reasons = pair(fallback_after=3, max_wait_s=5.0)
+    _roundtrip(client, addr, 0)
+    server._lib.stall = True
+    for seed in range(1, 4):
+        t0 = time.monotonic()
+        try:
+            _roundtrip(client, addr, seed, timeout_s=0.6)  # resent inline if time was left
+        except Exception as e:  # noqa: BLE001 - a TransportError at the deadline is fine here
+            assert "timeout" in str(e) or "nccl" in str(e), e
+        assert time.monotonic() - t0 < 1.5
+    assert reasons == ["transfers"]
+    t0 = time.monotonic()
+    _roundtrip(client, addr, 9, timeout_s=2.0)
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_a_peer_on_another_nccl_version_is_one_fallback(pair):
+    client, server, addr, reasons = pair(server_lib=FakeNccl(pair.fabric, version="2.21.5"))
+    for seed in range(3):
+        _roundtrip(client, addr, seed)
+    assert reasons == ["version"] and client.fallbacks()[addr]["reason"] == "version"
