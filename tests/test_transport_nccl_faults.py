@@ -320,3 +320,57 @@ def test_send_tensors_stay_alive_until_the_abort_returned(fabric, closing):
     gate.set()
     assert _until(lambda: client._lib.aborts >= 1, 5.0)
     _no_freed_use(client)
+
+
+# ---------------------------------------------------------------- on a GPU (what the double cannot show)
+
+
+class _CudaStreams(FakeNccl):
+    """The double's NCCL with real CUDA streams: what the transport allocates and records."""
+
+    def new_stream(self, device):
+        return torch.cuda.Stream(device=device)
+
+
+def _segment_stream(ptr: int) -> int | None:
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return seg["stream"]
+    return None
+
+
+@pytest.mark.gpu
+def test_receive_buffers_are_allocated_on_the_communicators_stream():
+    """Item 7: the caching allocator ties a block to the stream it was allocated on; NCCL
+    writes receive buffers on the communicator's stream, so they are allocated there (else
+    the allocator could hand their memory to the caller's stream's next allocation while
+    NCCL still writes it)."""
+    fabric = Fabric()
+    t = NcclTransport(_CudaStreams(fabric), torch.device("cuda", 0))
+    try:
+        from connector.transport.nccl import _Comm
+
+        comm = _Comm("c", "p", 0, None, t._lib.new_stream(torch.device("cuda", 0)))
+        (buf,) = t._alloc(comm, [(torch.uint8, [1 << 22])])
+        assert _segment_stream(buf.data_ptr()) == comm.stream.cuda_stream
+        assert comm.stream.cuda_stream != torch.cuda.current_stream().cuda_stream
+    finally:
+        t.close()
+        fabric.close()
+
+
+@pytest.mark.gpu
+def test_pinned_pool_is_page_locked_at_exactly_its_size():
+    """Item 9 on a real GPU: cudaHostRegister'ed, exactly nbytes, usable for async copies."""
+    from connector.staging import PinnedPool
+
+    nbytes = 3 * (1 << 20) + 12345
+    pool = PinnedPool(nbytes, pin=True)
+    try:
+        assert pool.buffer.is_pinned() and pool.buffer.numel() == nbytes
+        dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        pool.buffer.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(pool.buffer, dev.cpu())
+    finally:
+        pool.close()
