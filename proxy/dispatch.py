@@ -2,7 +2,8 @@
 
 Failures are sorted by what can still be done about them:
 - P unreachable or timed out: try another P (bounded by prefill_retries);
-- D unreachable, dropped or 5xx before its first byte: redo the request on another D with a
+- D unreachable, dropped or 5xx before its first byte (a stream: a server error event or a
+  dropped connection before any generated content): redo the request on another D with a
   new P/D pair (bounded by decode_retries): nothing has reached the client yet; when no D
   is left (or every retry failed), D alone once (local_rescue): a lost KV transfer fails
   D's request, D prefilling itself does not need one;
@@ -26,7 +27,7 @@ from proxy.errors import ProxyError, instance_text, upstream_error_body, upstrea
 from proxy.metrics import Metrics
 from proxy.openai_api import prefill_body
 from proxy.registry import Instance
-from proxy.relay import Answer, Relay
+from proxy.relay import Answer, Relay, read_lead
 from proxy.request import RouteRequest
 from proxy.rewrite import IdRewrite, neutral_id
 from proxy.selection import Selector
@@ -44,10 +45,11 @@ LOCAL_RESCUE = "local_rescue"  # D failed disaggregated attempts before its firs
 
 class DecodeFailed(Exception):
     """D failed before anything reached the client: the request may go to another D, or
-    to D alone. Raised for D's 5xx, a refused, reset or dropped connection, a connect
-    timeout and an invalid response; not for D's 4xx (its verdict on the request, the same
-    on any D), an answer over max_response_bytes (as large anywhere) nor a D silent for
-    decode_ttfb_timeout (the deadline is spent): those are ProxyErrors, relayed."""
+    to D alone. Raised for D's 5xx (or a stream's server error event before any generated
+    content), a refused, reset or dropped connection, a connect timeout and an invalid
+    response; not for D's 4xx (its verdict on the request, the same on any D), an answer
+    over max_response_bytes (as large anywhere) nor a D silent for decode_ttfb_timeout
+    (the deadline is spent): those are ProxyErrors, relayed."""
 
     def __init__(self, error: ProxyError) -> None:
         super().__init__(error.message)
@@ -132,7 +134,7 @@ class Dispatcher:
             await self._relay(answer, d, call.send, call.flight)
         finally:
             # Unread (client left, error, timeout): closes the connection, D aborts.
-            await answer.resp.aclose()
+            await answer.aclose()
         d.served += 1
         self._phase["decode"].observe(time.perf_counter() - call.t_decode)
         return answer.resp.status
@@ -223,7 +225,7 @@ class Dispatcher:
         call.flight.extra.append((b"x-xpyd-path", path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
-        answer = await self._first_bytes(d, self._open(call.req, d, headers), limit)
+        answer = await self._first_bytes(d, self._open(call.req, d, headers), headers, limit)
         self._observe_ttfb(call, t)
         return answer
 
@@ -278,7 +280,7 @@ class Dispatcher:
             self.metrics.dispatch(DISAGGREGATED)
             try:
                 answer = await self._first_bytes(
-                    d, opening if opening is not None else self._open(req, d, headers)
+                    d, opening if opening is not None else self._open(req, d, headers), headers
                 )
             except BaseException:
                 await _discard(opening)
@@ -379,19 +381,62 @@ class Dispatcher:
             )
 
     async def _first_bytes(self, d: Instance, opening: Awaitable[Answer],
-                           limit: float | None = None) -> Answer:  # fmt: skip
+                           headers: dict[str, str], limit: float | None = None
+                           ) -> Answer:  # fmt: skip
         """D's first bytes, under the deadline that starts when D's answer is due (a
-        rescue: what is left of it)."""
+        rescue: what is left of it), and the verdict on them: D failed before its first
+        byte (DecodeFailed: retried, then rescued) or the answer may be relayed."""
         if limit is None:
             limit = self.cfg.decode_ttfb_timeout
+        until = asyncio.get_running_loop().time() + limit
         try:
-            async with asyncio.timeout(limit):
-                return await opening
+            async with asyncio.timeout_at(until):
+                answer = await opening
         except TimeoutError:
             self.metrics.upstream_error("D", d.http_address, "timeout")
             log.warning("decode sent nothing instance=%s for=%.1fs", d.http_address, limit)
             where = instance_text("decode", d.http_address, self._expose)
             raise ProxyError(504, f"{where} sent nothing for {limit}s", "decode_timeout") from None
+        if not answer.streaming:  # _open judged the status
+            return answer
+        # A stream's 200 says nothing yet: vLLM reports a failure before the first token
+        # (a failed KV load) as an error event. Hold the lead until it says something.
+        try:
+            error = await read_lead(answer, until)
+        except UpstreamError as e:  # D broke off before any content: as in _open
+            await answer.aclose()
+            raise self._broke(d, e) from None
+        except BaseException:
+            await answer.aclose()
+            raise
+        if error is None:
+            return answer
+        await answer.aclose()
+        raise self._refused(d, error.status, error.body, headers, "its stream's error event")
+
+    def _refused(self, d: Instance, status: int, data: bytes, headers: dict[str, str],
+                 how: str = "its answer") -> ProxyError | DecodeFailed:  # fmt: skip
+        """D's error answer (an HTTP error, or a stream's error event) before anything was
+        relayed: 5xx is D's failure (another D, or D alone, may serve the request); 4xx is
+        D's verdict on the request, the same on any D: relayed."""
+        self.metrics.upstream_error("D", d.http_address, f"http_{status}")
+        # The message is for the log; the client gets D's own error (raw).
+        raw = self._upstream_error(status, data, "decode", d, headers)
+        error = ProxyError(status, f"decode failed: HTTP {status} in {how}", raw=raw)
+        return DecodeFailed(error) if status >= 500 else error
+
+    def _broke(self, d: Instance, e: UpstreamError) -> ProxyError | DecodeFailed:
+        """D's connection failed before anything was relayed."""
+        self.metrics.upstream_error("D", d.http_address, e.kind)
+        if e.kind == "too_large":  # as large from any D: not retried
+            return _too_large("decode", d, e)
+        if e.kind == "connect":
+            d.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
+        status, code = (504, "decode_timeout") if e.kind == "connect_timeout" else (
+            502, "decode_unreachable")  # fmt: skip
+        where = instance_text("decode", d.http_address, self._expose)
+        detail = upstream_text(e.kind, str(e), self._expose)
+        return DecodeFailed(ProxyError(status, f"{where} failed before answering: {detail}", code))
 
     async def _open(self, req: RouteRequest, d: Instance, headers: dict[str, str]) -> Answer:
         """Send the client's request to D and wait for the first bytes of its answer."""
@@ -399,33 +444,14 @@ class Dispatcher:
         try:
             resp = await self.upstream.request("POST", d.url + req.path, req.raw, headers)
             if not 200 <= resp.status < 300:
-                data = await resp.read()
-                self.metrics.upstream_error("D", d.http_address, f"http_{resp.status}")
-                error = ProxyError(
-                    resp.status,
-                    "decode failed",
-                    raw=self._upstream_error(resp.status, data, "decode", d, headers),
-                )
-                # D's own verdict on the request (4xx) would be the same elsewhere.
-                raise DecodeFailed(error) if resp.status >= 500 else error
+                raise self._refused(d, resp.status, await resp.read(), headers)
             rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
             if resp.content_type.startswith("text/event-stream"):
                 chunks = resp.chunks()
                 return Answer(resp, await anext(chunks, b""), True, chunks, rewrite)
             return Answer(resp, await resp.read(), False, None, rewrite)
         except UpstreamError as e:
-            self.metrics.upstream_error("D", d.http_address, e.kind)
-            if e.kind == "too_large":  # as large from any D: not retried
-                raise _too_large("decode", d, e) from None
-            if e.kind == "connect":
-                d.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
-            status, code = (504, "decode_timeout") if e.kind == "connect_timeout" else (
-                502, "decode_unreachable")  # fmt: skip
-            where = instance_text("decode", d.http_address, self._expose)
-            detail = upstream_text(e.kind, str(e), self._expose)
-            raise DecodeFailed(
-                ProxyError(status, f"{where} failed before answering: {detail}", code)
-            ) from None
+            raise self._broke(d, e) from None
         except BaseException:
             if resp is not None:
                 await resp.aclose()
@@ -449,7 +475,7 @@ async def _discard(task: asyncio.Task | None) -> None:
         return
     result = task.result()
     if isinstance(result, Answer):
-        await result.resp.aclose()
+        await result.aclose()
 
 
 def _too_large(phase: str, inst: Instance, e: UpstreamError) -> ProxyError:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from http import HTTPStatus
+
+import orjson
 
 from proxy.asgi import Flight, Send
 from proxy.errors import instance_text, sse_error_event, upstream_text
@@ -26,6 +30,15 @@ class Answer:
     streaming: bool
     chunks: AsyncIterator[bytes] | None  # the rest of a stream
     rewrite: IdRewrite | None = None  # internal -> neutral request id (None: exposed)
+    # A read of the stream still under way when the lead's deadline came (see read_lead):
+    # `chunks` starts with its result, and closing the answer must cancel it.
+    pending: asyncio.Task[bytes | None] | None = None
+
+    async def aclose(self) -> None:
+        """Release D's response; an unread one closes its connection (D aborts)."""
+        if self.pending is not None and not self.pending.done():
+            self.pending.cancel()
+        await self.resp.aclose()
 
 
 # What an SSE stream ends with when its last event is complete (LF, CRLF or CR lines).
@@ -37,6 +50,155 @@ def at_event_boundary(tail: bytes) -> bool:
     event as it is. Unsure (a trailing CR may await its LF) counts as no: an extra blank
     line is harmless in SSE, an event glued to the previous one is not."""
     return not tail or tail.endswith(_EVENT_ENDS)
+
+
+# ---------------------------------------------------------------- a stream's lead
+# vLLM answers a stream's request with 200 before generating; a failure before the first
+# token (a KV load that failed, under kv_load_failure_policy=fail) then comes as an SSE
+# error event: first in a completion stream, after the role chunk in a chat stream. Such a
+# stream is a failure before D's first byte (retried, then rescued) if it is judged before
+# anything is relayed: so D's leading events that carry nothing generated are held back
+# until one that does (relayed at once with them), bounded by these bytes and by the
+# first-byte deadline.
+LEAD_MAX_BYTES = 16 * 1024
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n")
+# Error types that are a verdict on the request (vLLM's 4xx, OpenAI's), for an error event
+# without an HTTP status in its code: any other type counts as D's failure.
+_CLIENT_ERROR_TYPES = frozenset(
+    ["BadRequestError", "NotFoundError", "UnprocessableEntityError", "invalid_request_error",
+     "authentication_error", "permission_error", "not_found_error", "rate_limit_error"]
+    + [s.phrase for s in HTTPStatus if 400 <= s < 500]
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StreamError:
+    """A server error event that came before any generated content."""
+
+    status: int  # the event's code when an HTTP 5xx status, else 500
+    body: bytes  # the event's JSON: {"error": {...}}
+
+
+def _server_error(err: dict) -> int | None:
+    """The HTTP status of an error event when it is D's failure (5xx), else None."""
+    code = err.get("code")
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    if isinstance(code, int) and not isinstance(code, bool) and 100 <= code < 600:
+        return code if code >= 500 else None
+    return None if err.get("type") in _CLIENT_ERROR_TYPES else 500
+
+
+def _carries(choice: object) -> bool:
+    """Whether a stream choice carries anything generated (or is not understood)."""
+    if not isinstance(choice, dict):
+        return True
+    if choice.get("finish_reason") is not None or choice.get("text"):
+        return True
+    if choice.get("logprobs") or choice.get("token_ids"):
+        return True
+    delta = choice.get("delta")
+    if delta is None:
+        return False
+    if not isinstance(delta, dict):
+        return True
+    return any(v for k, v in delta.items() if k != "role")  # chat's role chunk: nothing
+
+
+def judge_lead(buf: bytes, start: int = 0) -> tuple[bool | StreamError, int]:
+    """Judge a stream's complete events from `start` on: (True, _) when one carries
+    something, is [DONE] or is not understood, or the events go past LEAD_MAX_BYTES (relay
+    now); (StreamError, _) for a server error event; else (False, where the next event
+    starts): nothing generated so far. Never looks past LEAD_MAX_BYTES."""
+    cap = LEAD_MAX_BYTES
+    while True:
+        # vLLM's lines end with LF: plain finds (a regex costs more than the rest together).
+        lf = buf.find(b"\r", start, cap) < 0
+        if lf:
+            i = buf.find(b"\n\n", start, cap)
+            end = i + 2
+        else:
+            m = _EVENT_END.search(buf, start, cap)
+            i, end = (m.start(), m.end()) if m is not None else (-1, 0)
+        if i < 0:
+            return len(buf) >= cap, start
+        event = buf[start:i]
+        start = end
+        if lf and event.startswith(b"data: ") and b"\n" not in event:
+            raw = event[6:]  # vLLM's: one data line
+        else:
+            data = [line[5:].removeprefix(b" ") for line in event.splitlines()
+                    if line.startswith(b"data:")]  # fmt: skip
+            if not data:  # a comment or an empty event
+                continue
+            raw = b"\n".join(data)
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:  # [DONE], or not vLLM's
+            return True, start
+        if not isinstance(obj, dict):
+            return True, start
+        err = obj.get("error")
+        if err is not None:
+            status = _server_error(err) if isinstance(err, dict) else None
+            return (True if status is None else StreamError(status, raw)), start
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return True, start
+        for choice in choices:
+            if _carries(choice):
+                return True, start
+
+
+async def _next(chunks: AsyncIterator[bytes]) -> bytes | None:
+    return await anext(chunks, None)
+
+
+async def _after(pending: asyncio.Task[bytes | None],
+                 rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:  # fmt: skip
+    chunk = await pending
+    if chunk is None:
+        return
+    yield chunk
+    async for chunk in rest:
+        yield chunk
+
+
+async def read_lead(answer: Answer, until: float) -> StreamError | None:
+    """Hold back D's leading events that carry nothing generated (chat's role chunk) until
+    one that does, the stream's end, LEAD_MAX_BYTES or the loop time `until`; all of it is
+    then answer.first. Returns the server error event that came first, if one did (the
+    caller closes the answer). Raises UpstreamError if D broke off meanwhile."""
+    assert answer.chunks is not None
+    buf = answer.first
+    verdict, start = judge_lead(buf)
+    if verdict is False:
+        resp, chunks = answer.resp, answer.chunks
+        loop = asyncio.get_running_loop()
+        # Bounded: every turn reads more (or stops), and the cap and deadline end it.
+        while verdict is False and len(buf) <= LEAD_MAX_BYTES and not resp.at_eof():
+            left = until - loop.time()
+            if left <= 0:
+                break
+            # A task, not a timeout around anext: cancelling a read would end the stream.
+            task = loop.create_task(_next(chunks))
+            try:
+                done, _ = await asyncio.wait((task,), timeout=left)
+            except BaseException:
+                task.cancel()
+                raise
+            if not done:  # the deadline: relay as without the lead (the read goes on)
+                answer.pending = task
+                answer.chunks = _after(task, chunks)
+                break
+            chunk = task.result()
+            if chunk is None:  # the stream ended
+                break
+            buf += chunk
+            verdict, start = judge_lead(buf, start)
+        answer.first = buf
+    return verdict if isinstance(verdict, StreamError) else None
 
 
 class Relay:

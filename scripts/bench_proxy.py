@@ -3,9 +3,10 @@
 
 Starts fake P and D instances (tests/fake_vllm.py) and the proxy as separate processes,
 then, for each concurrency, runs the load generator (its own process: keep-alive raw
-HTTP/1.1 connections, streaming completions of --tokens tokens) first straight at D, then
-through the proxy. Prints req/s, latency and the added latency p50/p99, and the proxy's CPU
-per request (from /proc/<pid>/stat), each with its ratio to the direct run.
+HTTP/1.1 connections, streaming completions of --tokens tokens; --chat: chat completions,
+whose role chunk comes first) first straight at D, then through the proxy. Prints req/s,
+latency and the added latency p50/p99, and the proxy's CPU per request (from
+/proc/<pid>/stat), each with its ratio to the direct run.
 
     .venv/bin/python scripts/bench_proxy.py                    # c = 1, 16, 64; ~90 s
     .venv/bin/python scripts/bench_proxy.py --rounds 3 --duration 2 --variants \
@@ -152,20 +153,17 @@ def loadgen_main(args: argparse.Namespace) -> None:
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    body = json.dumps(
-        {
-            "model": "fake-model",
-            "prompt": "Hello, my name is",
-            "max_tokens": args.tokens,
-            "stream": True,
-        }
-    ).encode()
+    body: dict = {"model": "fake-model", "max_tokens": args.tokens, "stream": True}
+    if args.chat:
+        body["messages"] = [{"role": "user", "content": "Hello, my name is"}]
+    else:
+        body["prompt"] = "Hello, my name is"
     result = run(
         _loadgen(
             args.host,
             args.port,
-            "/v1/completions",
-            body,
+            "/v1/chat/completions" if args.chat else "/v1/completions",
+            json.dumps(body).encode(),
             args.concurrency,
             args.duration,
             args.warmup,
@@ -226,7 +224,8 @@ def wait_http(port: int, path: str, timeout: float = 30.0) -> None:
 def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
     cmd = [sys.executable, os.path.abspath(__file__), "--loadgen", "--port", str(port),
            "--concurrency", str(c), "--duration", str(args.duration), "--warmup",
-           str(args.warmup), "--tokens", str(args.tokens)]  # fmt: skip
+           str(args.warmup), "--tokens", str(args.tokens), *(["--chat"] if args.chat else [])
+           ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     # CPU is sampled around the measured window only (the load generator reports the same).
     time.sleep(args.warmup)
@@ -329,7 +328,8 @@ def bench(args: argparse.Namespace) -> int:
 
 def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namespace) -> None:
     rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
-    print(f"\nxPyD proxy benchmark: streaming completions, {args.tokens} tokens, fake P/D "
+    kind = "chat completions" if args.chat else "completions"
+    print(f"\nxPyD proxy benchmark: streaming {kind}, {args.tokens} tokens, fake P/D "
           f"instances, {os.cpu_count()} CPUs, {args.duration:g}s per point{rounds}")  # fmt: skip
     print("direct = load generator -> D;  proxy = load generator -> proxy -> P then D")
     hdr = (f"{'variant':<31} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
@@ -359,6 +359,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--chat", action="store_true",
+                    help="stream chat completions (a role chunk first) instead of completions")
     ap.add_argument("--upstream-client", default="native", choices=("native", "aiohttp", "httpx"))
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     ap.add_argument("--http", default="httptools", choices=("httptools", "h11"))

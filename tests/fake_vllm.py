@@ -4,7 +4,7 @@ A real HTTP/1.1 server on loopback (asyncio + httptools, no framework, so it is 
 enough to be the benchmark's backend too) that registers over real ZMQ with
 proxy.protocol.encode, answers /v1/completions and /v1/chat/completions in vLLM's exact
 shapes (stream and not), /v1/models and /health, records every request, and can be told
-to fail: a status, a delay, a hang, a broken or stalled stream.
+to fail: a status, a delay, a hang, a broken or stalled stream, a stream's error event.
 
 In-process:  fake = FakeVLLM("P", proxy="127.0.0.1:5555"); await fake.start() ... await fake.stop()
 Subprocess:  python tests/fake_vllm.py --role D --port 8200 --proxy 127.0.0.1:5555
@@ -45,6 +45,11 @@ class Fault:
     fail_after: int | None = None  # stream: drop the connection after N data events
     stall_after: int | None = None  # stream: send N events then nothing more
     token_delay: float | None = None  # stream: seconds between events
+    # stream: vLLM's error event with this code (500: its failed KV load under
+    # kv_load_failure_policy=fail) inside the 200, after `stream_error_after` token events
+    # (chat: and after the role chunk, as vLLM does), then [DONE].
+    stream_error: int | None = None
+    stream_error_after: int = 0
     times: int | None = None
     paths: tuple[str, ...] = ()  # only these paths (empty: all)
     # Only requests whose X-Request-Id starts with this (DISAGGREGATED_ID: a P/D transfer,
@@ -53,6 +58,22 @@ class Fault:
 
 
 DISAGGREGATED_ID = "___prefill_addr_"  # how connector.request_id.build() ids begin
+
+# vLLM 0.32's (message, type) per code of a stream's error event (GenerationError: 500,
+# RetryableRequestError: 503, a request error: 400).
+_STREAM_ERRORS = {
+    500: ("Internal server error", "InternalServerError"),
+    503: ("Request failed; please retry", "ServiceUnavailableError"),
+    400: ("This model's maximum context length is 2048 tokens.", "BadRequestError"),
+}
+
+
+def stream_error_event(code: int) -> bytes:
+    """The SSE event vLLM's stream generators yield for an error, byte for byte: json.dumps
+    of its ErrorResponse (message, type, param, code)."""
+    message, kind = _STREAM_ERRORS.get(code, ("error", "InternalServerError"))
+    error = {"message": message, "type": kind, "param": None, "code": code}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 @dataclass
@@ -555,6 +576,10 @@ class FakeVLLM:
         fault: Fault | None,
     ) -> None:
         events = self.stream_events(chat, rid, n, body)
+        if fault is not None and fault.stream_error is not None:
+            lead = 1 if chat else 0  # chat's role chunk comes first
+            events = events[: lead + min(fault.stream_error_after, n)] + [
+                stream_error_event(fault.stream_error), b"data: [DONE]\n\n"]  # fmt: skip
         conn.write(self._head(200, "text/event-stream; charset=utf-8", None, req.keep_alive))
         delay = self.token_delay
         if fault is not None and fault.token_delay is not None:

@@ -317,3 +317,175 @@ async def test_local_paths_and_oversized_answers_are_not_rescued():
         assert resp.json()["error"]["code"] == "upstream_response_too_large"
         assert len(d.completions()) == 1
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+
+
+# ---------------------------------------------------------------- a stream's error event
+# vLLM answers a stream 200 before generating, so a KV load that failed comes as an SSE
+# error event inside it (completions: first; chat: after the role chunk). Before any
+# generated content that is still a failure before D's first byte: retried, then rescued.
+
+COMPLETION_STREAM = {**STREAM, "max_tokens": 4}
+STREAMS = pytest.mark.parametrize(
+    "path,body",
+    [("/v1/completions", COMPLETION_STREAM), ("/v1/chat/completions", CHAT_STREAM)],
+    ids=["completions", "chat"],
+)
+
+
+def stream_error(code: int = 500, **kw) -> Fault:
+    """D streams 200 with vLLM's error event to disaggregated requests."""
+    return Fault(stream_error=code, id_prefix=DISAGGREGATED_ID, **kw)
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+
+
+@STREAMS
+async def test_stream_error_event_before_content_is_rescued(path, body):
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = stream_error(times=1)
+        resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        first, second = d.completions()
+        # D did send vLLM's 200 with its error event (chat: after the role chunk)...
+        assert first.status == 200 and request_id.parse(first.request_id) is not None
+        assert (b'data: {"error": {"message": "Internal server error", "type": '
+                b'"InternalServerError", "param": null, "code": 500}}\n\ndata: [DONE]\n\n'
+                ) in first.sent  # fmt: skip
+        assert first.sent.startswith(b"data: {\"id\":\"chatcmpl-" if "chat" in path
+                                     else b"data: {\"error\"")  # fmt: skip
+        # ...and the client got none of it: only what D computed alone.
+        assert local_id(second.request_id) and second.json == body
+        assert resp.content == relayed(second)
+        assert not any("error" in e for e in sse(resp.text))
+        assert resp.text.endswith("data: [DONE]\n\n")
+        assert resp.headers["x-xpyd-path"] == "local_rescue"
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+        assert await px.metric("xpyd_decode_retries_total") == 0
+        assert await px.metric("xpyd_upstream_errors_total", role="D",
+                               instance=d.http_address, kind="http_500") == 1  # fmt: skip
+        assert len(p.completions()) == 1
+        assert px.registry.live("D")[0].in_flight == 0
+
+
+@STREAMS
+async def test_stream_error_event_is_retried_on_another_decode(path, body):
+    async with running_proxy(expose_routing_headers=True) as px:
+        p = await px.fake("P")
+        d1, d2 = await px.fake("D"), await px.fake("D")
+        d1.fault = stream_error(503)  # round robin asks d1 first
+        resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-xpyd-decode-instance"] == d2.http_address
+        (served,) = d2.completions()
+        assert request_id.parse(served.request_id) is not None  # a P/D pair, not D alone
+        assert resp.content == served.sent
+        assert await px.metric("xpyd_decode_retries_total") == 1
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+        assert len(p.completions()) == 2
+
+
+@STREAMS
+async def test_stream_client_error_event_is_relayed(path, body):
+    """A 4xx error event is D's verdict on the request: relayed as it came, not retried."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        other = await px.fake("D")
+        d.fault = other.fault = stream_error(400)
+        resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200
+        (rec,) = d.completions() + other.completions()
+        assert resp.content == relayed(rec)
+        assert sse(resp.text)[-1]["error"]["code"] == 400
+        assert await px.metric("xpyd_decode_retries_total") == 0
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+
+
+@STREAMS
+async def test_stream_error_event_after_content_is_relayed(path, body):
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = stream_error(500, stream_error_after=2)
+        resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200
+        (rec,) = d.completions()
+        assert resp.content == relayed(rec)
+        events = sse(resp.text)
+        assert events[-1]["error"]["code"] == 500 and "choices" in events[-2]
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+
+
+async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
+    """D sends the role chunk, then nothing: at the first-byte deadline what was held is
+    relayed, and the stream goes on as without the hold (here: the idle deadline ends it)."""
+    async with running_proxy(decode_ttfb_timeout=0.5, stream_idle_timeout=0.4) as px:
+        p, d = await px.pd()
+        d.fault = Fault(stall_after=1)  # the role chunk, then silence
+        t0 = time.monotonic()
+        async with px.client.stream("POST", "/v1/chat/completions", json=CHAT_STREAM) as r:
+            assert r.status_code == 200
+            chunks = r.aiter_raw()
+            head = await anext(chunks)
+            held_for = time.monotonic() - t0
+            rest = b"".join([c async for c in chunks])
+        (rec,) = d.completions()
+        assert head == relayed(rec)  # the role chunk, held until the deadline
+        assert 0.4 < held_for < 0.9, held_for
+        assert json.loads(rest.decode()[6:])["error"]["code"] == "decode_timeout"
+        await wait_until(lambda: rec.cancelled, what="D saw the abort")
+        assert len(d.completions()) == 1  # not rescued
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+
+
+async def test_stream_first_token_is_not_delayed_by_the_hold():
+    """The role chunk waits only for the first token, which is relayed the moment it comes."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(token_delay=0.3)
+        t0 = time.monotonic()
+        async with px.client.stream("POST", "/v1/chat/completions", json=CHAT_STREAM) as r:
+            chunks = r.aiter_raw()
+            head = await anext(chunks)
+            took = time.monotonic() - t0
+            rest = b"".join([c async for c in chunks])
+        events = sse(head.decode())
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert [e["choices"][0]["delta"].get("content") for e in events[1:]] == [" t0"]
+        assert took < 0.5, took  # role chunk + t0 at ~0.3 s, t1 at ~0.6 s
+        assert head + rest == relayed(d.completions()[0])
+
+
+async def test_stream_broken_off_before_content_is_rescued():
+    """D drops the connection after the role chunk, before any token: a failure before its
+    first byte too."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(fail_after=1, id_prefix=DISAGGREGATED_ID, times=1)
+        resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)
+        assert resp.status_code == 200
+        first, second = d.completions()
+        assert first.fault_closed and local_id(second.request_id)
+        assert resp.content == relayed(second)
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+@STREAMS
+async def test_stream_error_event_when_the_rescue_fails_too(path, body):
+    """D alone streams the error event too: the client gets the first failure as an error
+    answer (vLLM's error, its status), never a 200 that hides it."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(stream_error=500)  # disaggregated and alone alike
+        resp = await px.client.post(path, json=body)
+        assert resp.status_code == 500
+        assert resp.headers["content-type"].startswith("application/json")
+        assert resp.json() == {"error": {"message": "Internal server error",
+                                         "type": "InternalServerError", "param": None,
+                                         "code": 500}}  # fmt: skip
+        first, second = d.completions()
+        assert local_id(second.request_id)
+        assert resp.headers["x-request-id"] == first.request_id[-32:]
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+        assert px.registry.live("D")[0].in_flight == 0

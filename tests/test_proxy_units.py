@@ -314,3 +314,85 @@ async def test_relay_error_event_starts_on_an_event_boundary():
     error = [e for e in events if e.startswith(b"data: {\"error\"")]
     assert len(error) == 1 and json.loads(error[0][6:])["error"]["code"] == "decode_midstream"
     assert sent[-1]["more_body"] is False
+
+
+# ---------------------------------------------------------------- a stream's lead
+
+_ROLE = (b'data: {"id":"chatcmpl-x","object":"chat.completion.chunk","created":1,"model":"m",'
+         b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+         b'"finish_reason":null}]}\n\n')  # fmt: skip
+_KV_FAILED = (b'{"error": {"message": "Internal server error", "type": "InternalServerError", '
+              b'"param": null, "code": 500}}')  # fmt: skip
+_DONE = b"data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _choice(**kw) -> bytes:
+    return _event({"choices": [{"index": 0, "finish_reason": None, **kw}]})
+
+
+def _error(**kw) -> bytes:
+    return _event({"error": {"message": "m", "param": None, **kw}})
+
+
+@pytest.mark.parametrize(
+    "buf,verdict",
+    [
+        # vLLM 0.32, a failed KV load: completions first, chat after the role chunk.
+        (b"data: " + _KV_FAILED + b"\n\n" + _DONE, (500, _KV_FAILED)),
+        (_ROLE + b"data: " + _KV_FAILED + b"\n\n" + _DONE, (500, _KV_FAILED)),
+        (_ROLE.replace(b"\n", b"\r\n") + b"data: " + _KV_FAILED + b"\r\n\r\n", (500, _KV_FAILED)),
+        (_error(type="ServiceUnavailableError", code=503), 503),
+        (_error(type="InternalServerError"), 500),  # no status: a server error type
+        (_error(type="weird", code="502"), 502),
+        # D's verdict on the request, relayed.
+        (_error(type="BadRequestError", code=400), True),
+        (_error(type="BadRequestError"), True),
+        (_error(type="InternalServerError", code=429), True),
+        (_error(type="invalid_request_error", code="context_length_exceeded"), True),
+        (_event({"error": "boom"}), True),
+        # Content, an end, or anything not understood: relayed at once.
+        (_ROLE + _choice(delta={"content": " t0"}), True),
+        (_choice(text=" t0"), True),
+        (_choice(text="", finish_reason="length"), True),
+        (_choice(delta={"tool_calls": [{"index": 0}]}), True),
+        (_choice(delta={"role": "assistant"}, logprobs={"content": []}), True),
+        (_ROLE + _DONE, True),
+        (b"data: not json\n\n", True),
+        (b"data: [1]\n\n", True),
+        (_event({"object": "x"}), True),
+        # Nothing generated yet: hold on.
+        (_ROLE, False),
+        (_ROLE + _ROLE.replace(b'"index":0', b'"index":1'), False),  # n = 2
+        (_choice(delta={"role": "assistant", "content": "", "reasoning_content": None}), False),
+        (_event({"choices": [], "usage": {"prompt_tokens": 5}}), False),
+        (b": keep-alive\n\n" + _ROLE, False),
+        (_ROLE + b'data: {"error": {"mess', False),  # an event not complete yet
+    ],
+)
+def test_judge_lead(buf, verdict):
+    from proxy.relay import StreamError, judge_lead
+
+    got, start = judge_lead(buf)
+    if isinstance(verdict, tuple):
+        assert got == StreamError(*verdict)
+    elif isinstance(verdict, int) and not isinstance(verdict, bool):
+        assert isinstance(got, StreamError) and got.status == verdict
+    else:
+        assert got is verdict
+    if got is False:  # where to go on from: after the last complete event
+        assert buf[start:] in (b"", b'data: {"error": {"mess')
+
+
+def test_judge_lead_parses_no_more_than_its_cap():
+    from proxy.relay import LEAD_MAX_BYTES, judge_lead
+
+    big = _choice(delta={"role": "assistant", "content": ""}, pad="x" * LEAD_MAX_BYTES)
+    assert judge_lead(big) == (True, 0)  # past the cap: relayed as without the hold
+    # Resumes where the previous call stopped.
+    got, start = judge_lead(_ROLE)
+    assert (got, start) == (False, len(_ROLE))
+    assert judge_lead(_ROLE + b"data: " + _KV_FAILED + b"\n\n", start)[0].status == 500
