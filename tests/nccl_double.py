@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -459,3 +460,21 @@ class FakeNccl:
             self.recv_bytes += dst.numel()
         box.taken.set()
         self._done(comm, op)
+
+
+# ---- helpers the nccl transport tests share ----
+
+def rand_bytes(n: int, seed: int) -> torch.Tensor:
+    """n reproducible random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def until(pred: Callable[[], Any], timeout_s: float = 5.0) -> bool:
+    """Poll pred until it holds or timeout_s passed; its last answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return bool(pred())

@@ -18,15 +18,10 @@ import torch
 
 from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl
+from tests.nccl_double import Fabric, FakeNccl, rand_bytes
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")
-
-
-def _rand(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
 def _echo(header, tensors):
@@ -59,8 +54,8 @@ def pair(fabric):
 
 def test_tensors_move_over_nccl_and_back(pair):
     client, server, addr = pair
-    a = _rand(1 << 20, 1).view(torch.bfloat16).reshape(256, 2048)
-    b = _rand(4096, 2)
+    a = rand_bytes(1 << 20, 1).view(torch.bfloat16).reshape(256, 2048)
+    b = rand_bytes(4096, 2)
     reply, tensors = client.call(addr, {"op": "put"}, [a, b], timeout_s=10)
     assert reply["ok"] and reply["n"] == 2 and reply["op"] == "put"
     assert reply["sums"] == [int(a.view(torch.uint8).sum()), int(b.sum())]
@@ -80,7 +75,7 @@ def test_calls_without_tensors_and_non_contiguous_inputs(pair):
     client, _, addr = pair
     reply, tensors = client.call(addr, {"op": "ping"}, timeout_s=5)
     assert reply["ok"] and reply["n"] == 0 and tensors == []
-    base = _rand(64 * 64, 3).reshape(64, 64)
+    base = rand_bytes(64 * 64, 3).reshape(64, 64)
     strided = base.t()  # not contiguous: sent as a contiguous copy
     _, tensors = client.call(addr, {"op": "x"}, [strided, torch.empty(0, dtype=torch.uint8)], timeout_s=5)
     assert torch.equal(tensors[0], strided.flip(0))
@@ -94,7 +89,7 @@ def test_concurrent_callers_share_one_communicator_in_order(pair):
     def worker(seed: int) -> None:
         try:
             for i in range(5):
-                t = _rand(10_000 + seed * 7 + i, seed * 100 + i)
+                t = rand_bytes(10_000 + seed * 7 + i, seed * 100 + i)
                 reply, back = client.call(addr, {"op": "w"}, [t], timeout_s=10)
                 assert reply["sums"] == [int(t.sum())] and torch.equal(back[0], t.flip(0))
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -113,7 +108,7 @@ def test_num_channels_reaches_the_communicator_config_not_the_environment(fabric
     before = dict(os.environ)
     client, server, addr = _pair(fabric, num_channels=4)
     try:
-        client.call(addr, {"op": "x"}, [_rand(100, 1)], timeout_s=5)
+        client.call(addr, {"op": "x"}, [rand_bytes(100, 1)], timeout_s=5)
         configs = client._lib.configs + server._lib.configs
         assert len(configs) == 2
         assert all(c.num_channels == 4 and c.blocking is False for c in configs)
@@ -128,15 +123,15 @@ def test_peer_dying_mid_transfer_fails_the_call_by_its_deadline(fabric):
     The call must fail at its deadline and the communicator be aborted, never hang."""
     client, server, addr = _pair(fabric)
     try:
-        client.call(addr, {"op": "warm"}, [_rand(10, 1)], timeout_s=5)  # communicator up
+        client.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)  # communicator up
         server._lib.kill()  # from now on nothing on the server side progresses
         t0 = time.monotonic()
         # The server's receive gives up just before the caller's deadline and says so: the
         # call is resent inline (its handler never saw it) in what time is left, or fails;
         # it never hangs.
         try:
-            reply, back = client.call(addr, {"op": "put"}, [_rand(1 << 16, 2)], timeout_s=1.0)
-            assert reply["ok"] and torch.equal(back[0], _rand(1 << 16, 2).flip(0))
+            reply, back = client.call(addr, {"op": "put"}, [rand_bytes(1 << 16, 2)], timeout_s=1.0)
+            assert reply["ok"] and torch.equal(back[0], rand_bytes(1 << 16, 2).flip(0))
         except TransportError:
             pass
         assert time.monotonic() - t0 < 3.0
@@ -151,13 +146,13 @@ def test_server_side_wait_is_bounded_when_the_caller_dies(fabric):
     the server must give up at the call's budget, abort, and keep serving others."""
     client, server, addr = _pair(fabric, max_wait_s=0.5)
     try:
-        client.call(addr, {"op": "warm"}, [_rand(10, 1)], timeout_s=5)
+        client.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
         client._lib.kill()
         t0 = time.monotonic()
-        reply, back = client.call(addr, {"op": "put"}, [_rand(1 << 12, 2)], timeout_s=2.0)
+        reply, back = client.call(addr, {"op": "put"}, [rand_bytes(1 << 12, 2)], timeout_s=2.0)
         # The server gave up at its max_wait_s (not the caller's 2 s) and said its receive
         # failed: the call was resent inline and served.
-        assert reply["ok"] and torch.equal(back[0], _rand(1 << 12, 2).flip(0))
+        assert reply["ok"] and torch.equal(back[0], rand_bytes(1 << 12, 2).flip(0))
         assert time.monotonic() - t0 < 1.5
         deadline = time.monotonic() + 3
         while server.communicators()["in"] and time.monotonic() < deadline:
@@ -166,8 +161,8 @@ def test_server_side_wait_is_bounded_when_the_caller_dies(fabric):
         # The server still serves a healthy caller.
         other = NcclTransport(FakeNccl(fabric), CPU)
         try:
-            reply, back = other.call(addr, {"op": "x"}, [_rand(50, 3)], timeout_s=5)
-            assert reply["ok"] and torch.equal(back[0], _rand(50, 3).flip(0))
+            reply, back = other.call(addr, {"op": "x"}, [rand_bytes(50, 3)], timeout_s=5)
+            assert reply["ok"] and torch.equal(back[0], rand_bytes(50, 3).flip(0))
         finally:
             other.close()
     finally:
@@ -181,8 +176,8 @@ def test_set_up_with_a_peer_that_never_joins_times_out_and_aborts(fabric):
     client, server, addr = _pair(fabric, server_lib=FakeNccl(fabric, join=False), init_timeout_s=0.5)
     try:
         t0 = time.monotonic()
-        reply, back = client.call(addr, {"op": "x"}, [_rand(10, 1)], timeout_s=5)
-        assert reply["ok"] and torch.equal(back[0], _rand(10, 1).flip(0))
+        reply, back = client.call(addr, {"op": "x"}, [rand_bytes(10, 1)], timeout_s=5)
+        assert reply["ok"] and torch.equal(back[0], rand_bytes(10, 1).flip(0))
         assert time.monotonic() - t0 < 2.0
         assert server._lib.recv_bytes == 0 and client.communicators()["out"] == 0
         deadline = time.monotonic() + 3
@@ -201,12 +196,12 @@ def test_communicator_is_recreated_after_the_peer_restarts(fabric):
     client = NcclTransport(FakeNccl(fabric), CPU)
     addr = f"{HOST}:{port}"
     try:
-        client.call(addr, {"op": "x"}, [_rand(10, 1)], timeout_s=5)
+        client.call(addr, {"op": "x"}, [rand_bytes(10, 1)], timeout_s=5)
         server.close()
         server = NcclTransport(FakeNccl(fabric), CPU)  # same address, knows no communicator
         server.start(HOST, port, _echo)
-        reply, back = client.call(addr, {"op": "y"}, [_rand(20, 2)], timeout_s=5)
-        assert reply["ok"] and torch.equal(back[0], _rand(20, 2).flip(0))
+        reply, back = client.call(addr, {"op": "y"}, [rand_bytes(20, 2)], timeout_s=5)
+        assert reply["ok"] and torch.equal(back[0], rand_bytes(20, 2).flip(0))
         assert client.aborted == 1  # the old one, found broken (or told "unknown communicator")
     finally:
         client.close()
@@ -216,13 +211,13 @@ def test_communicator_is_recreated_after_the_peer_restarts(fabric):
 def test_tensor_caps_are_checked_before_allocation(fabric):
     client, server, addr = _pair(fabric, max_msg_bytes=1000, max_frames=3)
     try:
-        reply, _ = client.call(addr, {"op": "big"}, [_rand(2000, 1)], timeout_s=5)
+        reply, _ = client.call(addr, {"op": "big"}, [rand_bytes(2000, 1)], timeout_s=5)
         assert not reply["ok"] and "cap" in reply["error"]
-        reply, _ = client.call(addr, {"op": "many"}, [_rand(1, i) for i in range(5)], timeout_s=5)
+        reply, _ = client.call(addr, {"op": "many"}, [rand_bytes(1, i) for i in range(5)], timeout_s=5)
         assert not reply["ok"] and "cap" in reply["error"]
         # Refused calls cost their communicator (unmatched sends), not the transport.
-        reply, back = client.call(addr, {"op": "ok"}, [_rand(100, 2)], timeout_s=5)
-        assert reply["ok"] and torch.equal(back[0], _rand(100, 2).flip(0))
+        reply, back = client.call(addr, {"op": "ok"}, [rand_bytes(100, 2)], timeout_s=5)
+        assert reply["ok"] and torch.equal(back[0], rand_bytes(100, 2).flip(0))
     finally:
         client.close()
         server.close()
@@ -233,7 +228,7 @@ def test_forged_tensor_metas_are_refused(fabric):
     client, server, addr = _pair(fabric)
     raw = TcpTransport()
     try:
-        client.call(addr, {"op": "x"}, [_rand(10, 1)], timeout_s=5)
+        client.call(addr, {"op": "x"}, [rand_bytes(10, 1)], timeout_s=5)
         cid = next(iter(server._in))
         for metas in ([{"dtype": "complex128", "shape": [1]}], [{"dtype": "uint8", "shape": [-1]}], "x"):
             reply, _ = raw.call(addr, {"op": "x", "_nccl": {"cid": cid, "metas": metas}}, timeout_s=5)
@@ -266,8 +261,8 @@ def test_peer_without_nccl_gets_tensors_inline(fabric):
     addr = f"{HOST}:{plain.bound_port}"
     try:
         for seed in range(3):
-            reply, back = client.call(addr, {"op": "x"}, [_rand(100, seed)], timeout_s=5)
-            assert reply["ok"] and torch.equal(back[0], _rand(100, seed).flip(0))
+            reply, back = client.call(addr, {"op": "x"}, [rand_bytes(100, seed)], timeout_s=5)
+            assert reply["ok"] and torch.equal(back[0], rand_bytes(100, seed).flip(0))
         assert client.communicators()["out"] == 0 and client._lib.configs == []
     finally:
         client.close()
@@ -279,7 +274,7 @@ def test_unreachable_peer_fails_within_the_deadline(fabric):
     try:
         t0 = time.monotonic()
         with pytest.raises(TransportError):
-            client.call(f"{HOST}:1", {"op": "x"}, [_rand(10, 1)], timeout_s=0.5)
+            client.call(f"{HOST}:1", {"op": "x"}, [rand_bytes(10, 1)], timeout_s=0.5)
         assert time.monotonic() - t0 < 1.5
     finally:
         client.close()
@@ -291,7 +286,7 @@ def test_reply_tensors_never_taken_are_reaped(fabric):
     slow_reply = threading.Event()
 
     def handler(header, tensors):
-        return {}, [_rand(1000, 5)]
+        return {}, [rand_bytes(1000, 5)]
 
     client, server, addr = _pair(fabric, handler=handler, max_wait_s=0.3)
     try:
@@ -313,11 +308,11 @@ def test_caller_retries_once_when_the_peer_forgot_the_communicator(pair):
     """The peer lost its side without an error reaching ours (e.g. restarted at once): it
     answers "unknown communicator", the caller aborts its side and sets up a new one."""
     client, server, addr = pair
-    client.call(addr, {"op": "x"}, [_rand(10, 1)], timeout_s=5)
+    client.call(addr, {"op": "x"}, [rand_bytes(10, 1)], timeout_s=5)
     with server._lock:
         server._in.clear()  # forgotten, not aborted
-    reply, back = client.call(addr, {"op": "y"}, [_rand(30, 2)], timeout_s=5)
-    assert reply["ok"] and torch.equal(back[0], _rand(30, 2).flip(0))
+    reply, back = client.call(addr, {"op": "y"}, [rand_bytes(30, 2)], timeout_s=5)
+    assert reply["ok"] and torch.equal(back[0], rand_bytes(30, 2).flip(0))
     assert client.aborted == 1 and client.communicators()["out"] == 1
 
 
@@ -352,8 +347,8 @@ def test_library_failure_at_set_up_sends_inline(fabric):
     client = NcclTransport(Refusing(fabric), CPU)
     try:
         for seed in range(3):
-            reply, back = client.call(f"{HOST}:{server.bound_port}", {"op": "x"}, [_rand(10, seed)], timeout_s=5)
-            assert reply["ok"] and torch.equal(back[0], _rand(10, seed).flip(0))
+            reply, back = client.call(f"{HOST}:{server.bound_port}", {"op": "x"}, [rand_bytes(10, seed)], timeout_s=5)
+            assert reply["ok"] and torch.equal(back[0], rand_bytes(10, seed).flip(0))
         assert client._lib.init_calls == 1 and server._lib.recv_bytes == 0
     finally:
         client.close()

@@ -12,29 +12,15 @@ import pytest
 import torch
 
 from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl
+from tests.nccl_double import Fabric, FakeNccl, rand_bytes, until
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")
 LOGGER = "connector.transport.nccl"
 
 
-def _rand(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
 def _echo(header, tensors):
     return {"sums": [int(t.sum()) for t in tensors]}, [t.flip(0) for t in tensors]
-
-
-def _until(pred, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 @pytest.fixture(params=[True, False], ids=["socket", "p2p"])
@@ -60,7 +46,7 @@ def pair(request):
 
 
 def _roundtrip(client, addr, seed: int, n: int = 3000, timeout_s: float = 5.0) -> None:
-    t = _rand(n, seed)
+    t = rand_bytes(n, seed)
     reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=timeout_s)
     assert reply["ok"] and reply["sums"] == [int(t.sum())] and torch.equal(back[0], t.flip(0))
 
@@ -85,7 +71,7 @@ def test_init_refused_moves_the_peer_to_tcp_at_once_and_nccl_is_tried_again_late
         server_lib._init_error = None  # fixed (say, the other side restarted)
         time.sleep(0.6)
         _roundtrip(client, addr, 7)
-        assert _until(lambda: client.communicators()["out"] == 1)
+        assert until(lambda: client.communicators()["out"] == 1)
         _roundtrip(client, addr, 8)
         assert server_lib.recv_bytes > 0 and client.fallbacks() == {}
         assert any("back on NCCL" in r.getMessage() for r in caplog.records)
@@ -100,7 +86,7 @@ def test_a_retry_that_fails_again_backs_off_quietly(pair, caplog):
         first = client.fallbacks()[addr]["retry_in_s"]
         time.sleep(0.4)
         _roundtrip(client, addr, 2)  # retries NCCL, fails again: still inline
-        assert _until(lambda: client.fallbacks().get(addr, {}).get("retry_in_s", 0) > first)
+        assert until(lambda: client.fallbacks().get(addr, {}).get("retry_in_s", 0) > first)
     assert reasons == ["setup"] and len(_warnings(caplog)) == 1  # one WARN, one count per switch
 
 

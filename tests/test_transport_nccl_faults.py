@@ -22,29 +22,15 @@ import torch
 
 from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl
+from tests.nccl_double import Fabric, FakeNccl, rand_bytes, until
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")
 
 
-def _rand(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
 def _echo(header, tensors):
     return {"n": len(tensors), "sums": [int(t.view(torch.uint8).sum()) for t in tensors]}, \
         [t.flip(0) for t in tensors]
-
-
-def _until(pred, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 @pytest.fixture(params=[True, False], ids=["socket", "p2p"])
@@ -103,8 +89,8 @@ def test_a_slow_set_up_gets_its_own_budget_and_short_calls_still_answer(fabric, 
     t1 = time.monotonic()
     reply, _ = client.call(addr, {"op": "ping"}, timeout_s=1.0)
     assert reply["ok"] and time.monotonic() - t1 < 1.0
-    assert _until(lambda: client.communicators()["out"] == 1, 8.0)
-    t = _rand(5000, 1)
+    assert until(lambda: client.communicators()["out"] == 1, 8.0)
+    t = rand_bytes(5000, 1)
     reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=5)
     assert reply["sums"] == [int(t.sum())] and torch.equal(back[0], t.flip(0))
     assert server._lib.recv_bytes == t.numel()  # over the communicator, not inline
@@ -114,7 +100,7 @@ def test_a_slow_set_up_gets_its_own_budget_and_short_calls_still_answer(fabric, 
 def test_a_call_during_set_up_waits_at_most_half_its_budget_then_goes_inline(fabric, closing):
     server, addr = _server(fabric, closing, lib=FakeNccl(fabric, init_delay_s=3.0), init_timeout_s=10)
     client = _client(fabric, closing, init_timeout_s=10)
-    t = _rand(3000, 2)
+    t = rand_bytes(3000, 2)
     t0 = time.monotonic()
     reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=1.0)
     assert reply["ok"] and torch.equal(back[0], t.flip(0))
@@ -132,11 +118,11 @@ def test_failed_set_ups_leave_no_incoming_communicator(fabric, closing):
     for i in range(4):
         client = _client(fabric, closing, lib=FakeNccl(fabric, join=False), init_timeout_s=0.5)
         try:
-            client.call(addr, {"op": "x"}, [_rand(10, i)], timeout_s=2.0)
+            client.call(addr, {"op": "x"}, [rand_bytes(10, i)], timeout_s=2.0)
         except TransportError:
             pass
-    assert _until(lambda: len(server._in) == 0, 3.0), f"server still holds {len(server._in)}"
-    assert _until(lambda: server._lib.aborts == 4, 3.0)
+    assert until(lambda: len(server._in) == 0, 3.0), f"server still holds {len(server._in)}"
+    assert until(lambda: server._lib.aborts == 4, 3.0)
     _no_freed_use(server)
 
 
@@ -145,12 +131,12 @@ def test_a_new_set_up_from_the_same_caller_replaces_its_old_communicator(fabric,
     restarted at the same address): its next set-up replaces the old one here."""
     server, addr = _server(fabric, closing)
     client = _client(fabric, closing, serve=True)
-    client.call(addr, {"op": "x"}, [_rand(10, 1)], timeout_s=5)
+    client.call(addr, {"op": "x"}, [rand_bytes(10, 1)], timeout_s=5)
     (old,) = list(server._in.values())
     comm = client._out[addr]
     client._abort(comm, "test: dropped on the caller's side")
-    client.call(addr, {"op": "y"}, [_rand(10, 2)], timeout_s=5)
-    assert _until(lambda: old.broken is not None and len(server._in) == 1)
+    client.call(addr, {"op": "y"}, [rand_bytes(10, 2)], timeout_s=5)
+    assert until(lambda: old.broken is not None and len(server._in) == 1)
     _no_freed_use(client, server)
 
 
@@ -166,8 +152,8 @@ def test_no_unique_id_is_made_for_a_peer_without_nccl(fabric, closing):
     closing.append(plain)
     client = _client(fabric, closing, retry_s=0.0)  # asks again every call
     for seed in range(3):
-        reply, back = client.call(f"{HOST}:{plain.bound_port}", {"op": "x"}, [_rand(100, seed)], timeout_s=5)
-        assert reply["ok"] and torch.equal(back[0], _rand(100, seed).flip(0))
+        reply, back = client.call(f"{HOST}:{plain.bound_port}", {"op": "x"}, [rand_bytes(100, seed)], timeout_s=5)
+        assert reply["ok"] and torch.equal(back[0], rand_bytes(100, seed).flip(0))
     assert client._lib.unique_ids == 0 and fabric.open_bootstraps() == 0
 
 
@@ -178,7 +164,7 @@ def test_nccl_versions_that_differ_use_tcp_at_once(fabric, closing, caplog):
     client = _client(fabric, closing, lib=FakeNccl(fabric, version="2.27.5"))
     with caplog.at_level(logging.WARNING, logger="connector.transport.nccl"):
         for seed in range(3):
-            t = _rand(1000, seed)
+            t = rand_bytes(1000, seed)
             reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=5)
             assert reply["ok"] and torch.equal(back[0], t.flip(0))
     assert server._lib.recv_bytes == 0 and client._lib.configs == [] and server._lib.configs == []
@@ -193,28 +179,28 @@ def test_nccl_versions_that_differ_use_tcp_at_once(fabric, closing, caplog):
 def test_nothing_touches_a_communicator_after_its_abort(fabric, closing):
     """Reply sends posted (``unsettled``) when the communicator is aborted: settling it
     afterwards (the reaper works from a snapshot) must not call NCCL on the freed handle."""
-    server, addr = _server(fabric, closing, handler=lambda h, t: ({}, [_rand(100, 3)]))
+    server, addr = _server(fabric, closing, handler=lambda h, t: ({}, [rand_bytes(100, 3)]))
     client = _client(fabric, closing)
     client.call(addr, {"op": "warm"}, timeout_s=5)
     (comm,) = list(server._in.values())
     with comm.lock:
         comm.unsettled = True
     server._abort(comm, "test")
-    assert _until(lambda: server._lib.aborts == 1)
+    assert until(lambda: server._lib.aborts == 1)
     server._settle_replies(comm, time.monotonic() + 0.1)
     _no_freed_use(server)
 
 
 def test_concurrent_calls_aborts_and_reaping_never_use_freed_handles(fabric, closing):
     """Calls whose callers give up (killed mid-reply) while the reaper runs, many times."""
-    server, addr = _server(fabric, closing, handler=lambda h, t: ({}, [_rand(2000, 4)]), max_wait_s=0.3)
+    server, addr = _server(fabric, closing, handler=lambda h, t: ({}, [rand_bytes(2000, 4)]), max_wait_s=0.3)
     for i in range(4):
         client = _client(fabric, closing)
         client.call(addr, {"op": "warm"}, timeout_s=5)
         client._lib.kill()
         with pytest.raises(TransportError):
             client.call(addr, {"op": "get"}, timeout_s=0.4)
-    assert _until(lambda: server.communicators()["in"] == 0, 5.0)
+    assert until(lambda: server.communicators()["in"] == 0, 5.0)
     gc.collect()
     _no_freed_use(server)
 
@@ -228,13 +214,13 @@ def test_pings_are_answered_while_a_receive_waits(fabric, closing):
     decode is marked dead by every prefill)."""
     server, addr = _server(fabric, closing, max_wait_s=3.0)
     stuck = _client(fabric, closing)
-    stuck.call(addr, {"op": "warm"}, [_rand(10, 1)], timeout_s=5)
+    stuck.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
     stuck._lib.kill()
     done = threading.Event()
 
     def long_call():
         try:
-            stuck.call(addr, {"op": "put"}, [_rand(1 << 12, 2)], timeout_s=3.0)
+            stuck.call(addr, {"op": "put"}, [rand_bytes(1 << 12, 2)], timeout_s=3.0)
         except TransportError:
             pass
         done.set()
@@ -247,7 +233,7 @@ def test_pings_are_answered_while_a_receive_waits(fabric, closing):
     reply, _ = raw.call(addr, {"op": "ping"}, timeout_s=1.0)
     assert reply["ok"] and time.monotonic() - t0 < 0.5
     other = _client(fabric, closing)
-    t = _rand(500, 5)
+    t = rand_bytes(500, 5)
     reply, back = other.call(addr, {"op": "x"}, [t], timeout_s=2.0)
     assert reply["ok"] and torch.equal(back[0], t.flip(0))
     assert not done.is_set()  # the stuck receive was still waiting
@@ -264,21 +250,21 @@ def test_a_hung_abort_holds_up_nothing_and_quarantines_the_peer(fabric, closing)
     server, addr = _server(fabric, closing, lib=FakeNccl(fabric, abort_gate=gate), max_wait_s=0.3,
                            abort_timeout_s=0.5)
     stuck = _client(fabric, closing, serve=True)
-    stuck.call(addr, {"op": "warm"}, [_rand(10, 1)], timeout_s=5)
+    stuck.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
     stuck._lib.kill()
-    reply, back = stuck.call(addr, {"op": "put"}, [_rand(100, 2)], timeout_s=2.0)
-    assert reply["ok"] and torch.equal(back[0], _rand(100, 2).flip(0))  # resent inline
-    assert _until(lambda: server._lib.aborting == 1)
+    reply, back = stuck.call(addr, {"op": "put"}, [rand_bytes(100, 2)], timeout_s=2.0)
+    assert reply["ok"] and torch.equal(back[0], rand_bytes(100, 2).flip(0))  # resent inline
+    assert until(lambda: server._lib.aborting == 1)
     raw = TcpTransport()
     closing.append(raw)
     t0 = time.monotonic()
     reply, _ = raw.call(addr, {"op": "ping"}, timeout_s=1.0)
     assert reply["ok"] and time.monotonic() - t0 < 0.5
     assert all(not n.startswith("xpyd-tcp-server") for n in server._lib.abort_threads)
-    assert _until(lambda: stuck._address in server.quarantined(), 3.0)
+    assert until(lambda: stuck._address in server.quarantined(), 3.0)
     # Others still get NCCL.
     other = _client(fabric, closing)
-    t = _rand(300, 3)
+    t = rand_bytes(300, 3)
     reply, back = other.call(addr, {"op": "x"}, [t], timeout_s=3.0)
     assert reply["ok"] and torch.equal(back[0], t.flip(0)) and server._lib.recv_bytes >= t.numel()
 
@@ -289,13 +275,13 @@ def test_a_hung_abort_holds_up_nothing_and_quarantines_the_peer(fabric, closing)
 def test_reply_tensors_stay_alive_until_the_abort_returned(fabric, closing):
     """Reply sends never taken (the caller died): the reaper aborts the communicator; the
     tensors NCCL was sending must not be freed before ncclCommAbort returned."""
-    server, addr = _server(fabric, closing, handler=lambda h, t: ({}, [_rand(4000, 5)]), max_wait_s=0.3)
+    server, addr = _server(fabric, closing, handler=lambda h, t: ({}, [rand_bytes(4000, 5)]), max_wait_s=0.3)
     client = _client(fabric, closing)
     client.call(addr, {"op": "warm"}, timeout_s=5)
     client._lib.kill()
     with pytest.raises(TransportError):
         client.call(addr, {"op": "get"}, timeout_s=0.5)
-    assert _until(lambda: server._lib.aborts == 1, 5.0)
+    assert until(lambda: server._lib.aborts == 1, 5.0)
     gc.collect()
     _no_freed_use(server)
 
@@ -307,9 +293,9 @@ def test_send_tensors_stay_alive_until_the_abort_returned(fabric, closing):
     closing.append(gate)
     server, addr = _server(fabric, closing, max_wait_s=5.0)
     client = _client(fabric, closing, lib=FakeNccl(fabric, abort_gate=gate))
-    client.call(addr, {"op": "warm"}, [_rand(10, 1)], timeout_s=5)
+    client.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
     server._lib.kill()
-    t = _rand(1 << 14, 6)
+    t = rand_bytes(1 << 14, 6)
     try:  # the server's receive times out too: resent inline, or the caller's own deadline
         client.call(addr, {"op": "put"}, [t], timeout_s=0.5)
     except TransportError:
@@ -318,7 +304,7 @@ def test_send_tensors_stay_alive_until_the_abort_returned(fabric, closing):
     del t
     gc.collect()
     gate.set()
-    assert _until(lambda: client._lib.aborts >= 1, 5.0)
+    assert until(lambda: client._lib.aborts >= 1, 5.0)
     _no_freed_use(client)
 
 
