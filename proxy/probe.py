@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -92,13 +93,7 @@ class Prober:
             self.admit_soon(inst)
 
     def admit_soon(self, inst: Instance) -> asyncio.Task[bool]:
-        task = self._joining.get(inst)
-        if task is None or task.done():
-            task = asyncio.get_running_loop().create_task(self.admit(inst))
-            self._joining[inst] = task
-            task.add_done_callback(lambda t, i=inst: self._joining.pop(i, None)
-                                   if self._joining.get(i) is t else None)  # fmt: skip
-        return task
+        return _once(self._joining, inst, self.admit)
 
     async def admit(self, inst: Instance) -> bool:
         """The join probe of a pending instance: it becomes a routing candidate once it
@@ -167,13 +162,7 @@ class Prober:
             self.fetch_models_soon(inst)
 
     def fetch_models_soon(self, inst: Instance) -> asyncio.Task[bool]:
-        task = self._fetching.get(inst)
-        if task is None or task.done():
-            task = asyncio.get_running_loop().create_task(self.fetch_models(inst))
-            self._fetching[inst] = task
-            task.add_done_callback(lambda t, i=inst: self._fetching.pop(i, None)
-                                   if self._fetching.get(i) is t else None)  # fmt: skip
-        return task
+        return _once(self._fetching, inst, self.fetch_models)
 
     async def fetch_models(self, inst: Instance) -> bool:
         """Learn inst's models from its /v1/models; False (logged) when that fails."""
@@ -256,6 +245,18 @@ class Prober:
         self._warned.add((inst, what))
         log.log(level, "probe failed what=%s role=%s instance=%s kind=%s error=%s",
                 what, inst.role, inst.http_address, e.kind, e)  # fmt: skip
+
+
+def _once(tasks: dict[Instance, asyncio.Task[bool]], inst: Instance,
+          probe: Callable[[Instance], Awaitable[bool]]) -> asyncio.Task[bool]:
+    """The task running probe(inst), started unless one is running already; it leaves
+    ``tasks`` when done."""
+    task = tasks.get(inst)
+    if task is None or task.done():
+        task = asyncio.get_running_loop().create_task(probe(inst))
+        tasks[inst] = task
+        task.add_done_callback(lambda t: tasks.pop(inst, None) if tasks.get(inst) is t else None)
+    return task
 
 
 def _parse_models(data: bytes) -> dict[str, dict]:
