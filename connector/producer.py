@@ -285,15 +285,18 @@ class PeerSender:
         First contact opens a connection and may meet a busy peer: it gets the same budget as
         the send it precedes (it had a 2 s cap of its own, which a loaded box's ordinary
         stall outlasted: issue 21)."""
+        def left() -> float:
+            return max(0.05, deadline - time.monotonic())
+
         try:
-            reply, _ = self._transport.call(self.home, {"op": "hello"}, timeout_s=max(0.05, deadline - time.monotonic()))
+            reply, _ = self._transport.call(self.home, {"op": "hello"}, timeout_s=left())
             if self._rank == 0 or not reply.get("ok") or reply.get("rank") == self._rank:
                 return reply, self.home
         except TransportError:
             if self._rank == 0:
                 raise
         first = rank_address(self.instance, 0)
-        reply, _ = self._transport.call(first, {"op": "hello"}, timeout_s=max(0.05, deadline - time.monotonic()))
+        reply, _ = self._transport.call(first, {"op": "hello"}, timeout_s=left())
         return reply, first
 
     def _plan(self, reply: dict[str, Any], contact: str) -> str | None:

@@ -73,7 +73,8 @@ def choice_steps(choice: dict) -> list[tuple[str, dict[str, float]]]:
     """(token, top logprobs) for each step in one choice (or one streamed chunk's choice)."""
     lp = choice.get("logprobs") or {}
     if "content" in lp:  # chat
-        return [(c["token"], {t["token"]: t["logprob"] for t in c.get("top_logprobs") or []} | {c["token"]: c["logprob"]})
+        return [(c["token"], {**{t["token"]: t["logprob"] for t in c.get("top_logprobs") or []},
+                              c["token"]: c["logprob"]})
                 for c in lp["content"] or []]
     return [(t, dict(top or {})) for t, top in zip(lp.get("tokens") or [], lp.get("top_logprobs") or [])]
 

@@ -10,8 +10,11 @@ out on 2-core Intel boxes, issue 21). Each P -> D first-contact latency is logge
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import e2e_cluster
@@ -19,6 +22,9 @@ import httpx
 import pytest
 from e2e_client import BLOCK, MODEL_DIR, answer_of, assert_same_greedy, body_for, generate, make_prompt, with_logprobs
 from e2e_cluster import free_port, free_port_pair
+
+from connector import request_id
+from connector.transport import TcpTransport
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
@@ -107,66 +113,44 @@ def test_decode_warns_about_the_default_failure_policy(system):
     assert "kv_load_failure_policy is 'fail'" in system["d"].log()
 
 
-class _LostTransferPrefill:
+class _LostTransferHandler(BaseHTTPRequestHandler):
     """A stand-in P (the other side of the boundary under test): answers the proxy's
-    prefill like vLLM, but instead of sending the KV tells D's connector that the
-    transfer is lost (the abort notice a real P sends when its send fails), before it
-    answers. D plans the load, the load fails at once, and under vLLM's default policy D
-    fails the request: the proxy must still answer the client correctly."""
+    prefill like vLLM, but instead of sending the KV tells D's connector that the transfer
+    is lost (the abort notice a real P sends when its send fails), before it answers. D
+    plans the load, the load fails at once, and under vLLM's default policy D fails the
+    request: the proxy must still answer the client correctly."""
 
-    def __init__(self) -> None:
-        import json
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    aborted: list[str]  # transfer keys told lost (set on the class by the test)
 
-        from connector import request_id
-        from connector.transport import TcpTransport
+    def log_message(self, *args) -> None:  # quiet
+        pass
 
-        self.aborted: list[str] = []
-        outer = self
+    def _json(self, obj: dict) -> None:
+        raw = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # quiet
-                pass
+    def do_GET(self) -> None:
+        self._json({"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]}
+                   if self.path == "/v1/models" else {})
 
-            def _json(self, obj: dict) -> None:
-                raw = json.dumps(obj).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def do_GET(self) -> None:
-                if self.path == "/v1/models":
-                    self._json({"object": "list", "data": [{"id": "tiny-llama", "object": "model"}]})
-                else:
-                    self._json({})
-
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                tid = request_id.parse(self.headers.get("x-request-id", "") + "-0")
-                if tid is not None:
-                    t = TcpTransport()
-                    try:
-                        t.call(tid.decode_addr, {"op": "abort", "keys": {tid.key: "sender gave up: test"}}, timeout_s=5)
-                    finally:
-                        t.close()
-                    outer.aborted.append(tid.key)
-                chat = b"messages" in body
-                self._json({"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "tiny-llama",
-                            "choices": [{"index": 0, "finish_reason": "length",
-                                         **({"message": {"role": "assistant", "content": "a"}} if chat else {"text": "a"})}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-
-        self.server = ThreadingHTTPServer((cluster.HOST, 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        tid = request_id.parse(self.headers.get("x-request-id", ""))
+        if tid is not None:
+            t = TcpTransport()
+            try:
+                t.call(tid.decode_addr, {"op": "abort", "keys": {tid.key: "sender gave up: test"}}, timeout_s=5)
+            finally:
+                t.close()
+            self.aborted.append(tid.key)
+        msg = {"message": {"role": "assistant", "content": "a"}} if b"messages" in body else {"text": "a"}
+        self._json({"id": "x", "object": "completion", "model": "tiny-llama",
+                    "choices": [{"index": 0, "finish_reason": "length", **msg}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -174,26 +158,29 @@ def test_lost_transfer_under_default_policy_is_rescued_by_decode_alone(system, t
     """D's load fails (P reported the transfer lost) and vLLM's default policy fails the
     request on D: the proxy asks D once more alone, and the client gets D's own answer."""
     d = system["d"]
-    fake = _LostTransferPrefill()
+    handler = type("Handler", (_LostTransferHandler,), {"aborted": []})
+    fake = ThreadingHTTPServer((cluster.HOST, 0), handler)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
     proxy = None
     try:
         d_kv = f"{cluster.HOST}:{d.kv_port}"
         proxy = cluster.start_proxy(free_port(), free_port(), tmp_path, name=f"proxy-rescue-{stream}", extra_args=[
-            "--prefill", f"http://{cluster.HOST}:{fake.port},kv={cluster.HOST}:{free_port()}",
+            "--prefill", f"http://{cluster.HOST}:{fake.server_address[1]},kv={cluster.HOST}:{free_port()}",
             "--decode", f"{d.url},kv={d_kv}"])
         cluster.wait_until([proxy], "/health", 60)
         e2e_cluster.wait_instances(proxy, prefill=1, decode=1)
         prompt = make_prompt(tokenizer, BLOCK + 30, seed=22000 + stream)
         body = body_for("completions", prompt, stream)
         failed_before = d.log().count("kv load failed")
-        got, last = generate(proxy.url, "completions", body)
+        got, _ = generate(proxy.url, "completions", body)
         want, _ = generate(d.url, "completions", {**body, "stream": False, "cache_salt": uuid.uuid4().hex})
         assert_same_greedy(got, want)
-        assert fake.aborted, "the proxy never asked the stand-in P"
+        assert handler.aborted, "the proxy never asked the stand-in P"
         assert d.log().count("kv load failed") > failed_before  # D really failed the load first
         _, raw = cluster.http_get(proxy.url + "/metrics")
         assert re.search(rb'xpyd_dispatch_total\{path="local_rescue"\} 1\.0', raw), raw.decode()[-2000:]
     finally:
         if proxy is not None:
             proxy.stop()
-        fake.close()
+        fake.shutdown()
+        fake.server_close()
