@@ -95,6 +95,11 @@ _MAX_SERVING = 64
 # Aborts that did not return: after this many, no NCCL at all (each holds a thread, and
 # NCCL's state is not to be trusted any more).
 _MAX_HUNG_ABORTS = 2
+# Failed set-ups in a row with one peer before NCCL with it is off until restart (each may
+# leave NCCL's bootstrap thread and socket for its unique id behind).
+_MAX_FAILED_SETUPS = 4
+# ... and failed set-ups in all (any peers) before NCCL is off here until restart.
+_MAX_FAILED_SETUPS_TOTAL = 16
 
 _DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
@@ -165,6 +170,7 @@ class _PeerState:
     fallback: Fallback | None = None  # why its calls go over the host path; None: NCCL
     error: str = ""  # the NCCL error that sent it there
     backoffs: int = 0  # fallbacks in a row: the next wait doubles
+    failed_setups: int = 0  # set-ups that failed since the last one that worked
 
 
 class _NoNccl(Exception):
@@ -270,6 +276,7 @@ class NcclTransport(Transport):
         self._peers: dict[str, _PeerState] = {}  # peer address -> set-up state
         self._aborting: list[_AbortJob] = []  # running, and hung ones (they keep their memory)
         self._quarantined: dict[str, str] = {}  # peer -> why: no NCCL with it until restart
+        self._failed_setups_total = 0  # with any peer, since start (see _MAX_FAILED_SETUPS_TOTAL)
         self._serving = 0  # deferred NCCL calls in progress on the server side
         # Handlers run one at a time, as on the tcp transport (the server thread and the
         # workers that finish NCCL calls both run them).
@@ -465,6 +472,8 @@ class NcclTransport(Transport):
         why = self._quarantined.get(peer)
         if why is None and sum(j.hung for j in self._aborting) >= _MAX_HUNG_ABORTS:
             why = f"{_MAX_HUNG_ABORTS} nccl aborts hung here"
+        if why is None and self._failed_setups_total >= _MAX_FAILED_SETUPS_TOTAL:
+            why = f"{self._failed_setups_total} nccl set-ups failed here"
         return why
 
     def _send_bye(self, peer: str, cid: str) -> None:
@@ -626,6 +635,7 @@ class NcclTransport(Transport):
                 closing = self._stop.is_set()
                 if not closing:
                     self._out[peer] = comm
+                    st.failed_setups = 0
             if closing:
                 self._abort(comm, "closing", log=False, bye=False)
             else:
@@ -633,17 +643,36 @@ class NcclTransport(Transport):
                             (time.monotonic() - t0) * 1e3, self._lib.name, self._version,
                             self._config.num_channels or "auto")
         except _NoNccl as e:
+            if e.reason == "setup":  # its NCCL init failed: our unique id may be left waiting
+                self._count_failed_setup(peer, st, str(e))
             self._fall_back(peer, e.reason, str(e))
         except _Unreachable as e:  # its calls fail too: not NCCL's fault, no fallback
             logger.info("nccl set-up with %s: peer unreachable (%s)", peer, e)
             with self._lock:
                 st.inline_until = max(st.inline_until, time.monotonic() + _UNREACHABLE_RETRY_S)
         except Exception as e:  # noqa: BLE001 - NcclError, TransportError, anything: calls go inline meanwhile
-            self._fall_back(peer, "setup", str(e) if isinstance(e, TransportError) else f"{type(e).__name__}: {e}")
+            error = str(e) if isinstance(e, TransportError) else f"{type(e).__name__}: {e}"
+            self._count_failed_setup(peer, st, error)
+            self._fall_back(peer, "setup", error)
         finally:
             with self._lock:
                 st.setup = None
             done.set()
+
+    def _count_failed_setup(self, peer: str, st: _PeerState, error: str) -> None:
+        """A set-up that fails after the unique id was made leaves that id's bootstrap thread
+        and socket in NCCL, waiting for a rank that never joins (no call frees them): after
+        _MAX_FAILED_SETUPS in a row, no NCCL with this peer until restart, so they stay few."""
+        with self._lock:
+            st.failed_setups += 1
+            self._failed_setups_total += 1
+            given_up = st.failed_setups >= _MAX_FAILED_SETUPS and peer not in self._quarantined
+            if given_up:
+                self._quarantined[peer] = (f"{st.failed_setups} NCCL set-ups failed in a row, the last: {error} "
+                                           "(each may leave an NCCL bootstrap thread behind)")
+        if given_up:
+            logger.error("kv peer %s: %d NCCL set-ups failed in a row; no NCCL with it until restart (tcp via "
+                         "host memory meanwhile): %s", peer, _MAX_FAILED_SETUPS, error)
 
     def _create(self, peer: str, deadline: float) -> _Comm:
         """Set up one communicator with ``peer`` (we are rank 0). Raises _NoNccl when the
