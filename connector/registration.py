@@ -16,7 +16,7 @@ import zmq
 
 from connector.config import ConnectorConfig
 from connector.log import get_logger
-from proxy.protocol import Load, ProtocolError, Registration, decode, encode
+from proxy.protocol import MAX_LOAD_COUNT, Load, ProtocolError, Registration, decode, encode
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -45,9 +45,11 @@ def _fraction(x: float) -> float:
 
 
 class Registrar:
-    def __init__(self, cfg: ConnectorConfig, load_report: LoadReport) -> None:
+    def __init__(self, cfg: ConnectorConfig, load_report: LoadReport,
+                 fallbacks_report: Callable[[], int] | None = None) -> None:
         self._cfg = cfg
         self._load_report = load_report
+        self._fallbacks_report = fallbacks_report
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="xpyd-registrar", daemon=True)
@@ -60,6 +62,7 @@ class Registrar:
             zmq_address=self._cfg.advertised_address,
             load=self._load_report(),
             leave=leave,
+            kv_transport_fallbacks=min(self._fallbacks_report(), MAX_LOAD_COUNT) if self._fallbacks_report else 0,
         )
 
     def _healthy(self) -> bool:

@@ -91,12 +91,17 @@ class P2pScheduler:
         self._live: set[str] = set()
         self._running = 0
         self._buffer_usage = 0.0  # the workers' receive buffers, from their stats
+        self._fallbacks = 0  # the workers' NCCL -> tcp fallbacks since start, from their stats
         self._registrar = (
-            Registrar(cfg, self.load_report) if start_registrar and cfg.proxies and cfg.http_port else None
+            Registrar(cfg, self.load_report, self.fallbacks_total) if start_registrar and cfg.proxies and cfg.http_port else None
         )
 
     def bind(self, kv_cache_manager: "KVCacheManager") -> None:
         self._kv_cache_manager = kv_cache_manager
+
+    def fallbacks_total(self) -> int:
+        """Times the workers' KV transport left NCCL for tcp with a peer, since start (heartbeat)."""
+        return self._fallbacks
 
     def load_report(self) -> Load:
         """Load figures for the discovery heartbeat."""
@@ -262,8 +267,10 @@ class P2pScheduler:
 
     def update_connector_output(self, failed_recving: set[str], stats: object = None) -> None:
         self._failed_loads.update(r for r in failed_recving if r in self._loaded)
-        if isinstance(stats, XpydStats) and stats.has_buffers():
-            self._buffer_usage = stats.buffer_usage()
+        if isinstance(stats, XpydStats):
+            if stats.has_buffers():
+                self._buffer_usage = stats.buffer_usage()
+            self._fallbacks += sum(stats.data.get("fallbacks", {}).values())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Returns (delay_free, kv_transfer_params); the params reach the client's

@@ -65,7 +65,8 @@ class ProxyState:
         name = f"{inst.role}/{inst.http_address}".encode()
         label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
         keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
-                "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load")  # fmt: skip
+                "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load",
+                "kv_transport_fallbacks")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 
     async def start(self) -> None:

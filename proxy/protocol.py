@@ -5,6 +5,8 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
 
 - ``load``: ``{"running": int, "waiting": int, "kv_usage": float, "kv_buffer_usage": float}``
   (counts 0..MAX_LOAD_COUNT, usages 0..1; ``kv_buffer_usage``: the KV connector's receive buffer)
+- ``kv_transport_fallbacks``: int 0..MAX_LOAD_COUNT, times the instance's KV transport left
+  NCCL for the host-staged tcp path with a peer since it started (0 and absent alike)
 - ``leave``: ``True`` to deregister gracefully
 - ``ts``: sender's wall-clock time (float seconds); required when signed
 - ``nonce``: random hex (16 bytes from the sender), required when signed: the proxy
@@ -63,7 +65,8 @@ _IPV6_CHARS = re.compile(r"[0-9A-Fa-f:.]{2,45}", re.ASCII)
 _PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
 _HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
-_KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac"})
+_KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac",
+                    "kv_transport_fallbacks"})
 _LOAD_COUNTS = ("running", "waiting")
 _LOAD_USAGES = ("kv_usage", "kv_buffer_usage")
 
@@ -94,6 +97,7 @@ class Registration:
     ts: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     nonce: str | None = None
+    kv_transport_fallbacks: int = 0
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -125,6 +129,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
             "kv_usage": reg.load.kv_usage,
             "kv_buffer_usage": reg.load.kv_buffer_usage,
         }
+    if reg.kv_transport_fallbacks:
+        fields["kv_transport_fallbacks"] = reg.kv_transport_fallbacks
     if reg.leave:
         fields["leave"] = True
     ts = reg.ts
@@ -274,6 +280,9 @@ def decode(
     if not isinstance(leave, bool):
         raise ProtocolError(f"leave must be a boolean, got {_show(leave)}")
     load = _check_load(fields["load"]) if "load" in fields else None
+    fallbacks = fields.get("kv_transport_fallbacks", 0)
+    if type(fallbacks) is not int or not 0 <= fallbacks <= MAX_LOAD_COUNT:
+        raise ProtocolError(f"kv_transport_fallbacks must be an int 0..{MAX_LOAD_COUNT}, got {_show(fallbacks)}")
     return Registration(
         role=role,
         http_address=http_address,
@@ -283,6 +292,7 @@ def decode(
         ts=ts,
         extra={k: v for k, v in fields.items() if k not in _KNOWN},
         nonce=nonce,
+        kv_transport_fallbacks=fallbacks,
     )
 
 

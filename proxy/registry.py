@@ -47,6 +47,8 @@ class Instance:
     # Given on the command line: never expires by heartbeat, live only while /health passes.
     static: bool = False
     healthy: bool = True
+    # Times its KV transport left NCCL for tcp with a peer (from its heartbeats).
+    kv_transport_fallbacks: int = 0
     # Discovered and not heard from yet: listed, never selected (see the module docstring).
     pending: bool = False
     # Kind of the last failed join probe ("connect", "timeout", "http_503", ...), for /instances.
@@ -70,6 +72,7 @@ class Instance:
             "models": None if self.models is None else sorted(self.models),
             "static": self.static,
             "healthy": self.healthy,
+            "kv_transport_fallbacks": self.kv_transport_fallbacks,
             "pending": self.pending,
             "probe_error": self.probe_error,
             "source": self.source,
@@ -141,6 +144,7 @@ class Registry:
                 last_heartbeat=now,
                 last_heartbeat_wall=wall,
                 load=reg.load,
+                kv_transport_fallbacks=reg.kv_transport_fallbacks,
                 pending=True,
                 source=source,
             )
@@ -173,6 +177,7 @@ class Registry:
         inst.last_heartbeat_wall = wall
         if reg.load is not None:
             inst.load = reg.load
+        inst.kv_transport_fallbacks = reg.kv_transport_fallbacks
         return inst
 
     def add_static(self, role: str, http_address: str, zmq_address: str) -> Instance:

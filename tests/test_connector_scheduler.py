@@ -480,6 +480,24 @@ def test_load_report_carries_the_workers_buffer_occupancy():
     assert pickle.loads(pickle.dumps(later)).buffer_usage() == pytest.approx(0.05)
 
 
+def test_transport_fallbacks_are_summed_for_the_heartbeat():
+    """Workers report fallbacks per step (a counter's increments): the scheduler keeps the
+    total, and the registration it sends carries it."""
+    from connector.registration import Registrar
+
+    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False)
+    a, b = XpydStats.of(0, 0, 0), XpydStats.of(1, 0, 0)
+    a.record_fallback("setup")
+    b.record_fallback("transfers")
+    b.record_fallback("transfers")
+    s.update_connector_output(set(), a.aggregate(b))
+    s.update_connector_output(set(), None)
+    assert s.fallbacks_total() == 3
+    reg = Registrar.__new__(Registrar)  # its registration only: no thread, no sockets
+    reg._cfg, reg._load_report, reg._fallbacks_report = make_cfg("kv_producer"), s.load_report, s.fallbacks_total
+    assert reg._registration().kv_transport_fallbacks == 3
+
+
 def test_no_registrar_without_proxies_or_when_disabled():
     s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=True)  # no proxies configured
     assert s._registrar is None

@@ -318,6 +318,8 @@ def test_invalid_addresses_are_protocol_errors(address):
     {"load": {"kv_buffer_usage": -0.1}}, {"load": {"kv_usage": False}},
     {"load": {"kv_usage": "0.5"}}, {"load": {f"k{i}": 0 for i in range(100)}},
     {"type": msgpack.ExtType(1, b"P")},
+    {"kv_transport_fallbacks": -1}, {"kv_transport_fallbacks": 1.5}, {"kv_transport_fallbacks": True},
+    {"kv_transport_fallbacks": 10**8},
 ])  # fmt: skip
 def test_invalid_fields_are_protocol_errors(fields):
     from proxy.protocol import INVALID_FIELD, ProtocolError, decode
@@ -465,3 +467,24 @@ def test_handle_message_counts_each_drop_reason_once():
     assert counts == {"accepted": 1, "left": 0, "refused": 0, "malformed": 1,
                       "invalid_field": 0, "unauthorized": 2, "replayed": 1}  # fmt: skip
     assert registry.count_pending("P") == 1  # a candidate once it answers (no prober here)
+
+
+async def test_transport_fallbacks_reach_instances():
+    """An instance's heartbeat says how often its KV left NCCL for tcp: /instances shows
+    it (in the address-free view too); 0 is not sent at all (the upstream format)."""
+    from proxy.protocol import decode
+
+    assert "kv_transport_fallbacks" not in msgpack.unpackb(encode(Registration("P", "127.0.0.1:1", "127.0.0.1:2")))
+    assert decode(encode(Registration("P", "127.0.0.1:1", "127.0.0.1:2", kv_transport_fallbacks=3))) \
+        .kv_transport_fallbacks == 3
+    async with running_proxy() as px:
+        p = await px.fake("P")
+        await px.fake("D")
+
+        async def shown() -> list[int]:
+            return [i["kv_transport_fallbacks"] for i in (await px.client.get("/instances")).json() if i["role"] == "P"]
+
+        assert await shown() == [0]
+        await p.send_raw(encode(Registration("P", p.http_address, p.zmq_address, kv_transport_fallbacks=2)))
+        await wait_until(lambda: px.registry.live("P")[0].kv_transport_fallbacks == 2, what="fallbacks")
+        assert await shown() == [2]
