@@ -17,9 +17,12 @@ from cluster import free_port, free_port_pair  # noqa: E402,F401  (re-exported t
 
 from connector.transport import KVAuth, TcpTransport  # noqa: E402
 
-# Small on purpose so the fault tests run in seconds.
-KV_LOAD_TIMEOUT_S = 6.0
-SEND_TIMEOUT_S = 3.0
+# The connector's own send_timeout_s default, and a load deadline above it: a transfer that
+# stalls a few seconds on a saturated 2-core box (three vLLM servers busy-waiting; seen in CI
+# with 3 s: a reserve's reply took longer) still loads, as it would for a user. The fault
+# tests that wait these out cost ~20 s more per binding than with 3 s / 6 s.
+KV_LOAD_TIMEOUT_S = 12.0
+SEND_TIMEOUT_S = 10.0
 BUFFER_TTL_S = 8.0
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
 # Prompts under this many estimated tokens (~4 characters each) go to D alone.
