@@ -17,4 +17,6 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   $VENV/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 $PIP install -e ".[test]"
+# haproxy and prometheus for two e2e tests (best effort: those tests skip without them).
+bash scripts/setup_system.sh
 "$VENV/bin/python" scripts/make_tiny_model.py --out .models/tiny-llama
