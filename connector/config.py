@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SendType = Literal["PUT", "PUT_ASYNC", "GET"]
 SEND_TYPES: tuple[str, ...] = ("PUT", "PUT_ASYNC", "GET")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyName:
+    """One configured proxy address: an IP literal, used as is, or a DNS name to resolve."""
+
+    host: str
+    port: int
+
+    @property
+    def literal(self) -> bool:
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+    @staticmethod
+    def parse(addr: str) -> "ProxyName":
+        """host:port, [v6]:port or v6-literal:port (the port is the last colon's)."""
+        host, sep, port = addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"proxy address must be host:port, got {addr!r}")
+        return ProxyName(host.removeprefix("[").removesuffix("]"), int(port))
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 def _proxies(extra: dict[str, Any]) -> tuple[str, ...]:
@@ -18,6 +47,8 @@ def _proxies(extra: dict[str, Any]) -> tuple[str, ...]:
     for addr in extra.get("proxies", []) or []:
         if addr not in out:
             out.append(str(addr))
+    for addr in out:
+        ProxyName.parse(addr)  # a malformed address is a start-up error, not a silent registrar
     return tuple(out)
 
 
@@ -57,6 +88,19 @@ def _positive_int(extra: dict[str, Any], key: str) -> int | None:
             or int(value) < 1:
         raise ValueError(f"{key} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _positive_seconds(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{key} must be a number of seconds > 0, got {value!r}")
+    return seconds
 
 
 # Pinned staging per role. A decode instance receives every prompt's KV; 1 GiB of overflow
@@ -109,6 +153,8 @@ class ConnectorConfig:
     nccl_num_channels: int | None = None
     # Pinned host pool for received KV beyond kv_buffer_size on a GPU (GiB; 0: none).
     mem_pool_size_gb: float = 0.0
+    # How often proxy names (e.g. a headless Service) are resolved again to find every replica.
+    proxy_resolve_interval_s: float = 10.0
 
     @property
     def is_producer(self) -> bool:
@@ -157,4 +203,5 @@ class ConnectorConfig:
             kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
             nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
             mem_pool_size_gb=_pool_gb(extra, role),
+            proxy_resolve_interval_s=_positive_seconds(extra, "proxy_resolve_interval_s", 10.0),
         )
