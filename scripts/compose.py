@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import yaml
@@ -24,7 +25,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from topology import InstanceSpec, Topology, TopologyError, load_topology  # noqa: E402  (scripts/topology.py)
+from topology import (  # noqa: E402  (scripts/topology.py)
+    InstanceSpec,
+    ProxySpec,
+    Topology,
+    TopologyError,
+    load_topology,
+)
 
 # (compose profile, topology): the services of docker-compose.yml.
 PROFILES = (("gpu", "gpu-1p1d"), ("cpu", "1p1d"))
@@ -162,19 +169,41 @@ def render(topos: dict[str, Topology]) -> dict[str, Any]:
     return {"services": services, "networks": networks}
 
 
+SCRAPE_INTERVAL = "5s"
+PROXY_JOB, VLLM_JOB = "xpyd-proxy", "vllm"
+
+
+def scrape_targets(topo: Topology, address: Callable[[ProxySpec | InstanceSpec], str],
+                   labels: dict[str, str]) -> dict[str, list[dict[str, Any]]]:
+    """One topology's Prometheus static_configs by job: its proxies, then its P and its D
+    instances (label role), each reached at address(spec) and carrying labels."""
+    return {
+        PROXY_JOB: [{"targets": [address(p) for p in topo.proxies], "labels": dict(labels)}],
+        VLLM_JOB: [{"targets": [address(i) for i in topo.by_role(role)], "labels": {**labels, "role": role}}
+                   for role in ("P", "D")],
+    }
+
+
+def render_scrape_config(groups: Iterable[dict[str, list[dict[str, Any]]]],
+                         scrape_interval: str = SCRAPE_INTERVAL) -> dict[str, Any]:
+    """A Prometheus config scraping the proxies (job xpyd-proxy) and vLLM instances (job vllm)
+    of every group (scrape_targets' output), as the Grafana dashboard expects them. The compose
+    file's monitoring profile uses it with service names, tests/test_e2e_prometheus.py with
+    loopback addresses."""
+    jobs: dict[str, list[dict[str, Any]]] = {PROXY_JOB: [], VLLM_JOB: []}
+    for group in groups:
+        for job, configs in group.items():
+            jobs[job] += configs
+    return {"global": {"scrape_interval": scrape_interval},
+            "scrape_configs": [{"job_name": job, "static_configs": configs} for job, configs in jobs.items()]}
+
+
 def render_prometheus(topos: dict[str, Topology]) -> dict[str, Any]:
     """Scrape config for the compose file: every profile's proxy and vLLM instances by service name."""
-    proxies, engines = [], []
-    for profile, topo in topos.items():
-        (proxy,) = topo.proxies
-        proxies.append({"targets": [f"{service_name(profile, proxy.name)}:{proxy.port}"],
-                        "labels": {"profile": profile}})
-        engines += [{"targets": [f"{service_name(profile, i.name)}:{i.port}" for i in topo.by_role(role)],
-                     "labels": {"profile": profile, "role": role}} for role in ("P", "D")]
-    return {"global": {"scrape_interval": "5s"}, "scrape_configs": [
-        {"job_name": "xpyd-proxy", "static_configs": proxies},
-        {"job_name": "vllm", "static_configs": engines},
-    ]}
+    return render_scrape_config(
+        scrape_targets(topo, lambda spec, profile=profile: f"{service_name(profile, spec.name)}:{spec.port}",
+                       {"profile": profile})
+        for profile, topo in topos.items())
 
 
 class _NoAliases(yaml.SafeDumper):
