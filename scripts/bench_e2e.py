@@ -28,6 +28,16 @@ the same rate for every setup (auto: the slowest setup busy ~60%).
     .venv/bin/python scripts/bench_e2e.py            # full run (~5-7 min on 2 cores)
     .venv/bin/python scripts/bench_e2e.py --quick    # fewer samples (~4 min)
     .venv/bin/python scripts/bench_e2e.py --model tiny
+    .venv/bin/python scripts/bench_e2e.py --quick --dispatch-ab --json out.json
+
+The disaggregated setup runs the proxy's shipped defaults (dispatch mode, local-prefill
+threshold); --dispatch-ab adds a second proxy on the same P and D with the other dispatch
+mode. Short prompts (--short-lengths, default 64 tokens; --short-sweep for 16..512) are
+measured idle and while long prompts arrive, colocated vs the default proxy vs proxies
+that always disaggregate (threshold 0) or always prefill on D (--local-prefill-threshold
+huge). --json FILE writes the medians: ttft_1k_ms {colocated, disaggregated},
+ttft_short_ms {colocated, disaggregated, tokens}, d_share_ms, itl_p99_*_ms, the shipped
+defaults, the machine and the command.
 
 --model bench (default) generates `.models/bench-llama-h768-l4` (Llama, hidden 768, 4
 layers, 12 heads / 4 KV heads, ~25M parameters, the tiny model's tokenizer) with
@@ -63,6 +73,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import cluster  # noqa: E402  (scripts/cluster.py)
 
 MODEL_NAME = "tiny-llama"  # cluster.start_vllm serves every model under this name
+# Proxies of the short-prompt sweep, beside the one with the shipped defaults.
+ALWAYS_P = "always-prefill"  # --local-prefill-threshold 0
+ALWAYS_LOCAL = "always-local"  # every prompt on D alone
+DISPATCH_MODES = ("sequential", "concurrent")
 BENCH_DIMS = {"hidden": 768, "intermediate": 2048, "layers": 4, "heads": 12, "kv_heads": 4}
 
 
@@ -409,8 +423,51 @@ async def measure_victim(client, s: Setup, prompts: Prompts, args,
     return r, bg
 
 
+async def measure_short(client, colo: Setup, group: list[Setup], bg_url: str, prompts: Prompts,
+                        args) -> dict[tuple[str, int, bool], list[float]]:
+    """TTFT of short prompts, per length, idle and while long prompts arrive. `group`: the
+    setups sharing one P and D (proxies with different routing); while loaded, the long
+    prompts go through the proxy with the shipped defaults (`bg_url`), so P is busy
+    prefilling them and D decodes their first token, as in production. Every request has a
+    prompt of its own (setups share D: a repeated prompt would hit its prefix cache)."""
+    out: dict[tuple[str, int, bool], list[float]] = {}
+    for loaded in (False, True):
+        for n_tok in args.short_lengths:
+            for rnd in range(args.short_n):
+                k = rnd % len(group)
+                for targets, bg_target in (([colo], colo.url), (group[k:] + group[:k], bg_url)):
+                    bg = task = None
+                    if loaded:
+                        bg = Background(client, bg_target, prompts, args.bg_tokens, args.bg_max_tokens,
+                                        args.bg_concurrency, args.bg_interval, 4, 300)
+                        task = asyncio.create_task(bg.run())
+                        for _ in range(500):
+                            if bg.sent:
+                                break
+                            await asyncio.sleep(0.01)
+                        # A random phase of the long prompt's prefill, not always its start.
+                        await asyncio.sleep(args.bg_lead * random.random() * 2)
+                    try:
+                        for s in targets:
+                            r = await stream_one(client, s.url, prompts.make(n_tok), 1, 300)
+                            if r.error:
+                                raise RuntimeError(f"short prompt to {s.name} failed: {r.error}")
+                            out.setdefault((s.name, n_tok, loaded), []).append(r.ttft)
+                            if not loaded:
+                                await asyncio.sleep(args.pause)
+                    finally:
+                        if bg is not None:
+                            bg.stop.set()
+                            await asyncio.wait_for(task, 600)
+                    if bg is not None and bg.errors:
+                        raise RuntimeError(f"background to {bg_target} failed: {bg.errors[:3]}")
+                    if loaded:
+                        await asyncio.sleep(args.pause)
+    return out
+
+
 async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: Prompts,
-                ttft_only: list[Setup]) -> dict:
+                ttft_only: list[Setup], short_group: list[Setup]) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -422,6 +479,10 @@ async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: 
         print(f"  warm-up done ({time.monotonic() - t0:.0f}s); one {args.bg_tokens}-token prompt takes "
               + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in long_lat.items())
               + f"; long prompts will arrive every {args.bg_interval}s", flush=True)
+        for s in short_group:  # their P and D are warm: one request warms each proxy
+            r = await stream_one(client, s.url, prompts.make(args.victim_prompt_tokens), 1, 300)
+            if r.error:
+                raise RuntimeError(f"warm-up on {s.name} failed: {r.error}")
         t0 = time.monotonic()
         ttft = await measure_ttft(client, setups, prompts, args, p_ref, ttft_only)
         print(f"  TTFT done ({time.monotonic() - t0:.0f}s)", flush=True)
@@ -439,7 +500,12 @@ async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: 
             victims.setdefault((d_ref.name, False), []).append(res)
             await asyncio.sleep(args.pause)
         print(f"  ITL done ({time.monotonic() - t0:.0f}s)", flush=True)
-    return {"ttft": ttft, "victims": victims, "long_lat": long_lat}
+        short: dict = {}
+        if short_group:
+            t0 = time.monotonic()
+            short = await measure_short(client, setups[0], short_group, setups[-1].url, prompts, args)
+            print(f"  short prompts done ({time.monotonic() - t0:.0f}s)", flush=True)
+    return {"ttft": ttft, "victims": victims, "long_lat": long_lat, "short": short}
 
 
 def kv_waits(decode_log: str) -> list[float]:
@@ -506,7 +572,8 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     lines.append("references and breakdown:")
     lines.append("  1-core vLLM = TTFT on P and idle ITL on D hit straight (plain requests: no proxy, "
                  "no KV transfer); what one of two 1-core colocated replicas would do at concurrency 1")
-    for name in [dis] + [k for k in tt if k == "disagg-concurrent"]:
+    ab = next((k for k in tt if k.startswith("disagg-") and k in (f"disagg-{m}" for m in DISPATCH_MODES)), None)
+    for name in [dis] + ([ab] if ab else []):
         hd = [r.headers for r in tt[name]]
         try:
             q = statistics.median(float(h["x-xpyd-queue-ms"]) for h in hd)
@@ -519,18 +586,21 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                          f"{total - q - pre - dttfb:.1f} ms")
         except (KeyError, ValueError, statistics.StatisticsError):
             lines.append(f"  {name}: no proxy timing headers")
-    if "disagg-concurrent" in tt:
-        seq, conc = (statistics.median(r.ttft for r in tt[k]) for k in (dis, "disagg-concurrent"))
-        dseq, dconc = (statistics.median(float(r.headers.get("x-xpyd-decode-ttfb-ms", "nan")) for r in tt[k])
-                       for k in (dis, "disagg-concurrent"))
-        lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median sequential {seq * 1000:.1f} ms, "
-                     f"concurrent {conc * 1000:.1f} ms ({conc / seq:.2f}x); D's share {dseq:.1f} -> {dconc:.1f} ms")
+    if ab:
+        a, b = (statistics.median(r.ttft for r in tt[k]) for k in (dis, ab))
+        da, db = (statistics.median(float(r.headers.get("x-xpyd-decode-ttfb-ms", "nan")) for r in tt[k])
+                  for k in (dis, ab))
+        lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median {args.dispatch_default} (default) "
+                     f"{a * 1000:.1f} ms, {ab.removeprefix('disagg-')} {b * 1000:.1f} ms ({b / a:.2f}x); "
+                     f"D's share {da:.1f} -> {db:.1f} ms")
     waits = kv_waits(decode_log)
     if waits:
         lines.append(f"  D waited for the KV (connector log, all {len(waits)} transfers): median "
                      f"{statistics.median(waits):.1f} ms, max {max(waits):.1f} ms")
     lines.append(f"  one {args.bg_tokens}-token prompt (max_tokens {args.bg_max_tokens}), after warm-up: "
                  + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in res["long_lat"].items()))
+    if res["short"]:
+        lines += short_table(args, res["short"], colos[0], dis)
     lines.append("victims:")
     for interf in (False, True):
         for name in colos + [dis] + ([] if interf else [d_ref.name]):
@@ -552,6 +622,63 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     lines.append("")
     lines += notes
     return lines
+
+
+def short_table(args, short: dict, colo: str, dis: str) -> list[str]:
+    """Short-prompt TTFT medians per length: colocated, the shipped defaults, always through
+    P, always on D alone; ratios to colocated."""
+    names = [dis, ALWAYS_P, ALWAYS_LOCAL]
+    lines = ["", f"short prompts: TTFT median (ms), max_tokens 1, {args.short_n} per setup and length; "
+             f"{dis} = shipped defaults (local_prefill_threshold {args.threshold_default}); ratio to {colo}"]
+    hdr = ("condition", "tokens", colo, *names, *(f"/{n}" for n in names))
+    rows = []
+    for loaded in (False, True):
+        for n_tok in args.short_lengths:
+            v = {n: statistics.median(short[(n, n_tok, loaded)]) for n in [colo, *names]}
+            rows.append(("long prompts arriving" if loaded else "idle", str(n_tok), *(ms(v[n]) for n in [colo, *names]),
+                         *(f"{v[n] / v[colo]:.2f}x" for n in names)))
+    w = [max(len(r[i]) for r in [*rows, hdr]) for i in range(len(hdr))]
+    fmt = "  ".join(f"{{:<{x}}}" if i < 2 else f"{{:>{x}}}" for i, x in enumerate(w))
+    lines += ["  " + fmt.format(*hdr), "  " + fmt.format(*("-" * x for x in w))]
+    lines += ["  " + fmt.format(*r) for r in rows]
+    lines.append("")
+    return lines
+
+
+def summary(args, res: dict, colo: str, dis: str) -> dict:
+    """The shipped defaults' medians (ms) with their same-run colocated baselines, for --json."""
+    med = statistics.median
+    tt = res["ttft"]
+    out: dict = {
+        "ttft_1k_ms": {"colocated": med(r.ttft for r in tt[colo]) * 1000,
+                       "disaggregated": med(r.ttft for r in tt[dis]) * 1000},
+        "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[dis]),
+        "ttft_tokens": sorted({r.prompt_tokens for r in tt[dis]}),
+        "defaults": {"dispatch": args.dispatch_default, "local_prefill_threshold": args.threshold_default},
+    }
+    short = res["short"]
+    if short:
+        n_short = 64 if 64 in args.short_lengths else args.short_lengths[0]
+        out["ttft_short_ms"] = {"colocated": med(short[(colo, n_short, False)]) * 1000,
+                                "disaggregated": med(short[(dis, n_short, False)]) * 1000,
+                                "tokens": n_short}
+        out["ttft_short_sweep_ms"] = {
+            ("loaded" if loaded else "idle"): {
+                str(n_tok): {k: med(short[(name, n_tok, loaded)]) * 1000
+                             for k, name in (("colocated", colo), ("disaggregated", dis),
+                                             ("always_prefill", ALWAYS_P), ("always_local", ALWAYS_LOCAL))}
+                for n_tok in args.short_lengths}
+            for loaded in (False, True)}
+    for interf, key in ((False, "itl_p99_idle_ms"), (True, "itl_p99_loaded_ms")):
+        out[key] = {k: pct([g for r, _ in res["victims"][(name, interf)] for g in r.gaps()], 99) * 1000
+                    for k, name in (("colocated", colo), ("disaggregated", dis))}
+    ab = next((k for k in tt if k in (f"disagg-{m}" for m in DISPATCH_MODES)), None)
+    if ab:
+        out["dispatch_ab"] = {
+            args.dispatch_default: {"ttft_ms": out["ttft_1k_ms"]["disaggregated"], "d_share_ms": out["d_share_ms"]},
+            ab.removeprefix("disagg-"): {"ttft_ms": med(r.ttft for r in tt[ab]) * 1000,
+                                         "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[ab])}}
+    return out
 
 
 def main() -> int:
@@ -580,7 +707,14 @@ def main() -> int:
                     help="seconds between measurements: vLLM's engine and worker spin-wait for 1 s "
                          "after each step, which would steal CPU from the next setup measured")
     ap.add_argument("--dispatch-ab", action="store_true",
-                    help="a second proxy with --dispatch concurrent on the same P and D: TTFT both ways")
+                    help="a second proxy with the other --dispatch mode on the same P and D: TTFT both ways")
+    ap.add_argument("--short-lengths", default="64",
+                    help="short-prompt TTFT at these prompt lengths (tokens, comma-separated; '' skips)")
+    ap.add_argument("--short-sweep", action="store_true",
+                    help="short prompts at 16,32,64,128,256,512 tokens (what --local-prefill-threshold is chosen by)")
+    ap.add_argument("--short-n", type=int, default=8, help="short prompts per setup, length and condition")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="write the shipped defaults' medians and their colocated baselines (ms) to FILE")
     ap.add_argument("--no-omp2", action="store_true",
                     help="skip the second colocated baseline (2 OMP threads on cores 0,1)")
     ap.add_argument("--proxy-cpus", default=None, help="pin the proxy, e.g. 1 (default: unpinned)")
@@ -592,6 +726,13 @@ def main() -> int:
         args.victim_tokens = (1024 if args.model == "tiny" else 256) // (2 if args.quick else 1)
     if args.quick:
         args.ttft_n, args.victims = 8, 2
+    args.short_lengths = ([16, 32, 64, 128, 256, 512] if args.short_sweep
+                          else [int(x) for x in args.short_lengths.split(",") if x.strip()])
+    from proxy.config import ProxyConfig  # the shipped defaults, as the main proxy runs them
+
+    shipped = ProxyConfig()  # a slots dataclass: its class attributes are descriptors
+    args.dispatch_default = shipped.dispatch
+    args.threshold_default = shipped.local_prefill_threshold
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, ROOT)] + sys.argv)
 
     facts = machine_facts()
@@ -614,16 +755,24 @@ def main() -> int:
         prompts = Prompts(model, args.seed)
         mcfg = json.loads((model / "config.json").read_text())
         disc = cluster.free_port()
-        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, ["--dispatch", "sequential"])
+        # The main proxy runs the shipped defaults; the others (same P and D, registered
+        # with every proxy) change one setting each.
+        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir)
         servers.append(proxy)
         proxies: list[cluster.Server] = [proxy]
-        reg: dict[str, object] = {}
-        if args.dispatch_ab:  # same P and D, registered with both proxies
-            disc2 = cluster.free_port()
-            proxies.append(cluster.start_proxy(cluster.free_port(), disc2, log_dir,
-                                               ["--dispatch", "concurrent"], name="proxy-concurrent"))
+        reg: dict[str, object] = {"proxies": []}
+        others: dict[str, list[str]] = {}
+        if args.dispatch_ab:
+            other = next(m for m in DISPATCH_MODES if m != args.dispatch_default)
+            others[f"disagg-{other}"] = ["--dispatch", other]
+        if args.short_lengths:
+            others[ALWAYS_P] = ["--local-prefill-threshold", "0"]
+            others[ALWAYS_LOCAL] = ["--local-prefill-threshold", str(10**9)]
+        for name, flags in others.items():
+            d = cluster.free_port()
+            proxies.append(cluster.start_proxy(cluster.free_port(), d, log_dir, flags, name=f"proxy-{name}"))
             servers.append(proxies[-1])
-            reg["proxies"] = [f"{cluster.HOST}:{disc2}"]
+            reg["proxies"].append(f"{cluster.HOST}:{d}")
         common = {"model": model, "log_dir": log_dir}
         # VLLM_CPU_OMP_THREADS_BIND is explicit everywhere. Note "a|b" means one list per
         # rank: start_vllm's default for cpus="0,1" is "0|1", which gives rank 0 core 0 only.
@@ -667,8 +816,11 @@ def main() -> int:
         setups = [Setup(c.name, c.url) for c in colos] + [Setup("disaggregated", proxy.url)]
         p_ref, d_ref = Setup("P alone", prefill.url), Setup("D alone", decode.url)
         meter = CpuMeter([srv.proc.pid for srv in servers])
-        extra = [Setup("disagg-concurrent", proxies[1].url)] if args.dispatch_ab else []
-        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts, extra))
+        by_name = {f"proxy-{n}": px.url for n, px in zip(others, proxies[1:], strict=True)}
+        extra = [Setup(n, by_name[f"proxy-{n}"]) for n in others if n.startswith("disagg-")]
+        short_group = ([setups[-1], Setup(ALWAYS_P, by_name[f"proxy-{ALWAYS_P}"]),
+                        Setup(ALWAYS_LOCAL, by_name[f"proxy-{ALWAYS_LOCAL}"])] if args.short_lengths else [])
+        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts, extra, short_group))
         cpu_line = meter.report()
         notes = facts + [
             f"model {model.name}: Llama, hidden {mcfg['hidden_size']}, {mcfg['num_hidden_layers']} layers, "
@@ -691,6 +843,12 @@ def main() -> int:
         print(flush=True)
         for line in report(args, res, setups, p_ref, d_ref, decode.log(), notes):
             print(line, flush=True)
+        if args.json:
+            data = summary(args, res, setups[0].name, setups[-1].name)
+            data["machine"] = facts[0]
+            data["command"] = cmd
+            Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+            print(f"wrote {args.json}", flush=True)
         ok = True
         return 0
     except KeyboardInterrupt:

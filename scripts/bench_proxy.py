@@ -248,7 +248,9 @@ class Setup:
     proxy_proc: subprocess.Popen
 
 
-def start_setup(variant: str, procs: list[subprocess.Popen]) -> Setup:
+def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router") -> Setup:
+    if variant == "vllm-router":
+        return _start_router(procs, router_bin)
     base, *flags = variant.split("+")
     client, loop, http = base.split("/")
     extra = {"expose": ["--expose-routing-headers"]}
@@ -272,6 +274,47 @@ def start_setup(variant: str, procs: list[subprocess.Popen]) -> Setup:
     return Setup(variant, d_port, d_proc, proxy_port, proxy)
 
 
+def _start_router(procs: list[subprocess.Popen], router_bin: str) -> Setup:
+    """vllm-router (Rust) in its vLLM P/D mode, fed by the same fake P and D over its ZMQ
+    discovery (they speak the upstream registration format): the side-by-side baseline."""
+    py = sys.executable
+    disc, p_port, d_port, port = free_port(), free_port(), free_port(), free_port()
+
+    def spawn(cmd: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        return p
+
+    router = spawn([router_bin, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                    "--vllm-discovery-address", f"127.0.0.1:{disc}", "--log-level", "warning"])
+    fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
+    spawn(fake + ["P", "--port", str(p_port)])
+    d_proc = spawn(fake + ["D", "--port", str(d_port)])
+    return Setup("vllm-router", d_port, d_proc, port, router)
+
+
+def _ready_path(s: Setup) -> str:
+    return "/health" if s.variant == "vllm-router" else "/ready"
+
+
+def _wait_routed(s: Setup, timeout: float = 30.0) -> None:
+    """Until a completion goes through (the router has no readiness endpoint that waits for
+    its discovered workers)."""
+    body = json.dumps({"model": "fake-model", "prompt": "hi", "max_tokens": 2, "stream": True}).encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", s.proxy_port), timeout=2) as c:
+                c.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+                if c.recv(64).startswith(b"HTTP/1.1 200"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{s.variant} routes no completion after {timeout}s")
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         if p.poll() is None:
@@ -288,10 +331,11 @@ def bench(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     variants = args.variants or [f"{args.upstream_client}/{args.loop}/{args.http}"]
     try:
-        setups = [start_setup(v, procs) for v in variants]
+        setups = [start_setup(v, procs, args.router_bin) for v in variants]
         for s in setups:
             wait_http(s.d_port, "/health")
-            wait_http(s.proxy_port, "/ready")
+            wait_http(s.proxy_port, _ready_path(s))
+            _wait_routed(s)
         base = setups[0]
         direct: dict[int, list[Run]] = {c: [] for c in args.concurrency}
         via: dict[tuple[str, int], list[Run]] = {
@@ -365,7 +409,9 @@ def main() -> int:
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     ap.add_argument("--http", default="httptools", choices=("httptools", "h11"))
     ap.add_argument("--variants", nargs="*",
-                    help="client/loop/http[+expose] combinations to compare")  # fmt: skip
+                    help="client/loop/http[+expose] combinations to compare, or vllm-router")  # fmt: skip
+    ap.add_argument("--router-bin", default="vllm-router",
+                    help="vllm-router executable for the vllm-router variant (pip install vllm-router==0.1.17)")
     # internal: load generator mode
     ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
