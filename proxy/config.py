@@ -71,10 +71,15 @@ class ProxyConfig:
     prefill_retries: int = 2
     # Redo a request on another D (with a new P/D pair) when D fails before its first byte.
     decode_retries: int = 1
-    # sequential: D gets the request when P has answered; concurrent: as soon as P is chosen.
+    # sequential: D gets the request when P has answered; concurrent: as soon as P is
+    # chosen, while P has nothing else queued (else after P answered, as sequential).
+    # Sequential stays the default: concurrent saves ~10 ms on an idle pair, but D's KV
+    # deadline then also covers P's delays the proxy cannot see (README: Dispatch).
     dispatch: str = "sequential"
-    # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables.
-    local_prefill_threshold: int = 0
+    # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables. 128:
+    # below it D alone answers faster than P + transfer (scripts/bench_e2e.py
+    # --short-sweep) and its prefill costs D's streams less than a few of their steps.
+    local_prefill_threshold: int = 128
     # With no P live or reachable, D prefills the prompt itself instead of a 503.
     fallback_to_decode: bool = True
     # An instance that refused a connection is avoided for this long (unless it is the only one).
@@ -214,7 +219,8 @@ HELP = MappingProxyType(
         "stream_idle_timeout": "max seconds between two chunks of D's stream",
         "prefill_retries": "extra attempts on another P after a connect error or timeout",
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
-        "dispatch": "sequential: D is asked after P answered; concurrent: D is asked with P",
+        "dispatch": "sequential: D is asked after P answered; concurrent: D is asked with P "
+                    "unless P has other requests queued",
         "local_prefill_threshold": "prompts under this many tokens skip P (0: never)",
         "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",

@@ -296,9 +296,12 @@ class Dispatcher:
         (D parses, tokenizes and schedules while P prefills; its connector waits for the KV
         under its own deadline) and the still-running D task is returned.
 
-        P's failure aborts D's request at once; D's failure before P is done aborts P's."""
+        P's failure aborts D's request at once; D's failure before P is done aborts P's.
+        D is asked early only while P has nothing else to do: behind a queue on P, D would
+        hold the prompt's KV blocks and its load deadline (kv_load_timeout_s) would run
+        for the whole wait, for a saving of a few ms."""
         try:
-            if not self._concurrent:
+            if not (self._concurrent and _idle(p)):
                 await self._prefill(p, req.path, pre_raw, headers)
                 return None
             loop = asyncio.get_running_loop()
@@ -456,6 +459,12 @@ class Dispatcher:
             if resp is not None:
                 await resp.aclose()
             raise
+
+
+def _idle(p: Instance) -> bool:
+    """P has no request but this one from this proxy, and its last heartbeat (from any
+    proxy's traffic) reported none waiting."""
+    return p.in_flight <= 1 and (p.load is None or p.load.waiting == 0)
 
 
 async def _discard(task: asyncio.Task | None) -> None:

@@ -111,6 +111,10 @@ async def running_proxy(**overrides: Any) -> AsyncIterator[ProxyHandle]:
         discovery_port=0,
         log_level="warning",
         shutdown_grace_s=1.0,
+        # These tests send prompts of a few characters and are about the disaggregated
+        # path; the shipped threshold (128) would serve them all from D alone. Tests of the
+        # threshold set it themselves; test_proxy_config checks the shipped value.
+        local_prefill_threshold=0,
     )
     # Run the whole suite against another upstream client with XPYD_TEST_UPSTREAM_CLIENT.
     if os.environ.get("XPYD_TEST_UPSTREAM_CLIENT"):

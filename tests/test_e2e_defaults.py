@@ -25,11 +25,22 @@ from e2e_cluster import free_port, free_port_pair
 
 from connector import request_id
 from connector.transport import TcpTransport
+from proxy.config import ProxyConfig
+from proxy.openai_api import estimate_prompt_tokens
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
 
 REQUESTS = 40
+# The tiny model's tokenizer (1,024 words) spends ~2 characters a token, the proxy's
+# estimate 4: prompts of 2 blocks + 60 tokens (~650 characters) are over the shipped
+# local_prefill_threshold (128 estimated tokens) and go through P; short ones do not.
+TOKENS = 2 * BLOCK + 60
+
+
+def _over_threshold(prompt: str) -> str:
+    assert estimate_prompt_tokens({"prompt": prompt}) >= ProxyConfig().local_prefill_threshold, len(prompt)
+    return prompt
 
 
 def _kv_config(role: str, kv_port: int, http_port: int, proxies: list[str]) -> dict:
@@ -81,7 +92,7 @@ def test_requests_over_two_proxies_all_answer_correctly(system, tokenizer):
     failures: list[str] = []
     rescued = 0
     for i in range(REQUESTS):
-        prompt = make_prompt(tokenizer, BLOCK + 20 + 7 * (i % 5), seed=21000 + i)
+        prompt = _over_threshold(make_prompt(tokenizer, TOKENS + 7 * (i % 5), seed=21000 + i))
         body = with_logprobs("completions", body_for("completions", prompt, False))
         proxy = system[f"proxy{i % 2}"]
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=120)
@@ -107,6 +118,21 @@ def test_requests_over_two_proxies_all_answer_correctly(system, tokenizer):
         # Each P's first send found the contact made (phases_ms contact:0.0).
         first_send = re.search(r"kv sent( slowly)? req=.* phases_ms=contact:([0-9.]+)", log)
         assert first_send and float(first_send.group(2)) < 50, (name, first_send and first_send.group(0)[-80:])
+
+
+def test_short_prompt_is_answered_by_decode_alone(system, tokenizer):
+    """Under the shipped threshold a short prompt skips P: D's own greedy tokens, no
+    transfer, and the proxy says which path it took."""
+    d = system["d"]
+    prompt = make_prompt(tokenizer, 40, seed=23000)
+    assert estimate_prompt_tokens({"prompt": prompt}) < ProxyConfig().local_prefill_threshold
+    body = with_logprobs("completions", body_for("completions", prompt, False))
+    sent_before = {n: system[n].log().count("kv sent") for n in ("p0", "p1")}
+    r = httpx.post(system["proxy0"].url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_short", r.text[:300]
+    want, _ = generate(d.url, "completions", {**body, "cache_salt": uuid.uuid4().hex})
+    assert_same_greedy(answer_of(r.json()["choices"][0]), want)
+    assert {n: system[n].log().count("kv sent") for n in ("p0", "p1")} == sent_before
 
 
 def test_decode_warns_about_the_default_failure_policy(system):
@@ -169,7 +195,7 @@ def test_lost_transfer_under_default_policy_is_rescued_by_decode_alone(system, t
             "--decode", f"{d.url},kv={d_kv}"])
         cluster.wait_until([proxy], "/health", 60)
         e2e_cluster.wait_instances(proxy, prefill=1, decode=1)
-        prompt = make_prompt(tokenizer, BLOCK + 30, seed=22000 + stream)
+        prompt = _over_threshold(make_prompt(tokenizer, TOKENS + 10, seed=22000 + stream))
         body = body_for("completions", prompt, stream)
         failed_before = d.log().count("kv load failed")
         got, _ = generate(proxy.url, "completions", body)

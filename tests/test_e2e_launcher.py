@@ -70,7 +70,7 @@ def test_vllm_bench_serve_through_proxy(launched, tmp_path: Path):
               for d in topo.by_role("D")}
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--backend", "openai",
            "--base-url", proxy.url, "--model", topo.served_model_name, "--tokenizer", str(MODEL_DIR),
-           "--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "16",
+           "--dataset-name", "random", "--random-input-len", "400", "--random-output-len", "16",
            "--num-prompts", str(BENCH_PROMPTS), "--max-concurrency", "4", "--ignore-eos", "--seed", "1",
            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
     t0 = time.monotonic()

@@ -144,7 +144,9 @@ def hosts(tmp_path_factory: pytest.TempPathFactory):
             run.kill()
 
 
-PROMPT = "the river stone maple quiet engine silver garden " * 8
+# ~780 characters: over the proxies' shipped local_prefill_threshold (128 estimated
+# tokens), so P prefills and D loads the KV.
+PROMPT = "the river stone maple quiet engine silver garden " * 16
 
 
 def _complete(url: str, i: int, max_tokens: int = 8) -> httpx.Response:

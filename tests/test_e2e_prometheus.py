@@ -60,9 +60,10 @@ GRAFANA_VARS = {"__rate_interval": "1m", "__interval": "5s", "interval": "5s", "
 
 
 def _prompt(i: int) -> str:
-    """About 100-200 tokens, distinct per request (no prefix-cache hits between requests):
-    long enough that P prefills and D loads the KV."""
-    n = 60 + (i * 37) % 60
+    """About 300-500 tokens of the tiny model (~650-1,050 characters), distinct per request
+    (no prefix-cache hits between requests): over the proxy's shipped local_prefill_threshold
+    (128 estimated tokens, 4 characters each), so P prefills and D loads the KV."""
+    n = 100 + (i * 37) % 60
     return f"request {i}: " + " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(n))
 
 

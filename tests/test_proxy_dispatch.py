@@ -13,6 +13,8 @@ from fake_vllm import DISAGGREGATED_ID
 from proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_until
 
 from connector import request_id
+from proxy.config import ProxyConfig
+from proxy.protocol import Load
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -99,6 +101,53 @@ async def test_concurrent_dispatch_overlaps_decode_with_prefill():
         assert pre.request_id == dec.request_id
         assert re.match(REQUEST_ID_RE, dec.request_id)
         assert pre.json["max_tokens"] == 1 and dec.json["max_tokens"] == 5
+
+
+async def test_concurrent_dispatch_waits_for_p_while_p_has_a_queue():
+    """Behind other work on P, D is asked only after P answered (as `sequential`): an
+    early D would hold the prompt's KV blocks and spend its load deadline on P's queue.
+    Two signs of a queue: another request of this proxy in flight on P, or P's heartbeat
+    reporting requests waiting (other proxies' traffic)."""
+    async with running_proxy(dispatch="concurrent") as px:
+        p, d = await px.pd()
+        p.fault = Fault(delay=0.4)
+        first = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))
+        await wait_until(lambda: len(p.completions()) == 1, timeout=5, what="P busy")
+        second = await px.client.post("/v1/completions", json=COMPLETION)
+        assert (await first).status_code == 200 and second.status_code == 200
+        pre = {r.request_id: r for r in p.completions()}
+        dec = {r.request_id: r for r in d.completions()}
+        early, late = sorted(dec, key=lambda rid: pre[rid].received_at)
+        assert dec[early].received_at < pre[early].received_at + 0.3  # idle P: early
+        assert dec[late].received_at >= pre[late].received_at + 0.35  # after P's answer
+    async with running_proxy(dispatch="concurrent") as px:
+        p = await px.fake("P", load=Load(running=1, waiting=3))
+        d = await px.fake("D")
+        p.fault = Fault(delay=0.4)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200
+        (pre,), (dec,) = p.completions(), d.completions()
+        assert dec.received_at >= pre.received_at + 0.35
+
+
+async def test_shipped_defaults_serve_short_prompts_from_d():
+    """The shipped defaults (not running_proxy's): sequential dispatch, and prompts under
+    128 estimated tokens answered by D alone, longer ones disaggregated."""
+    shipped = ProxyConfig()
+    assert (shipped.dispatch, shipped.local_prefill_threshold) == ("sequential", 128)
+    async with running_proxy(dispatch=shipped.dispatch,
+                             local_prefill_threshold=shipped.local_prefill_threshold) as px:
+        p, d = await px.pd()
+        p.fault = Fault(delay=0.3)
+        short = {**COMPLETION, "prompt": "x" * 500}  # ~125 estimated tokens
+        resp = await px.client.post("/v1/completions", json=short)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_short"
+        assert p.completions() == [] and d.completions()[0].request_id.startswith("xpyd-local-")
+        long = {**COMPLETION, "prompt": "x" * 520}  # ~130
+        resp = await px.client.post("/v1/completions", json=long)
+        assert resp.status_code == 200 and "x-xpyd-path" not in resp.headers
+        (pre,), dec = p.completions(), d.completions()[1]
+        assert pre.request_id == dec.request_id and dec.received_at >= pre.received_at + 0.25
 
 
 async def test_concurrent_dispatch_prefill_failure_aborts_decode_at_once():

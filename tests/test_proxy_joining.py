@@ -23,7 +23,9 @@ from test_proxy_shutdown import start_proxy, stop, wait_ready
 from proxy.config import ConfigError, ProxyConfig, load_config
 from proxy.protocol import Registration, encode
 
-COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 3}
+# Long enough (~150 estimated tokens) to be disaggregated under the shipped
+# local_prefill_threshold (128): these proxies run the defaults.
+COMPLETION = {"model": "fake-model", "prompt": "Hello there. " * 46, "max_tokens": 3}
 BURST = 5000
 
 
