@@ -25,7 +25,7 @@ import zmq
 
 from connector.config import ConnectorConfig, ProxyName
 from connector.log import get_logger
-from proxy.protocol import MAX_LOAD_COUNT, Load, ProtocolError, Registration, decode, encode
+from xpyd_wire.discovery import MAX_LOAD_COUNT, Load, ProtocolError, Registration, decode, encode
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

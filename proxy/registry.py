@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proxy.protocol import Load, Registration
+from xpyd_wire.discovery import Load, Registration
 
 log = logging.getLogger("xpyd.proxy.registry")
 

@@ -17,7 +17,7 @@ import zmq
 
 from connector.config import ConnectorConfig
 from connector.registration import Registrar, heartbeat_load
-from proxy.protocol import Load, ProtocolError, decode
+from xpyd_wire.discovery import Load, ProtocolError, decode
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

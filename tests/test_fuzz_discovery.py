@@ -31,7 +31,7 @@ import zmq.asyncio
 from proxy_helpers import running_proxy, wait_until
 
 from proxy.discovery import LOG_BURST, LOG_WINDOW_S
-from proxy.protocol import (
+from xpyd_wire.discovery import (
     DROP_REASONS,
     MAX_LOAD_COUNT,
     MAX_MESSAGE_BYTES,

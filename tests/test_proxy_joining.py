@@ -21,7 +21,7 @@ from proxy_helpers import FakeVLLM, running_proxy, wait_until
 from test_proxy_shutdown import start_proxy, stop, wait_ready
 
 from proxy.config import ConfigError, ProxyConfig, load_config
-from proxy.protocol import Registration, encode
+from xpyd_wire.discovery import Registration, encode
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 3}
 BURST = 5000

@@ -1,4 +1,4 @@
-"""The discovery wire format, shared by the proxy and the connector.
+"""The discovery wire format, shared by the proxy and the connector (xpyd_wire owns it).
 
 Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port",
 "zmq_address": "host:port"})``. Optional xPyD fields:
