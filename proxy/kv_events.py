@@ -278,6 +278,8 @@ class KVEvents:
         elif expected is None:  # seq 0: the engine's first batch, nothing was missed
             stream.index.clear(complete=True)
         self._apply(stream, batch, frames[2])
+        # The SUB delivers in order: past this, a lower seq can only mean a restart.
+        stream.replayed_from = None
 
     def _restarted(self, stream: EventStream, why: str) -> None:
         stream.stats.restarts += 1
