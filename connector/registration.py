@@ -175,6 +175,7 @@ class Registrar:
             load=self._load_report(),
             leave=leave,
             kv_transport_fallbacks=min(self._fallbacks_report(), MAX_LOAD_COUNT) if self._fallbacks_report else 0,
+            kv_events=self._cfg.kv_events,
         )
 
     def _healthy(self) -> bool:
