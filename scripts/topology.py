@@ -10,6 +10,7 @@ settings). The launcher, the compose files and the docs are all derived from it.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import sys
 from collections.abc import Iterable, Mapping
@@ -59,8 +60,8 @@ class InstanceSpec:
     args: tuple[str, ...] = ()  # extra vLLM flags for this instance only
     env: Mapping[str, str] = field(default_factory=dict)
     kv_transfer: Mapping[str, Any] = field(default_factory=dict)  # per-instance extra-config overrides
-    # vLLM's KV-event publisher (PUB) port; the replay ROUTER is events_port + 1. vLLM binds
-    # them on every interface (it binds only tcp://*:PORT); None: events off.
+    # vLLM's KV-event publisher (PUB) port; the replay ROUTER is events_port + 1 (bound on
+    # `host` when it is an IPv4 literal, else on every interface); None: events off.
     events_port: int | None = None
 
     @property
@@ -83,13 +84,23 @@ class InstanceSpec:
     def events_ports(self) -> tuple[int, ...]:
         return () if self.events_port is None else (self.events_port, self.events_port + 1)
 
-    def kv_events_config(self) -> dict[str, Any] | None:
+    def events_bind(self, bind_host: str | None = None) -> str:
+        """What vLLM binds its event sockets to: it binds only wildcard and "::" endpoints, so
+        one IPv4 address is given IPv4-mapped ([::ffff:127.0.0.1]: ZMQ binds 127.0.0.1 only);
+        0.0.0.0 and DNS names get the wildcard."""
+        host = bind_host or self.host
+        if host != "0.0.0.0" and _is_ipv4(host):
+            return f"[::ffff:{host}]"
+        return "*"
+
+    def kv_events_config(self, bind_host: str | None = None) -> dict[str, Any] | None:
         """The instance's --kv-events-config (the connector advertises it to the proxy)."""
         if self.events_port is None:
             return None
+        host = self.events_bind(bind_host)
         return {"enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://*:{self.events_port}",
-                "replay_endpoint": f"tcp://*:{self.events_port + 1}"}
+                "endpoint": f"tcp://{host}:{self.events_port}",
+                "replay_endpoint": f"tcp://{host}:{self.events_port + 1}"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +164,7 @@ class Topology:
             args += ["--tensor-parallel-size", str(inst.tp)]
         args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(inst, **kv_overrides),
                                                     separators=(",", ":"))]
-        events = inst.kv_events_config()
+        events = inst.kv_events_config(bind_host)
         if events is not None:
             args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
         return args
@@ -231,7 +242,7 @@ class Topology:
             for r, kp in enumerate(i.kv_ports):
                 claim(i.host, kp, f"{i.name} kv rank {r}")
             for kind, ep in zip(("kv events", "kv events replay"), i.events_ports):
-                claim("0.0.0.0", ep, f"{i.name} {kind}")  # vLLM binds every interface
+                claim("0.0.0.0" if i.events_bind() == "*" else i.host, ep, f"{i.name} {kind}")
             if self.device == "cuda":
                 if not i.devices:
                     raise TopologyError(f"{i.name}: a cuda topology needs a device list per instance")
@@ -248,6 +259,14 @@ class Topology:
         if bad:
             raise TopologyError(f"kv_transfer must not set {sorted(bad)} (derived from the layout)")
         return self
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 # ---- loading ---------------------------------------------------------------------------

@@ -198,6 +198,8 @@ def test_events_endpoint_from_vllms_kv_events_config(caplog):
     assert events_endpoint(kec(publisher="null"), "10.0.0.2") is None
     assert events_endpoint(kec(replay_endpoint="tcp://*:5558", topic="kv"), "10.0.0.2", 512) == \
         EventsEndpoint("tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558", "kv", 512)
+    assert events_endpoint(kec(endpoint="tcp://[::ffff:127.0.0.1]:5557"), "127.0.0.1").endpoint == \
+        "tcp://127.0.0.1:5557"
     # vLLM connects (not binds) a concrete address, and ipc is not reachable from the proxy.
     assert events_endpoint(kec(endpoint="tcp://127.0.0.1:5557"), "10.0.0.2") is None
     assert events_endpoint(kec(endpoint="ipc:///tmp/kv"), "10.0.0.2") is None

@@ -125,9 +125,13 @@ def test_every_shipped_instance_publishes_kv_events_with_replay():
             cmd = topo.vllm_command(inst)
             assert inst.events_port is not None, f"{topo.name}/{inst.name}"
             ev = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+            # Bound on the instance's own address (loopback here), not on every interface.
             assert ev == {"enable_kv_cache_events": True, "publisher": "zmq",
-                          "endpoint": f"tcp://*:{inst.events_port}",
-                          "replay_endpoint": f"tcp://*:{inst.events_port + 1}"}
+                          "endpoint": f"tcp://[::ffff:{inst.host}]:{inst.events_port}",
+                          "replay_endpoint": f"tcp://[::ffff:{inst.host}]:{inst.events_port + 1}"}
+            compose = json.loads((lambda a: a[a.index("--kv-events-config") + 1])(
+                topo.vllm_args_for(inst, bind_host="0.0.0.0")))
+            assert compose["endpoint"] == f"tcp://*:{inst.events_port}"
 
 
 def test_events_ports_clash_on_every_interface():
@@ -135,7 +139,7 @@ def test_events_ports_clash_on_every_interface():
     data["instances"][1]["events_port"] = data["instances"][0]["events_port"] + 1  # its replay port
     with pytest.raises(TopologyError, match="kv events"):
         topology_from_dict(data).validate()
-    data["instances"][1]["events_port"] = data["instances"][0]["kv_port"]
+    data["instances"][1]["events_port"] = data["instances"][0]["kv_port"]  # same host
     with pytest.raises(TopologyError, match="already used"):
         topology_from_dict(data).validate()
     data["instances"][1].pop("events_port")

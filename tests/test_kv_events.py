@@ -117,6 +117,8 @@ def test_endpoints_advertise_the_kv_host_and_are_validated():
     assert advertised("tcp://*:5557", "10.0.0.2") == "tcp://10.0.0.2:5557"
     assert advertised("tcp://0.0.0.0:5557", "node-1") == "tcp://node-1:5557"
     assert advertised("tcp://127.0.0.1:5557", "node-1") == "tcp://127.0.0.1:5557"
+    # How vLLM is made to bind one IPv4 address (it binds only "*" or "::" endpoints).
+    assert advertised("tcp://[::ffff:127.0.0.1]:5557", "node-1") == "tcp://127.0.0.1:5557"
     for bad in ("ipc:///tmp/x", "tcp://*:0", "tcp://*:x"):
         with pytest.raises(EventError):
             advertised(bad, "h")

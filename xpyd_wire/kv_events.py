@@ -141,6 +141,10 @@ def advertised(endpoint: str, host: str) -> str:
         raise EventError(f"event endpoint {endpoint!r:.80} needs a fixed port")
     if bind_host in ("*", "0.0.0.0", "::", "[::]", ""):
         bind_host = host
+    elif bind_host.lower().startswith("[::ffff:") and bind_host.endswith("]"):
+        # vLLM binds only wildcard or "::" endpoints; an IPv4-mapped one is how to make it
+        # bind one IPv4 address (ZMQ binds the IPv4 address itself), e.g. loopback.
+        bind_host = bind_host[len("[::ffff:"):-1]
     out = f"tcp://{bind_host}:{port}"
     split_endpoint(out)
     return out
