@@ -50,7 +50,7 @@ class ProxyConfig:
     # KV-event intake (proxy/kv_events.py; on for every instance that advertises events):
     # blocks indexed per instance when its registration does not give its KV capacity, and
     # seconds without a word from its publisher before its index counts as unknown.
-    kv_index_max_blocks: int = 1_000_000
+    kv_index_max_blocks: int = 262_144
     kv_events_silence: float = 10.0
     # Clients must send "Authorization: Bearer <api_key>" when set.
     api_key: str | None = field(default=None, repr=False)

@@ -64,7 +64,7 @@ MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class EventsConfig:
-    default_cap: int = 1_000_000  # blocks per instance when its capacity is not advertised
+    default_cap: int = 262_144  # blocks per instance when its capacity is not advertised (~50 MiB)
     probe_s: float = 2.0
     silence_s: float = 10.0
     replay_timeout_s: float = 2.0
