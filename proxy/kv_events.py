@@ -130,6 +130,7 @@ class KVEvents:
         self._streams: dict[Instance, EventStream] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # streams cancelled, not finished yet
         self._wake = asyncio.Event()
         self._results = {r: metrics.kv_events.labels(r) for r in ("applied", *DROP_REASONS)}
         metrics.registry.register(_IndexCollector(self))
@@ -161,7 +162,7 @@ class KVEvents:
                                                              name="xpyd-kv-events")  # fmt: skip
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *(s.task for s in self._streams.values())) if t]
+        tasks = [t for t in (self._task, *(s.task for s in self._streams.values()), *self._closing) if t]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -172,7 +173,7 @@ class KVEvents:
         self._streams.clear()
         self._task = None
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)  # never blocks on a socket left open
             self._ctx = None
 
     def kick(self) -> None:
@@ -216,6 +217,8 @@ class KVEvents:
         self._streams.pop(stream.inst, None)
         if stream.task is not None:
             stream.task.cancel()
+            self._closing.add(stream.task)
+            stream.task.add_done_callback(self._closing.discard)
         log.info("kv events unsubscribe role=%s http=%s reason=%s", stream.inst.role,
                  stream.inst.http_address, reason)  # fmt: skip
 
