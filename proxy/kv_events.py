@@ -103,6 +103,7 @@ class EventStream:
     last_digest: bytes | None = None  # of the last applied batch's payload
     stats: StreamStats = field(default_factory=StreamStats)
     task: asyncio.Task | None = None
+    dealer: zmq.asyncio.Socket | None = None  # to the replay endpoint, kept between asks
 
     def view(self) -> dict:
         return {
@@ -256,6 +257,9 @@ class KVEvents:
             stream.index.live = False
         finally:
             sub.close(linger=0)
+            if stream.dealer is not None:
+                stream.dealer.close(linger=0)
+                stream.dealer = None
 
     async def _probe(self, stream: EventStream) -> None:
         """Silent for probe_s: ask the replay endpoint whether anything was missed."""
@@ -347,62 +351,80 @@ class KVEvents:
         """"ok", "failed" (no answer in time, garbage) or "mismatch" (the batch at `start`
         is not the one applied: the engine restarted)."""
         assert self._ctx is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # One DEALER per stream, kept while every answer is read to its end marker (the
+        # protocol has no request ids: after a timeout or an early return, a late answer
+        # could pass for the next one, so the socket is replaced then).
+        dealer = stream.dealer
+        if dealer is None:
+            dealer = stream.dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            dealer.connect(ep)
+        result = "failed"
+        try:
+            result = await self._replay_on(stream, dealer, start)
+        finally:
+            if result != "ok":
+                dealer.close(linger=0)
+                stream.dealer = None
+        return result
+
+    async def _replay_on(self, stream: EventStream, dealer: zmq.asyncio.Socket, start: int) -> str:
         deadline = self._clock() + self.cfg.replay_timeout_s
         # Replaying from the last applied batch checks it is still the same one.
         verify = stream.next_seq is not None and start == stream.next_seq - 1
         first = True
+        # The send may block too (its queue at the high-water mark): under the same deadline.
         try:
-            dealer.connect(ep)
-            await dealer.send_multipart(replay_request(start))
-            for _ in range(MAX_REPLAY_BATCHES + 1):
-                left = deadline - self._clock()
-                if left <= 0 or not await dealer.poll(left * 1000, zmq.POLLIN):
-                    log.warning("kv events replay timed out http=%s start=%d",
-                                stream.inst.http_address, start)  # fmt: skip
-                    return "failed"
-                frames = await dealer.recv_multipart()
-                if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ:
-                    if first and verify:
-                        return "mismatch"  # it no longer has the batch we applied last
-                    if first and start == 0 and stream.next_seq is None:
-                        # Nothing was ever published: the instance holds no cached blocks.
-                        stream.index.clear(complete=True)
-                        stream.next_seq = 0
-                    if stream.next_seq is None:
-                        return "failed"
-                    stream.last_heard = self._clock()
-                    stream.index.live = True
-                    return "ok"
-                try:
-                    if len(frames) != 4 or frames[0] != b"":
-                        raise EventError(f"replay answer of {len(frames)} frames", MALFORMED)
-                    batch = decode_batch(frames[1:], stream.endpoint.topic)
-                except EventError as e:
-                    self._drop(stream, e)
-                    return "failed"
-                if first:
-                    first = False
-                    if verify:
-                        if batch.seq != start or _digest(frames[3]) != stream.last_digest:
-                            return "mismatch"
-                        continue
-                    stream.replayed_from = start
-                    if batch.seq == 0:
-                        stream.index.clear(complete=True)
-                    elif batch.seq > start or stream.next_seq is None:
-                        # The buffer no longer holds what we missed: rebuild from here.
-                        log.info("kv events replay starts at %d, wanted %d: index rebuilt "
-                                 "http=%s", batch.seq, start, stream.inst.http_address)
-                        stream.index.clear(complete=False)
-                if stream.next_seq is not None and batch.seq < stream.next_seq:
-                    continue
-                self._apply(stream, batch, frames[3])
+            async with asyncio.timeout(self.cfg.replay_timeout_s):
+                await dealer.send_multipart(replay_request(start))
+        except TimeoutError:
+            log.warning("kv events replay endpoint unreachable http=%s", stream.inst.http_address)
             return "failed"
-        finally:
-            dealer.close(linger=0)
+        for _ in range(MAX_REPLAY_BATCHES + 1):
+            left = deadline - self._clock()
+            if left <= 0 or not await dealer.poll(left * 1000, zmq.POLLIN):
+                log.warning("kv events replay timed out http=%s start=%d",
+                            stream.inst.http_address, start)  # fmt: skip
+                return "failed"
+            frames = await dealer.recv_multipart()
+            if len(frames) == 4 and frames[0] == b"" and frames[2] == END_SEQ:
+                if first and verify:
+                    return "mismatch"  # it no longer has the batch we applied last
+                if first and start == 0 and stream.next_seq is None:
+                    # Nothing was ever published: the instance holds no cached blocks.
+                    stream.index.clear(complete=True)
+                    stream.next_seq = 0
+                if stream.next_seq is None:
+                    return "failed"
+                stream.last_heard = self._clock()
+                stream.index.live = True
+                return "ok"
+            try:
+                if len(frames) != 4 or frames[0] != b"":
+                    raise EventError(f"replay answer of {len(frames)} frames", MALFORMED)
+                batch = decode_batch(frames[1:], stream.endpoint.topic)
+            except EventError as e:
+                self._drop(stream, e)
+                return "failed"
+            if first:
+                first = False
+                if verify:
+                    if batch.seq != start or _digest(frames[3]) != stream.last_digest:
+                        return "mismatch"
+                    continue
+                stream.replayed_from = start
+                if batch.seq == 0:
+                    stream.index.clear(complete=True)
+                elif batch.seq > start or stream.next_seq is None:
+                    # The buffer no longer holds what we missed: rebuild from here.
+                    log.info("kv events replay starts at %d, wanted %d: index rebuilt "
+                             "http=%s", batch.seq, start, stream.inst.http_address)
+                    stream.index.clear(complete=False)
+            if stream.next_seq is not None and batch.seq < stream.next_seq:
+                continue
+            self._apply(stream, batch, frames[3])
+        return "failed"
 
 
 def _digest(payload: bytes) -> bytes:

@@ -229,13 +229,13 @@ async def wait_until(pred, timeout=5.0):
 
 
 class Harness:
-    def __init__(self, pub: Publisher, blocks: int | None = None, **cfg) -> None:
+    def __init__(self, pub: Publisher, blocks: int | None = None, replay: str | None = None, **cfg) -> None:
         self.pub = pub
         self.registry = Registry(heartbeat_timeout=30)
         self.metrics = Metrics(self.registry)
         self.events = KVEvents(self.registry, self.metrics, EventsConfig(**{
             "probe_s": 0.2, "silence_s": 1.0, "replay_timeout_s": 0.5, "reconcile_s": 0.1, **cfg}))
-        ep = EventsEndpoint(pub.endpoint, pub.replay_endpoint, pub.topic, blocks)
+        ep = EventsEndpoint(pub.endpoint, replay or pub.replay_endpoint, pub.topic, blocks)
         reg = discovery.Registration("P", "127.0.0.1:18000", "127.0.0.1:14579", kv_events=ep)
         self.inst = self.registry.upsert(reg)
         self.registry.admit(self.inst)
@@ -409,3 +409,18 @@ async def test_leaving_instance_is_unsubscribed():
         h.events.kick()
         await wait_until(lambda: not h.events.streams() and stream.task.done())
         assert h.events.state(h.inst) is IndexState.UNKNOWN
+
+
+async def test_dead_replay_endpoint_costs_a_deadline_not_the_stream():
+    """Nothing listens on the advertised replay endpoint: every ask gives up after its
+    deadline and live events still apply."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    toks = list(range(16))
+    async with Harness(Publisher(replay=False), replay=dead) as h:
+        await wait_until(lambda: h.stream.stats.replays_failed >= 1)
+        await publish_until_received(h, [AllBlocksCleared(), seq_blocks(toks)])
+        assert h.index.state is IndexState.KNOWN and len(h.index) == 4
