@@ -8,6 +8,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from connector.log import get_logger
+from xpyd_wire.kv_events import EventError, EventsEndpoint, advertised
+
+logger = get_logger(__name__)
+
 SendType = Literal["PUT", "PUT_ASYNC", "GET"]
 SEND_TYPES: tuple[str, ...] = ("PUT", "PUT_ASYNC", "GET")
 
@@ -155,6 +160,9 @@ class ConnectorConfig:
     mem_pool_size_gb: float = 0.0
     # How often proxy names (e.g. a headless Service) are resolved again to find every replica.
     proxy_resolve_interval_s: float = 10.0
+    # Where vLLM publishes this instance's KV events (from --kv-events-config), advertised to
+    # the proxy in the heartbeat; None: events off or not reachable over tcp.
+    kv_events: EventsEndpoint | None = None
 
     @property
     def is_producer(self) -> bool:
@@ -170,7 +178,8 @@ class ConnectorConfig:
         return f"{self.kv_ip}:{self.kv_port}"
 
     @staticmethod
-    def from_vllm(kv_transfer_config: Any) -> "ConnectorConfig":
+    def from_vllm(kv_transfer_config: Any, kv_events_config: Any = None,
+                  kv_blocks: int | None = None) -> "ConnectorConfig":
         extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
         send_type = str(extra.get("send_type", "PUT_ASYNC")).upper()
         if send_type not in SEND_TYPES:
@@ -204,4 +213,33 @@ class ConnectorConfig:
             nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
             mem_pool_size_gb=_pool_gb(extra, role),
             proxy_resolve_interval_s=_positive_seconds(extra, "proxy_resolve_interval_s", 10.0),
+            kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
         )
+
+
+def _bound_by_vllm(endpoint: str) -> bool:
+    """vLLM's ZmqEventPublisher binds wildcard (and ipc) endpoints and connects to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def events_endpoint(kv_events_config: Any, kv_host: str, kv_blocks: int | None = None) -> EventsEndpoint | None:
+    """What the heartbeat advertises of vLLM's KV-event publisher: its bind endpoints with this
+    instance's KV host (``tcp://*:5557`` -> ``tcp://{kv_host}:5557``), the topic, and the KV
+    capacity in blocks when known (the proxy bounds its index of this instance by it). None
+    when events are off, or published where a proxy cannot subscribe (logged)."""
+    if kv_events_config is None or not getattr(kv_events_config, "enable_kv_cache_events", False):
+        return None
+    if getattr(kv_events_config, "publisher", None) != "zmq":
+        return None
+    endpoint = str(kv_events_config.endpoint)
+    replay = getattr(kv_events_config, "replay_endpoint", None)
+    try:
+        if not _bound_by_vllm(endpoint):
+            raise EventError(f"vLLM connects (does not bind) {endpoint!r}")
+        ep = advertised(endpoint, kv_host)
+        rep = advertised(str(replay), kv_host) if replay else None
+    except EventError as e:
+        logger.warning("kv events not advertised to the proxy: %s (use tcp://*:PORT)", e)
+        return None
+    blocks = kv_blocks if isinstance(kv_blocks, int) and kv_blocks > 0 else None
+    return EventsEndpoint(ep, rep, str(getattr(kv_events_config, "topic", "") or ""), blocks)

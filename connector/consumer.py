@@ -35,7 +35,7 @@ from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec
-from connector.request_id import rank_address
+from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError

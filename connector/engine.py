@@ -37,7 +37,7 @@ from connector.consumer import Consumer
 from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
-from connector.request_id import rank_address
+from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport

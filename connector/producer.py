@@ -35,7 +35,7 @@ from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
-from connector.request_id import rank_address
+from xpyd_wire.request_id import rank_address
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError, TransportRefused
 

@@ -25,7 +25,7 @@ import zmq
 
 from connector.config import ConnectorConfig, ProxyName
 from connector.log import get_logger
-from proxy.protocol import MAX_LOAD_COUNT, Load, ProtocolError, Registration, decode, encode
+from xpyd_wire.discovery import MAX_LOAD_COUNT, Load, ProtocolError, Registration, decode, encode
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -175,6 +175,7 @@ class Registrar:
             load=self._load_report(),
             leave=leave,
             kv_transport_fallbacks=min(self._fallbacks_report(), MAX_LOAD_COUNT) if self._fallbacks_report else 0,
+            kv_events=self._cfg.kv_events,
         )
 
     def _healthy(self) -> bool:

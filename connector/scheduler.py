@@ -15,13 +15,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector import request_id
+from xpyd_wire import request_id
 from connector.config import ConnectorConfig, _flag
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
 from connector.stats import XpydStats
-from proxy.protocol import Load
+from xpyd_wire.discovery import Load
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

@@ -23,6 +23,7 @@ from proxy.config import ProxyConfig
 from proxy.credentials import on_behalf_headers
 from proxy.discovery import Discovery
 from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_text
+from proxy.kv_events import EventsConfig, KVEvents
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.probe import Prober
@@ -51,6 +52,10 @@ class ProxyState:
         )
         self.router = Router(cfg, self.registry, self.metrics, self.upstream)
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
+        self.kv_events = KVEvents(self.registry, self.metrics, EventsConfig(
+            default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
+        # Subscribe as soon as an instance becomes a candidate, not at the next sweep.
+        self.registry.listeners.append(lambda inst: self.kv_events.kick())
         self.draining = False
         # Keys the opaque instance labels of /instances: stable while this proxy runs, and
         # no way back to the address (a plain hash of host:port is quickly brute-forced).
@@ -60,21 +65,24 @@ class ProxyState:
         """One /instances entry: everything, or without --expose-routing-headers a summary
         that names the instance only by an opaque label (no addresses)."""
         full = inst.to_json(now_wall)
+        full["kv_events"] = self.kv_events.view(inst)
         if self.cfg.expose_routing_headers:
             return full
         name = f"{inst.role}/{inst.http_address}".encode()
         label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
         keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
                 "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load",
-                "kv_transport_fallbacks")  # fmt: skip
+                "kv_transport_fallbacks", "kv_events")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 
     async def start(self) -> None:
         await self.upstream.start()
         await self.prober.start()
         await self.discovery.start()
+        await self.kv_events.start()
 
     async def stop(self) -> None:
+        await self.kv_events.stop()
         await self.discovery.stop()
         await self.prober.stop()
         await self.upstream.close()

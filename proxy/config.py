@@ -47,6 +47,11 @@ class ProxyConfig:
     cache_aware_min_match: float = 0.5
     cache_aware_balance_abs: float = 8.0
     cache_aware_balance_rel: float = 1.5
+    # KV-event intake (proxy/kv_events.py; on for every instance that advertises events):
+    # blocks indexed per instance when its registration does not give its KV capacity, and
+    # seconds without a word from its publisher before its index counts as unknown.
+    kv_index_max_blocks: int = 262_144
+    kv_events_silence: float = 10.0
     # Clients must send "Authorization: Bearer <api_key>" when set.
     api_key: str | None = field(default=None, repr=False)
     # /metrics answers only with the API key too (/instances always needs it when set).
@@ -122,6 +127,7 @@ class ProxyConfig:
             "health_interval",
             "probe_timeout",
             "models_refresh_interval",
+            "kv_events_silence",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -149,7 +155,8 @@ class ProxyConfig:
                      "prefill_max_in_flight", "decode_max_in_flight", "queue_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
-        for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency"):
+        for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",
+                     "kv_index_max_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.cache_aware_chunk_tokens < 1:
@@ -205,6 +212,10 @@ HELP = MappingProxyType(
         "cache_aware_balance_abs": "cache_aware: ignore the cache when its holder's load "
         "exceeds the least loaded's by more than this (requests) ...",
         "cache_aware_balance_rel": "cache_aware: ... and by more than this factor",
+        "kv_index_max_blocks": "KV-event index: blocks held per instance when its registration "
+        "does not give its KV capacity",
+        "kv_events_silence": "seconds without KV events or a replay answer before an "
+        "instance's block index counts as unknown",
         "api_key": "require 'Authorization: Bearer KEY' from clients",
         "metrics_require_api_key": "/metrics requires the API key too",
         "expose_routing_headers": "show instance addresses (response headers, /instances) "
@@ -228,8 +239,9 @@ HELP = MappingProxyType(
         "decode_max_in_flight": "requests in flight per D before new ones queue (0: no limit)",
         "queue_size": "requests that may wait for a free instance; beyond: 429",
         "queue_timeout": "seconds a request may wait for a free instance; then 429",
-        "prefill": "static P instance URL[,kv=HOST:PORT] (repeatable; kv default: URL host:14579)",
-        "decode": "static D instance URL[,kv=HOST:PORT] (repeatable; kv default: URL host:14579)",
+        "prefill": "static P instance URL[,kv=HOST:PORT][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT] "
+        "(repeatable; kv default: URL host:14579; events: its vLLM KV-event publisher)",
+        "decode": "static D instance URL[,kv=HOST:PORT][,events=...][,replay=...] (repeatable)",
         "health_interval": "seconds between /health checks of static instances",
         "probe_timeout": "deadline of one /health or /v1/models probe, seconds",
         "models_refresh_interval": "seconds between re-reading each instance's /v1/models",

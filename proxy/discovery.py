@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from proxy.metrics import Metrics
-from proxy.protocol import (
+from xpyd_wire.discovery import (
     DROP_REASONS,
     MALFORMED,
     MAX_CLOCK_SKEW_S,

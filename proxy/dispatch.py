@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from connector import request_id
+from xpyd_wire import request_id
 from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text

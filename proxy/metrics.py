@@ -120,6 +120,19 @@ class Metrics:
             registry=r,
         )
         r.register(_InstanceCollector(registry))
+        self.kv_events = Counter(
+            "xpyd_kv_events",
+            "KV-event batches from instances: applied, or dropped by reason",
+            ["result"], registry=r)  # fmt: skip
+        self.kv_event_gaps = Counter(
+            "xpyd_kv_event_gaps", "Jumps in an instance's KV-event sequence numbers", registry=r)
+        self.kv_event_replays = Counter(
+            "xpyd_kv_event_replays", "Replay requests to instances' KV-event replay endpoints",
+            ["result"], registry=r)  # fmt: skip
+        self.kv_event_restarts = Counter(
+            "xpyd_kv_event_restarts",
+            "Instances whose KV-event sequence went back (engine restarted): index reset",
+            registry=r)  # fmt: skip
         # Label children are cached: .labels() costs more than the observation itself.
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._lat_children: dict[str, Histogram] = {}

@@ -67,7 +67,8 @@ class Prober:
         for role, specs in (("P", self.cfg.prefill), ("D", self.cfg.decode)):
             for spec in specs:
                 s = parse_static(role, spec)
-                self.static.append(self.registry.add_static(role, s.http_address, s.zmq_address))
+                self.static.append(self.registry.add_static(role, s.http_address, s.zmq_address,
+                                                           s.kv_events))
         self.registry.listeners.append(self._joined)
         self.registry.pending_listeners.append(self._registered)
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="xpyd-probe")

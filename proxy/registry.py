@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from proxy.protocol import Load, Registration
+from xpyd_wire.discovery import Load, Registration
+from xpyd_wire.kv_events import EventsEndpoint
 
 log = logging.getLogger("xpyd.proxy.registry")
 
@@ -55,6 +56,8 @@ class Instance:
     probe_error: str | None = None
     # Host of the discovery connection it registered from (None: unknown), for the bounds.
     source: str | None = None
+    # Where it publishes vLLM's KV events (from its registration, or the static option).
+    kv_events: EventsEndpoint | None = None
 
     def to_json(self, now_wall: float) -> dict:
         load = self.load
@@ -145,6 +148,7 @@ class Registry:
                 last_heartbeat_wall=wall,
                 load=reg.load,
                 kv_transport_fallbacks=reg.kv_transport_fallbacks,
+                kv_events=reg.kv_events,
                 pending=True,
                 source=source,
             )
@@ -178,15 +182,17 @@ class Registry:
         if reg.load is not None:
             inst.load = reg.load
         inst.kv_transport_fallbacks = reg.kv_transport_fallbacks
+        inst.kv_events = reg.kv_events
         return inst
 
-    def add_static(self, role: str, http_address: str, zmq_address: str) -> Instance:
+    def add_static(self, role: str, http_address: str, zmq_address: str,
+                   kv_events: EventsEndpoint | None = None) -> Instance:
         """A command-line instance: out of the live list until set_healthy(True)."""
         wall = time.time()
         inst = Instance(role=role, http_address=http_address, zmq_address=zmq_address,
                         url="http://" + http_address, registered_at=wall,
                         last_heartbeat=math.inf, last_heartbeat_wall=wall,
-                        static=True, healthy=False)  # fmt: skip
+                        static=True, healthy=False, kv_events=kv_events)  # fmt: skip
         self._by_role[role][http_address] = inst
         self._rebuild(role)
         log.info("static instance added role=%s http=%s zmq=%s", role, http_address, zmq_address)

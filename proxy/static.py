@@ -1,4 +1,5 @@
-"""Static instances: P and D given on the command line (--prefill/--decode URL[,kv=HOST:PORT])
+"""Static instances: P and D given on the command line
+(--prefill/--decode URL[,kv=HOST:PORT][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT])
 for setups without discovery. They never expire by heartbeat; instead the prober checks
 their /health and keeps them out of the live lists while it fails."""
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from proxy.config import ConfigError
+from xpyd_wire.kv_events import EventError, EventsEndpoint, decode_endpoint
 
 # vLLM's KVTransferConfig.kv_port default: where the connector listens unless told otherwise.
 DEFAULT_KV_PORT = 14579
@@ -18,6 +20,7 @@ class StaticSpec:
     role: str
     http_address: str  # host:port
     zmq_address: str  # host:port of the instance's KV connector
+    kv_events: EventsEndpoint | None = None  # its vLLM KV-event publisher (and replay)
 
 
 def _host_port(text: str, what: str, spec: str) -> tuple[str, int]:
@@ -42,10 +45,23 @@ def parse_static(role: str, spec: str) -> StaticSpec:
         url = parts.netloc
     host, port = _host_port(url, f"{flag} URL", spec)
     kv = f"{host}:{DEFAULT_KV_PORT}"
+    events: dict[str, str] = {}
     for option in options:
         key, sep, value = option.partition("=")
-        if key != "kv" or not sep:
-            raise ConfigError(f"{flag} {spec!r}: unknown option {option!r} (only kv=HOST:PORT)")
-        kv_host, kv_port = _host_port(value, "kv=", spec)
-        kv = f"{kv_host}:{kv_port}"
-    return StaticSpec(role, f"{host}:{port}", kv)
+        if key == "kv" and sep:
+            kv_host, kv_port = _host_port(value, "kv=", spec)
+            kv = f"{kv_host}:{kv_port}"
+        elif key in ("events", "replay") and sep:
+            events["endpoint" if key == "events" else "replay_endpoint"] = value
+        else:
+            raise ConfigError(f"{flag} {spec!r}: unknown option {option!r} "
+                              "(kv=HOST:PORT, events=tcp://HOST:PORT, replay=tcp://HOST:PORT)")
+    endpoint = None
+    if events:
+        if "endpoint" not in events:
+            raise ConfigError(f"{flag} {spec!r}: replay= needs events= too")
+        try:
+            endpoint = decode_endpoint(events)
+        except EventError as e:
+            raise ConfigError(f"{flag} {spec!r}: {e}") from None
+    return StaticSpec(role, f"{host}:{port}", kv, endpoint)

@@ -123,7 +123,7 @@ def render_services(profile: str, topo: Topology) -> dict[str, Any]:
             "depends_on": {proxy_name: {"condition": "service_healthy"}},
             "healthcheck": _health(python, str(inst.port), "600s"),
             "networks": [network(profile)],
-            "expose": [str(inst.port), *(str(p) for p in inst.kv_ports)],
+            "expose": [str(inst.port), *(str(p) for p in (*inst.kv_ports, *inst.events_ports))],
         }
         if profile == "gpu":
             svc["deploy"] = {"resources": {"reservations": {"devices": [

@@ -277,6 +277,9 @@ def render_role(topo: Topology, role: str) -> list[dict[str, Any]]:
     env += [{"name": k, "value": v} for k, v in {**topo.env, **inst.env}.items()]
     ports = [{"name": "http", "containerPort": inst.port, "protocol": "TCP"}]
     ports += [{"name": f"kv-{r}", "containerPort": p, "protocol": "TCP"} for r, p in enumerate(inst.kv_ports)]
+    # vLLM's KV-event publisher and its replay endpoint: the proxy subscribes (pod IP).
+    ports += [{"name": n, "containerPort": p, "protocol": "TCP"}
+              for n, p in zip(("events", "events-replay"), inst.events_ports)]
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM[topo.device]}}]
     if gpu:

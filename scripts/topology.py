@@ -10,6 +10,7 @@ settings). The launcher, the compose files and the docs are all derived from it.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import sys
 from collections.abc import Iterable, Mapping
@@ -59,6 +60,9 @@ class InstanceSpec:
     args: tuple[str, ...] = ()  # extra vLLM flags for this instance only
     env: Mapping[str, str] = field(default_factory=dict)
     kv_transfer: Mapping[str, Any] = field(default_factory=dict)  # per-instance extra-config overrides
+    # vLLM's KV-event publisher (PUB) port; the replay ROUTER is events_port + 1 (bound on
+    # `host` when it is an IPv4 literal, else on every interface); None: events off.
+    events_port: int | None = None
 
     @property
     def tp(self) -> int:
@@ -75,6 +79,28 @@ class InstanceSpec:
     @property
     def kv_ports(self) -> tuple[int, ...]:
         return tuple(self.kv_port + r for r in range(self.tp))
+
+    @property
+    def events_ports(self) -> tuple[int, ...]:
+        return () if self.events_port is None else (self.events_port, self.events_port + 1)
+
+    def events_bind(self, bind_host: str | None = None) -> str:
+        """What vLLM binds its event sockets to: it binds only wildcard and "::" endpoints, so
+        one IPv4 address is given IPv4-mapped ([::ffff:127.0.0.1]: ZMQ binds 127.0.0.1 only);
+        0.0.0.0 and DNS names get the wildcard."""
+        host = bind_host or self.host
+        if host != "0.0.0.0" and _is_ipv4(host):
+            return f"[::ffff:{host}]"
+        return "*"
+
+    def kv_events_config(self, bind_host: str | None = None) -> dict[str, Any] | None:
+        """The instance's --kv-events-config (the connector advertises it to the proxy)."""
+        if self.events_port is None:
+            return None
+        host = self.events_bind(bind_host)
+        return {"enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://{host}:{self.events_port}",
+                "replay_endpoint": f"tcp://{host}:{self.events_port + 1}"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +164,9 @@ class Topology:
             args += ["--tensor-parallel-size", str(inst.tp)]
         args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(inst, **kv_overrides),
                                                     separators=(",", ":"))]
+        events = inst.kv_events_config(bind_host)
+        if events is not None:
+            args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
         return args
 
     def vllm_command(self, inst: InstanceSpec, python: str = sys.executable) -> list[str]:
@@ -165,7 +194,8 @@ class Topology:
             return self
         proxies = tuple(dataclasses.replace(p, port=p.port + offset, discovery_port=p.discovery_port + offset)
                         for p in self.proxies)
-        insts = tuple(dataclasses.replace(i, port=i.port + offset, kv_port=i.kv_port + offset)
+        insts = tuple(dataclasses.replace(i, port=i.port + offset, kv_port=i.kv_port + offset,
+                                          events_port=None if i.events_port is None else i.events_port + offset)
                       for i in self.instances)
         return dataclasses.replace(self, proxies=proxies, instances=insts).validate()
 
@@ -211,6 +241,8 @@ class Topology:
             claim(i.host, i.port, f"{i.name} http")
             for r, kp in enumerate(i.kv_ports):
                 claim(i.host, kp, f"{i.name} kv rank {r}")
+            for kind, ep in zip(("kv events", "kv events replay"), i.events_ports):
+                claim("0.0.0.0" if i.events_bind() == "*" else i.host, ep, f"{i.name} {kind}")
             if self.device == "cuda":
                 if not i.devices:
                     raise TopologyError(f"{i.name}: a cuda topology needs a device list per instance")
@@ -227,6 +259,14 @@ class Topology:
         if bad:
             raise TopologyError(f"kv_transfer must not set {sorted(bad)} (derived from the layout)")
         return self
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 # ---- loading ---------------------------------------------------------------------------
@@ -276,7 +316,8 @@ def topology_from_dict(data: Any, source: Path | None = None) -> Topology:
     for n, i in enumerate(data.get("instances") or []):
         i = _mapping(i, f"instances[{n}]")
         what = f"instances[{n}] ({i.get('name', '?')})"
-        _check_keys(i, {"name", "role", "host", "port", "kv_port", "devices", "args", "env", "kv_transfer"}, what)
+        _check_keys(i, {"name", "role", "host", "port", "kv_port", "events_port", "devices", "args", "env",
+                        "kv_transfer"}, what)
         if "name" not in i or "role" not in i:
             raise TopologyError(f"{what}: name and role are required")
         devices = i.get("devices") or []
@@ -287,7 +328,8 @@ def topology_from_dict(data: Any, source: Path | None = None) -> Topology:
             port=_int(i, "port", what), kv_port=_int(i, "kv_port", what), devices=tuple(devices),
             args=_strs(i.get("args"), f"{what}.args"),
             env={k: str(v) for k, v in _mapping(i.get("env"), f"{what}.env").items()},
-            kv_transfer=_mapping(i.get("kv_transfer"), f"{what}.kv_transfer")))
+            kv_transfer=_mapping(i.get("kv_transfer"), f"{what}.kv_transfer"),
+            events_port=_int(i, "events_port", what) if i.get("events_port") is not None else None))
     for key in ("model", "served_model_name"):
         if not data.get(key):
             raise TopologyError(f"topology: {key} is required")

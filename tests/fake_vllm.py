@@ -2,7 +2,7 @@
 
 A real HTTP/1.1 server on loopback (asyncio + httptools, no framework, so it is cheap
 enough to be the benchmark's backend too) that registers over real ZMQ with
-proxy.protocol.encode, answers /v1/completions and /v1/chat/completions in vLLM's exact
+xpyd_wire.discovery.encode, answers /v1/completions and /v1/chat/completions in vLLM's exact
 shapes (stream and not), /v1/models and /health, records every request, and can be told
 to fail: a status, a delay, a hang, a broken or stalled stream, a stream's error event.
 
@@ -27,10 +27,10 @@ import zmq
 import zmq.asyncio
 
 try:
-    from proxy.protocol import Load, Registration, encode
+    from xpyd_wire.discovery import Load, Registration, encode
 except ImportError:  # run as a script from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from proxy.protocol import Load, Registration, encode
+    from xpyd_wire.discovery import Load, Registration, encode
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Fault:
     id_prefix: str | None = None
 
 
-DISAGGREGATED_ID = "___prefill_addr_"  # how connector.request_id.build() ids begin
+DISAGGREGATED_ID = "___prefill_addr_"  # how xpyd_wire.request_id.build() ids begin
 
 # vLLM 0.32's (message, type) per code of a stream's error event (GenerationError: 500,
 # RetryableRequestError: 503, a request error: 400).

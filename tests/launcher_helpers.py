@@ -43,7 +43,7 @@ def free_port_offset(topo: Topology, start: int = 1000, step: int = 97, tries: i
         for p in t.proxies:
             by_host.setdefault(p.host, []).extend([p.port, p.discovery_port])
         for i in t.instances:
-            by_host.setdefault(i.host, []).extend([i.port, *i.kv_ports])
+            by_host.setdefault(i.host, []).extend([i.port, *i.kv_ports, *i.events_ports])
         if all(_ports_free(h, ps) for h, ps in by_host.items()):
             return off
     raise RuntimeError("no free port offset")

@@ -17,7 +17,7 @@ import zmq
 
 from connector.config import ConnectorConfig
 from connector.registration import Registrar, heartbeat_load
-from proxy.protocol import Load, ProtocolError, decode
+from xpyd_wire.discovery import Load, ProtocolError, decode
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -183,3 +183,70 @@ def test_discovery_secret_from_extra_wins_over_env_and_unset_means_unsigned(monk
     monkeypatch.delenv("XPYD_DISCOVERY_SECRET")
     kvt.kv_connector_extra_config = {}
     assert ConnectorConfig.from_vllm(kvt).discovery_secret is None
+
+
+def test_events_endpoint_from_vllms_kv_events_config(caplog):
+    from connector.config import events_endpoint
+    from xpyd_wire.kv_events import EventsEndpoint
+
+    def kec(**kw):
+        return SimpleNamespace(**{"enable_kv_cache_events": True, "publisher": "zmq",
+                                  "endpoint": "tcp://*:5557", "replay_endpoint": None, "topic": "", **kw})
+
+    assert events_endpoint(None, "10.0.0.2") is None
+    assert events_endpoint(kec(enable_kv_cache_events=False), "10.0.0.2") is None
+    assert events_endpoint(kec(publisher="null"), "10.0.0.2") is None
+    assert events_endpoint(kec(replay_endpoint="tcp://*:5558", topic="kv"), "10.0.0.2", 512) == \
+        EventsEndpoint("tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558", "kv", 512)
+    assert events_endpoint(kec(endpoint="tcp://[::ffff:127.0.0.1]:5557"), "127.0.0.1").endpoint == \
+        "tcp://127.0.0.1:5557"
+    # vLLM connects (not binds) a concrete address, and ipc is not reachable from the proxy.
+    assert events_endpoint(kec(endpoint="tcp://127.0.0.1:5557"), "10.0.0.2") is None
+    assert events_endpoint(kec(endpoint="ipc:///tmp/kv"), "10.0.0.2") is None
+    assert "not advertised" in caplog.text
+
+
+async def test_registrar_advertises_events_and_the_proxy_subscribes(health_server):
+    """The connector's heartbeat (kv_events from vLLM's config, bind address -> kv host) reaches a
+    real proxy, which subscribes: its /instances shows the index known and growing; the
+    instance leaves and the proxy unsubscribes."""
+    from kv_publisher import Publisher
+    from proxy_helpers import running_proxy, wait_until
+
+    from xpyd_wire.kv_events import BlockStored
+
+    http_port, healthy = health_server
+    healthy.set()
+    pub = Publisher()
+    kec = SimpleNamespace(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub.port}",
+                          replay_endpoint="tcp://*:" + pub.replay_endpoint.rsplit(":", 1)[1], topic="")
+    async with running_proxy(expose_routing_headers=True) as px:
+        port = int(px.discovery.rsplit(":", 1)[1])
+        extra = {"proxy_ip": "127.0.0.1", "proxy_port": port, "http_port": http_port, "heartbeat_interval_s": 0.2}
+        cfg = ConnectorConfig.from_vllm(SimpleNamespace(kv_role="kv_producer", kv_port=23001,
+                                                        kv_connector_extra_config=extra), kec, 2048)
+        assert cfg.kv_events is not None and cfg.kv_events.endpoint == pub.endpoint
+        reg = Registrar(cfg, lambda: Load(0, 0, 0.0, 0.0))
+        try:
+            await wait_until(lambda: px.state.kv_events.streams(), what="subscribed")
+
+            async def view():
+                [entry] = (await px.client.get("/instances")).json()
+                return entry["kv_events"]
+
+            for _ in range(100):
+                if (await view())["state"] == "known":
+                    break
+                await asyncio.sleep(0.05)
+            assert (await view())["state"] == "known" and (await view())["cap"] == 2048
+            for _ in range(100):  # until the SUB connection is up (ZMQ's slow joiner)
+                pub.publish([BlockStored((1, 2), None, tuple(range(32)), 16, None, "GPU", 0)])
+                await asyncio.sleep(0.05)
+                if (await view())["blocks"] == 2:
+                    break
+            v = await view()
+            assert v["blocks"] == 2 and v["state"] == "known"
+        finally:
+            await asyncio.to_thread(reg.stop)
+            await wait_until(lambda: not px.state.kv_events.streams(), what="unsubscribed on leave")
+            pub.close()

@@ -25,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from connector.config import ConnectorConfig
 from connector.registration import Registrar
-from proxy.protocol import Load, Registration, decode
+from xpyd_wire.discovery import Load, Registration, decode
 
 NAME = "proxies.xpyd.test"  # only the double resolves it
 IPS = ("127.0.0.21", "127.0.0.22", "127.0.0.23")

@@ -21,7 +21,7 @@ from connector.config import ConnectorConfig
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.scheduler import REPORT_KEY_PARAM, SIBLING_GRACE_S, P2pScheduler
 from connector.stats import XpydStats
-from proxy.protocol import Load
+from xpyd_wire.discovery import Load
 
 BS = 128  # the CPU backend's default block size
 KEY = "0123456789abcdef0123456789abcdef"

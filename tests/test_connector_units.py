@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from connector import layout as kvlayout
-from connector import request_id
+from xpyd_wire import request_id
 from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 

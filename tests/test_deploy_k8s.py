@@ -272,6 +272,13 @@ def problems(topo: Topology, files: dict[str, list[dict]]) -> list[str]:  # noqa
         kv_ports = {v for k, v in ports.items() if k.startswith("kv-")}
         if kv_ports != {cc.kv_port + r for r in range(inst.tp)}:
             out.append(f"{dname}: kv container ports {sorted(kv_ports)} for kv_port {cc.kv_port}, TP {inst.tp}")
+        # KV events: what vLLM binds is what the container declares (the proxy subscribes there).
+        events = json.loads(_flag(eargs, "--kv-events-config") or "null")
+        bound = set() if events is None else {int(events[k].rsplit(":", 1)[1])
+                                               for k in ("endpoint", "replay_endpoint")}
+        declared = {v for k, v in ports.items() if k.startswith("events")}
+        if bound != declared or (events is None) != (inst.events_port is None):
+            out.append(f"{dname}: kv events ports {sorted(bound)}, container ports {sorted(declared)}")
         res = c.get("resources", {})
         gpus = {res.get("requests", {}).get("nvidia.com/gpu"), res.get("limits", {}).get("nvidia.com/gpu")}
         tp_flag = int(_flag(eargs, "--tensor-parallel-size") or 1)
@@ -444,6 +451,8 @@ MUTATIONS = {
     "gpu-not-tp": lambda f: _c(f, "xpyd-decode")["resources"]["limits"].update({"nvidia.com/gpu": 1}),
     "tp-flag": lambda f: _c(f, "xpyd-prefill")["args"].__setitem__(
         _c(f, "xpyd-prefill")["args"].index("--tensor-parallel-size") + 1, "4"),
+    "events-port": lambda f: next(p for p in _c(f, "xpyd-decode")["ports"]
+                                  if p["name"] == "events").update(containerPort=9),
     "wrong-proxy-name": lambda f: _set_kv(f, "xpyd-decode", proxies=["xpyd-proxy:30001"]),
     "wrong-discovery-port": lambda f: _set_kv(f, "xpyd-prefill", proxies=["xpyd-proxy-discovery:30002"]),
     "fixed-kv-ip": lambda f: _set_kv(f, "xpyd-decode", kv_ip="127.0.0.1"),

@@ -115,3 +115,33 @@ def test_cli_commands_and_errors(capsys):
     assert launch_main(["commands", "no-such-topology"]) == 2
     assert "no topology file" in capsys.readouterr().err
     assert launch_main(["up", "1p1d", "--only", "nobody"]) == 2
+
+
+def test_every_shipped_instance_publishes_kv_events_with_replay():
+    """Events are on in every shipped topology: vLLM binds tcp://*:events_port (and the replay
+    ROUTER on the next port); the connector advertises them to the proxy."""
+    for topo in all_topologies():
+        for inst in topo.instances:
+            cmd = topo.vllm_command(inst)
+            assert inst.events_port is not None, f"{topo.name}/{inst.name}"
+            ev = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+            # Bound on the instance's own address (loopback here), not on every interface.
+            assert ev == {"enable_kv_cache_events": True, "publisher": "zmq",
+                          "endpoint": f"tcp://[::ffff:{inst.host}]:{inst.events_port}",
+                          "replay_endpoint": f"tcp://[::ffff:{inst.host}]:{inst.events_port + 1}"}
+            compose = json.loads((lambda a: a[a.index("--kv-events-config") + 1])(
+                topo.vllm_args_for(inst, bind_host="0.0.0.0")))
+            assert compose["endpoint"] == f"tcp://*:{inst.events_port}"
+
+
+def test_events_ports_clash_on_every_interface():
+    data = _with()
+    data["instances"][1]["events_port"] = data["instances"][0]["events_port"] + 1  # its replay port
+    with pytest.raises(TopologyError, match="kv events"):
+        topology_from_dict(data).validate()
+    data["instances"][1]["events_port"] = data["instances"][0]["kv_port"]  # same host
+    with pytest.raises(TopologyError, match="already used"):
+        topology_from_dict(data).validate()
+    data["instances"][1].pop("events_port")
+    topo = topology_from_dict(data).validate()
+    assert "--kv-events-config" not in topo.vllm_command(topo.instances[1])

@@ -23,7 +23,7 @@ import pytest
 from e2e_client import BLOCK, MODEL_DIR, answer_of, assert_same_greedy, body_for, generate, make_prompt, with_logprobs
 from e2e_cluster import free_port, free_port_pair
 
-from connector import request_id
+from xpyd_wire import request_id
 from connector.transport import TcpTransport
 from proxy.config import ProxyConfig
 from proxy.openai_api import estimate_prompt_tokens

@@ -88,6 +88,19 @@ def test_vllm_bench_serve_through_proxy(launched, tmp_path: Path):
     assert metric(proxy.url, "xpyd_requests_total", {"status": "200"}) >= BENCH_PROMPTS
 
 
+def test_proxy_indexes_every_instances_kv_events(launched):
+    """The topology turns KV events on: after the bench, the proxy holds a known, non-empty
+    block index of P (it prefilled 200-token prompts) and a known one of each D."""
+    _, topo, _ = launched
+    proxy = topo.proxies[0]
+    entries = httpx.get(proxy.url + "/instances", timeout=10).json()
+    assert len(entries) == len(topo.instances)
+    for e in entries:
+        assert e["kv_events"] is not None and e["kv_events"]["state"] == "known", e
+        assert e["kv_events"]["dropped"] == 0 and e["kv_events"]["cap"] > 0
+    assert any(e["role"] == "P" and e["kv_events"]["blocks"] > 0 for e in entries)
+
+
 def test_every_vllm_metric_in_the_dashboard_exists(launched):
     """The dashboard's KV-transfer panels read the instances' own /metrics (after the bench)."""
     _, topo, _ = launched

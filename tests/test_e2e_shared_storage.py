@@ -20,7 +20,7 @@ import torch
 from e2e_client import (BLOCK, MODEL_DIR, assert_greedy_differs, assert_same_greedy, body_for, generate, make_prompt,
                         metric, poll)
 
-from connector import request_id
+from xpyd_wire import request_id
 from connector.shared_storage.store import BlockStore, FileMeta
 
 pytestmark = pytest.mark.vllm

@@ -31,7 +31,7 @@ import zmq.asyncio
 from proxy_helpers import running_proxy, wait_until
 
 from proxy.discovery import LOG_BURST, LOG_WINDOW_S
-from proxy.protocol import (
+from xpyd_wire.discovery import (
     DROP_REASONS,
     MAX_LOAD_COUNT,
     MAX_MESSAGE_BYTES,
@@ -49,7 +49,7 @@ TIME_BUDGET_S = 4.0  # generation + checks stop here even if COUNT is not reache
 SECRET = "fuzz-secret"
 
 # Our own statement of what an accepted address may look like (deliberately simpler and
-# independent of proxy/protocol.py): printable ASCII, no space, host then ASCII-digit port.
+# independent of xpyd_wire/discovery.py): printable ASCII, no space, host then ASCII-digit port.
 _ADDRESS = re.compile(r"(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?):[0-9]{1,5}")
 
 # The proxy fetches /v1/models from every instance it accepts: the proxy-level run keeps

@@ -13,7 +13,7 @@ from test_proxy_failures import assert_error, open_raw
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
-from proxy.protocol import Registration
+from xpyd_wire.discovery import Registration
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.selection import Selector

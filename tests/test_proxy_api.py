@@ -249,7 +249,7 @@ async def test_fastapi_app_serves_completions_without_fast_path():
 
     from proxy.app import create_app
     from proxy.config import ProxyConfig
-    from proxy.protocol import Registration
+    from xpyd_wire.discovery import Registration
 
     app = create_app(ProxyConfig())
     state = app.state.proxy

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 from proxy_helpers import running_proxy, wait_until
 
-from proxy.protocol import Load, Registration, encode
+from xpyd_wire.discovery import Load, Registration, encode
 
 
 def _addresses(registry, role):
@@ -282,7 +282,7 @@ def _msg(**fields):
     "x" * 63 + ".com:1", ".".join(["a" * 63] * 3) + "." + "b" * 61 + ":65535",  # 253 chars
 ])  # fmt: skip
 def test_valid_addresses(address):
-    from proxy.protocol import decode
+    from xpyd_wire.discovery import decode
 
     assert decode(_msg(http_address=address, zmq_address=address)).zmq_address == address
 
@@ -298,7 +298,7 @@ def test_valid_addresses(address):
     "é:80", "a" * 64 + ".com:80", ".".join(["a" * 63] * 4) + ":80", "h:1:2", "h;x:1", "h,x:1",
 ])  # fmt: skip
 def test_invalid_addresses_are_protocol_errors(address):
-    from proxy.protocol import INVALID_FIELD, ProtocolError, decode
+    from xpyd_wire.discovery import INVALID_FIELD, ProtocolError, decode
 
     for name in ("http_address", "zmq_address"):
         with pytest.raises(ProtocolError) as e:
@@ -322,7 +322,7 @@ def test_invalid_addresses_are_protocol_errors(address):
     {"kv_transport_fallbacks": 10**8},
 ])  # fmt: skip
 def test_invalid_fields_are_protocol_errors(fields):
-    from proxy.protocol import INVALID_FIELD, ProtocolError, decode
+    from xpyd_wire.discovery import INVALID_FIELD, ProtocolError, decode
 
     with pytest.raises(ProtocolError) as e:
         decode(_msg(**fields))
@@ -337,7 +337,7 @@ def test_invalid_fields_are_protocol_errors(fields):
     msgpack.packb(msgpack.ExtType(3, b"xx")), _msg() + b"\xc0",
 ])  # fmt: skip
 def test_malformed_messages_are_protocol_errors(payload):
-    from proxy.protocol import MALFORMED, ProtocolError, decode
+    from xpyd_wire.discovery import MALFORMED, ProtocolError, decode
 
     with pytest.raises(ProtocolError) as e:
         decode(payload)
@@ -345,21 +345,21 @@ def test_malformed_messages_are_protocol_errors(payload):
 
 
 def test_unknown_fields_are_tolerated_within_bounds():
-    from proxy.protocol import decode
+    from xpyd_wire.discovery import decode
 
     reg = decode(_msg(version=2, note="x"))
     assert reg.extra == {"version": 2, "note": "x"} and reg.role == "P"
 
 
 def test_load_accepts_its_full_range():
-    from proxy.protocol import MAX_LOAD_COUNT, decode
+    from xpyd_wire.discovery import MAX_LOAD_COUNT, decode
 
     load = {"running": MAX_LOAD_COUNT, "waiting": 0, "kv_usage": 1, "kv_buffer_usage": 0.0}
     assert decode(_msg(load=load)).load == Load(MAX_LOAD_COUNT, 0, 1.0, 0.0)
 
 
 def _signed(secret="k", **fields):
-    from proxy.protocol import sign
+    from xpyd_wire.discovery import sign
 
     body = {"type": "P", "http_address": "127.0.0.1:8100", "zmq_address": "127.0.0.1:21001",
             "ts": time.time(), "nonce": "0" * 32}  # fmt: skip
@@ -375,7 +375,7 @@ def _signed(secret="k", **fields):
     "A" * 64,
 ])  # fmt: skip
 def test_malformed_or_non_ascii_hmac_is_unauthorized_never_an_exception(hmac):
-    from proxy.protocol import UNAUTHORIZED, ProtocolError, decode
+    from xpyd_wire.discovery import UNAUTHORIZED, ProtocolError, decode
 
     with pytest.raises(ProtocolError) as e:
         decode(msgpack.packb(_signed(hmac=hmac)), secret="k")
@@ -393,7 +393,7 @@ def test_malformed_or_non_ascii_hmac_is_unauthorized_never_an_exception(hmac):
     ({"zmq_address": "127.0.0.1:1\r\nX: y"}, "invalid_field"),  # signed is not trusted blindly
 ])
 def test_signed_message_rules(change, reason):
-    from proxy.protocol import ProtocolError, decode
+    from xpyd_wire.discovery import ProtocolError, decode
 
     data = msgpack.packb(_signed(**change))
     if reason is None:
@@ -405,7 +405,7 @@ def test_signed_message_rules(change, reason):
 
 
 def test_tampered_signed_message_is_unauthorized():
-    from proxy.protocol import ProtocolError, decode
+    from xpyd_wire.discovery import ProtocolError, decode
 
     body = _signed()
     body["zmq_address"] = "127.0.0.1:21002"  # after signing
@@ -417,7 +417,7 @@ def test_tampered_signed_message_is_unauthorized():
 
 
 def test_encode_signs_with_a_fresh_nonce_and_stays_upstream_plain_without_a_secret():
-    from proxy.protocol import decode
+    from xpyd_wire.discovery import decode
 
     reg = Registration("D", "127.0.0.1:8200", "127.0.0.1:22001", load=Load(1, 2, 0.5, 0.25))
     a, b = decode(encode(reg, "k"), secret="k"), decode(encode(reg, "k"), secret="k")
@@ -428,7 +428,7 @@ def test_encode_signs_with_a_fresh_nonce_and_stays_upstream_plain_without_a_secr
 
 
 def test_replay_guard_remembers_within_the_window_and_forgets_after():
-    from proxy.protocol import ReplayGuard
+    from xpyd_wire.discovery import ReplayGuard
 
     guard = ReplayGuard(window_s=30.0, max_entries=1000)
     assert guard.check("a" * 32, ts=100.0, now=100.0) is None
@@ -443,7 +443,7 @@ def test_replay_guard_remembers_within_the_window_and_forgets_after():
 
 
 def test_replay_guard_refuses_new_nonces_when_full():
-    from proxy.protocol import ReplayGuard
+    from xpyd_wire.discovery import ReplayGuard
 
     guard = ReplayGuard(window_s=30.0, max_entries=3)
     assert [guard.check(n * 32, ts=0.0, now=0.0) for n in "abc"] == [None] * 3
@@ -472,7 +472,7 @@ def test_handle_message_counts_each_drop_reason_once():
 async def test_transport_fallbacks_reach_instances():
     """An instance's heartbeat says how often its KV left NCCL for tcp: /instances shows
     it (in the address-free view too); 0 is not sent at all (the upstream format)."""
-    from proxy.protocol import decode
+    from xpyd_wire.discovery import decode
 
     assert "kv_transport_fallbacks" not in msgpack.unpackb(encode(Registration("P", "127.0.0.1:1", "127.0.0.1:2")))
     assert decode(encode(Registration("P", "127.0.0.1:1", "127.0.0.1:2", kv_transport_fallbacks=3))) \

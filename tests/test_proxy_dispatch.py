@@ -12,9 +12,9 @@ import pytest
 from fake_vllm import DISAGGREGATED_ID
 from proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_until
 
-from connector import request_id
 from proxy.config import ProxyConfig
-from proxy.protocol import Load
+from xpyd_wire import request_id
+from xpyd_wire.discovery import Load
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}

@@ -21,7 +21,7 @@ from proxy_helpers import FakeVLLM, running_proxy, wait_until
 from test_proxy_shutdown import start_proxy, stop, wait_ready
 
 from proxy.config import ConfigError, ProxyConfig, load_config
-from proxy.protocol import Registration, encode
+from xpyd_wire.discovery import Registration, encode
 
 # Long enough (~150 estimated tokens) to be disaggregated under the shipped
 # local_prefill_threshold (128): these proxies run the defaults.

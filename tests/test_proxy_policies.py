@@ -14,7 +14,7 @@ from proxy.cache_aware import CacheAware, CacheAwareSettings, PrefixIndex
 from proxy.config import ConfigError, ProxyConfig
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens
 from proxy.policies import PowerOfTwo, load_score, make_policy
-from proxy.protocol import Load, Registration
+from xpyd_wire.discovery import Load, Registration
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 

@@ -137,6 +137,6 @@ async def test_ready_is_503_while_draining():
 
 
 def _reg(role: str):
-    from proxy.protocol import Registration
+    from xpyd_wire.discovery import Registration
 
     return Registration(role, "127.0.0.1:1", "127.0.0.1:2")

@@ -146,6 +146,31 @@ def test_parse_static():
             parse_static("D", bad)
 
 
+def test_parse_static_kv_events_option():
+    s = parse_static("P", "http://10.0.0.5:8100,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558")
+    assert s.kv_events is not None and s.kv_events.endpoint == "tcp://10.0.0.5:5557"
+    assert s.kv_events.replay_endpoint == "tcp://10.0.0.5:5558"
+    assert parse_static("P", "http://h:1").kv_events is None
+    for bad in ("h:1,replay=tcp://h:2", "h:1,events=h:2", "h:1,events=tcp://*:5557", "h:1,events="):
+        with pytest.raises(ConfigError):
+            parse_static("D", bad)
+
+
+async def test_static_instance_with_events_is_subscribed():
+    from kv_publisher import Publisher
+
+    pub = Publisher()
+    try:
+        async with running_proxy(prefill=(f"http://127.0.0.1:1,events={pub.endpoint},replay={pub.replay_endpoint}",),
+                                 health_interval=0.2) as px:
+            await wait_until(lambda: px.state.kv_events.streams(), what="static instance subscribed")
+            [stream] = px.state.kv_events.streams()
+            assert stream.inst.static and stream.endpoint.endpoint == pub.endpoint
+            await wait_until(lambda: stream.index.state.value == "known", what="replay answered")
+    finally:
+        pub.close()
+
+
 def test_static_config_forms(tmp_path):
     cfg = load_config(["--prefill", "http://a:1,kv=a:2", "--prefill", "http://b:1", "--decode",
                        "c:1"], env={})  # fmt: skip

@@ -7,11 +7,11 @@ import re
 
 import pytest
 
-from connector import request_id
+from xpyd_wire import request_id
 from proxy.errors import ProxyError, upstream_error_body
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens, prefill_body, validate_body
 from proxy.policies import LeastLoaded, RoundRobin, make_policy
-from proxy.protocol import Load, Registration
+from xpyd_wire.discovery import Load, Registration
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 
@@ -265,7 +265,7 @@ def test_protocol_rejects_non_finite_ts():
 
     import msgpack
 
-    from proxy.protocol import ProtocolError, decode, sign
+    from xpyd_wire.discovery import ProtocolError, decode, sign
 
     fields = {"type": "P", "http_address": "h:1", "zmq_address": "h:2", "ts": math.nan}
     fields["hmac"] = sign(fields, "k")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector import request_id
+from xpyd_wire import request_id
 
 P, D = "127.0.0.1:21001", "[::1]:22001"
 

@@ -18,7 +18,7 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, StoreSpec
 from connector.shared_storage.scheduler import SharedStorageScheduler
 from connector.shared_storage.store import block_path
-from proxy.protocol import Load
+from xpyd_wire.discovery import Load
 
 MODEL = "tiny"
 TIMEOUT = 7.5

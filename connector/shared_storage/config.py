@@ -47,7 +47,8 @@ class SharedStorageConfig:
         return self.base.is_consumer
 
     @staticmethod
-    def from_vllm(kv_transfer_config: Any) -> "SharedStorageConfig":
+    def from_vllm(kv_transfer_config: Any, kv_events_config: Any = None,
+                  kv_blocks: int | None = None) -> "SharedStorageConfig":
         extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
         path = extra.get("shared_storage_path")
         if not path:
@@ -57,7 +58,7 @@ class SharedStorageConfig:
             raise ValueError("shared_storage_queue_bytes must be > 0")
         model_id = extra.get("shared_storage_model_id")
         return SharedStorageConfig(
-            base=ConnectorConfig.from_vllm(kv_transfer_config),
+            base=ConnectorConfig.from_vllm(kv_transfer_config, kv_events_config, kv_blocks),
             path=Path(str(path)),
             max_bytes=_size(extra.get("shared_storage_max_bytes", DEFAULT_MAX_BYTES)),
             model_id=str(model_id) if model_id else None,

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector import request_id
+from xpyd_wire import request_id
 from connector.log import get_logger
 from connector.registration import Registrar, heartbeat_load
 from connector.scheduler import tokens_computed_before
@@ -29,7 +29,7 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec
 from connector.shared_storage.store import block_path
 from connector.stats import XpydStats
-from proxy.protocol import Load
+from xpyd_wire.discovery import Load
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

@@ -1,4 +1,4 @@
-"""The discovery wire format, shared by the proxy and the connector.
+"""The discovery wire format, shared by the proxy and the connector (xpyd_wire owns it).
 
 Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port",
 "zmq_address": "host:port"})``. Optional xPyD fields:
@@ -8,6 +8,10 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
 - ``kv_transport_fallbacks``: int 0..MAX_LOAD_COUNT, times the instance's KV transport left
   NCCL for the host-staged tcp path with a peer since it started (0 and absent alike)
 - ``leave``: ``True`` to deregister gracefully
+- ``kv_events``: where the instance publishes vLLM's KV events, ``{"endpoint": "tcp://host:port",
+  "replay_endpoint": "tcp://host:port"?, "topic": str?, "blocks": int?}`` (xpyd_wire.kv_events);
+  both hosts must be the host of ``zmq_address``, so a registration can only point the proxy
+  at the instance's own KV host
 - ``ts``: sender's wall-clock time (float seconds); required when signed
 - ``nonce``: random hex (16 bytes from the sender), required when signed: the proxy
   remembers nonces for the clock-skew window, so a captured message cannot be replayed
@@ -38,6 +42,8 @@ from typing import Any
 
 import msgpack
 
+from xpyd_wire.kv_events import EventError, EventsEndpoint, decode_endpoint, split_endpoint
+
 ROLES = ("P", "D")
 # Signed messages older or newer than this are rejected; within it, nonces catch replays.
 MAX_CLOCK_SKEW_S = 30.0
@@ -66,7 +72,7 @@ _PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
 _HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
 _KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac",
-                    "kv_transport_fallbacks"})
+                    "kv_transport_fallbacks", "kv_events"})
 _LOAD_COUNTS = ("running", "waiting")
 _LOAD_USAGES = ("kv_usage", "kv_buffer_usage")
 
@@ -98,6 +104,7 @@ class Registration:
     extra: dict[str, Any] = field(default_factory=dict)
     nonce: str | None = None
     kv_transport_fallbacks: int = 0
+    kv_events: EventsEndpoint | None = None
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -131,6 +138,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
         }
     if reg.kv_transport_fallbacks:
         fields["kv_transport_fallbacks"] = reg.kv_transport_fallbacks
+    if reg.kv_events is not None:
+        fields["kv_events"] = reg.kv_events.to_wire()
     if reg.leave:
         fields["leave"] = True
     ts = reg.ts
@@ -283,6 +292,7 @@ def decode(
     fallbacks = fields.get("kv_transport_fallbacks", 0)
     if type(fallbacks) is not int or not 0 <= fallbacks <= MAX_LOAD_COUNT:
         raise ProtocolError(f"kv_transport_fallbacks must be an int 0..{MAX_LOAD_COUNT}, got {_show(fallbacks)}")
+    kv_events = _check_kv_events(fields["kv_events"], zmq_address) if "kv_events" in fields else None
     return Registration(
         role=role,
         http_address=http_address,
@@ -293,7 +303,20 @@ def decode(
         extra={k: v for k, v in fields.items() if k not in _KNOWN},
         nonce=nonce,
         kv_transport_fallbacks=fallbacks,
+        kv_events=kv_events,
     )
+
+
+def _check_kv_events(value: Any, zmq_address: str) -> EventsEndpoint:
+    try:
+        ep = decode_endpoint(value)
+        kv_host = zmq_address.rpartition(":")[0]
+        for endpoint in (ep.endpoint, ep.replay_endpoint):
+            if endpoint is not None and split_endpoint(endpoint)[0] != kv_host:
+                raise EventError(f"{endpoint!r:.80} is not on the KV host {kv_host!r:.60}")
+    except EventError as e:
+        raise ProtocolError(f"kv_events: {e}") from None
+    return ep
 
 
 @dataclass(slots=True)

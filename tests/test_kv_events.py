@@ -1,0 +1,426 @@
+"""KV-event intake (issue 17, part 1): the wire format against vLLM's own encoder, the block
+index (keys, bounds, eviction), and the proxy's subscriber on real ZMQ sockets against a
+double of vLLM's publisher (tests/kv_publisher.py): gaps and replay, an engine restart, a
+silent publisher, garbage, an instance leaving."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+from kv_publisher import Publisher
+
+from proxy.kv_events import EventsConfig, KVEvents
+from proxy.kv_index import ApplyStats, IndexState, InstanceIndex
+from proxy.metrics import Metrics
+from proxy.registry import Registry
+from xpyd_wire import discovery
+from xpyd_wire.kv_events import (
+    INVALID_EVENT,
+    MALFORMED,
+    WRONG_TOPIC,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventError,
+    EventsEndpoint,
+    advertised,
+    chain_block_keys,
+    decode_batch,
+    decode_endpoint,
+    encode_batch,
+)
+
+BS = 4  # block size of the synthetic events
+
+
+def stored(hashes, tokens, parent=None, lora=None, medium="GPU"):
+    return BlockStored(tuple(hashes), parent, tuple(tokens), BS, lora, medium, 0)
+
+
+def seq_blocks(tokens, first_hash=1000, parent=None):
+    """A BlockStored for the full blocks of `tokens`, hashes first_hash, first_hash+1, ..."""
+    n = len(tokens) // BS
+    return stored(range(first_hash, first_hash + n), tokens[: n * BS], parent)
+
+
+# ---------------------------------------------------------------- wire format
+
+
+def test_decodes_what_vllm_encodes():
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    msgspec = pytest.importorskip("msgspec")
+    batch = kv.KVEventBatch(ts=12.5, events=[
+        kv.BlockStored(block_hashes=[b"\x01" * 32, 7], parent_block_hash=b"\x02" * 32,
+                       token_ids=list(range(32)), block_size=16, lora_id=None, medium="GPU",
+                       lora_name="ad", group_idx=0, session_id="s"),
+        kv.BlockRemoved(block_hashes=[5], medium="GPU"),
+        kv.AllBlocksCleared(),
+    ], data_parallel_rank=0)  # fmt: skip
+    payload = msgspec.msgpack.Encoder().encode(batch)
+    got = decode_batch([b"t", (41).to_bytes(8, "big"), payload], topic="t")
+    assert got.seq == 41 and got.ts == 12.5
+    s, r, c = got.events
+    assert s == BlockStored((b"\x01" * 32, 7), b"\x02" * 32, tuple(range(32)), 16, "ad", "GPU", 0)
+    assert r == BlockRemoved((5,), "GPU", None)
+    assert c == AllBlocksCleared()
+    # ... and vLLM's decoder reads what the test publisher sends.
+    ours = encode_batch(EventBatch(3, 1.0, (s, r, c)), "t")
+    back = msgspec.msgpack.Decoder(kv.KVEventBatch).decode(ours[2])
+    assert [type(e).__name__ for e in back.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert back.events[0].token_ids == list(range(32)) and back.events[0].lora_name == "ad"
+
+
+def _payload(events, ts=1.0):
+    return msgpack.packb([ts, events, 0])
+
+
+GOOD = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4], "block_size": 4, "medium": "GPU"}  # fmt: skip
+
+
+@pytest.mark.parametrize(("frames", "reason"), [
+    ([b"", b"\0" * 8], MALFORMED),
+    ([b"", b"\0" * 7, _payload([])], MALFORMED),
+    ([b"", b"\xff" * 8, _payload([])], MALFORMED),  # negative seq
+    ([b"", b"\0" * 8, b"\xc1"], MALFORMED),  # not msgpack
+    ([b"", b"\0" * 8, msgpack.packb({"a": 1})], MALFORMED),
+    ([b"", b"\0" * 8, msgpack.packb(["x", []])], MALFORMED),
+    ([b"", b"\0" * 8, msgpack.packb([float("nan"), []])], MALFORMED),
+    ([b"other", b"\0" * 8, _payload([])], WRONG_TOPIC),
+    ([b"", b"\0" * 8, _payload([{"type": "Nope"}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([7])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "token_ids": [1, 2, 3]}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "token_ids": [1, 2, 3, -1]}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "token_ids": [1, 2, 3, "4"]}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "block_size": 0}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "block_hashes": []}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "block_hashes": [1.5]}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "block_hashes": [b"x" * 65]}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{**GOOD, "lora_name": 3}])], INVALID_EVENT),
+    ([b"", b"\0" * 8, _payload([{"type": "BlockRemoved", "block_hashes": None}])], INVALID_EVENT),
+])  # fmt: skip
+def test_garbage_is_an_event_error_with_a_reason(frames, reason):
+    with pytest.raises(EventError) as e:
+        decode_batch(frames)
+    assert e.value.reason == reason
+    assert decode_batch([b"", b"\0" * 8, _payload([GOOD])]).events  # the baseline is valid
+
+
+def test_endpoints_advertise_the_kv_host_and_are_validated():
+    assert advertised("tcp://*:5557", "10.0.0.2") == "tcp://10.0.0.2:5557"
+    assert advertised("tcp://0.0.0.0:5557", "node-1") == "tcp://node-1:5557"
+    assert advertised("tcp://127.0.0.1:5557", "node-1") == "tcp://127.0.0.1:5557"
+    # How vLLM is made to bind one IPv4 address (it binds only "*" or "::" endpoints).
+    assert advertised("tcp://[::ffff:127.0.0.1]:5557", "node-1") == "tcp://127.0.0.1:5557"
+    for bad in ("ipc:///tmp/x", "tcp://*:0", "tcp://*:x"):
+        with pytest.raises(EventError):
+            advertised(bad, "h")
+    for bad in ({"endpoint": "tcp://h:70000"}, {"endpoint": "tcp://a b:1"}, {"endpoint": 3},
+                {"endpoint": "tcp://h:1", "blocks": 0}, {"endpoint": "tcp://h:1", "topic": 5},
+                {"endpoint": "tcp://h:1", "replay_endpoint": "http://h:2"}, []):  # fmt: skip
+        with pytest.raises(EventError):
+            decode_endpoint(bad)
+
+
+def test_registration_carries_the_endpoint_on_its_own_kv_host_only():
+    ep = EventsEndpoint("tcp://10.0.0.2:5557", "tcp://10.0.0.2:5558", "kv", 4096)
+    reg = discovery.Registration("P", "10.0.0.2:8000", "10.0.0.2:14579", kv_events=ep)
+    assert discovery.decode(discovery.encode(reg, "s"), "s").kv_events == ep
+    old = discovery.Registration("P", "10.0.0.2:8000", "10.0.0.2:14579")
+    assert discovery.decode(discovery.encode(old)).kv_events is None
+    for other in (EventsEndpoint("tcp://10.0.0.9:5557"),
+                  EventsEndpoint("tcp://10.0.0.2:5557", "tcp://evil:5558")):  # fmt: skip
+        forged = discovery.Registration("P", "10.0.0.2:8000", "10.0.0.2:14579", kv_events=other)
+        with pytest.raises(discovery.ProtocolError, match="not on the KV host"):
+            discovery.decode(discovery.encode(forged))
+
+
+def test_chain_block_keys_full_blocks_salted_and_stable_across_processes():
+    toks = list(range(10))
+    keys = chain_block_keys(toks, 4)
+    assert len(keys) == 2 and keys == chain_block_keys(toks[:8], 4)  # partial block: no key
+    assert keys[0] == chain_block_keys(toks[:4], 4)[0]
+    assert chain_block_keys(toks, 4, "lora-a") != keys
+    assert chain_block_keys([9, 1, 2, 3, 4, 5, 6, 7], 4)[1] != keys[1]  # chained on the parent
+    code = "from xpyd_wire.kv_events import chain_block_keys as c; print(c(list(range(10)), 4))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123", "PYTHONPATH": sys.path[0]})  # fmt: skip
+    assert out.stdout.strip() == str(keys)
+
+
+# ---------------------------------------------------------------- index
+
+
+def test_index_keys_match_chain_block_keys_and_removals_apply():
+    idx = InstanceIndex(cap=100)
+    toks = list(range(100, 120))  # 5 blocks
+    idx.apply([seq_blocks(toks[:8], 1000)])  # 2 blocks in one event
+    idx.apply([stored([1002, 1003], toks[8:16], parent=1001)])  # chained on a vLLM parent hash
+    keys = chain_block_keys(toks, BS)
+    assert idx.longest_prefix(keys) == 4
+    assert idx.longest_prefix(chain_block_keys([0] + toks[1:], BS)) == 0
+    idx.apply([BlockRemoved((1001,), "GPU")])
+    assert idx.longest_prefix(keys) == 1 and len(idx) == 3
+    idx.apply([AllBlocksCleared()])
+    assert len(idx) == 0 and idx.complete
+
+
+def test_index_lora_salt_orphans_other_media_and_duplicates():
+    idx = InstanceIndex(cap=100)
+    toks = [1, 2, 3, 4]
+    st = idx.apply([stored([1], toks, lora="a"), stored([2], toks, parent=999),
+                    stored([3], toks, medium="CPU"), stored([1], toks, lora="a")])  # fmt: skip
+    assert (st.stored, st.orphans, st.ignored) == (1, 1, 1)
+    assert idx.longest_prefix(chain_block_keys(toks, BS, "a")) == 1
+    assert idx.longest_prefix(chain_block_keys(toks, BS)) == 0
+    # Two vLLM hashes for the same tokens (e.g. a cache salt): the key stays until both go.
+    idx.apply([stored([5], toks)])
+    idx.apply([stored([6], toks)])
+    idx.apply([BlockRemoved((5,), "GPU")])
+    assert idx.longest_prefix(chain_block_keys(toks, BS)) == 1
+    idx.apply([BlockRemoved((6,), "GPU")])
+    assert idx.longest_prefix(chain_block_keys(toks, BS)) == 0
+
+
+def test_index_is_bounded_and_evicts_oldest_first():
+    idx = InstanceIndex(cap=50)
+    stats = ApplyStats()
+    toks = list(range(400))  # 100 blocks
+    idx.apply([seq_blocks(toks, 1)], stats)
+    assert len(idx) == 50 and idx.keys == 50 and stats.evicted == 50
+    keys = chain_block_keys(toks, BS)
+    assert not idx.holds(keys[0]) and idx.holds(keys[-1])  # the newest are kept
+
+
+def test_index_memory_per_block():
+    """Measured, and bounded: the cap times this is the index's memory per instance."""
+    n = 20_000
+    toks = list(range(n * BS))
+    events = [stored(range(i * 100 + 1, i * 100 + 101), toks[i * 100 * BS:(i + 1) * 100 * BS],
+                     parent=None if i == 0 else i * 100) for i in range(n // 100)]  # fmt: skip
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = InstanceIndex(cap=n)
+    for ev in events:
+        idx.apply([ev])
+    per_block = (tracemalloc.get_traced_memory()[0] - before) / n
+    tracemalloc.stop()
+    assert len(idx) == n
+    print(f"index memory: {per_block:.0f} bytes per block (int vLLM hashes)")
+    assert per_block < 400
+
+
+# ---------------------------------------------------------------- subscriber
+
+
+async def wait_until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+class Harness:
+    def __init__(self, pub: Publisher, blocks: int | None = None, replay: str | None = None, **cfg) -> None:
+        self.pub = pub
+        self.registry = Registry(heartbeat_timeout=30)
+        self.metrics = Metrics(self.registry)
+        self.events = KVEvents(self.registry, self.metrics, EventsConfig(**{
+            "probe_s": 0.2, "silence_s": 1.0, "replay_timeout_s": 0.5, "reconcile_s": 0.1, **cfg}))
+        ep = EventsEndpoint(pub.endpoint, replay or pub.replay_endpoint, pub.topic, blocks)
+        reg = discovery.Registration("P", "127.0.0.1:18000", "127.0.0.1:14579", kv_events=ep)
+        self.inst = self.registry.upsert(reg)
+        self.registry.admit(self.inst)
+
+    @property
+    def stream(self):
+        return next(iter(self.events.streams()))
+
+    @property
+    def index(self):
+        return self.events.index(self.inst)
+
+    def metric(self, name, **labels):
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def __aenter__(self):
+        await self.events.start()
+        await wait_until(lambda: self.events.streams())
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.events.stop()
+        self.pub.close()
+
+
+async def publish_until_received(h: Harness, events, timeout: float = 5.0) -> None:
+    """A SUB misses what is published before its connection is up (ZMQ's slow joiner):
+    publish the batch again until one lands (the events must be idempotent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h.pub.publish(events)
+        try:
+            await wait_until(lambda: h.stream.next_seq == h.pub.seq, timeout=0.3)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+
+
+async def test_subscribes_applies_and_knows():
+    toks = list(range(16))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)  # replay: nothing yet
+        assert len(h.index) == 0
+        await publish_until_received(h, [seq_blocks(toks)])
+        assert h.index.longest_prefix(chain_block_keys(toks, BS)) == 4
+        assert h.events.view(h.inst)["state"] == "known"
+        assert h.metric("xpyd_kv_index_blocks", role="P", instance="127.0.0.1:18000") == 4
+        assert h.metric("xpyd_kv_events_total", result="applied") >= 1
+
+
+async def test_late_join_replays_from_zero():
+    pub = Publisher()
+    toks = list(range(12))
+    pub.publish([seq_blocks(toks, 1)], send=False)  # before the proxy subscribed
+    async with Harness(pub) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        assert h.index.longest_prefix(chain_block_keys(toks, BS)) == 3
+        assert pub.replay_requests >= 1
+
+
+async def test_gap_is_replayed():
+    toks = list(range(40))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:8], 1)])
+        h.pub.publish([stored([3], toks[8:12], parent=2)], send=False)  # lost
+        h.pub.publish([stored([4], toks[12:16], parent=3)], send=False)  # lost
+        h.pub.publish([stored([5], toks[16:20], parent=4)])
+        await wait_until(lambda: h.stream.next_seq == h.pub.seq)
+        assert h.index.longest_prefix(chain_block_keys(toks, BS)) == 5
+        assert h.index.state is IndexState.KNOWN
+        assert h.stream.stats.gaps == 1 and h.metric("xpyd_kv_event_gaps_total") == 1
+        assert h.metric("xpyd_kv_event_replays_total", result="ok") >= 2
+
+
+async def test_gap_without_replay_rebuilds_as_partial():
+    toks = list(range(40))
+    async with Harness(Publisher(replay=False)) as h:
+        await publish_until_received(h, [AllBlocksCleared(), seq_blocks(toks[:8], 1)])
+        assert h.index.state is IndexState.KNOWN  # a clear (or seq 0) seen: nothing missed
+        h.pub.publish([stored([3], toks[8:12], parent=2)], send=False)
+        h.pub.publish([seq_blocks(toks[20:28], 10)])
+        await wait_until(lambda: h.stream.next_seq == h.pub.seq)
+        assert h.index.state is IndexState.PARTIAL
+        assert len(h.index) == 2  # dropped and rebuilt: only what came after the gap
+        h.pub.publish([AllBlocksCleared()])
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+
+
+async def test_engine_restart_resets_the_index():
+    toks = list(range(40))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:16], 1)])
+        h.pub.publish([BlockRemoved((1,), "GPU")])
+        await wait_until(lambda: h.stream.next_seq == 2)
+        h.pub.restart()
+        h.pub.publish([seq_blocks(toks[20:28], 50)])  # seq 0 again
+        await wait_until(lambda: h.stream.stats.restarts == 1)
+        await wait_until(lambda: h.stream.next_seq == 1)
+        assert h.index.state is IndexState.KNOWN and len(h.index) == 2
+        assert h.index.longest_prefix(chain_block_keys(toks[:16], BS)) == 0
+        assert h.metric("xpyd_kv_event_restarts_total") == 1
+
+
+async def test_silent_restart_is_caught_by_the_replay_probe():
+    """The engine restarted and its first batches were lost: the probe's replay does not
+    hold the batch last applied any more, so the index is reset and replayed from 0."""
+    toks = list(range(40))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:16], 1)])
+        h.pub.publish([BlockRemoved((1,), "GPU")])
+        await wait_until(lambda: h.stream.next_seq == 2)
+        h.pub.restart()
+        h.pub.publish([seq_blocks(toks[20:28], 50)], send=False)
+        await wait_until(lambda: h.stream.stats.restarts == 1)
+        await wait_until(lambda: h.index.longest_prefix(chain_block_keys(toks[20:28], BS)) == 2)
+        assert h.index.state is IndexState.KNOWN and len(h.index) == 2
+
+
+async def test_silent_publisher_is_unknown_never_empty():
+    toks = list(range(16))
+    async with Harness(Publisher(replay=False), silence_s=0.5) as h:
+        await publish_until_received(h, [AllBlocksCleared(), seq_blocks(toks)])
+        assert h.index.state is IndexState.KNOWN
+        await wait_until(lambda: h.index.state is IndexState.UNKNOWN)
+        assert len(h.index) == 4  # kept, but not to be trusted while silent
+        h.pub.publish([BlockRemoved((1000,), "GPU")])  # contiguous: nothing was missed
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+
+
+async def test_idle_publisher_with_replay_stays_known_until_it_stops_answering():
+    async with Harness(Publisher(), silence_s=0.6) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await asyncio.sleep(1.2)  # idle, but its replay endpoint answers the probes
+        assert h.index.state is IndexState.KNOWN
+        h.pub.answer_replays = False
+        await wait_until(lambda: h.index.state is IndexState.UNKNOWN, timeout=3)
+
+
+async def test_garbage_is_dropped_counted_and_the_stream_goes_on():
+    toks = list(range(16))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:8], 1)])
+        h.pub.send_raw([b"", b"\0" * 8, b"\xc1garbage"])
+        h.pub.send_raw([b"", (1).to_bytes(8, "big"), _payload([{"type": "BlockStored"}])])
+        h.pub.send_raw([b"x"])
+        await wait_until(lambda: h.stream.stats.dropped == 3)
+        h.pub.publish([stored([3], toks[8:12], parent=2)])
+        await wait_until(lambda: h.stream.next_seq == h.pub.seq)
+        assert h.index.longest_prefix(chain_block_keys(toks, BS)) == 3
+        assert h.metric("xpyd_kv_events_total", result="malformed") == 2
+        assert h.metric("xpyd_kv_events_total", result="invalid_event") == 1
+
+
+async def test_cap_from_the_advertised_capacity():
+    toks = list(range(40))
+    async with Harness(Publisher(), blocks=3) as h:
+        assert h.index.cap == 3
+        await publish_until_received(h, [seq_blocks(toks)])
+        assert len(h.index) == 3 and h.stream.stats.evicted == 7
+
+
+async def test_leaving_instance_is_unsubscribed():
+    async with Harness(Publisher()) as h:
+        stream = h.stream
+        h.registry.remove("P", h.inst.http_address, "test")
+        h.events.kick()
+        await wait_until(lambda: not h.events.streams() and stream.task.done())
+        assert h.events.state(h.inst) is IndexState.UNKNOWN
+
+
+async def test_dead_replay_endpoint_costs_a_deadline_not_the_stream():
+    """Nothing listens on the advertised replay endpoint: every ask gives up after its
+    deadline and live events still apply."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    toks = list(range(16))
+    async with Harness(Publisher(replay=False), replay=dead) as h:
+        await wait_until(lambda: h.stream.stats.replays_failed >= 1)
+        await publish_until_received(h, [AllBlocksCleared(), seq_blocks(toks)])
+        assert h.index.state is IndexState.KNOWN and len(h.index) == 4
