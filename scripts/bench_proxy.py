@@ -248,6 +248,13 @@ class Setup:
     proxy_proc: subprocess.Popen
 
 
+
+def _spawn(procs: list[subprocess.Popen], cmd: list[str]) -> subprocess.Popen:
+    """Start a process of this run (stderr kept for its error message); stopped at the end."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    procs.append(p)
+    return p
+
 def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router") -> Setup:
     if variant == "vllm-router":
         return _start_router(procs, router_bin)
@@ -260,9 +267,7 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
     disc, p_port, d_port, proxy_port = free_port(), free_port(), free_port(), free_port()
 
     def spawn(cmd: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        procs.append(p)
-        return p
+        return _spawn(procs, cmd)
 
     fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
@@ -281,9 +286,7 @@ def _start_router(procs: list[subprocess.Popen], router_bin: str) -> Setup:
     disc, p_port, d_port, port = free_port(), free_port(), free_port(), free_port()
 
     def spawn(cmd: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        procs.append(p)
-        return p
+        return _spawn(procs, cmd)
 
     router = spawn([router_bin, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
                     "--vllm-discovery-address", f"127.0.0.1:{disc}", "--log-level", "warning"])
