@@ -79,7 +79,7 @@ class ProxyConfig:
     # sequential: D gets the request when P has answered; concurrent: as soon as P is
     # chosen, while P has nothing else queued (else after P answered, as sequential).
     # Sequential stays the default: concurrent saves ~10 ms on an idle pair, but D's KV
-    # deadline then also covers P's delays the proxy cannot see (README: Dispatch).
+    # deadline then also covers P's delays the proxy cannot see (README: Concurrent dispatch).
     dispatch: str = "sequential"
     # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables. 128:
     # below it D alone answers faster than P + transfer (scripts/bench_e2e.py
@@ -232,7 +232,7 @@ HELP = MappingProxyType(
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
         "dispatch": "sequential: D is asked after P answered; concurrent: D is asked with P "
                     "unless P has other requests queued",
-        "local_prefill_threshold": "prompts under this many tokens skip P (0: never)",
+        "local_prefill_threshold": "prompts under this many estimated tokens (4 characters each) skip P (0: never)",
         "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",
         "prefill_max_in_flight": "requests in flight per P before new ones queue (0: no limit)",
