@@ -157,7 +157,7 @@ def run(args) -> int:
         )
         hdr = (
             f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'raw':>6} {'copy_':>6} {'clone':>6}"
-            f" {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7}"
+            f" {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7} {'GET/raw':>7}"
         )
         print(hdr)
         print("-" * len(hdr))
@@ -236,7 +236,7 @@ def run(args) -> int:
             flag = "" if put_ok and get_ok else "  MISMATCH"
             print(
                 f"{nbytes / MiB:4.0f} {shape:>20} {put_g:6.2f} {get_g:6.2f} {raw_g:6.2f} {copy_g:6.2f} {clone_g:6.2f}"
-                f" {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%}{flag}",
+                f" {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%} {get_g / raw_g:7.0%}{flag}",
                 flush=True,
             )
             # Release this size's buffers before allocating the next one.
