@@ -90,3 +90,60 @@ def test_index_grows_with_prompts_and_resets_on_restart(system):
     v = _wait(proxy, lambda v: v["state"] == "known" and v["blocks"] == 0, timeout=60)
     _prefill(servers["p"], b)
     _wait(proxy, lambda v: v["blocks"] == 2)
+
+
+# ---------------------------------------------------------------- exact prompt keys (part 2)
+# proxy/prompt_keys.py against the same server's /tokenize: the token ids a `precise` policy
+# would key a prompt by are the ones vLLM computes, on every request shape it reproduces.
+
+TOKENIZE_CASES = {
+    "text": {"prompt": "river stone maple quiet engine"},
+    "text-no-special": {"prompt": "river stone maple", "add_special_tokens": False},
+    "non-ascii": {"prompt": "Grüße aus Köln — 東京 🚀 naïve café"},
+    "long-text": {"prompt": " ".join(["garden window orbit lantern harbor"] * 200)},
+    "chat": {"messages": [{"role": "system", "content": "You are terse."},
+                          {"role": "user", "content": "Name a river."},
+                          {"role": "assistant", "content": "The Rhine."},
+                          {"role": "user", "content": "Another, in Köln?"}]},
+    "chat-parts": {"messages": [{"role": "user", "content": [{"type": "text", "text": "first part"},
+                                                             {"type": "text", "text": "second ✓"}]}]},
+    "chat-no-generation-prompt": {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False},
+    "chat-continue": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}],
+                      "add_generation_prompt": False, "continue_final_message": True},
+}
+
+
+def _vllm_tokens(p: cluster.Server, body: dict) -> list[int]:
+    import httpx
+
+    r = httpx.post(p.url + "/tokenize", json={"model": "tiny-llama", **body}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["tokens"]
+
+
+@pytest.mark.parametrize("case", list(TOKENIZE_CASES))
+def test_prompt_token_ids_equal_vllms(system, case: str):
+    from e2e_client import MODEL_DIR
+
+    from proxy.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
+
+    servers, _, _ = system
+    body = TOKENIZE_CASES[case]
+    path = CHAT if "messages" in body else COMPLETIONS
+    (ours,) = PromptTokenizer(MODEL_DIR).token_ids(path, body)
+    assert ours == _vllm_tokens(servers["p"], body)
+
+
+def test_batch_prompt_token_ids_equal_vllms_per_element(system):
+    from e2e_client import MODEL_DIR
+
+    from proxy.prompt_keys import COMPLETIONS, PromptTokenizer
+
+    servers, _, _ = system
+    batch = ["river stone", "東京 maple", "quiet " * 50]
+    ours = PromptTokenizer(MODEL_DIR).token_ids(COMPLETIONS, {"prompt": batch})
+    assert ours == [_vllm_tokens(servers["p"], {"prompt": p}) for p in batch]
+    # What vLLM counted when it served the batch: the same sizes.
+    _, data = generate(servers["p"].url, "completions", {**body_for("completions", batch[0], False, max_tokens=1),
+                                                         "prompt": batch})
+    assert data["usage"]["prompt_tokens"] == sum(len(t) for t in ours)
