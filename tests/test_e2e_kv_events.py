@@ -147,3 +147,20 @@ def test_batch_prompt_token_ids_equal_vllms_per_element(system):
     _, data = generate(servers["p"].url, "completions", {**body_for("completions", batch[0], False, max_tokens=1),
                                                          "prompt": batch})
     assert data["usage"]["prompt_tokens"] == sum(len(t) for t in ours)
+
+
+@pytest.mark.parametrize("prompt", ["river stone maple quiet engine", [1, 305, 77, 912, 4, 4, 600]],
+                         ids=["text", "token-ids"])
+def test_prompt_token_ids_equal_what_vllm_served(system, prompt):
+    """The ids vLLM really ran (echoed back as token ids), not only what /tokenize says."""
+    from e2e_client import MODEL_DIR
+
+    from proxy.prompt_keys import COMPLETIONS, PromptTokenizer
+
+    servers, _, _ = system
+    (ours,) = PromptTokenizer(MODEL_DIR).token_ids(COMPLETIONS, {"prompt": prompt})
+    body = {**body_for("completions", "x", False, max_tokens=1), "prompt": prompt, "echo": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    _, data = generate(servers["p"].url, "completions", body)
+    echoed = data["choices"][0]["logprobs"]["tokens"][: data["usage"]["prompt_tokens"]]
+    assert [int(t.removeprefix("token_id:")) for t in echoed] == ours
