@@ -4,7 +4,9 @@ Blocks are keyed by xpyd_wire.kv_events.chain_block_keys (a chained hash of the 
 token ids, salted by LoRA name), not by vLLM's block hashes, so a prompt's keys computed by the
 proxy from its tokens can be looked up directly; a map vLLM hash -> key applies BlockRemoved
 and chains a BlockStored onto its parent. Only the primary tier (medium GPU or unset) of KV
-cache group 0 is indexed: that is what a request on the instance hits.
+cache group 0 is indexed: that is what a request on the instance hits; blocks whose vLLM hash
+covers more than tokens and LoRA (a cache_salt, images) are left out, since no unsalted
+prompt hits them.
 
 Memory is bounded by a cap on blocks per instance (the instance's KV capacity when its
 registration says it, else a configured default); past the cap the oldest blocks are
@@ -129,7 +131,8 @@ class InstanceIndex:
         stats = ApplyStats() if stats is None else stats
         for event in events:
             if isinstance(event, BlockStored):
-                if event.medium not in _PRIMARY_MEDIA or event.group_idx not in (None, 0):
+                # Salted (or multimodal) blocks: a prompt's token keys never name them.
+                if event.extra or event.medium not in _PRIMARY_MEDIA or event.group_idx not in (None, 0):
                     stats.ignored += len(event.block_hashes)
                     continue
                 self.block_size = event.block_size

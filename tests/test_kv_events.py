@@ -77,6 +77,29 @@ def test_decodes_what_vllm_encodes():
     assert back.events[0].token_ids == list(range(32)) and back.events[0].lora_name == "ad"
 
 
+def test_extra_keys_mark_salted_blocks_which_are_not_indexed():
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    msgspec = pytest.importorskip("msgspec")
+
+    def decoded(lora, extra_keys):
+        ev = kv.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                            lora_id=None, medium="GPU", lora_name=lora, extra_keys=extra_keys)
+        payload = msgspec.msgpack.Encoder().encode(kv.KVEventBatch(ts=1.0, events=[ev]))
+        return decode_batch([b"", (0).to_bytes(8, "big"), payload]).events[0]
+
+    assert not decoded(None, None).extra
+    assert not decoded("ad", [("ad",), ("ad",)]).extra  # the LoRA name alone: tokens + LoRA
+    assert decoded(None, [("salt-1",), ("salt-1",)]).extra  # a cache_salt
+    assert decoded("ad", [("ad", "salt"), ("ad", "salt")]).extra
+    assert decoded(None, [(("mm-hash", 0),), None]).extra  # an image in the first block
+    idx = InstanceIndex(cap=100)
+    st = idx.apply([decoded(None, [("salt-1",), ("salt-1",)])])
+    assert (st.stored, st.ignored, len(idx)) == (0, 2, 0)
+    # ... and the test publisher says the same as vLLM's encoder.
+    ours = encode_batch(EventBatch(0, 1.0, (decoded(None, [("s",), ("s",)]),)))
+    assert decode_batch(ours).events[0].extra
+
+
 def _payload(events, ts=1.0):
     return msgpack.packb([ts, events, 0])
 

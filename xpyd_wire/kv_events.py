@@ -74,6 +74,9 @@ class BlockStored:
     lora_name: str | None = None
     medium: str | None = None
     group_idx: int | None = None
+    # The blocks' hashes cover more than tokens and LoRA (a cache_salt, multimodal inputs,
+    # prompt embeddings: vLLM's extra_keys): a prompt's token keys cannot name them.
+    extra: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +200,20 @@ def _opt_int(event: dict, key: str) -> int | None:
     return value
 
 
+def _extra(value: Any, lora: str | None) -> bool:
+    """Whether vLLM's extra_keys (one entry per block: the LoRA name when there is one, then
+    multimodal pairs, the cache_salt, embedding digests) hold anything beyond the LoRA name."""
+    if value is None:
+        return False
+    if not isinstance(value, list):
+        raise EventError("extra_keys must be a list")
+    own = 1 if lora is not None else 0
+    for entry in value:
+        if entry is not None and (not isinstance(entry, list) or len(entry) > own):
+            return True
+    return False
+
+
 def _event(raw: Any) -> Event:
     if not isinstance(raw, dict):
         raise EventError("event is not a map")
@@ -213,9 +230,10 @@ def _event(raw: Any) -> Event:
         for t in tokens:
             if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
                 raise EventError("token ids must be ints 0..2**32-1")
+        lora = _opt_str(raw, "lora_name")
         return BlockStored(hashes, None if parent is None else _hash(parent), tuple(tokens),
-                           block_size, _opt_str(raw, "lora_name"), _opt_str(raw, "medium"),
-                           _opt_int(raw, "group_idx"))  # fmt: skip
+                           block_size, lora, _opt_str(raw, "medium"),
+                           _opt_int(raw, "group_idx"), _extra(raw.get("extra_keys"), lora))  # fmt: skip
     if kind == "BlockRemoved":
         return BlockRemoved(_hashes(raw.get("block_hashes")), _opt_str(raw, "medium"),
                             _opt_int(raw, "group_idx"))  # fmt: skip
@@ -266,7 +284,8 @@ def encode_batch(batch: EventBatch, topic: str = "") -> list[bytes]:
             events.append({"type": "BlockStored", "block_hashes": list(e.block_hashes),
                            "parent_block_hash": e.parent_block_hash, "token_ids": list(e.token_ids),
                            "block_size": e.block_size, "lora_id": None, "medium": e.medium,
-                           "lora_name": e.lora_name, "group_idx": e.group_idx})  # fmt: skip
+                           "lora_name": e.lora_name, "group_idx": e.group_idx,
+                           "extra_keys": _extra_keys(e)})  # fmt: skip
         elif isinstance(e, BlockRemoved):
             events.append({"type": "BlockRemoved", "block_hashes": list(e.block_hashes),
                            "medium": e.medium, "group_idx": e.group_idx})  # fmt: skip
@@ -274,6 +293,13 @@ def encode_batch(batch: EventBatch, topic: str = "") -> list[bytes]:
             events.append({"type": "AllBlocksCleared"})
     payload = msgpack.packb([batch.ts, events, 0], use_bin_type=True)
     return [topic.encode(), batch.seq.to_bytes(8, "big"), payload]
+
+
+def _extra_keys(e: BlockStored) -> list[list[Any]] | None:
+    if not e.extra:
+        return None if e.lora_name is None else [[e.lora_name]] * len(e.block_hashes)
+    salted = ([e.lora_name] if e.lora_name is not None else []) + ["salt"]
+    return [salted] * len(e.block_hashes)
 
 
 def replay_request(start_seq: int) -> list[bytes]:
