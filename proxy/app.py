@@ -50,10 +50,10 @@ class ProxyState:
             cfg.discovery_port,
             cfg.discovery_secret,
         )
-        self.router = Router(cfg, self.registry, self.metrics, self.upstream)
-        self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         self.kv_events = KVEvents(self.registry, self.metrics, EventsConfig(
             default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
+        self.router = Router(cfg, self.registry, self.metrics, self.upstream, self.kv_events)
+        self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         # Subscribe as soon as an instance becomes a candidate, not at the next sweep.
         self.registry.listeners.append(lambda inst: self.kv_events.kick())
         self.draining = False
@@ -86,6 +86,7 @@ class ProxyState:
         await self.discovery.stop()
         await self.prober.stop()
         await self.upstream.close()
+        self.router.selector.close()
 
 
 def _json_error(status: int, message: str, code: Any = None, headers=None) -> JSONResponse:

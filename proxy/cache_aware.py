@@ -150,14 +150,14 @@ class CacheAware:
         self._choices = 0
 
     def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
-        self._note_seen(candidates)
+        self.note_seen(candidates)
         hashes = self.index.chain(req.key)
         depth, holders = self.index.match(hashes, candidates)
         least, least_score = self._least.pick(candidates)
         choice = least
         if depth and depth >= self.settings.min_match * len(hashes):
             best = min(holders, key=load_score)
-            if not self._imbalanced(load_score(best), least_score):
+            if not self.imbalanced(load_score(best), least_score):
                 choice = best
         if choice in holders:
             matched = depth
@@ -174,11 +174,11 @@ class CacheAware:
             chunks = self.index.match(self.index.chain(req.key), (inst,))[0]
         return min(chunks * self.settings.chunk_tokens, req.tokens)
 
-    def _imbalanced(self, score: float, least: float) -> bool:
+    def imbalanced(self, score: float, least: float) -> bool:
         s = self.settings
         return score - least > s.balance_abs and score > least * s.balance_rel
 
-    def _note_seen(self, candidates: Sequence[Instance]) -> None:
+    def note_seen(self, candidates: Sequence[Instance]) -> None:
         now = time.monotonic()
         seen = self._seen
         for c in candidates:

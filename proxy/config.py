@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 ENV_PREFIX = "XPYD_"
-POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", "precise")
 DISPATCH_MODES = ("sequential", "concurrent")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -52,6 +52,12 @@ class ProxyConfig:
     # seconds without a word from its publisher before its index counts as unknown.
     kv_index_max_blocks: int = 262_144
     kv_events_silence: float = 10.0
+    # The model's tokenizer (directory or Hugging Face name) for the `precise` policies:
+    # prompts are tokenized as vLLM does to look up the instances' KV indexes.
+    tokenizer: str | None = None
+    # P ships only the KV blocks D lacks, when D's KV events say it holds the prompt's first
+    # blocks (with --decode-policy precise); D recomputes anything it no longer holds.
+    send_only_missing: bool = True
     # Clients must send "Authorization: Bearer <api_key>" when set.
     api_key: str | None = field(default=None, repr=False)
     # /metrics answers only with the API key too (/instances always needs it when set).
@@ -170,6 +176,9 @@ class ProxyConfig:
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"{name} must be one of {', '.join(POLICIES)}")
+            if getattr(self, name) == "precise" and not self.tokenizer:
+                raise ConfigError(f"{name} precise needs --tokenizer (the served model's tokenizer "
+                                  "directory or name): it looks prompts up by their token ids")
         choices = {
             "upstream_client": ("native", "aiohttp", "httpx"),
             "loop": ("auto", "uvloop", "asyncio"),
@@ -216,6 +225,10 @@ HELP = MappingProxyType(
         "does not give its KV capacity",
         "kv_events_silence": "seconds without KV events or a replay answer before an "
         "instance's block index counts as unknown",
+        "send_only_missing": "with --decode-policy precise, P ships only the KV blocks D's events "
+        "say it lacks (the connector's xpyd_skip_tokens)",
+        "tokenizer": "the served model's tokenizer (directory or Hugging Face name), needed by "
+        "the precise policies to tokenize prompts exactly as vLLM does",
         "api_key": "require 'Authorization: Bearer KEY' from clients",
         "metrics_require_api_key": "/metrics requires the API key too",
         "expose_routing_headers": "show instance addresses (response headers, /instances) "

@@ -98,6 +98,7 @@ class Dispatcher:
     async def run(self, call: Call) -> int:
         """Serve the request; returns the HTTP status sent."""
         req = call.req
+        await self.selector.prepare(req)
         tried: list[Instance] = []
         last: ProxyError | None = None
         attempts = 0
@@ -197,8 +198,8 @@ class Dispatcher:
         if threshold > 0:
             if req.tokens < threshold:
                 return LOCAL_SHORT
-            cached = self.selector.cached_tokens("D", d, req)
-            if cached and req.tokens - cached < threshold:
+            left = self.selector.uncached_tokens("D", d, req)
+            if left is not None and left < threshold:
                 return LOCAL_CACHED
         return DISAGGREGATED
 
@@ -233,7 +234,8 @@ class Dispatcher:
         cfg = self.cfg
         req = call.req
         try:
-            pre_raw = orjson.dumps(prefill_body(req.path, req.body))
+            skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
+            pre_raw = orjson.dumps(prefill_body(req.path, req.body, skip))
         except orjson.JSONEncodeError:
             # orjson reads nesting up to 1024 levels but writes only up to 254.
             raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None

@@ -124,6 +124,15 @@ class Metrics:
             "xpyd_kv_events",
             "KV-event batches from instances: applied, or dropped by reason",
             ["result"], registry=r)  # fmt: skip
+        self.prompt_ids = Counter(
+            "xpyd_prompt_ids",
+            "Prompts tokenized for the precise policies: ok, or unsupported (judged by the guess)",
+            ["result"], registry=r)  # fmt: skip
+        self.precise_choices = Counter(
+            "xpyd_precise_choices",
+            "precise policy choices by role and source: events (the instance's KV index) or "
+            "guess (cache_aware's, while its index is unknown)",
+            ["role", "source"], registry=r)  # fmt: skip
         self.kv_event_gaps = Counter(
             "xpyd_kv_event_gaps", "Jumps in an instance's KV-event sequence numbers", registry=r)
         self.kv_event_replays = Counter(

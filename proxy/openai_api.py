@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.errors import ProxyError
+from xpyd_wire.request_id import SKIP_TOKENS_PARAM
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -73,9 +74,17 @@ def _valid_prompt(prompt: Any) -> bool:
     return False
 
 
-def prefill_body(kind: str, body: dict) -> dict:
-    """The client's request, cut down to produce the KV cache and one token."""
+def prefill_body(kind: str, body: dict, skip_tokens: int = 0) -> dict:
+    """The client's request, cut down to produce the KV cache and one token; `skip_tokens`:
+    what D holds already, so P's connector ships only the rest (only the proxy says so: a
+    client's own value is dropped)."""
     pre = dict(body)
+    params = pre.get("kv_transfer_params")
+    if isinstance(params, dict) and SKIP_TOKENS_PARAM in params:
+        params = {k: v for k, v in params.items() if k != SKIP_TOKENS_PARAM}
+        pre["kv_transfer_params"] = params
+    if skip_tokens > 0:
+        pre["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), SKIP_TOKENS_PARAM: skip_tokens}
     pre["max_tokens"] = 1
     if kind == CHAT:
         pre["max_completion_tokens"] = 1

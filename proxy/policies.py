@@ -11,6 +11,8 @@ from proxy.request import RouteRequest
 
 if TYPE_CHECKING:
     from proxy.config import ProxyConfig
+    from proxy.kv_events import KVEvents
+    from proxy.metrics import Metrics
 
 # One in-flight request counts as much as this many in-flight prompt tokens.
 TOKENS_PER_REQUEST = 1024.0
@@ -99,25 +101,36 @@ class PowerOfTwo:
         return b if load_score(b) < load_score(a) else a
 
 
-def make_policy(name: str, cfg: ProxyConfig | None = None) -> Policy:
+def make_policy(name: str, cfg: ProxyConfig | None = None, events: KVEvents | None = None,
+                metrics: Metrics | None = None, role: str = "P") -> Policy:
+    """`precise` needs the proxy's KV-event intake (`events`)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "power_of_two":
         return PowerOfTwo()
-    if name == "cache_aware":
-        from proxy.cache_aware import CacheAware, CacheAwareSettings  # imports this module
+    if name not in ("cache_aware", "precise"):
+        raise ValueError(f"unknown policy {name!r}")
+    from proxy.cache_aware import CacheAware, CacheAwareSettings  # imports this module
 
-        if cfg is None:
-            return CacheAware()
-        return CacheAware(
-            CacheAwareSettings(
-                chunk_tokens=cfg.cache_aware_chunk_tokens,
-                capacity_tokens=cfg.cache_aware_capacity_tokens,
-                min_match=cfg.cache_aware_min_match,
-                balance_abs=cfg.cache_aware_balance_abs,
-                balance_rel=cfg.cache_aware_balance_rel,
-            )
+    settings = None
+    if cfg is not None:
+        settings = CacheAwareSettings(
+            chunk_tokens=cfg.cache_aware_chunk_tokens,
+            capacity_tokens=cfg.cache_aware_capacity_tokens,
+            min_match=cfg.cache_aware_min_match,
+            balance_abs=cfg.cache_aware_balance_abs,
+            balance_rel=cfg.cache_aware_balance_rel,
         )
-    raise ValueError(f"unknown policy {name!r}")
+    if name == "cache_aware":
+        return CacheAware(settings)
+    if events is None:
+        raise ValueError("the precise policy needs the proxy's KV-event intake")
+    from proxy.precise import Precise
+
+    on_choice = None
+    if metrics is not None:
+        children = {s: metrics.precise_choices.labels(role, s) for s in ("events", "guess")}
+        on_choice = lambda source: children[source].inc()  # noqa: E731
+    return Precise(events, settings, on_choice)

@@ -16,6 +16,9 @@ class RouteRequest:
     headers: dict[str, str]  # what is forwarded upstream (x-request-id set per attempt)
     model: str | None = None
     _key: str | list[int] | None = field(default=None, repr=False)
+    # The prompt's token ids as vLLM computes them (proxy/prompt_keys.py), set before
+    # selection when a `precise` policy needs them; None: not computed or not reproducible.
+    prompt_ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def key(self) -> str | list[int]:

@@ -17,6 +17,7 @@ from proxy.config import ProxyConfig
 from proxy.credentials import forwards_client_auth, upstream_key_header
 from proxy.dispatch import Call, Dispatcher
 from proxy.errors import ProxyError
+from proxy.kv_events import KVEvents
 from proxy.metrics import Metrics
 from proxy.openai_api import estimate_prompt_tokens, validate_body
 from proxy.registry import Registry
@@ -66,11 +67,12 @@ class _Endpoint:
 
 class Router:
     def __init__(
-        self, cfg: ProxyConfig, registry: Registry, metrics: Metrics, upstream: Upstream
+        self, cfg: ProxyConfig, registry: Registry, metrics: Metrics, upstream: Upstream,
+        events: KVEvents | None = None,
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.selector = Selector(cfg, registry, metrics)
+        self.selector = Selector(cfg, registry, metrics, events)
         self.dispatcher = Dispatcher(cfg, self.selector, metrics, upstream)
         self._api_key = ("Bearer " + cfg.api_key).encode() if cfg.api_key else None
         # The client's Authorization goes upstream only when asked for (--forward-client-auth)

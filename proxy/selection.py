@@ -5,23 +5,35 @@ own them, so the load the policies see is exactly what the proxy has outstanding
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
 from proxy.admission import Limits, WaitQueue
-from proxy.config import ProxyConfig
+from proxy.config import ConfigError, ProxyConfig
 from proxy.errors import ProxyError
+from proxy.kv_events import KVEvents
 from proxy.metrics import Metrics
 from proxy.policies import Policy, make_policy
 from proxy.registry import Instance, Registry
 from proxy.request import RouteRequest
 
+log = logging.getLogger("xpyd.proxy.selection")
+
+# Bodies up to this size are tokenized on the event loop (tens of µs); larger ones on the
+# tokenizer's own thread, so a long prompt never stalls other requests.
+TOKENIZE_INLINE_BYTES = 4096
+
 
 class Selector:
-    def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics) -> None:
+    def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
+                 events: KVEvents | None = None) -> None:
         self.registry = registry
+        self.metrics = metrics
         # Admission control, per role; absent (no cost at all) where the limit is 0.
         self.queues: dict[str, WaitQueue] = {}
         for role, limit in (("P", cfg.prefill_max_in_flight), ("D", cfg.decode_max_in_flight)):
@@ -31,9 +43,48 @@ class Selector:
         if self.queues:
             registry.listeners.append(self._joined)
         self.policies: dict[str, Policy] = {
-            "P": make_policy(cfg.prefill_policy, cfg),
-            "D": make_policy(cfg.decode_policy, cfg),
+            "P": make_policy(cfg.prefill_policy, cfg, events, metrics, "P"),
+            "D": make_policy(cfg.decode_policy, cfg, events, metrics, "D"),
         }
+        # Exact prompt token ids, only for the precise policies (loading one costs ~1 s).
+        self.prompts = None
+        self._tokenize_pool: ThreadPoolExecutor | None = None
+        if "precise" in (cfg.prefill_policy, cfg.decode_policy) and cfg.tokenizer:
+            from proxy.prompt_keys import PromptTokenizer
+
+            try:
+                self.prompts = PromptTokenizer(cfg.tokenizer)
+            except Exception as e:  # a missing directory, an unknown name, a broken file
+                raise ConfigError(f"--tokenizer {cfg.tokenizer!r} could not be loaded: {e}") from None
+            # One thread: a Hugging Face tokenizer must not be used by two threads at once.
+            self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="xpyd-tokenize")
+
+    async def prepare(self, req: RouteRequest) -> None:
+        """Compute what the policies need before any choice: the prompt's exact token ids
+        for the precise policies (a batch: its first prompt, as routing_key keys it)."""
+        prompts = self.prompts
+        if prompts is None or req.prompt_ids is not None:
+            return
+        from proxy.prompt_keys import Unsupported
+
+        try:
+            if req.body.get("cache_salt") is not None:
+                raise Unsupported("a cache_salt keys the blocks apart from their tokens")
+            if len(req.raw) <= TOKENIZE_INLINE_BYTES:
+                ids = prompts.token_ids(req.path, req.body)
+            else:
+                loop = asyncio.get_running_loop()
+                ids = await loop.run_in_executor(self._tokenize_pool, prompts.token_ids, req.path, req.body)
+        except Unsupported as e:
+            self.metrics.prompt_ids.labels("unsupported").inc()
+            log.debug("prompt not tokenized (%s): the policies use their guess", e)
+            return
+        self.metrics.prompt_ids.labels("ok").inc()
+        req.prompt_ids = ids[0]
+
+    def close(self) -> None:
+        if self._tokenize_pool is not None:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def available(self, role: str, model: str | None = None) -> bool:
         return len(self.registry.pool(role, model)) > 0
@@ -111,6 +162,21 @@ class Selector:
         role's policy tracks it (0 when it does not)."""
         estimate = getattr(self.policies[role], "cached_tokens", None)
         return estimate(inst, req) if estimate is not None else 0
+
+    def decode_holds(self, d: Instance, req: RouteRequest) -> int:
+        """Leading prompt tokens D's own KV events say it holds (the precise decode policy
+        only; 0 otherwise): P need not ship them."""
+        held = getattr(self.policies["D"], "events_held", None)
+        return held(d, req) if held is not None else 0
+
+    def uncached_tokens(self, role: str, inst: Instance, req: RouteRequest) -> int | None:
+        """Prompt tokens `inst` would still compute, when its policy knows it holds part of
+        the prompt (the precise policies: the real figure); None when nothing is known held."""
+        exact = getattr(self.policies[role], "uncached_tokens", None)
+        if exact is not None:
+            return exact(inst, req)
+        cached = self.cached_tokens(role, inst, req)
+        return req.tokens - cached if cached else None
 
     def release(self, inst: Instance, req: RouteRequest) -> None:
         inst.in_flight -= 1

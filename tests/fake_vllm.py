@@ -31,6 +31,7 @@ try:
 except ImportError:  # run as a script from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from xpyd_wire.discovery import Load, Registration, encode
+from xpyd_wire.kv_events import EventsEndpoint
 
 
 @dataclass
@@ -187,8 +188,11 @@ class FakeVLLM:
         record: bool = True,
         register: bool = True,
         api_key: str | None = None,
+        kv_events: EventsEndpoint | None = None,
     ) -> None:
         self.role = role
+        # Advertised in the registration like the connector advertises vLLM's publisher.
+        self.kv_events = kv_events
         self.proxy = proxy
         self.host = host
         self.port = port
@@ -284,6 +288,7 @@ class FakeVLLM:
             zmq_address=self.zmq_address,
             load=self.load,
             leave=leave,
+            kv_events=self.kv_events,
         )
 
     async def send_registration(self, leave: bool = False) -> None:

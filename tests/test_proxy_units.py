@@ -229,6 +229,16 @@ def test_prefill_body_chat():
     assert pre["stream"] is False
 
 
+def test_prefill_body_skip_tokens_only_from_the_proxy():
+    body = {"prompt": "a", "kv_transfer_params": {"xpyd_skip_tokens": 4096, "other": 1}}
+    # A client's own value never reaches P; the proxy's does, beside the client's other params.
+    assert prefill_body(COMPLETIONS, body)["kv_transfer_params"] == {"other": 1}
+    assert prefill_body(COMPLETIONS, body, 256)["kv_transfer_params"] == {"other": 1, "xpyd_skip_tokens": 256}
+    assert prefill_body(COMPLETIONS, {"prompt": "a"}, 128)["kv_transfer_params"] == {"xpyd_skip_tokens": 128}
+    assert "kv_transfer_params" not in prefill_body(COMPLETIONS, {"prompt": "a"})
+    assert body["kv_transfer_params"]["xpyd_skip_tokens"] == 4096  # the client's body is not changed
+
+
 def test_request_id_format():
     r = Registry(heartbeat_timeout=10)
     p = r.upsert(Registration("P", "10.0.0.1:8100", "10.0.0.1:21001"), now=0)

@@ -20,6 +20,10 @@ import os
 import re
 from dataclasses import dataclass
 
+# The one field the proxy adds to P's request body (``kv_transfer_params``): how many
+# leading prompt tokens D already holds (D's KV events say so), so P ships only the rest.
+SKIP_TOKENS_PARAM = "xpyd_skip_tokens"
+
 # A prompt index has at most 7 digits, the random suffix exactly 8 hex digits:
 # that tells a completion's "-{index}" from a chat's all-digit "-{suffix}".
 _PATTERN = re.compile(
