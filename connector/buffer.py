@@ -84,6 +84,9 @@ class Payload:
 class _Reservation:
     nbytes: int
     expires: float
+    # A bound, not the size (GET: D reserves for the whole prompt before it learns how many
+    # blocks P skipped); a sender's own reservation (PUT) is exact.
+    at_most: bool = False
 
 
 class KVBuffer:
@@ -165,12 +168,12 @@ class KVBuffer:
                                    f"for newer transfers: raise kv_buffer_size")
             logger.warning("kv buffer=%s evicted transfer=%s bytes=%d (LRU)", self._name, key, p.nbytes)
 
-    def reserve(self, key: str, nbytes: int) -> str | None:
-        """Promise room for a payload of nbytes; None, or why not."""
+    def reserve(self, key: str, nbytes: int, at_most: bool = False) -> str | None:
+        """Promise room for a payload of nbytes (of at most nbytes); None, or why not."""
         with self._lock:
             refused = self._refuse_locked(key, nbytes)
             if refused is None:
-                self._reserved[key] = _Reservation(nbytes, time.monotonic() + self._reservation_ttl)
+                self._reserved[key] = _Reservation(nbytes, time.monotonic() + self._reservation_ttl, at_most)
                 self._reserved_bytes += nbytes
             return refused
 
@@ -183,7 +186,7 @@ class KVBuffer:
                 refused = self._refuse_locked(key, payload.nbytes)
                 if refused is not None:
                     return refused
-            elif payload.nbytes != res.nbytes:
+            elif payload.nbytes > res.nbytes or (payload.nbytes != res.nbytes and not res.at_most):
                 reason = f"payload of {payload.nbytes} bytes does not match its reservation of {res.nbytes}"
                 self._fail_locked(key, reason)
                 return reason

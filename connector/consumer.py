@@ -107,7 +107,8 @@ class Consumer:
     def _fetch(self, spec: LoadSpec, deadline: float, cancel: threading.Event) -> None:
         key = spec.transfer_key
         peer = rank_address(spec.prefill_addr, self._rank)
-        refused = self._recv.reserve(key, spec.prompt_blocks * self._block_bytes)
+        # At most: P may have skipped leading blocks this instance holds.
+        refused = self._recv.reserve(key, spec.prompt_blocks * self._block_bytes, at_most=True)
         if refused:
             logger.warning("kv get not started transfer=%s reason=%s", key, refused)
             return
@@ -198,8 +199,9 @@ class Consumer:
             if h.get("num_tokens") != spec.prompt_tokens:
                 return f"payload is for a {h.get('num_tokens')}-token prompt, this request has {spec.prompt_tokens}"
             nb = int(h.get("num_blocks", 0))
-            if nb < last:
-                return f"peer sent {nb} blocks, need {last}"
+            bad = _skip_mismatch(h, spec, nb, last)
+            if bad:
+                return bad
             if h.get("runs") != [nb] or len(p.tensors) != len(self._layer_names):
                 return "piece tensor count does not match its header"
             shape = list(self._layout.block_shape)
@@ -210,7 +212,8 @@ class Consumer:
         assert want is not None
         for li, name in enumerate(self._layer_names):
             for piece, p in zip(want, pieces, strict=True):
-                src = p.tensors[li].narrow(kvlayout.BLOCK_AXIS, spec.first_block, len(spec.dst_block_ids))
+                start = spec.first_block - int(p.header.get("first_block", 0))
+                src = p.tensors[li].narrow(kvlayout.BLOCK_AXIS, start, len(spec.dst_block_ids))
                 if spec.corrupt_for_test:
                     src = torch.zeros_like(src)
                 kvlayout.scatter_packed(self._caches[name], spec.dst_block_ids, src, heads=piece.local_heads,
@@ -240,8 +243,10 @@ class Consumer:
         if per_layer == 0 or len(payload.tensors) != per_layer * len(self._layer_names):
             return "payload tensor count does not match its header"
         last = spec.first_block + len(spec.dst_block_ids)
-        if int(h.get("num_blocks", 0)) < last:
-            return f"peer sent {h.get('num_blocks')} blocks, need {last}"
+        bad = _skip_mismatch(h, spec, int(h.get("num_blocks", 0)), last)
+        if bad:
+            return bad
+        start = spec.first_block - int(h.get("first_block", 0))
         # Check every tensor before writing any, so a bad payload leaves the cache untouched.
         if sum(runs) != h.get("num_blocks"):
             return "payload runs do not add up to num_blocks"
@@ -252,7 +257,7 @@ class Consumer:
         for i, name in enumerate(self._layer_names):
             parts = payload.tensors[i * per_layer:(i + 1) * per_layer]
             src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=kvlayout.BLOCK_AXIS)
-            src = src.narrow(kvlayout.BLOCK_AXIS, spec.first_block, len(spec.dst_block_ids))
+            src = src.narrow(kvlayout.BLOCK_AXIS, start, len(spec.dst_block_ids))
             if spec.corrupt_for_test:
                 src = torch.zeros_like(src)
             kvlayout.scatter(self._caches[name], spec.dst_block_ids, src)
@@ -335,3 +340,19 @@ class Consumer:
         self._stop.set()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _skip_mismatch(h: dict, spec: LoadSpec, shipped: int, last: int) -> str | None:
+    """Why a payload holding prompt blocks [first_block, first_block + shipped) cannot fill
+    this load's blocks [spec.first_block, last), or None. P skips the blocks the proxy says
+    D holds; when D's own prefix hit is shorter (evicted since), the gap is D's to
+    recompute: the load fails and vLLM's kv_load_failure_policy decides."""
+    first = h.get("first_block", 0)
+    if type(first) is not int or first < 0:
+        return f"malformed payload: first_block={first!r}"
+    if first > spec.first_block:
+        return (f"peer skipped prompt blocks {spec.first_block}..{first - 1} (the proxy said this instance "
+                "held them; it no longer does)")
+    if first + shipped < last:
+        return f"peer sent blocks {first}..{first + shipped - 1}, need up to {last - 1}"
+    return None

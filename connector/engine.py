@@ -323,6 +323,7 @@ class KVEngine:
             "key": spec.transfer_key,
             "num_tokens": spec.num_tokens,
             "num_blocks": len(spec.block_ids),
+            "first_block": spec.first_block,  # the prompt block the payload starts with
             "layers": self._layer_names,
             "runs": run_lens or [],
             **self._layout.describe(),

@@ -23,11 +23,14 @@ class SaveSpec:
     transfer_key: str
     decode_addr: str  # rank-0 kv address; the worker adds its rank
     prefill_addr: str
-    block_ids: tuple[int, ...]  # whole blocks covering the prompt, in order
+    block_ids: tuple[int, ...]  # whole blocks of the prompt from first_block on, in order
     num_tokens: int  # prompt length
     # False for PUT (synchronous) and GET (copied into P's buffer): the scheduler
     # frees blocks at once. True for PUT_ASYNC: freed after the worker reports the send finished.
     delay_free: bool
+    # The prompt's leading blocks not shipped: the proxy knows D already holds them (its KV
+    # events), so block_ids[0] is the prompt's block first_block.
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,12 @@ SIBLING_GRACE_S = 1.0
 # names the KV in flight (without kv_secret, whoever knows it can feed or fail that
 # transfer), so it is only reported to a request whose kv_transfer_params ask for it.
 REPORT_KEY_PARAM = "xpyd_report_transfer_key"
+def _skip_tokens(request: "Request") -> int:
+    """xpyd_skip_tokens, set by the proxy: P ships only the blocks after them. D checks what
+    arrives and recomputes what it lacks (a payload that starts after D's own prefix hit is
+    refused as a whole)."""
+    value = (request.kv_transfer_params or {}).get(request_id.SKIP_TOKENS_PARAM, 0)
+    return value if type(value) is int and value > 0 else 0
 
 
 def _asked_for_key(request: "Request") -> bool:
@@ -60,6 +66,7 @@ def tokens_computed_before(scheduler_output: "SchedulerOutput") -> dict[str, int
 class _Outgoing:
     tid: request_id.TransferId
     num_prompt_tokens: int
+    skip_tokens: int = 0  # leading tokens D holds already (the proxy's word)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -153,7 +160,7 @@ class P2pScheduler:
             return
         if self._produces(tid) and tid.key not in self._key_owner:
             self._key_owner[tid.key] = rid
-            self._outgoing[rid] = _Outgoing(tid, request.num_prompt_tokens)
+            self._outgoing[rid] = _Outgoing(tid, request.num_prompt_tokens, _skip_tokens(request))
             if self._cfg.send_type == "PUT_ASYNC":
                 self._contacts[tid.decode_addr] = None
         if self._consumes(tid) and tid.key not in self._released:
@@ -242,14 +249,17 @@ class P2pScheduler:
             if spec.delay_free:
                 tid = request_id.parse(rid)
                 assert tid is not None
-                self._outgoing[rid] = _Outgoing(tid, spec.num_tokens)
+                self._outgoing[rid] = _Outgoing(tid, spec.num_tokens, spec.first_block * self._block_size)
                 logger.info("kv send re-planned after preemption req=%s transfer=%s", rid, spec.transfer_key)
         return out
 
     def _plan_save(self, rid: str, out: _Outgoing) -> SaveSpec:
         assert self._kv_cache_manager is not None, "kv cache manager not bound"
         n_blocks = _cdiv(out.num_prompt_tokens, self._block_size)
-        block_ids = self._kv_cache_manager.get_block_ids(rid)[0][:n_blocks]
+        # Whole blocks D holds are skipped, but never the one D computes from: D loads up to
+        # the prompt's last token, so at least the block holding token n-2 is shipped.
+        skip = min(out.skip_tokens // self._block_size, max(0, out.num_prompt_tokens - 2) // self._block_size)
+        block_ids = self._kv_cache_manager.get_block_ids(rid)[0][skip:n_blocks]
         spec = SaveSpec(
             req_id=rid,
             transfer_key=out.tid.key,
@@ -258,10 +268,11 @@ class P2pScheduler:
             block_ids=tuple(block_ids),
             num_tokens=out.num_prompt_tokens,
             delay_free=self._cfg.send_type == "PUT_ASYNC",
+            first_block=skip,
         )
         self._saving[rid] = spec
-        logger.info("kv send planned req=%s transfer=%s tokens=%d blocks=%d to=%s mode=%s",
-                    rid, spec.transfer_key, spec.num_tokens, len(block_ids), spec.decode_addr,
+        logger.info("kv send planned req=%s transfer=%s tokens=%d blocks=%d skipped=%d to=%s mode=%s",
+                    rid, spec.transfer_key, spec.num_tokens, len(block_ids), skip, spec.decode_addr,
                     self._cfg.send_type)
         return spec
 
@@ -291,7 +302,9 @@ class P2pScheduler:
             # With PUT_ASYNC the send may still be running: this says what was
             # handed to the sender, not what arrived.
             return save.delay_free, {"xpyd": {**key, "send_type": self._cfg.send_type,
-                                              "prompt_tokens": save.num_tokens}}
+                                              "prompt_tokens": save.num_tokens,
+                                              "shipped_blocks": len(save.block_ids),
+                                              "skipped_blocks": save.first_block}}
         load = self._loaded.pop(rid, None)
         if load is not None:
             failed = rid in self._failed_loads

@@ -239,6 +239,33 @@ def test_get_roundtrip(engines, consumer_first):
     assert prod.stats() == ZERO and cons.stats() == ZERO
 
 
+@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT", "GET"])
+@pytest.mark.parametrize("skip, d_first, ok", [(2, 2, True), (2, 3, True), (2, 1, False)],
+                         ids=["d-holds-what-was-skipped", "d-holds-more", "d-lost-a-skipped-block"])
+def test_skipped_leading_blocks(engines, send_type, skip, d_first, ok):
+    """P ships only the blocks after those the proxy says D holds (issue 17, part 4); D
+    places what arrived by the payload's own first block, and refuses a payload that skipped
+    a block D does not hold (vLLM then recomputes), leaving its cache untouched."""
+    prod = engines("kv_producer", send_type, seed=1)
+    cons = engines("kv_consumer", send_type, seed=2)
+    before = snapshot(cons.caches)
+    spec = save_spec(prod, rank0(cons), block_ids=SRC_IDS[skip:], delay_free=send_type == "PUT_ASYNC")
+    prod.save(dataclasses.replace(spec, first_block=skip))
+    dst = (7, 2, 11, 5)[: len(SRC_IDS) - d_first]
+    plan_load(cons, load_spec(rank0(prod), dst, d_first))
+    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving | r.failed_recving)
+    if ok:
+        assert res.failed_recving == set()
+        assert_loaded(cons, before, prod, dst, SRC_IDS[d_first:])
+    else:
+        assert res.failed_recving == {"D-req"}
+        assert_untouched(cons, before)
+    # Only the shipped blocks went over the wire (headers add a few hundred bytes).
+    block = sum(c[0].numel() * c.element_size() for c in prod.caches.values())
+    wait_for(lambda: cons.xfer_stats.peek().nbytes("received") > 0)
+    assert (len(SRC_IDS) - skip) * block <= cons.xfer_stats.peek().nbytes("received") < (len(SRC_IDS) - skip + 1) * block
+
+
 def test_rank_addressing(engines):
     """Worker rank r listens on port+r and sends to the peer's port+r."""
     prod = engines("kv_producer", "PUT_ASYNC", rank=1, seed=1)

@@ -230,7 +230,8 @@ def test_transfer_key_reported_only_when_asked(ask, reported):
     s.on_new_request(req)
     assert len(s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves) == 1
     assert s.request_finished(req, [3, 1]) == (
-        True, {"xpyd": {**want, "send_type": "PUT_ASYNC", "prompt_tokens": 200}})
+        True, {"xpyd": {**want, "send_type": "PUT_ASYNC", "prompt_tokens": 200, "shipped_blocks": 2,
+                        "skipped_blocks": 0}})
 
 
 def test_consumer_abort_before_allocation():
@@ -339,6 +340,27 @@ def test_producer_prefix_hit_saves_all_prompt_blocks_at_once():
     assert spec.block_ids == (40, 41, 9) and spec.num_tokens == 300
 
 
+@pytest.mark.parametrize("skip_tokens, n_prompt, want_first", [
+    (256, 300, 2),  # D holds two whole blocks: the third alone is shipped
+    (200, 300, 1),  # only whole blocks are skipped
+    (384, 385, 2),  # never the block D computes from: token n-2 (383) is in block 2
+    (384, 386, 3),  # ... which here is block 3
+    (-5, 300, 0), ("256", 300, 0), (True, 300, 0),  # garbage: ship everything
+])
+def test_producer_skips_the_blocks_the_proxy_says_d_holds(skip_tokens, n_prompt, want_first):
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    req = make_req(pd_id(), n_prompt, {"xpyd_skip_tokens": skip_tokens})
+    kvm.blocks[req.request_id] = [40, 41, 9, 17]
+    s.on_new_request(req)
+    (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, n_prompt)])).saves
+    n_blocks = -(-n_prompt // BS)
+    assert spec.first_block == want_first and spec.block_ids == (40, 41, 9, 17)[want_first:n_blocks]
+    _, params = s.request_finished(req, [])
+    assert params["xpyd"]["skipped_blocks"] == want_first
+    assert params["xpyd"]["shipped_blocks"] == n_blocks - want_first
+
+
 def test_producer_ignores_plain_requests_and_other_steps():
     kvm = FakeKVCacheManager()
     s = producer(kvm=kvm)
@@ -404,7 +426,7 @@ def test_producer_preempted_with_save_in_flight():
     assert s.build_connector_meta(sched_out(preempted=set())).preempted == []
     # Reported when it finishes; the blocks wait for the send.
     assert s.request_finished(req, [1, 2, 3]) == (
-        True, {"xpyd": {"send_type": "PUT_ASYNC", "prompt_tokens": 300}})
+        True, {"xpyd": {"send_type": "PUT_ASYNC", "prompt_tokens": 300, "shipped_blocks": 3, "skipped_blocks": 0}})
     # Once finished it is no longer listed on preemption.
     assert s.build_connector_meta(sched_out(preempted={rid})).preempted == []
 
@@ -433,7 +455,7 @@ def test_producer_delay_free_by_send_type(send_type, delay_free):
     (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves
     assert spec.delay_free is delay_free
     assert s.request_finished(req, [3, 1]) == (
-        delay_free, {"xpyd": {"send_type": send_type, "prompt_tokens": 200}})
+        delay_free, {"xpyd": {"send_type": send_type, "prompt_tokens": 200, "shipped_blocks": 2, "skipped_blocks": 0}})
 
 
 def test_load_report():
