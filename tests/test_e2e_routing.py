@@ -1,10 +1,16 @@
-"""Prefix-aware prefill routing on real vLLM (CPU build, vLLM's default thread binding):
-2 P + 1 D + a colocated reference server, one shared-prefix workload per policy.
+"""Prefix-aware routing on real vLLM (CPU build, vLLM's default thread binding): 2 P + 2 D
+(each publishing its KV events) + a colocated reference server, one workload per policy.
 
-The same servers serve both policies: the proxy is restarted on the same discovery port
-(instances keep heartbeating to it), and each policy gets its own system prompts so the
-Ps' prefix caches start cold for it. P's own counters (vllm:prefix_cache_hits/queries,
-deltas over the run) give the hit rate; every answer must equal the colocated one.
+The same servers serve every policy: proxies are started per run on the discovery ports the
+instances heartbeat to, and each run gets its own system prompts so the caches start cold
+for it. P's own counters (vllm:prefix_cache_hits/queries, deltas over the run) give the hit
+rate; every answer must equal the colocated one.
+
+- one proxy, P policies round_robin vs cache_aware on a shared-prefix completions workload;
+- two proxies behind haproxy (round robin; without haproxy the client alternates), both
+  policies `precise` vs both `cache_aware`, on a multi-turn chat trace with a shared system
+  prompt: where each turn is prefilled and decoded, P's hit rate, and the KV bytes P ships
+  per turn (P ships only the blocks D lacks, issue 17).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import pytest
 from e2e_client import (BLOCK, MODEL_DIR, answer_of, assert_same_greedy, body_for, generate, make_prompt, metric, poll,
                         with_logprobs)
 from e2e_cluster import free_port, free_port_pair
+from haproxy_helpers import HAPROXY, Balancer, any_free_port
+from haproxy_cfg import render_servers
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
@@ -34,38 +42,53 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
     log_dir = Path(tmp_path_factory.mktemp("e2e-routing"))
-    disc = free_port()
+    discs = (free_port(), free_port())  # every instance registers with both
     env = e2e_cluster.bind_env(None)  # vLLM's default binding
     common = dict(max_num_batched_tokens=e2e_cluster.MAX_BATCHED_TOKENS, env=env)
     started: dict[str, cluster.Server] = {}
     try:
-        for name, role in (("p0", "kv_producer"), ("p1", "kv_producer"), ("d", "kv_consumer")):
+        for name, role in (("p0", "kv_producer"), ("p1", "kv_producer"), ("d", "kv_consumer"),
+                           ("d1", "kv_consumer")):
             port = free_port()
-            started[name] = cluster.start_vllm(
-                name, port, log_dir, **common,
-                kv_config=cluster.kv_transfer_config(role, free_port_pair(), port, disc))  # fmt: skip
+            kv = cluster.kv_transfer_config(role, free_port_pair(), port, None, heartbeat_interval_s=1.0,
+                                            proxies=[f"{cluster.HOST}:{d}" for d in discs])
+            started[name] = cluster.start_vllm(name, port, log_dir, **common, kv_config=kv,
+                                               extra_args=["--kv-events-config", _events_config(free_port_pair())])
         started["colocated"] = cluster.start_vllm("colocated", free_port(), log_dir, **common)
         cluster.wait_until(list(started.values()), "/health", 600)
-        yield disc, log_dir, started
+        yield discs, log_dir, started
     finally:
         for s in started.values():
             s.stop()
 
 
-def _proxy(disc: int, log_dir: Path, policy: str) -> cluster.Server:
-    """A proxy with `policy` for P, waiting until both Ps and the D have registered."""
+def _events_config(port: int) -> str:
+    """vLLM's KV events on 127.0.0.1 only (its IPv4-mapped form), replay on the next port."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": f"tcp://[::ffff:127.0.0.1]:{port}",
+                       "replay_endpoint": f"tcp://[::ffff:127.0.0.1]:{port + 1}"})  # fmt: skip
+
+
+def _proxy(disc: int, log_dir: Path, policy: str, decode_policy: str = "round_robin",
+           name: str = "proxy") -> cluster.Server:
+    """A proxy with `policy` for P, waiting until both Ps and both Ds have registered (and,
+    for precise, until it knows every instance's KV index)."""
     # --expose-routing-headers: which P prefilled is read from x-xpyd-prefill-instance.
-    proxy = cluster.start_proxy(free_port(), disc, log_dir / policy,
-                                ["--prefill-policy", policy, "--heartbeat-timeout", "5",
-                                 "--expose-routing-headers"])  # fmt: skip
+    args = ["--prefill-policy", policy, "--decode-policy", decode_policy, "--heartbeat-timeout", "5",
+            "--expose-routing-headers"]
+    if "precise" in (policy, decode_policy):
+        args += ["--tokenizer", str(MODEL_DIR)]
+    proxy = cluster.start_proxy(free_port(), disc, log_dir / f"{policy}-{name}", args, name=name)
     cluster.wait_until([proxy], "/health", 60)
 
     def registered() -> bool:
         status, raw = cluster.http_get(proxy.url + "/instances")
-        roles = [i["role"] for i in json.loads(raw)] if status == 200 else []
-        return roles.count("P") == 2 and roles.count("D") == 1
+        live = [i for i in json.loads(raw) if not i["pending"]] if status == 200 else []
+        roles = [i["role"] for i in live]
+        known = all((i.get("kv_events") or {}).get("state") == "known" for i in live)
+        return roles.count("P") == 2 and roles.count("D") == 2 and known
 
-    if not poll(registered, timeout=30):
+    if not poll(registered, timeout=60):
         proxy.stop()
         raise AssertionError(f"instances did not register with the {policy} proxy")
     return proxy
@@ -80,10 +103,10 @@ def _counters(ps: list[cluster.Server]) -> tuple[float, float]:
 def _run(servers, tokenizer, policy: str, seed: int) -> tuple[float, dict[int, set[str]]]:
     """The shared-prefix workload through a proxy with `policy`: P's hit rate over the run
     and, per system prompt, the Ps that prefilled it. Outputs are checked on the way."""
-    disc, log_dir, s = servers
+    discs, log_dir, s = servers
     ps = [s["p0"], s["p1"]]
     systems = [make_prompt(tokenizer, SYSTEM_TOKENS, seed + k) for k in range(SYSTEMS)]
-    proxy = _proxy(disc, log_dir, policy)
+    proxy = _proxy(discs[0], log_dir, policy)
     try:
         hits0, queries0 = _counters(ps)
         used: dict[int, set[str]] = {k: set() for k in range(SYSTEMS)}
@@ -122,3 +145,136 @@ def test_cache_aware_beats_round_robin_on_prefill_prefix_hits(servers, tokenizer
     assert all(len(v) == 2 for v in rr_used.values()), rr_used
     assert all(len(v) == 1 for v in ca_used.values()), ca_used  # one P per system prompt
     assert len(set().union(*ca_used.values())) == 2  # and both Ps in use
+
+
+# ---------------------------------------------------------------- multi-turn chat, two proxies
+
+CONVERSATIONS = 3
+CHAT_TURNS = 3
+CHAT_SYSTEM_TOKENS = 2 * BLOCK + 40
+CHAT_MAX_TOKENS = 16
+
+
+class _Front:
+    """Two proxies and what clients talk to: haproxy in round robin in front of them, or
+    (without haproxy) the client alternating between them itself."""
+
+    def __init__(self, proxies: list[cluster.Server], log_dir: Path) -> None:
+        self.proxies = proxies
+        self.lb: Balancer | None = None
+        self._i = 0
+        if HAPROXY is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            port = any_free_port(cluster.HOST)
+            cfg = log_dir / "haproxy.cfg"
+            cfg.write_text(render_servers("routing", [(p.name, cluster.HOST, p.port) for p in proxies],
+                                          (cluster.HOST, port), (cluster.HOST, any_free_port(cluster.HOST))))
+            self.lb = Balancer(cfg, log_dir, f"http://{cluster.HOST}:{port}")
+            assert poll(lambda: self._ready(), timeout=30), self.lb.log.read_text()[-2000:]
+
+    def _ready(self) -> bool:
+        try:
+            return httpx.get(self.lb.url + "/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def url(self) -> str:
+        if self.lb is not None:
+            return self.lb.url
+        self._i += 1
+        return self.proxies[self._i % 2].url
+
+    def stop(self) -> None:
+        if self.lb is not None:
+            self.lb.stop()
+        for p in self.proxies:
+            p.stop()
+
+
+def _kv_sent(ps: list[cluster.Server]) -> tuple[float, float]:
+    """(sends completed, KV bytes sent) over the Ps, from vLLM's /metrics."""
+    sends = sum(metric(p.url, "vllm:xpyd_kv_transfers_total", {"role": "send", "result": "ok"}) for p in ps)
+    return sends, sum(metric(p.url, "vllm:xpyd_kv_bytes_total", {"direction": "sent"}) for p in ps)
+
+
+def _block_bytes() -> int:
+    """bf16 K and V of one CPU KV-cache block over all layers of the tiny model."""
+    cfg = json.loads(MODEL_DIR.joinpath("config.json").read_text())
+    return cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * BLOCK * 2 * cfg["head_dim"] * 2
+
+
+def _chat_run(servers, tokenizer, policy: str, seed: int) -> dict:
+    """The chat trace through two proxies with `policy` for P and D. Per turn: the P and D
+    that served it, its prompt tokens and the KV bytes P shipped; P's hit rate overall."""
+    discs, log_dir, s = servers
+    ps = [s["p0"], s["p1"]]
+    system = make_prompt(tokenizer, CHAT_SYSTEM_TOKENS, seed)
+    # Every turn brings two blocks' worth of new tokens: over the proxy's local threshold
+    # (128) even where D holds the rest, so each turn goes through P.
+    convs = [[{"role": "system", "content": system},
+              {"role": "user", "content": make_prompt(tokenizer, 2 * BLOCK + 10 * c, seed + 1 + c)}]
+             for c in range(CONVERSATIONS)]  # fmt: skip
+    proxies = [_proxy(d, log_dir, policy, policy, name=f"proxy{i}") for i, d in enumerate(discs)]
+    front = _Front(proxies, log_dir / f"{policy}-lb")
+    turns: list[list[dict]] = [[] for _ in range(CONVERSATIONS)]
+    try:
+        hits0, queries0 = _counters(ps)
+        for turn in range(CHAT_TURNS):
+            for c, messages in enumerate(convs):
+                body = with_logprobs("chat", {"model": "tiny-llama", "messages": messages, "temperature": 0,
+                                              "max_tokens": CHAT_MAX_TOKENS})  # fmt: skip
+                want, _ = generate(s["colocated"].url, "chat", body)
+                sends0, sent0 = _kv_sent(ps)
+                r = httpx.post(front.url() + "/v1/chat/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                data = r.json()
+                assert_same_greedy(answer_of(data["choices"][0]), want)
+                turn_info = {"path": r.headers.get("x-xpyd-path", "disaggregated"), "p": None,
+                             "d": r.headers["x-xpyd-decode-instance"], "prompt": data["usage"]["prompt_tokens"],
+                             "bytes": 0.0}  # fmt: skip
+                if turn_info["path"] == "disaggregated":
+                    assert data["kv_transfer_params"]["xpyd"]["load_failed"] is False, data["kv_transfer_params"]
+                    # vLLM reports the connector's counters with a step: wait for this send's.
+                    assert poll(lambda: _kv_sent(ps)[0] >= sends0 + 1, timeout=10), "P's send never counted"
+                    turn_info.update(p=r.headers["x-xpyd-prefill-instance"], bytes=_kv_sent(ps)[1] - sent0)
+                turns[c].append(turn_info)
+                answer = data["choices"][0]["message"]["content"]
+                # A new question long enough to go through P (the proxy's local threshold).
+                messages += [{"role": "assistant", "content": answer},
+                             {"role": "user", "content": make_prompt(tokenizer, 2 * BLOCK, seed + 100 * turn + c)}]
+        time.sleep(1.0)  # the last steps' counters
+        hits, queries = _counters(ps)
+        served = {}
+        if front.lb is not None:
+            served = {p.name: sum(1 for r in front.lb.requests() if r[0] == p.name) for p in proxies}
+        return {"hit_rate": (hits - hits0) / max(1.0, queries - queries0), "turns": turns, "via": served}
+    finally:
+        front.stop()
+
+
+def test_precise_keeps_each_conversation_where_its_history_is_over_two_proxies(servers, tokenizer):
+    precise = _chat_run(servers, tokenizer, "precise", seed=7300)
+    guess = _chat_run(servers, tokenizer, "cache_aware", seed=7400)
+    block_bytes = _block_bytes()
+    first = precise["turns"][0][0]  # nothing of it was anywhere: every block shipped
+    assert first["bytes"] == -(-first["prompt"] // BLOCK) * block_bytes, first
+    for name, run in (("precise", precise), ("cache_aware", guess)):
+        per_turn = [[(t["p"] and t["p"][-5:], t["d"][-5:], t["prompt"], round(t["bytes"] / block_bytes, 2))
+                     for t in conv] for conv in run["turns"]]  # fmt: skip
+        print(f"\n{name}: P hit rate {run['hit_rate']:.3f}, requests per proxy {run['via']}; per conversation "
+              f"(P, D, prompt tokens, KV blocks shipped) per turn: {per_turn}")
+    if HAPROXY is not None:  # both proxies took part
+        assert all(n >= 2 for n in precise["via"].values()), precise["via"]
+    for conv in precise["turns"]:
+        # Each turn brings two blocks of new tokens: none is served by D alone.
+        assert all(t["path"] == "disaggregated" for t in conv), conv
+        for prev, turn in zip(conv, conv[1:]):
+            # The next turn is prefilled where its history was prefilled and decoded where
+            # it was decoded, whichever proxy routed it.
+            assert (turn["p"], turn["d"]) == (prev["p"], prev["d"]), conv
+            # P shipped only the blocks after those D holds: the previous turn's prompt and
+            # answer are there (at most the block where they end is shipped again).
+            new_blocks = -(-turn["prompt"] // BLOCK) - prev["prompt"] // BLOCK
+            assert 0 < turn["bytes"] <= new_blocks * block_bytes, (turn, prev, block_bytes)
+    assert precise["hit_rate"] >= guess["hit_rate"] - 0.05, (precise["hit_rate"], guess["hit_rate"])
+    assert precise["hit_rate"] > 0.5, precise["hit_rate"]
