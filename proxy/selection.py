@@ -79,6 +79,10 @@ class Selector:
             self.metrics.prompt_ids.labels("unsupported").inc()
             log.debug("prompt not tokenized (%s): the policies use their guess", e)
             return
+        except Exception as e:  # the tokenizer choked: route by the guess, never fail the request
+            self.metrics.prompt_ids.labels("unsupported").inc()
+            log.warning("prompt not tokenized (%s: %s): the policies use their guess", type(e).__name__, e)
+            return
         self.metrics.prompt_ids.labels("ok").inc()
         req.prompt_ids = ids[0]
 
