@@ -24,9 +24,10 @@ from proxy.request import RouteRequest
 
 log = logging.getLogger("xpyd.proxy.selection")
 
-# Bodies up to this size are tokenized on the event loop (tens of µs); larger ones on the
-# tokenizer's own thread, so a long prompt never stalls other requests.
-TOKENIZE_INLINE_BYTES = 4096
+# Bodies up to this size are tokenized on the event loop (~0.1 ms for 64 tokens here);
+# larger ones on the tokenizer's own thread (~0.85 ms for 1k tokens, 3 ms for 3.5k), where
+# the Rust tokenizer leaves the event loop ~3/4 of the GIL (scripts/bench_prompt_keys.py).
+TOKENIZE_INLINE_BYTES = 1024
 
 
 class Selector:
