@@ -51,7 +51,7 @@ class Precise:
 
     # ------------------------------------------------------------------ what is held
 
-    def held_tokens(self, inst: Instance, req: RouteRequest, memo: dict | None = None) -> int | None:
+    def held_tokens(self, inst: Instance, req: RouteRequest) -> int | None:
         """Leading prompt tokens `inst` holds per its KV events; None when unknown (no
         events, index UNKNOWN, or the prompt's token ids are not known)."""
         ids = req.prompt_ids
@@ -64,12 +64,9 @@ class Precise:
         if size is None:  # known and nothing stored since: it holds nothing
             return 0
         lora = _lora_of(inst, req.model)
-        key = (size, lora)
-        keys = memo.get(key) if memo is not None else None
+        keys = req.block_keys.get((size, lora))
         if keys is None:
-            keys = chain_block_keys(ids, size, lora)
-            if memo is not None:
-                memo[key] = keys
+            keys = req.block_keys[(size, lora)] = chain_block_keys(ids, size, lora)
         return index.longest_prefix(keys) * size
 
     def _fraction(self, inst: Instance, req: RouteRequest, held: int | None, hashes: list[int]) -> float:
@@ -84,8 +81,7 @@ class Precise:
         fallback = self.fallback
         fallback.note_seen(candidates)
         hashes = fallback.index.chain(req.key)
-        memo: dict = {}
-        held = {c: self.held_tokens(c, req, memo) for c in candidates}
+        held = {c: self.held_tokens(c, req) for c in candidates}
         best: Instance | None = None
         best_frac = 0.0
         best_score = 0.0

@@ -19,6 +19,8 @@ class RouteRequest:
     # The prompt's token ids as vLLM computes them (proxy/prompt_keys.py), set before
     # selection when a `precise` policy needs them; None: not computed or not reproducible.
     prompt_ids: list[int] | None = field(default=None, repr=False)
+    # Their chained block keys per (block size, LoRA), computed once for P's and D's choice.
+    block_keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def key(self) -> str | list[int]:
