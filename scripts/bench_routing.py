@@ -219,19 +219,7 @@ async def run_policy(name: str, policy: str, overrides: dict, trace: Trace,
             async def one(prompt: str, at: float, t0: float) -> None:
                 await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
                 body = {"model": "fake-model", "prompt": prompt, "max_tokens": 4, "stream": True}
-                start = time.perf_counter()
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as r:
-                        first = True
-                        async for _ in r.aiter_raw():
-                            if first:
-                                first = False
-                                if r.status_code == 200:
-                                    res.ttft_ms.append((time.perf_counter() - start) * 1e3)
-                                else:
-                                    res.errors += 1
-                except httpx.HTTPError:
-                    res.errors += 1
+                await stream_ttft(client, "/v1/completions", body, res)
 
             t0 = time.perf_counter() + 0.05
             await asyncio.gather(*(one(p, at, t0) for p, at in zip(trace.prompts, trace.arrivals)))
@@ -287,6 +275,23 @@ async def main_async(args: argparse.Namespace) -> None:
                   f" hit rate {r.hit_rate:.3f}", flush=True)  # fmt: skip
             rounds[name].append(r)
     report([median_result(rs) for rs in rounds.values()], args)
+
+
+async def stream_ttft(client: httpx.AsyncClient, path: str, body: dict, res: Result) -> None:
+    """One streamed request: its time to the first chunk into res.ttft_ms, or an error."""
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            first = True
+            async for _ in r.aiter_raw():
+                if first:
+                    first = False
+                    if r.status_code == 200:
+                        res.ttft_ms.append((time.perf_counter() - start) * 1e3)
+                    else:
+                        res.errors += 1
+    except httpx.HTTPError:
+        res.errors += 1
 
 
 def median_result(rs: list[Result]) -> Result:
@@ -485,19 +490,7 @@ async def drive_chat(pxs: list, trace: ChatTrace, res: ChatResult, args: argpars
 
     async def send(client: httpx.AsyncClient, messages: list[dict]) -> None:
         body = {"model": "fake-model", "messages": messages, "max_tokens": 4, "stream": True}
-        start = time.perf_counter()
-        try:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                first = True
-                async for _ in r.aiter_raw():
-                    if first:
-                        first = False
-                        if r.status_code == 200:
-                            res.ttft_ms.append((time.perf_counter() - start) * 1e3)
-                        else:
-                            res.errors += 1
-        except httpx.HTTPError:
-            res.errors += 1
+        await stream_ttft(client, "/v1/chat/completions", body, res)
 
     async def conversation(conv: Conversation) -> None:
         await asyncio.sleep(max(0.0, t0 + conv.start - time.perf_counter()))
