@@ -423,6 +423,17 @@ class ChatResult(Result):
     events_share: float = float("nan")  # precise: choices made from events (not the guess)
 
 
+def _setting(kv: str) -> tuple[str, object]:
+    """KEY=VALUE from --proxy-set: a ProxyConfig field and a number (or text)."""
+    key, _, raw = kv.partition("=")
+    for kind in (int, float):
+        try:
+            return key, kind(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
 async def run_chat(policy: str, nproxies: int, trace: ChatTrace, tok: PromptTokenizer,
                    args: argparse.Namespace) -> ChatResult:  # fmt: skip
     """A fresh set of instances (static, each with its publisher) and `nproxies` fresh
@@ -436,7 +447,8 @@ async def run_chat(policy: str, nproxies: int, trace: ChatTrace, tok: PromptToke
             await f.start()
         cfg = dict(prefill=tuple(p.spec for p in ps), decode=(f"http://{d.http_address},kv={d.zmq_address}",),
                    prefill_policy=policy, decode_policy="round_robin", tokenizer=str(args.tokenizer),
-                   health_interval=0.2, cache_aware_capacity_tokens=args.p_cache_tokens)  # fmt: skip
+                   health_interval=0.2, cache_aware_capacity_tokens=args.p_cache_tokens,
+                   **dict(_setting(kv) for kv in args.proxy_set))  # fmt: skip
         async with contextlib.AsyncExitStack() as stack:
             pxs = [await stack.enter_async_context(running_proxy(**cfg)) for _ in range(nproxies)]
             await wait_until(lambda: all(len(px.registry.live("P")) == args.prefills and px.registry.live("D")
@@ -594,6 +606,8 @@ def main() -> int:
     chat = ap.add_argument_group("chat trace (--chat; --systems, --system-tokens, --user-tokens, --zipf and the "
                                  "P model apply too; --requests and --rate do not)")  # fmt: skip
     chat.add_argument("--chat", action="store_true", help="multi-turn chat trace, 1 and 2 proxies")
+    chat.add_argument("--proxy-set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a proxy setting for every run, e.g. cache_aware_balance_abs=4 (repeatable)")
     chat.add_argument("--conversations", type=int, default=120)
     chat.add_argument("--turns", type=int, default=5)
     chat.add_argument("--answer-tokens", type=int, default=120, help="assistant answer in the next turn")
