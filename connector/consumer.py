@@ -198,10 +198,10 @@ class Consumer:
                 return "layer names differ between prefill and decode"
             if h.get("num_tokens") != spec.prompt_tokens:
                 return f"payload is for a {h.get('num_tokens')}-token prompt, this request has {spec.prompt_tokens}"
-            nb = int(h.get("num_blocks", 0))
-            bad = _skip_mismatch(h, spec, nb, last)
+            bad = _skip_mismatch(h, spec, last)
             if bad:
                 return bad
+            nb = int(h["num_blocks"]) - int(h.get("first_block", 0))  # blocks in the tensors
             if h.get("runs") != [nb] or len(p.tensors) != len(self._layer_names):
                 return "piece tensor count does not match its header"
             shape = list(self._layout.block_shape)
@@ -243,12 +243,13 @@ class Consumer:
         if per_layer == 0 or len(payload.tensors) != per_layer * len(self._layer_names):
             return "payload tensor count does not match its header"
         last = spec.first_block + len(spec.dst_block_ids)
-        bad = _skip_mismatch(h, spec, int(h.get("num_blocks", 0)), last)
+        bad = _skip_mismatch(h, spec, last)
         if bad:
             return bad
-        start = spec.first_block - int(h.get("first_block", 0))
+        first = int(h.get("first_block", 0))
+        start = spec.first_block - first
         # Check every tensor before writing any, so a bad payload leaves the cache untouched.
-        if sum(runs) != h.get("num_blocks"):
+        if sum(runs) != int(h["num_blocks"]) - first:
             return "payload runs do not add up to num_blocks"
         for t, n in zip(payload.tensors, runs * len(self._layer_names)):
             dtype = str(t.dtype).removeprefix("torch.")
@@ -342,17 +343,17 @@ class Consumer:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _skip_mismatch(h: dict, spec: LoadSpec, shipped: int, last: int) -> str | None:
-    """Why a payload holding prompt blocks [first_block, first_block + shipped) cannot fill
-    this load's blocks [spec.first_block, last), or None. P skips the blocks the proxy says
-    D holds; when D's own prefix hit is shorter (evicted since), the gap is D's to
-    recompute: the load fails and vLLM's kv_load_failure_policy decides."""
-    first = h.get("first_block", 0)
-    if type(first) is not int or first < 0:
-        return f"malformed payload: first_block={first!r}"
+def _skip_mismatch(h: dict, spec: LoadSpec, last: int) -> str | None:
+    """Why a payload holding prompt blocks [first_block, num_blocks) cannot fill this load's
+    blocks [spec.first_block, last), or None. P skips the blocks the proxy says D holds;
+    when D's own prefix hit is shorter (evicted since), the gap is D's to recompute: the
+    load fails and vLLM's kv_load_failure_policy decides."""
+    first, end = h.get("first_block", 0), h.get("num_blocks", 0)
+    if type(first) is not int or type(end) is not int or not 0 <= first <= end:
+        return f"malformed payload: first_block={first!r} num_blocks={end!r}"
     if first > spec.first_block:
         return (f"peer skipped prompt blocks {spec.first_block}..{first - 1} (the proxy said this instance "
                 "held them; it no longer does)")
-    if first + shipped < last:
-        return f"peer sent blocks {first}..{first + shipped - 1}, need up to {last - 1}"
+    if end < last:
+        return f"peer sent blocks {first}..{end - 1}, need up to {last - 1}"
     return None

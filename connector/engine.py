@@ -322,8 +322,12 @@ class KVEngine:
             "op": "put",
             "key": spec.transfer_key,
             "num_tokens": spec.num_tokens,
-            "num_blocks": len(spec.block_ids),
-            "first_block": spec.first_block,  # the prompt block the payload starts with
+            # The prompt blocks the payload covers, from 0: the tensors hold the last
+            # num_blocks - first_block of them. A consumer that predates first_block sees
+            # runs that do not add up to num_blocks and refuses the payload, never
+            # misplaces it.
+            "num_blocks": spec.first_block + len(spec.block_ids),
+            "first_block": spec.first_block,
             "layers": self._layer_names,
             "runs": run_lens or [],
             **self._layout.describe(),

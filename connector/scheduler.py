@@ -42,6 +42,8 @@ SIBLING_GRACE_S = 1.0
 # names the KV in flight (without kv_secret, whoever knows it can feed or fail that
 # transfer), so it is only reported to a request whose kv_transfer_params ask for it.
 REPORT_KEY_PARAM = "xpyd_report_transfer_key"
+
+
 def _skip_tokens(request: "Request") -> int:
     """xpyd_skip_tokens, set by the proxy: P ships only the blocks after them. D checks what
     arrives and recomputes what it lacks (a payload that starts after D's own prefix hit is

@@ -260,6 +260,10 @@ def test_skipped_leading_blocks(engines, send_type, skip, d_first, ok):
     else:
         assert res.failed_recving == {"D-req"}
         assert_untouched(cons, before)
+    # A consumer from before first_block existed checks that the runs add up to num_blocks:
+    # a skipped payload fails that check (it is refused, never placed at the wrong blocks).
+    header, _ = prod._payload(dataclasses.replace(spec, first_block=skip), copy=False)
+    assert sum(header["runs"]) == len(SRC_IDS) - skip != header["num_blocks"] == len(SRC_IDS)
     # Only the shipped blocks went over the wire (headers add a few hundred bytes).
     block = sum(c[0].numel() * c.element_size() for c in prod.caches.values())
     wait_for(lambda: cons.xfer_stats.peek().nbytes("received") > 0)
