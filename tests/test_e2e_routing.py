@@ -170,7 +170,9 @@ class _Front:
             cfg.write_text(render_servers("routing", [(p.name, cluster.HOST, p.port) for p in proxies],
                                           (cluster.HOST, port), (cluster.HOST, any_free_port(cluster.HOST))))
             self.lb = Balancer(cfg, log_dir, f"http://{cluster.HOST}:{port}")
-            assert poll(lambda: self._ready(), timeout=30), self.lb.log.read_text()[-2000:]
+            if not poll(lambda: self._ready(), timeout=30):
+                self.lb.stop()
+                raise AssertionError(f"haproxy never answered /ready: {self.lb.log.read_text()[-2000:]}")
 
     def _ready(self) -> bool:
         try:
@@ -183,12 +185,6 @@ class _Front:
             return self.lb.url
         self._i += 1
         return self.proxies[self._i % 2].url
-
-    def stop(self) -> None:
-        if self.lb is not None:
-            self.lb.stop()
-        for p in self.proxies:
-            p.stop()
 
 
 def _kv_sent(ps: list[cluster.Server]) -> tuple[float, float]:
@@ -214,10 +210,13 @@ def _chat_run(servers, tokenizer, policy: str, seed: int) -> dict:
     convs = [[{"role": "system", "content": system},
               {"role": "user", "content": make_prompt(tokenizer, 2 * BLOCK + 10 * c, seed + 1 + c)}]
              for c in range(CONVERSATIONS)]  # fmt: skip
-    proxies = [_proxy(d, log_dir, policy, policy, name=f"proxy{i}") for i, d in enumerate(discs)]
-    front = _Front(proxies, log_dir / f"{policy}-lb")
+    proxies: list[cluster.Server] = []
+    front: _Front | None = None
     turns: list[list[dict]] = [[] for _ in range(CONVERSATIONS)]
     try:
+        for i, d in enumerate(discs):
+            proxies.append(_proxy(d, log_dir, policy, policy, name=f"proxy{i}"))
+        front = _Front(proxies, log_dir / f"{policy}-lb")
         hits0, queries0 = _counters(ps)
         for turn in range(CHAT_TURNS):
             for c, messages in enumerate(convs):
@@ -248,8 +247,11 @@ def _chat_run(servers, tokenizer, policy: str, seed: int) -> dict:
         if front.lb is not None:
             served = {p.name: sum(1 for r in front.lb.requests() if r[0] == p.name) for p in proxies}
         return {"hit_rate": (hits - hits0) / max(1.0, queries - queries0), "turns": turns, "via": served}
-    finally:
-        front.stop()
+    finally:  # whatever was started, also when a start failed halfway
+        if front is not None and front.lb is not None:
+            front.lb.stop()
+        for p in proxies:
+            p.stop()
 
 
 def test_precise_keeps_each_conversation_where_its_history_is_over_two_proxies(servers, tokenizer):
