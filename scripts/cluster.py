@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -77,23 +78,62 @@ class Server:
         self.proc.wait(timeout=10)
 
 
-def free_port() -> int:
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+class _PortPicker:
+    """Free loopback ports outside the kernel's ephemeral range.
+
+    A server is often started minutes after its port is picked (a proxy whose instances are
+    already heartbeating to it). A port from bind(0) is an ephemeral one: in that window the
+    kernel may hand it to anyone else's bind(0) (vLLM's get_open_port, gloo's store) or use it
+    as the source of an outgoing connection, and the late bind fails with EADDRINUSE (seen in
+    CI). Ports outside the range are never handed out that way. Ports given once in this
+    process are not given again."""
+
+    def __init__(self) -> None:
+        low, high = _ephemeral_range()
+        # Below the range when there is room (Linux's default 32768-60999), else above it.
+        self._span = (10000, low - 2) if low - 2 - 10000 >= 2000 else (high + 1, 65533)
+        self._given: set[int] = set()
+        self._rng = random.Random(os.getpid() ^ time.monotonic_ns())
+
+    def pick(self, width: int = 1) -> int:
+        """A port p with p..p+width-1 all free."""
+        for _ in range(500):
+            p = self._rng.randint(*self._span)
+            ports = range(p, p + width)
+            if any(q in self._given for q in ports) or not all(_can_bind(q) for q in ports):
+                continue
+            self._given.update(ports)
+            return p
+        raise RuntimeError(f"no free port in {self._span}")
+
+
+def _can_bind(port: int) -> bool:
     with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+_PORTS = _PortPicker()  # test/benchmark helper state: which ports this process handed out
+
+
+def free_port() -> int:
+    return _PORTS.pick()
 
 
 def free_port_pair() -> int:
     """A free port p with p+1 free too (kv_port + rank for two ranks)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind((HOST, p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
+    return _PORTS.pick(2)
 
 
 def kv_transfer_config(
