@@ -83,6 +83,9 @@ class Send:
     # started: its blocks are about to be reused, so it must never start).
     state: str = "queued"
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # When the forward pass that wrote the blocks ended (save): a send's log line counts from
+    # here, so its total is the KV arrival lag (forward end -> D acknowledged every byte).
+    created: float = field(default_factory=time.monotonic)
 
     def claim(self) -> bool:
         """Peer thread: move queued -> sending; False if it was cancelled."""
@@ -379,12 +382,13 @@ class PeerSender:
             return  # cancelled by a preemption before it started
         spec = send.spec
         deadline = time.monotonic() + self._cfg.send_timeout_s
-        t0 = time.monotonic()
+        t0 = send.created
         pending: list[str] | None = None  # decode ranks not served yet (None: before first contact)
         phases = SendPhases()
         try:
+            t = phases.add("queue", t0)
             why, refused = self._first_contact(deadline)
-            phases.add("contact", t0)
+            phases.add("contact", t)
             if why is not None:
                 logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                                spec.req_id, spec.transfer_key, self.peer, why)

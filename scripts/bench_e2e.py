@@ -57,6 +57,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -138,6 +139,7 @@ class StreamResult:
     prompt_tokens: int = 0
     headers: dict = field(default_factory=dict)
     error: str | None = None
+    decode: dict[str, float] | None = None  # D's own timings of this request (DecodeProbe)
 
     @property
     def ttft(self) -> float:
@@ -348,6 +350,61 @@ class Setup:
     url: str
 
 
+# D's per-request histograms (vLLM's frontend and engine timestamps, v1/metrics/stats.py):
+# ttft = frontend arrival (after the API server parsed and tokenised) -> first token;
+# queue = engine arrival -> first scheduled (a request waiting for remote KV is scheduled only
+# once its load finished); prefill = scheduled -> first token (D's 1-token step).
+DECODE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                     "prefill": "vllm:request_prefill_time_seconds"}
+
+
+class DecodeProbe:
+    """Where D's share of one disaggregated request goes, from D's own /metrics (sum and
+    count of each histogram before and after the request: one request in flight at a time),
+    the connector's 'kv loaded ... wait_ms' line D logged for it and the 'kv sent ... ms'
+    line P logged for it (P's forward end -> D acknowledged the last byte: the KV arrival lag)."""
+
+    def __init__(self, url: str, log_path: Path, prefill_log: Path) -> None:
+        self.url = url
+        self.log_path = log_path
+        self.prefill_log = prefill_log
+
+    async def _histograms(self, client) -> dict[str, tuple[float, float]]:
+        text = (await client.get(self.url + "/metrics", timeout=10)).text
+        out = {k: [0.0, 0.0] for k in DECODE_HISTOGRAMS}
+        for line in text.splitlines():
+            for key, name in DECODE_HISTOGRAMS.items():
+                for i, suffix in enumerate(("_sum", "_count")):
+                    if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                        out[key][i] += float(line.rsplit(" ", 1)[1])
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    async def before(self, client) -> tuple[dict[str, tuple[float, float]], int, int]:
+        return await self._histograms(client), self.log_path.stat().st_size, self.prefill_log.stat().st_size
+
+    async def after(self, client, mark: tuple[dict[str, tuple[float, float]], int, int]) -> dict[str, float] | None:
+        """D's timings (ms) of the one request since `mark`; None if D did not count exactly one."""
+        h0, offset, p_offset = mark
+        for _ in range(20):  # the frontend records a request's stats right after its last output
+            h1 = await self._histograms(client)
+            counts = {h1[k][1] - h0[k][1] for k in DECODE_HISTOGRAMS}
+            if counts == {1}:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            return None
+        out = {k: (h1[k][0] - h0[k][0]) * 1000 for k in DECODE_HISTOGRAMS}
+        with self.log_path.open("rb") as f:
+            f.seek(offset)
+            waits = kv_waits(f.read().decode(errors="replace"))
+        out["kv_wait"] = waits[0] if len(waits) == 1 else math.nan
+        with self.prefill_log.open("rb") as f:
+            f.seek(p_offset)
+            lags = [float(m) for m in re.findall(r"kv sent(?: slowly)? req=.* ms=([0-9.]+) ", f.read().decode(errors="replace"))]
+        out["arrival_lag"] = lags[0] if len(lags) == 1 else math.nan
+        return out
+
+
 async def warmup(client, setups: list[Setup], prompts: Prompts, args) -> dict[str, float]:
     """First passes of new shapes are slow (oneDNN primitives, AMX init): run each shape
     the bench uses on every setup once, plus a short mixed load. Returns each setup's
@@ -377,7 +434,7 @@ async def warmup(client, setups: list[Setup], prompts: Prompts, args) -> dict[st
 
 
 async def measure_ttft(client, setups: list[Setup], prompts: Prompts, args, ref: Setup,
-                       shared: list[Setup]) -> dict:
+                       shared: list[Setup], probe: DecodeProbe | None = None) -> dict:
     out: dict = {s.name: [] for s in setups + shared + [ref]}
     everyone = setups + shared
     for i in range(args.ttft_n):
@@ -388,9 +445,13 @@ async def measure_ttft(client, setups: list[Setup], prompts: Prompts, args, ref:
         # disaggregated one get their own prompts: a repeated prompt would hit P's cache.
         plan = [(s, prompts.make(args.ttft_tokens) if s in shared else prompt) for s in order]
         for s, p in plan + [(ref, prompts.make(args.ttft_tokens))]:
+            probed = probe is not None and s.name.startswith("disagg")
+            mark = await probe.before(client) if probed else None
             r = await stream_one(client, s.url, p, args.ttft_max_tokens, 300)
             if r.error:
                 raise RuntimeError(f"TTFT request to {s.name} failed: {r.error}")
+            if probed:
+                r.decode = await probe.after(client, mark)
             out[s.name].append(r)
             await asyncio.sleep(args.pause)
     return out
@@ -467,7 +528,7 @@ async def measure_short(client, colo: Setup, group: list[Setup], bg_url: str, pr
 
 
 async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: Prompts,
-                ttft_only: list[Setup], short_group: list[Setup]) -> dict:
+                ttft_only: list[Setup], short_group: list[Setup], probe: DecodeProbe | None = None) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
@@ -484,7 +545,7 @@ async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: 
             if r.error:
                 raise RuntimeError(f"warm-up on {s.name} failed: {r.error}")
         t0 = time.monotonic()
-        ttft = await measure_ttft(client, setups, prompts, args, p_ref, ttft_only)
+        ttft = await measure_ttft(client, setups, prompts, args, p_ref, ttft_only, probe)
         print(f"  TTFT done ({time.monotonic() - t0:.0f}s)", flush=True)
         t0 = time.monotonic()
         victims: dict[tuple[str, bool], list[tuple[StreamResult, Background | None]]] = {}
@@ -517,6 +578,31 @@ def kv_waits(decode_log: str) -> list[float]:
                 out.append(float(line.rsplit("wait_ms=", 1)[1].split()[0]))
             except (ValueError, IndexError):
                 pass
+    return out
+
+
+def d_share_parts(results: list[StreamResult]) -> dict[str, float] | None:
+    """Medians (ms) of D's share split per request: outside vLLM's clock (proxy -> D HTTP,
+    parsing, tokenisation, relay of the first chunk; only when D got the request after P
+    answered), vLLM's frontend <-> engine hand-offs, the engine queue = the connector's KV
+    wait + the engine steps around the load, D's 1-token step, and the KV arrival lag.
+    Medians of the parts do not add up exactly to the median of the whole."""
+    rows = []
+    for r in results:
+        d = r.decode
+        if d is None or "x-xpyd-decode-ttfb-ms" not in r.headers:
+            continue
+        share = float(r.headers["x-xpyd-decode-ttfb-ms"])
+        rows.append({"d_share": share, "outside_vllm": share - d["ttft"] if d["ttft"] <= share else math.nan,
+                     "frontend_engine": d["ttft"] - d["queue"] - d["prefill"], "engine_queue": d["queue"],
+                     "kv_wait": d["kv_wait"], "load_steps": d["queue"] - d["kv_wait"],
+                     "one_token_step": d["prefill"], "kv_arrival_lag": d["arrival_lag"]})
+    if not rows:
+        return None
+    out: dict[str, float] = {"n": len(rows)}
+    for k in rows[0]:
+        xs = [x[k] for x in rows if not math.isnan(x[k])]
+        out[k] = statistics.median(xs) if xs else math.nan
     return out
 
 
@@ -586,6 +672,17 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                          f"{total - q - pre - dttfb:.1f} ms")
         except (KeyError, ValueError, statistics.StatisticsError):
             lines.append(f"  {name}: no proxy timing headers")
+        parts = d_share_parts(tt[name])
+        if parts:
+            outside = (f"{parts['outside_vllm']:.1f}" if not math.isnan(parts["outside_vllm"])
+                       else "n/a (D had the request before P answered)")
+            lines.append(f"    D's share {parts['d_share']:.1f} ms split (D's /metrics + both connector logs, medians of "
+                         f"{parts['n']}): outside vLLM's clock (HTTP, parse, tokenise, relay) {outside}; "
+                         f"frontend<->engine {parts['frontend_engine']:.1f}; engine queue "
+                         f"{parts['engine_queue']:.1f} = the connector's KV wait {parts['kv_wait']:.1f} + engine "
+                         f"steps around the load {parts['load_steps']:.1f}; D's 1-token step "
+                         f"{parts['one_token_step']:.1f}. KV arrival lag (P's forward end -> D acknowledged the "
+                         f"last byte) {parts['kv_arrival_lag']:.1f}")
     if ab:
         a, b = (statistics.median(r.ttft for r in tt[k]) for k in (dis, ab))
         da, db = (statistics.median(float(r.headers.get("x-xpyd-decode-ttfb-ms", "nan")) for r in tt[k])
@@ -653,6 +750,7 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
         "ttft_1k_ms": {"colocated": med(r.ttft for r in tt[colo]) * 1000,
                        "disaggregated": med(r.ttft for r in tt[dis]) * 1000},
         "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[dis]),
+        "d_share_parts_ms": d_share_parts(tt[dis]),
         "ttft_tokens": sorted({r.prompt_tokens for r in tt[dis]}),
         "defaults": {"dispatch": args.dispatch_default, "local_prefill_threshold": args.threshold_default},
     }
@@ -677,7 +775,8 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
         out["dispatch_ab"] = {
             args.dispatch_default: {"ttft_ms": out["ttft_1k_ms"]["disaggregated"], "d_share_ms": out["d_share_ms"]},
             ab.removeprefix("disagg-"): {"ttft_ms": med(r.ttft for r in tt[ab]) * 1000,
-                                         "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[ab])}}
+                                         "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[ab]),
+                                         "d_share_parts_ms": d_share_parts(tt[ab])}}
     return out
 
 
@@ -820,7 +919,8 @@ def main() -> int:
         extra = [Setup(n, by_name[f"proxy-{n}"]) for n in others if n.startswith("disagg-")]
         short_group = ([setups[-1], Setup(ALWAYS_P, by_name[f"proxy-{ALWAYS_P}"]),
                         Setup(ALWAYS_LOCAL, by_name[f"proxy-{ALWAYS_LOCAL}"])] if args.short_lengths else [])
-        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts, extra, short_group))
+        probe = DecodeProbe(decode.url, decode.log_path, prefill.log_path)
+        res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts, extra, short_group, probe))
         cpu_line = meter.report()
         notes = facts + [
             f"model {model.name}: Llama, hidden {mcfg['hidden_size']}, {mcfg['num_hidden_layers']} layers, "

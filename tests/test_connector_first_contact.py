@@ -4,6 +4,8 @@ its own that a loaded box's ordinary stall outlasts."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
 from test_connector_engine import (SRC_IDS, assert_loaded, load_spec, plan_load, poll_until, rank0, save_spec,
@@ -119,3 +121,41 @@ def test_worker_prepares_contacts_from_the_metadata(engines):
     worker.engine = prod
     worker.prepare(P2pConnectorMetadata(contacts=[rank0(cons)]))
     wait_for(lambda: prod.producer.peer(rank0(cons)).contacted)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_sends_log_line_counts_from_the_forward_end_including_its_wait_in_the_queue(engines):
+    """The 'kv sent ... ms=' figure is the KV arrival lag (forward end -> D acknowledged the
+    last byte): a send queued behind another one's slow first contact says so."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    slow = SlowHello(rank0(cons), delay_s=0.5)
+    lines = _Lines()
+    log = logging.getLogger("vllm.xpyd.connector.producer")
+    log.addHandler(lines)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        prod.save(save_spec(prod, slow.address, req_id="first", key="k-first", block_ids=SRC_IDS[:2]))
+        prod.save(save_spec(prod, slow.address, req_id="second", key="k-second", block_ids=SRC_IDS[2:]))
+        wait_for(lambda: sum("kv sent" in ln for ln in lines.lines) == 2)
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+        slow.close()
+    sent = {re.search(r"req=(\S+)", ln).group(1): ln for ln in lines.lines if "kv sent" in ln}
+    phases = {rid: dict((k, float(v)) for k, v in re.findall(r"(\w+):([0-9.]+)", ln.split("phases_ms=")[1]))
+              for rid, ln in sent.items()}
+    total = {rid: float(re.search(r" ms=([0-9.]+)", ln).group(1)) for rid, ln in sent.items()}
+    assert phases["first"]["contact"] >= 400 and phases["first"]["queue"] < 100, sent["first"]
+    # The second waited in the queue while the first made contact; its total includes that.
+    assert phases["second"]["queue"] >= 300 and phases["second"]["contact"] < 50, sent["second"]
+    assert total["second"] >= phases["second"]["queue"] + phases["second"]["put"], sent["second"]
