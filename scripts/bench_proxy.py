@@ -275,7 +275,10 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
     proxy = spawn([py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
                    "--discovery-host", "127.0.0.1", "--discovery-port", str(disc),
                    "--log-level", "warning", "--upstream-client", client, "--loop", loop,
-                   "--http", http, *(a for f in flags for a in extra[f])])  # fmt: skip
+                   "--http", http,
+                   # Every request P then D, as vllm-router does: the short prompts here would
+                   # otherwise go to D alone (the shipped local_prefill_threshold).
+                   "--local-prefill-threshold", "0", *(a for f in flags for a in extra[f])])  # fmt: skip
     return Setup(variant, d_port, d_proc, proxy_port, proxy)
 
 
