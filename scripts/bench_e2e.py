@@ -36,8 +36,14 @@ mode. Short prompts (--short-lengths, default 64 tokens; --short-sweep for 16..5
 measured idle and while long prompts arrive, colocated vs the default proxy vs proxies
 that always disaggregate (threshold 0) or always prefill on D (--local-prefill-threshold
 huge). --json FILE writes the medians: ttft_1k_ms {colocated, disaggregated},
-ttft_short_ms {colocated, disaggregated, tokens}, d_share_ms, itl_p99_*_ms, the shipped
-defaults, the machine and the command.
+ttft_short_ms {colocated, disaggregated, tokens}, d_share_ms, d_share_parts_ms, itl_p99_*_ms,
+the shipped defaults, the machine and the command.
+
+D's share of each disaggregated TTFT request (P's answer -> D's first byte) is split from D's
+own /metrics histograms and both connector logs, read around the request (one in flight at a
+time): outside vLLM's clock, frontend <-> engine, the connector's KV wait, the engine steps
+around the load, D's 1-token step, and the KV arrival lag (P's forward end -> D acknowledged
+the last byte, from P's 'kv sent ... ms=' line).
 
 --model bench (default) generates `.models/bench-llama-h768-l4` (Llama, hidden 768, 4
 layers, 12 heads / 4 KV heads, ~25M parameters, the tiny model's tokenizer) with
@@ -783,7 +789,7 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--quick", action="store_true", help="fewer samples (TTFT n=8, 2 shorter victims)")
+    ap.add_argument("--quick", action="store_true", help="fewer samples (TTFT n<=8, <=2 shorter victims)")
     ap.add_argument("--model", choices=("bench", "tiny"), default="bench")
     ap.add_argument("--ttft-n", type=int, default=16, help="TTFT prompts per setup")
     ap.add_argument("--ttft-tokens", type=int, default=1024)
@@ -824,7 +830,7 @@ def main() -> int:
     if args.victim_tokens is None:
         args.victim_tokens = (1024 if args.model == "tiny" else 256) // (2 if args.quick else 1)
     if args.quick:
-        args.ttft_n, args.victims = 8, 2
+        args.ttft_n, args.victims = min(args.ttft_n, 8), min(args.victims, 2)  # an explicit smaller count stands
     args.short_lengths = ([16, 32, 64, 128, 256, 512] if args.short_sweep
                           else [int(x) for x in args.short_lengths.split(",") if x.strip()])
     from proxy.config import ProxyConfig  # the shipped defaults, as the main proxy runs them
