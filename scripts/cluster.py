@@ -108,17 +108,18 @@ class _PortPicker:
         for _ in range(500):
             p = self._rng.randint(*self._span)
             ports = range(p, p + width)
-            if any(q in self._given for q in ports) or not all(_can_bind(q) for q in ports):
+            if any(q in self._given for q in ports) or not all(port_free(HOST, q) for q in ports):
                 continue
             self._given.update(ports)
             return p
         raise RuntimeError(f"no free port in {self._span}")
 
 
-def _can_bind(port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound right now."""
     with socket.socket() as s:
         try:
-            s.bind((HOST, port))
+            s.bind((host, port))
         except OSError:
             return False
     return True

@@ -30,15 +30,6 @@ HAPROXY = _find_haproxy()
 SKIP_REASON = "haproxy is not installed (scripts/setup_system.sh installs it: apt-get install haproxy)"
 
 
-def is_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def any_free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,19 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from cluster import port_free  # noqa: E402  (scripts/cluster.py)
 from topology import Topology  # noqa: E402  (scripts/topology.py)
 
 READY_LINE = "running; Ctrl-C or SIGTERM stops everything"
-
-
-def _ports_free(host: str, ports: list[int]) -> bool:
-    for p in ports:
-        with socket.socket() as s:
-            try:
-                s.bind((host, p))
-            except OSError:
-                return False
-    return True
 
 
 def free_port_offset(topo: Topology, start: int = 1000, step: int = 97, tries: int = 60) -> int:
@@ -44,7 +34,7 @@ def free_port_offset(topo: Topology, start: int = 1000, step: int = 97, tries: i
             by_host.setdefault(p.host, []).extend([p.port, p.discovery_port])
         for i in t.instances:
             by_host.setdefault(i.host, []).extend([i.port, *i.kv_ports, *i.events_ports])
-        if all(_ports_free(h, ps) for h, ps in by_host.items()):
+        if all(port_free(h, p) for h, ps in by_host.items() for p in ps):
             return off
     raise RuntimeError("no free port offset")
 

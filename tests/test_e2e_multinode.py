@@ -23,10 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 from e2e_client import MODEL_DIR, metric, poll
-from haproxy_helpers import HAPROXY, SKIP_REASON, Balancer, any_free_port, is_free
+from haproxy_helpers import HAPROXY, SKIP_REASON, Balancer, any_free_port
 from launcher_helpers import READY_LINE, ROOT, LauncherRun, free_port_offset, in_groups
 
 sys.path.insert(0, str(ROOT / "scripts"))
+from cluster import port_free  # noqa: E402  (scripts/cluster.py)
 from haproxy_cfg import LB_HOST, render  # noqa: E402  (scripts/haproxy_cfg.py)
 from topology import load_topology  # noqa: E402  (scripts/topology.py)
 
@@ -42,7 +43,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory):
     topo = base.with_port_offset(offset)
     log_dir = Path(tmp_path_factory.mktemp("multinode"))
     lb_port = topo.proxies[0].port
-    assert is_free(LB_HOST, lb_port), f"{LB_HOST}:{lb_port} is taken"
+    assert port_free(LB_HOST, lb_port), f"{LB_HOST}:{lb_port} is taken"
     stats_port = any_free_port(LB_HOST)
     cfg = log_dir / "haproxy.cfg"
     cfg.write_text(render(topo, listen=(LB_HOST, lb_port), stats=(LB_HOST, stats_port)))
