@@ -86,6 +86,10 @@ def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer
     assert re.search(rf"kv loaded req=\S+ transfer={key} tokens={n - 1} ", log), "no load line in D's log"
 
 
+SENT_LINE = re.compile(r"kv sent(?: slowly)? req=")
+LOADED_LINE = re.compile(r"kv loaded req=")
+
+
 def test_connector_metrics_on_vllm_metrics_endpoint(sys_: E2ECluster, tokenizer):
     """The connector's series on vLLM's own /metrics (connector stats interface):
     one transfer is one send on P and one load on D, the same KV bytes on both
@@ -105,6 +109,14 @@ def test_connector_metrics_on_vllm_metrics_endpoint(sys_: E2ECluster, tokenizer)
                 "waits": metric(d, "vllm:xpyd_kv_load_wait_seconds_count"),
                 "failed": metric(p, "vllm:xpyd_kv_failures_total") + metric(d, "vllm:xpyd_kv_failures_total")}
 
+    def settled() -> bool:
+        # P counts a send when D acknowledges its last byte, which can come after D's answer
+        # reached the client: wait until every send and load the logs show is in /metrics, so an
+        # earlier test's transfer is not counted as this one's.
+        return (metric(p, "vllm:xpyd_kv_transfers_total", sent_ok) == len(SENT_LINE.findall(sys_.prefill.log()))
+                and metric(d, "vllm:xpyd_kv_transfers_total", load_ok) == len(LOADED_LINE.findall(sys_.decode.log())))
+
+    assert poll(settled, timeout=20), "P's or D's /metrics never caught up with the transfers in its log"
     before = snap()
     prompt = make_prompt(tokenizer, 2 * BLOCK + 10, seed=4343)
     _, data = generate(sys_.proxy.url, "completions", body_for("completions", prompt, False))
