@@ -163,6 +163,10 @@ class ConnectorConfig:
     # Where vLLM publishes this instance's KV events (from --kv-events-config), advertised to
     # the proxy in the heartbeat; None: events off or not reachable over tcp.
     kv_events: EventsEndpoint | None = None
+    # D: when a prompt's KV is already here as the scheduler plans its load, load it
+    # synchronously (before the forward pass of the step that schedules the request) instead
+    # of one engine step later; False: always asynchronously.
+    sync_load: bool = True
 
     @property
     def is_producer(self) -> bool:
@@ -171,6 +175,11 @@ class ConnectorConfig:
     @property
     def is_consumer(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
+
+    @property
+    def loads_sync(self) -> bool:
+        """D may load synchronously (KV already here); GET pulls only once a load is planned."""
+        return self.is_consumer and self.sync_load and self.send_type != "GET"
 
     @property
     def advertised_address(self) -> str:
@@ -214,6 +223,7 @@ class ConnectorConfig:
             mem_pool_size_gb=_pool_gb(extra, role),
             proxy_resolve_interval_s=_positive_seconds(extra, "proxy_resolve_interval_s", 10.0),
             kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
+            sync_load=_flag(extra.get("sync_load", True)),
         )
 
 

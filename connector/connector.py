@@ -19,13 +19,24 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connector.config import ConnectorConfig
 from connector.facade import XpydConnectorBase, warn_unless_recompute
 from connector.metadata import P2pConnectorMetadata
-from connector.scheduler import P2pScheduler
+from connector.scheduler import ArrivalProbe, P2pScheduler
 from connector.worker import P2pWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
+
+
+def arrival_probe(cfg: ConnectorConfig, vllm_config: "VllmConfig") -> ArrivalProbe | None:
+    """D's scheduler asks its worker ranks whether a prompt's KV is here (a synchronous
+    load). Their control sockets are at the advertised address + rank for ranks 0..TP-1 only
+    with one data-parallel rank; with more, loads stay asynchronous."""
+    par = vllm_config.parallel_config
+    if not cfg.loads_sync or getattr(par, "data_parallel_size", 1) != 1 \
+            or getattr(par, "pipeline_parallel_size", 1) != 1:
+        return None
+    return ArrivalProbe(cfg, par.tensor_parallel_size)
 
 
 def _worker_rank() -> int:
@@ -48,7 +59,7 @@ class P2pNcclConnector(XpydConnectorBase):
             if cfg.is_consumer:
                 warn_unless_recompute("P2pNcclConnector", vllm_config,
                                       "a KV transfer that fails (P gone, a send timed out, refused or evicted KV)")
-            self._scheduler = P2pScheduler(cfg, vllm_config.cache_config.block_size)
+            self._scheduler = P2pScheduler(cfg, vllm_config.cache_config.block_size, probe=arrival_probe(cfg, vllm_config))
         else:
             self._worker = P2pWorker(cfg, vllm_config, _worker_rank())
 
@@ -73,7 +84,12 @@ class P2pNcclConnector(XpydConnectorBase):
             failed_recving=r.failed_recving,
         )
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.invalid_block_ids()
+
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(set(connector_output.failed_recving or ()),
-                                                connector_output.kv_connector_stats)
+                                                connector_output.kv_connector_stats,
+                                                set(connector_output.invalid_block_ids or ()))

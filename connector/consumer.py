@@ -3,9 +3,12 @@
 A load waits for its transfer's payload in the receive buffer and is applied in
 the worker thread (``poll``, once per step). It fails at once, not at its
 deadline, when the buffer knows the payload will not come (refused for room,
-expired, or given up by P). The ``n`` children of one prompt share one payload:
-it stays in the buffer until the scheduler released its key and the last
-planned load took it.
+expired, or given up by P). When the payload was here already as the scheduler
+planned the load (it asks the control socket, op ``ready``), the load is
+synchronous instead: applied before the forward pass of the step that schedules
+the request (``load_now``), which saves the engine step an asynchronous load waits
+for. The ``n`` children of one prompt share one payload: it stays in the buffer
+until the scheduler released its key and the last planned load took it.
 
 GET mode: D pulls from P on a bounded pool of threads, one fetch per key,
 reserving the payload's size in its own buffer before asking.
@@ -79,6 +82,7 @@ class Consumer:
         self._loads: dict[str, _Load] = {}  # req_id -> pending load, worker thread only
         self._released: set[str] = set()  # keys no further load will be planned for
         self._pieces: dict[str, int] = {}  # key -> pieces announced (heterogeneous TP), worker thread only
+        self._invalid: set[int] = set()  # blocks of failed synchronous loads, worker thread only
         self._stop = threading.Event()
         self._fetches: dict[str, threading.Event] = {}  # GET: key -> cancel
         self._pool: ThreadPoolExecutor | None = None
@@ -255,19 +259,84 @@ class Consumer:
             dtype = str(t.dtype).removeprefix("torch.")
             if dtype != self._layout.dtype or tuple(t.shape) != (n, *self._layout.block_shape):
                 return f"payload tensor {t.dtype}{list(t.shape)} does not match its header"
+        want = len(spec.dst_block_ids)
         for i, name in enumerate(self._layer_names):
-            parts = payload.tensors[i * per_layer:(i + 1) * per_layer]
-            src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=kvlayout.BLOCK_AXIS)
-            src = src.narrow(kvlayout.BLOCK_AXIS, start, len(spec.dst_block_ids))
-            if spec.corrupt_for_test:
-                src = torch.zeros_like(src)
-            kvlayout.scatter(self._caches[name], spec.dst_block_ids, src)
+            # Each run straight into its blocks: joining the runs first would copy every byte twice.
+            off = 0
+            for part in payload.tensors[i * per_layer:(i + 1) * per_layer]:
+                n = part.shape[kvlayout.BLOCK_AXIS]
+                lo, hi = max(start, off), min(start + want, off + n)  # payload blocks this run brings
+                if lo < hi:
+                    src = part.narrow(kvlayout.BLOCK_AXIS, lo - off, hi - lo)
+                    if spec.corrupt_for_test:
+                        src = torch.zeros_like(src)
+                    kvlayout.scatter(self._caches[name], spec.dst_block_ids[lo - start:hi - start], src)
+                off += n
         for t in payload.tensors:
             if t.is_cuda:
                 # Received on the transport's stream, read on this thread's: keep the memory
                 # from being reused before this stream's copy ran.
                 t.record_stream(torch.cuda.current_stream(t.device))
         return None
+
+    def _complete(self, load: _Load, payloads: list[Payload], now: float, how: str = "") -> bool:
+        """Apply a load whose payload is here, count and log it; False if it failed."""
+        rid, key = load.spec.req_id, load.spec.transfer_key
+        try:
+            with ExitStack() as held:  # a TTL drop meanwhile frees a pinned lease only after
+                for p in payloads:
+                    held.enter_context(p.in_use())
+                err = self._apply(load, payloads)
+        except Exception as e:  # noqa: BLE001 - a peer's bad payload must not kill the worker
+            err = f"malformed payload: {type(e).__name__}: {e}"
+        if err:
+            self.stats.failure("load", "invalid")
+            logger.error("kv load failed req=%s transfer=%s error=%s", rid, key, err)
+            return False
+        self.stats.transfer("load", "ok")
+        self.stats.load_wait(now - load.started)
+        logger.info(
+            "kv loaded req=%s transfer=%s tokens=%d blocks=%d wait_ms=%.1f%s%s",
+            rid, key, load.spec.num_tokens, len(load.spec.dst_block_ids), (now - load.started) * 1e3, how,
+            " CORRUPTED(test)" if load.spec.corrupt_for_test else "",
+        )
+        return True
+
+    # ---- synchronous loads: the KV was here when the scheduler planned the load ----
+    def ready(self, key: str) -> bool:
+        """Any thread (the control socket's "ready" op): the whole payload of ``key`` (every
+        piece, for heterogeneous TP) is in the receive buffer. Reads only."""
+        if self._recv.peek(key) is not None:
+            return True
+        first = self._recv.peek(tp.piece_key(key, 0))
+        n = first.header.get("pieces") if first is not None else None
+        if type(n) is not int or not 1 <= n <= 1024:
+            return False
+        return all(self._recv.peek(tp.piece_key(key, i)) is not None for i in range(1, n))
+
+    def load_now(self, spec: LoadSpec) -> bool:
+        """Worker thread, before the step's forward pass: apply a load the scheduler planned as
+        synchronous (it saw the payload here). On failure its blocks are reported through
+        ``take_invalid_blocks`` and vLLM's kv_load_failure_policy decides, as vLLM does for
+        every synchronous load; there is no finished_recving for it either way."""
+        now = time.monotonic()
+        load = _Load(spec, now, now)
+        payloads, why = self._arrived(spec.transfer_key)
+        if payloads is not None and self._complete(load, payloads, now, " sync"):
+            return True
+        if payloads is None:
+            # Gone between the scheduler's check and this step (its TTL, a late abort).
+            self.stats.failure("load", "aborted" if why else "error")
+            logger.error("kv load failed req=%s transfer=%s error=%s", spec.req_id, spec.transfer_key,
+                         why or "the payload the scheduler saw is gone")
+        self._invalid.update(spec.dst_block_ids)
+        return False
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Blocks of synchronous loads that failed since the last call (vLLM's
+        get_block_ids_with_load_errors)."""
+        out, self._invalid = self._invalid, set()
+        return out
 
     def poll(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_recving, failed_recving); called once per step by the worker."""
@@ -285,28 +354,10 @@ class Consumer:
                 continue
             payloads, why = self._arrived(key)
             if payloads is not None:
-                try:
-                    with ExitStack() as held:  # a TTL drop meanwhile frees a pinned lease only after
-                        for p in payloads:
-                            held.enter_context(p.in_use())
-                        err = self._apply(load, payloads)
-                except Exception as e:  # noqa: BLE001 - a peer's bad payload must not kill the worker
-                    err = f"malformed payload: {type(e).__name__}: {e}"
                 del self._loads[rid]
                 done.add(rid)
-                if err:
+                if not self._complete(load, payloads, now):
                     failed.add(rid)
-                    self.stats.failure("load", "invalid")
-                    logger.error("kv load failed req=%s transfer=%s error=%s", rid, key, err)
-                else:
-                    self.stats.transfer("load", "ok")
-                    self.stats.load_wait(now - load.started)
-                    logger.info(
-                        "kv loaded req=%s transfer=%s tokens=%d blocks=%d wait_ms=%.1f%s",
-                        rid, key, load.spec.num_tokens, len(load.spec.dst_block_ids),
-                        (now - load.started) * 1e3,
-                        " CORRUPTED(test)" if load.spec.corrupt_for_test else "",
-                    )
                 continue
             if why is None and now <= load.deadline:
                 continue

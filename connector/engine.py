@@ -10,7 +10,8 @@ Send modes, as upstream P2pNcclConnector defines them:
 
 Control ops served here: ``reserve`` (room for a payload, before its bytes),
 ``put``, ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
-mode), ``ping``, ``stats``. Every wait is bounded: sends by ``send_timeout_s``,
+mode), ``ready`` (is a transfer's KV here: asked by this instance's scheduler), ``ping``,
+``stats``. Every wait is bounded: sends by ``send_timeout_s``,
 loads by ``kv_load_timeout_s``, buffered payloads by ``buffer_ttl_s``.
 
 With ``kv_secret`` set, the socket serves only calls authenticated with a key
@@ -222,6 +223,8 @@ class KVEngine:
             if payload is not None:
                 self.xfer_stats.transfer("send", "ok", payload.nbytes, "sent")
             return {"ok": True}, []
+        if op == "ready":  # this instance's scheduler: is a transfer's KV here (a synchronous load)?
+            return {"ok": True, "ready": isinstance(key, str) and self.consumer.ready(key)}, []
         if op == "ping":
             return {"ok": True, "address": self.address}, []
         if op == "hello":  # first contact: what a sender must match before shipping KV
@@ -353,7 +356,13 @@ class KVEngine:
 
     # ---- consumer (worker thread) ----
     def add_load(self, spec: LoadSpec) -> None:
-        self.consumer.add_load(spec)
+        if spec.sync:
+            self.consumer.load_now(spec)
+        else:
+            self.consumer.add_load(spec)
+
+    def take_invalid_blocks(self) -> set[int]:
+        return self.consumer.take_invalid_blocks()
 
     def release(self, keys: list[str]) -> None:
         self.consumer.release(keys)

@@ -48,6 +48,9 @@ class LoadSpec:
     prompt_tokens: int  # the whole prompt: the payload must say the same
     prompt_blocks: int  # blocks P ships for the whole prompt (sizes a GET reservation)
     corrupt_for_test: bool = False
+    # The payload was in D's receive buffer when the scheduler planned this load: the worker
+    # applies it before this step's forward pass (vLLM's synchronous load), not in a later step.
+    sync: bool = False
 
 
 @dataclass(slots=True)

@@ -21,6 +21,8 @@ from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
 from connector.stats import XpydStats
+from connector.transport import KVAuth, TcpTransport, TransportError
+from connector.transport.auth import RateLimitedLog
 from xpyd_wire.discovery import Load
 
 if TYPE_CHECKING:
@@ -75,10 +77,50 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# The scheduler asks its own workers' control sockets (loopback or this host) whether a
+# transfer's KV is here, on vLLM's scheduling thread: a short bound, then load asynchronously.
+ARRIVAL_PROBE_TIMEOUT_S = 0.05
+
+
+class ArrivalProbe:
+    """Asks this instance's worker ranks (op ``ready``) whether a transfer's whole KV has
+    arrived, so the load can be synchronous. Any doubt (an error, a slow answer) says no:
+    the load is then asynchronous, as it would be without the probe."""
+
+    def __init__(self, cfg: ConnectorConfig, ranks: int) -> None:
+        self._addrs = [request_id.rank_address(cfg.advertised_address, r) for r in range(ranks)]
+        auth = KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None
+        self._transport = TcpTransport(auth=auth, max_idle_per_peer=1)
+        self._log = RateLimitedLog(logger.warning)
+
+    def arrived(self, key: str) -> bool:
+        deadline = time.monotonic() + ARRIVAL_PROBE_TIMEOUT_S
+        for addr in self._addrs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                reply, _ = self._transport.call(addr, {"op": "ready", "key": key}, timeout_s=left)
+            except TransportError as e:
+                self._log("probe", "kv arrival probe of %s failed (loads stay asynchronous): %s", addr, e)
+                return False
+            if reply.get("ready") is not True:
+                return False
+        return True
+
+    def close(self) -> None:
+        self._transport.close()
+
+
 class P2pScheduler:
-    def __init__(self, cfg: ConnectorConfig, block_size: int, start_registrar: bool = True) -> None:
+    def __init__(self, cfg: ConnectorConfig, block_size: int, start_registrar: bool = True,
+                 probe: ArrivalProbe | None = None) -> None:
         self._cfg = cfg
         self._block_size = block_size
+        # Consumer (PUT modes): asks whether a request's KV is here already (a synchronous load);
+        # None: every load is asynchronous. GET pulls the KV only once the load is planned.
+        self._probe = probe if cfg.loads_sync else None
+        self._sync: set[str] = set()  # requests told "synchronous" by the last matched-tokens call
         self._kv_cache_manager: KVCacheManager | None = None
         # Producer: requests whose prompt still has to be sent, sends planned,
         # and which live request owns each key's send (n>1 children on P share it).
@@ -184,18 +226,25 @@ class P2pScheduler:
         n = request.num_tokens - 1 - num_computed_tokens
         if n <= 0:
             return 0, False
+        self._sync.discard(rid)
+        if self._probe is not None and self._probe.arrived(tid.key):
+            # The KV is here: load it in the step that schedules the request, not one later.
+            self._sync.add(rid)
+            return n, False
         return n, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         tid = request_id.parse(request.request_id)
         if tid is None:
             return
+        sync = request.request_id in self._sync
+        self._sync.discard(request.request_id)
         if num_external_tokens > 0:
-            self._plan_load(request, tid, blocks, num_external_tokens)
+            self._plan_load(request, tid, blocks, num_external_tokens, sync)
         self._planned(request.request_id, tid.key)
 
     def _plan_load(self, request: "Request", tid: request_id.TransferId, blocks: "KVCacheBlocks",
-                   num_external_tokens: int) -> None:
+                   num_external_tokens: int, sync: bool = False) -> None:
         block_ids = blocks.get_block_ids()[0]
         local = request.num_tokens - 1 - num_external_tokens  # block-aligned local hit
         first = local // self._block_size
@@ -212,11 +261,13 @@ class P2pScheduler:
             prompt_blocks=_cdiv(request.num_prompt_tokens, self._block_size),
             corrupt_for_test=self._cfg.allow_debug_corruption
             and bool(params.get("xpyd_debug_corrupt_kv", False)),
+            sync=sync,
         )
         self._new_loads.append(spec)
         self._loaded[request.request_id] = spec
-        logger.info("kv load planned req=%s transfer=%s local_hit=%d external=%d blocks=%d",
-                    request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids))
+        logger.info("kv load planned req=%s transfer=%s local_hit=%d external=%d blocks=%d mode=%s",
+                    request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids),
+                    "sync" if sync else "async")
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
         if self._grace:
@@ -278,8 +329,12 @@ class P2pScheduler:
                     self._cfg.send_type)
         return spec
 
-    def update_connector_output(self, failed_recving: set[str], stats: object = None) -> None:
+    def update_connector_output(self, failed_recving: set[str], stats: object = None,
+                                invalid_block_ids: set[int] = frozenset()) -> None:
         self._failed_loads.update(r for r in failed_recving if r in self._loaded)
+        if invalid_block_ids:  # a synchronous load that failed reports its blocks, not its request
+            self._failed_loads.update(r for r, spec in self._loaded.items()
+                                      if spec.sync and not invalid_block_ids.isdisjoint(spec.dst_block_ids))
         if isinstance(stats, XpydStats):
             if stats.has_buffers():
                 self._buffer_usage = stats.buffer_usage()
@@ -291,6 +346,7 @@ class P2pScheduler:
         when the request's kv_transfer_params carry ``xpyd_report_transfer_key: true``)."""
         rid = request.request_id
         self._live.discard(rid)
+        self._sync.discard(rid)  # told "synchronous", then aborted before its blocks came
         self._outgoing.pop(rid, None)  # finished before its prompt completed
         tid = request_id.parse(rid)
         if tid is not None:
@@ -318,3 +374,5 @@ class P2pScheduler:
     def shutdown(self) -> None:
         if self._registrar is not None:
             self._registrar.stop()
+        if self._probe is not None:
+            self._probe.close()

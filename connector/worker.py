@@ -82,6 +82,10 @@ class P2pWorker:
         if meta.release:
             self._engine().release(meta.release)
 
+    def invalid_block_ids(self) -> set[int]:
+        """Blocks of synchronous loads that failed since the last step."""
+        return self.engine.take_invalid_blocks() if self.engine is not None else set()
+
     def wait_for_save(self, meta: P2pConnectorMetadata) -> None:
         for spec in meta.saves:
             self._engine().save(spec)

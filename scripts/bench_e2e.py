@@ -823,6 +823,9 @@ def main() -> int:
     ap.add_argument("--no-omp2", action="store_true",
                     help="skip the second colocated baseline (2 OMP threads on cores 0,1)")
     ap.add_argument("--proxy-cpus", default=None, help="pin the proxy, e.g. 1 (default: unpinned)")
+    ap.add_argument("--no-sync-load", action="store_true",
+                    help="D loads every prompt's KV asynchronously (connector sync_load=false), for an A/B "
+                         "against the default run")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--log-dir", default=None, help="default: a temp dir, removed after a clean run")
     ap.add_argument("--seed", type=int, default=0)
@@ -898,7 +901,8 @@ def main() -> int:
         servers.append(prefill)
         decode = cluster.start_vllm(
             "decode", d_port, cpus="1", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
-            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc, **reg),
+            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc, **reg,
+                                                 **({"sync_load": False} if args.no_sync_load else {})),
             **common)
         servers.append(decode)
         proxy_where = f"cores {args.proxy_cpus}" if args.proxy_cpus else "unpinned"

@@ -49,9 +49,13 @@ class E2ECluster:
     def engine_stats(self, s: cluster.Server, secret: str | None = KV_SECRET) -> dict:
         """Buffer accounting of a server's rank-0 KV engine, over its control socket
         (a call signed with ``secret``; None: unsigned)."""
+        return self.kv_call(s, {"op": "stats"}, secret)
+
+    def kv_call(self, s: cluster.Server, header: dict, secret: str | None = KV_SECRET) -> dict:
+        """One control call to a server's rank-0 KV engine; its reply header."""
         t = TcpTransport(auth=KVAuth.from_secret(secret) if secret else None)
         try:
-            reply, _ = t.call(self.kv_addr(s), {"op": "stats"}, timeout_s=5.0)
+            reply, _ = t.call(self.kv_addr(s), header, timeout_s=5.0)
         finally:
             t.close()
         return reply

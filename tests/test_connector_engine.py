@@ -350,6 +350,126 @@ def test_specs_from_the_real_scheduler(engines):
     assert prod.poll({p_req.request_id}).finished_sending == {p_req.request_id}
 
 
+def _scheduler_pair(prod: KVEngine, cons: KVEngine, probe: bool = True):
+    """vLLM's Request objects for P and D of one transfer, and D's real scheduler half (with
+    its arrival probe asking D's control socket, as the connector builds it)."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from connector.scheduler import ArrivalProbe, P2pScheduler
+
+    xid = f"___prefill_addr_{rank0(prod)}___decode_addr_{rank0(cons)}_{KEY}"
+    d_req = Request(f"cmpl-{xid}-0-bbbbbbbb", list(range(N_PROMPT)), SamplingParams(max_tokens=8), None)
+    ds = P2pScheduler(cons.cfg, TOK, start_registrar=False,
+                      probe=ArrivalProbe(cons.cfg, 1) if probe else None)
+    ds.on_new_request(d_req)
+    return ds, d_req
+
+
+def _admit(ds, d_req, blocks):
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    n, is_async = ds.get_num_new_matched_tokens(d_req, 0)
+    ds.update_state_after_alloc(d_req, KVCacheBlocks(([KVCacheBlock(b) for b in blocks],)), n)
+    (load,) = ds.build_connector_meta(SchedulerOutput.make_empty()).loads
+    return n, is_async, load
+
+
+def test_kv_already_here_is_loaded_synchronously(engines):
+    """D's scheduler asks its worker's control socket whether the KV arrived: not yet, the
+    load is asynchronous; once it is, the load is synchronous and applied at once (before
+    the step's forward pass), with no finished_recving for it."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    dst = (0, 15, 5, 6, 8)
+    ds, early = _scheduler_pair(prod, cons)
+    _, is_async, load = _admit(ds, early, dst)
+    assert is_async and not load.sync  # nothing sent yet
+    ds.shutdown()
+    key = load.transfer_key  # the proxy's uuid and the prompt's index
+
+    dst_before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons), key=key))
+    wait_for(lambda: cons.consumer.ready(key))
+    ds, d_req = _scheduler_pair(prod, cons)
+    try:
+        n, is_async, load = _admit(ds, d_req, dst)
+        assert (n, is_async) == (N_PROMPT - 1, False) and load.sync
+        cons.add_load(load)  # what start_load_kv does with the step's metadata
+        cons.release([key])
+        assert_loaded(cons, dst_before, prod, dst, SRC_IDS)
+        assert cons.take_invalid_blocks() == set()
+        assert cons.poll(set()) == PollResult()  # nothing pending, nothing to report
+        assert cons.xfer_stats.peek().transfers("load", "ok") == 1
+        assert cons.stats() == ZERO  # applied and dropped (its key released)
+        _, params = ds.request_finished(d_req, [])
+        assert params["xpyd"] == {"loaded_tokens": N_PROMPT - 1, "load_failed": False}
+    finally:
+        ds.shutdown()
+
+
+def test_sync_load_whose_kv_is_gone_reports_its_blocks(engines):
+    """A synchronous load that finds no payload (dropped between the scheduler's check and
+    the step) leaves the cache untouched and reports its blocks to vLLM once
+    (get_block_ids_with_load_errors); the request's kv_transfer_params say it failed."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    before = snapshot(cons.caches)
+    spec = dataclasses.replace(load_spec(rank0(prod), (7, 2, 11), 2), sync=True)
+    cons.add_load(spec)
+    assert cons.take_invalid_blocks() == {7, 2, 11}
+    assert cons.take_invalid_blocks() == set()
+    assert_untouched(cons, before)
+    assert cons.xfer_stats.peek().transfers("load", "failed") == 1
+    assert cons.poll(set()) == PollResult()
+
+    ds, d_req = _scheduler_pair(prod, cons, probe=False)
+    ds._sync.add(d_req.request_id)  # as if the probe had said "here" just before it went
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    ds.update_state_after_alloc(d_req, KVCacheBlocks(([KVCacheBlock(b) for b in (0, 15, 5, 6, 8)],)), N_PROMPT - 1)
+    ds.update_connector_output(set(), None, {5})
+    assert ds.request_finished(d_req, [])[1]["xpyd"]["load_failed"] is True
+
+
+def test_sync_load_of_a_payload_that_does_not_fit_reports_its_blocks(engines, client):
+    """The checks of an asynchronous load apply: a payload for another prompt length is
+    refused without writing a block."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    before = snapshot(cons.caches)
+    header = {**_good_header(cons), "num_tokens": N_PROMPT + 1}
+    tensors = [_blocks(2) for _ in cons.caches]
+    reply, _ = client.call(rank0(cons), {"op": "reserve", "key": KEY, "nbytes": sum(t.nbytes for t in tensors)})
+    assert reply["ok"], reply
+    reply, _ = client.call(rank0(cons), header, tensors)
+    assert reply["ok"], reply
+    assert client.call(rank0(cons), {"op": "ready", "key": KEY})[0] == {"ok": True, "ready": True}
+    assert client.call(rank0(cons), {"op": "ready", "key": "other"})[0] == {"ok": True, "ready": False}
+    cons.add_load(LoadSpec(req_id="D-req", transfer_key=KEY, prefill_addr="127.0.0.1:1", dst_block_ids=(4, 9),
+                           first_block=0, num_tokens=N_PROMPT - 1, prompt_tokens=N_PROMPT, prompt_blocks=2,
+                           sync=True))
+    assert cons.take_invalid_blocks() == {4, 9}
+    assert_untouched(cons, before)
+    assert cons.xfer_stats.peek().failures("load", "invalid") == 1
+
+
+def test_arrival_probe_of_a_dead_socket_says_no_quickly():
+    """The probe runs on vLLM's scheduling thread: a control socket that does not answer
+    makes the load asynchronous within the probe's bound, never an error."""
+    from connector.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
+
+    probe = ArrivalProbe(make_cfg("kv_consumer", "PUT_ASYNC", free_port()), 2)
+    try:
+        t0 = time.monotonic()
+        assert probe.arrived(KEY) is False
+        assert time.monotonic() - t0 < ARRIVAL_PROBE_TIMEOUT_S + 0.5
+    finally:
+        probe.close()
+
+
 # ================================================================ failures
 
 

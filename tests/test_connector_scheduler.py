@@ -140,6 +140,75 @@ def test_consumer_pd_request_is_loaded_async(chat):
                                    prompt_tokens=300, prompt_blocks=3)]
 
 
+@dataclass
+class ArrivalDouble:
+    """Stands in for D's worker control sockets (the ``ready`` op): which keys are here."""
+
+    here: set[str] = field(default_factory=set)
+    asked: list[str] = field(default_factory=list)
+
+    def arrived(self, key: str) -> bool:
+        self.asked.append(key)
+        return key in self.here
+
+    def close(self) -> None:
+        pass
+
+
+def test_consumer_kv_already_here_is_a_synchronous_load():
+    probe = ArrivalDouble({TK})
+    s = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False, probe=probe)
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert admit(s, req, 128, [11, 4, 6]) == (171, False)  # block 11: a local hit
+    (spec,) = s.build_connector_meta(sched_out()).loads
+    assert spec.sync and (spec.first_block, spec.dst_block_ids, spec.num_tokens) == (1, (4, 6), 171)
+    assert probe.asked == [TK]
+    # Not here: asynchronous, as without a probe; a plain request is never asked about.
+    late = make_req(pd_id(key=KEY2), 300)
+    plain = make_req("cmpl-plain-0-1a2b3c4d", 300)
+    for r in (late, plain):
+        s.on_new_request(r)
+    assert admit(s, late, 0, [1, 2, 3]) == (299, True)
+    assert admit(s, plain, 0, [5, 6, 7]) == (0, False)
+    (spec,) = s.build_connector_meta(sched_out()).loads
+    assert not spec.sync
+    assert probe.asked == [TK, f"{KEY2}-0"]
+
+
+def test_consumer_synchronous_answer_is_per_call():
+    """vLLM asks again when the allocation failed: the KV may have come meanwhile (or the
+    request was aborted first, which must leave nothing behind)."""
+    probe = ArrivalDouble()
+    s = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False, probe=probe)
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (299, True)  # no room: not allocated
+    probe.here.add(TK)
+    assert admit(s, req, 0, [1, 2, 3]) == (299, False)
+    assert s.build_connector_meta(sched_out()).loads[0].sync
+    aborted = make_req(pd_id(key=KEY2), 300)
+    probe.here.add(f"{KEY2}-0")
+    s.on_new_request(aborted)
+    assert s.get_num_new_matched_tokens(aborted, 0) == (299, False)
+    s.request_finished(aborted, [])
+    assert s._sync == set()
+
+
+@pytest.mark.parametrize("extra", [{"send_type": "GET"}, {"sync_load": False}])
+def test_consumer_without_synchronous_loads_never_asks(extra):
+    import dataclasses
+
+    probe = ArrivalDouble({TK})
+    cfg = dataclasses.replace(make_cfg("kv_consumer", send_type=extra.get("send_type", "PUT_ASYNC")),
+                              sync_load=extra.get("sync_load", True))
+    s = P2pScheduler(cfg, BS, start_registrar=False, probe=probe)
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert admit(s, req, 0, [1, 2, 3]) == (299, True)
+    assert probe.asked == []
+
+
 def test_consumer_prefix_hit_loads_only_the_rest_once():
     s = consumer()
     req = make_req(pd_id(), 300)

@@ -137,6 +137,17 @@ def test_config_debug_corruption_flag_parsing(value, expected):
     assert cfg.allow_debug_corruption is expected
 
 
+@pytest.mark.parametrize("role, extra, sync", [
+    ("kv_consumer", {}, True),  # the default: D loads KV that is already here synchronously
+    ("kv_both", {}, True),
+    ("kv_consumer", {"sync_load": "false"}, False),
+    ("kv_consumer", {"send_type": "GET"}, False),  # D pulls only once the load is planned
+    ("kv_producer", {}, False),
+])
+def test_config_synchronous_loads(role, extra, sync):
+    assert ConnectorConfig.from_vllm(_kvt(role, **extra)).loads_sync is sync
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="send_type"):
         ConnectorConfig.from_vllm(_kvt(send_type="PUSH"))

@@ -12,6 +12,7 @@ import json
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import e2e_cluster
@@ -153,6 +154,52 @@ def test_prefix_hit_on_decode_loads_only_the_rest(sys_: E2ECluster, tokenizer):
     # D's prefix cache held at least the first 2 full blocks of `base`.
     assert loaded <= n - 1 - 2 * BLOCK
     assert loaded > 0
+
+
+def test_kv_that_came_first_is_loaded_in_the_step_that_schedules_the_request(sys_: E2ECluster, tokenizer):
+    """Sequential dispatch: P's KV usually reaches D before D's request does. D's scheduler
+    sees it there (its worker's "ready" op) and loads it synchronously, one engine step
+    sooner; the tokens are still colocated's."""
+    prompt = make_prompt(tokenizer, 2 * BLOCK + 30, seed=6161)
+    body = body_for("completions", prompt, False)
+    want, _ = generate(sys_.colocated.url, "completions", body)
+    rid = pd_request_id(sys_)
+    generate(sys_.prefill.url, "completions", body_for("completions", prompt, False, max_tokens=1),
+             {"X-Request-Id": rid})
+    key = rid.rsplit("_", 1)[1] + "-0"  # the proxy's uuid and the prompt's index
+    assert poll(lambda: sys_.kv_call(sys_.decode, {"op": "ready", "key": key})["ready"], timeout=10)
+    got, data = generate(sys_.decode.url, "completions",
+                         {**body, "kv_transfer_params": {"xpyd_report_transfer_key": True}}, {"X-Request-Id": rid})
+    assert_same_greedy(got, want)
+    xpyd = data["kv_transfer_params"]["xpyd"]
+    assert xpyd["transfer_key"] == key
+    assert (xpyd["loaded_tokens"], xpyd["load_failed"]) == (data["usage"]["prompt_tokens"] - 1, False)
+    assert re.search(rf"kv load planned req=\S+ transfer={key} .* mode=sync", sys_.decode.log())
+    assert re.search(rf"kv loaded req=\S+ transfer={key} .* sync", sys_.decode.log())
+    assert not sys_.kv_call(sys_.decode, {"op": "ready", "key": key})["ready"]  # taken and dropped
+
+
+def test_kv_that_comes_after_the_request_is_loaded_asynchronously(sys_: E2ECluster, tokenizer):
+    """D has the request before P has sent (concurrent dispatch, a slow send): the load is
+    planned asynchronously, D's engine goes on stepping, and the KV is applied when it
+    comes."""
+    prompt = make_prompt(tokenizer, 2 * BLOCK + 30, seed=6262)
+    body = {**body_for("completions", prompt, False), "kv_transfer_params": {"xpyd_report_transfer_key": True}}
+    want, _ = generate(sys_.colocated.url, "completions", body)
+    rid = pd_request_id(sys_)
+    key = rid.rsplit("_", 1)[1] + "-0"
+    planned = re.compile(rf"kv load planned req=\S+ transfer={key} .* mode=async")
+    with ThreadPoolExecutor(1) as pool:
+        on_d = pool.submit(generate, sys_.decode.url, "completions", body, {"X-Request-Id": rid})
+        assert poll(lambda: planned.search(sys_.decode.log()), timeout=30), "D never planned the load"
+        generate(sys_.prefill.url, "completions", body_for("completions", prompt, False, max_tokens=1),
+                 {"X-Request-Id": rid})
+        got, data = on_d.result(timeout=120)
+    assert_same_greedy(got, want)
+    xpyd = data["kv_transfer_params"]["xpyd"]
+    assert (xpyd["loaded_tokens"], xpyd["load_failed"]) == (data["usage"]["prompt_tokens"] - 1, False)
+    loaded = re.search(rf"kv loaded req=\S+ transfer={key} .*", sys_.decode.log())
+    assert loaded and not loaded.group(0).endswith(" sync"), loaded
 
 
 def _p2p_tokens(c: E2ECluster) -> float:
