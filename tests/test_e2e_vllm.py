@@ -340,7 +340,7 @@ def test_kv_that_comes_after_the_request_is_loaded_asynchronously(sys_: E2EClust
     key = rid.rsplit("_", 1)[1] + "-0"
     with ThreadPoolExecutor(1) as pool:
         on_d = pool.submit(generate, sys_.decode.url, "completions", body, {"X-Request-Id": rid})
-        # D's worker holds the load (its control socket says so at once; a log line can lag).
+        # D's worker holds the load (its control socket says so; P is asked only then).
         assert poll(lambda: sys_.engine_stats(sys_.decode)["pending_loads"] == 1, timeout=30), \
             "D never planned the load"
         generate(sys_.prefill.url, "completions", body_for("completions", prompt, False, max_tokens=1),
