@@ -156,25 +156,32 @@ class Consumer:
             self._recv.fail(key, why)  # frees the reservation; waiting loads fail at once
 
     # ---- worker thread: complete what can be completed ----
-    def _arrived(self, key: str) -> tuple[list[Payload] | None, str | None]:
-        """(the payload, or every piece of it, when all are here; why it will not come)."""
+    def _look(self, key: str) -> tuple[list[Payload] | None, int | None, str | None]:
+        """Any thread, reads only: (the payload, or every piece of it, when all are here; the
+        pieces piece 0 announces, if it is here; why it will not come)."""
         payload = self._recv.peek(key)
         if payload is not None:
-            return [payload], None
+            return [payload], None, None
         first = self._recv.peek(tp.piece_key(key, 0))
         if first is None:
-            return None, self._recv.failure(key) or self._recv.failure(tp.piece_key(key, 0))
+            return None, None, self._recv.failure(key) or self._recv.failure(tp.piece_key(key, 0))
         n = first.header.get("pieces")
         if type(n) is not int or not 1 <= n <= 1024:
-            return None, f"malformed piece header: pieces={n!r}"
-        self._pieces[key] = n
+            return None, None, f"malformed piece header: pieces={n!r}"
         got = [first]
         for i in range(1, n):
             p = self._recv.peek(tp.piece_key(key, i))
             if p is None:
-                return None, self._recv.failure(key) or self._recv.failure(tp.piece_key(key, i))
+                return None, n, self._recv.failure(key) or self._recv.failure(tp.piece_key(key, i))
             got.append(p)
-        return got, None
+        return got, n, None
+
+    def _arrived(self, key: str) -> tuple[list[Payload] | None, str | None]:
+        """Worker thread: ``_look``, remembering how many pieces to drop on release."""
+        payloads, pieces, why = self._look(key)
+        if pieces is not None:
+            self._pieces[key] = pieces
+        return payloads, why
 
     def _apply_pieces(self, load: _Load, pieces: list[Payload]) -> str | None:
         """Copy the head slices of a heterogeneous-TP transfer into the cache, after checking
@@ -305,14 +312,8 @@ class Consumer:
     # ---- synchronous loads: the KV was here when the scheduler planned the load ----
     def ready(self, key: str) -> bool:
         """Any thread (the control socket's "ready" op): the whole payload of ``key`` (every
-        piece, for heterogeneous TP) is in the receive buffer. Reads only."""
-        if self._recv.peek(key) is not None:
-            return True
-        first = self._recv.peek(tp.piece_key(key, 0))
-        n = first.header.get("pieces") if first is not None else None
-        if type(n) is not int or not 1 <= n <= 1024:
-            return False
-        return all(self._recv.peek(tp.piece_key(key, i)) is not None for i in range(1, n))
+        piece, for heterogeneous TP) is in the receive buffer."""
+        return self._look(key)[0] is not None
 
     def load_now(self, spec: LoadSpec) -> bool:
         """Worker thread, before the step's forward pass: apply a load the scheduler planned as
