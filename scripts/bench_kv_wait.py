@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""What a request waiting for remote KV costs the machine it runs on.
+
+While D holds a request whose KV has not come (concurrent dispatch, a slow P, a lost
+transfer), vLLM's engine loop runs steps that compute nothing, back to back: it blocks only
+when it has no request at all. The connector's ``idle_wait_ms`` makes such a step wait
+(bounded) for the transfer to move instead. This benchmark measures, for each value given:
+
+* D's CPU use (all of D's processes, in cores) while one request waits for KV that never
+  comes (its prefill address is dead; D's load deadline is longer than the window);
+* the latency of a plain 1k-token prefill on P (max_tokens=1) on the same cores, with D
+  idle (the baseline, measured in the same run) and with D waiting, as a ratio.
+
+Both servers run under vLLM's default CPU thread binding (what users get; on a 2-core box
+both bind their OpenMP threads to the same cores), bench model, 127.0.0.1 only. P stays up;
+D is restarted per setting. Every process started here is stopped by its process group.
+
+    .venv/bin/python scripts/bench_kv_wait.py                 # idle_wait_ms 0 vs the default
+    .venv/bin/python scripts/bench_kv_wait.py --waits 0,5,20 --samples 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+import bench_e2e  # noqa: E402  (scripts/bench_e2e.py: the bench model and its prompts)
+import cluster  # noqa: E402
+
+from connector.config import DEFAULT_IDLE_WAIT_MS  # noqa: E402
+from xpyd_wire import request_id  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def group_cpu_s(pgid: int) -> float:
+    """User + system CPU seconds of every live process in a process group."""
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # field 5 of stat: the process group
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLK
+
+
+def post(url: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 300.0) -> dict:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (loopback)
+        return json.loads(r.read())
+
+
+def prefill_ms(p: cluster.Server, prompts: bench_e2e.Prompts, tokens: int) -> float:
+    body = {"model": "tiny-llama", "prompt": prompts.make(tokens), "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    post(p.url, body)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(p: cluster.Server, d: cluster.Server, prompts: bench_e2e.Prompts, args: argparse.Namespace) -> dict:
+    """P's prefill with D idle, then with D holding a request whose KV never comes."""
+    idle = [prefill_ms(p, prompts, args.tokens) for _ in range(args.samples)]
+    rid = request_id.build(f"{cluster.HOST}:{cluster.free_port()}", f"{cluster.HOST}:{d.kv_port}")
+    body = {"model": "tiny-llama", "prompt": prompts.make(200), "max_tokens": 2, "temperature": 0}
+    waiter = threading.Thread(target=lambda: post(d.url, body, {"X-Request-Id": rid}), daemon=True)
+    waiter.start()
+    time.sleep(1.0)  # D planned the load and waits
+    c0, t0 = group_cpu_s(d.proc.pid), time.monotonic()
+    time.sleep(args.window_s)
+    d_cores = (group_cpu_s(d.proc.pid) - c0) / (time.monotonic() - t0)
+    busy = [prefill_ms(p, prompts, args.tokens) for _ in range(args.samples)]
+    waiter.join(timeout=args.load_timeout_s + 60)  # D recomputes after its deadline
+    return {"d_cores_while_waiting": round(d_cores, 3),
+            "p_prefill_ms_d_idle": round(statistics.median(idle), 1),
+            "p_prefill_ms_d_waiting": round(statistics.median(busy), 1),
+            "ratio": round(statistics.median(busy) / statistics.median(idle), 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--waits", default=f"0,{DEFAULT_IDLE_WAIT_MS:g}", help="idle_wait_ms values, comma-separated")
+    ap.add_argument("--samples", type=int, default=5, help="P prefills per condition (median)")
+    ap.add_argument("--tokens", type=int, default=1024, help="prompt length of P's prefills")
+    ap.add_argument("--window-s", type=float, default=4.0, help="how long D's CPU is sampled while it waits")
+    ap.add_argument("--load-timeout-s", type=float, default=40.0, help="D's kv_load_timeout_s")
+    ap.add_argument("--model", choices=("bench", "tiny"), default="bench")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    waits = [float(w) for w in args.waits.split(",") if w.strip()]
+    model = bench_e2e.ensure_model(args.model)
+    prompts = bench_e2e.Prompts(model, seed=7)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-wait-"))
+    unbound = {"VLLM_CPU_OMP_THREADS_BIND": None}  # vLLM's default binding
+    started: list[cluster.Server] = []
+    results: dict[str, dict] = {}
+    try:
+        p_port = cluster.free_port()
+        p = cluster.start_vllm("prefill", p_port, log_dir, model=model, env=unbound, kv_config=cluster.kv_transfer_config(
+            "kv_producer", cluster.free_port_pair(), p_port, None))
+        started.append(p)
+        for w in waits:
+            d_port = cluster.free_port()
+            d = cluster.start_vllm(f"decode-wait{w:g}", d_port, log_dir, model=model, env=unbound,
+                                   kv_config=cluster.kv_transfer_config(
+                                       "kv_consumer", cluster.free_port_pair(), d_port, None,
+                                       kv_load_timeout_s=args.load_timeout_s, idle_wait_ms=w))
+            started.append(d)
+            cluster.wait_until([p, d], "/health", 600)
+            prefill_ms(p, prompts, args.tokens)  # warm-up
+            results[f"{w:g}"] = r = measure(p, d, prompts, args)
+            print(f"idle_wait_ms={w:g}: D uses {r['d_cores_while_waiting']:.2f} cores while it waits; "
+                  f"P's {args.tokens}-token prefill {r['p_prefill_ms_d_idle']:.1f} ms with D idle, "
+                  f"{r['p_prefill_ms_d_waiting']:.1f} ms with D waiting ({r['ratio']:.2f}x)", flush=True)
+            d.stop()
+            started.remove(d)
+    finally:
+        for s in started:
+            s.stop()
+    out = {"results_by_idle_wait_ms": results, "tokens": args.tokens, "samples": args.samples,
+           "cpus": os.cpu_count(), "command": " ".join(sys.argv), "logs": str(log_dir)}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
