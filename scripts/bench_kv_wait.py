@@ -3,20 +3,26 @@
 
 While D holds a request whose KV has not come (concurrent dispatch, a slow P, a lost
 transfer), vLLM's engine loop runs steps that compute nothing, back to back: it blocks only
-when it has no request at all. The connector's ``idle_wait_ms`` makes such a step wait
-(bounded) for the transfer to move instead. This benchmark measures, for each value given:
+when it has no request at all. This benchmark measures what that costs, per D configuration
+given (``--variants``: a JSON list of kv_connector_extra_config additions for D):
 
 * D's CPU use (all of D's processes, in cores) while one request waits for KV that never
   comes (its prefill address is dead; D's load deadline is longer than the window);
-* the latency of a plain 1k-token prefill on P (max_tokens=1) on the same cores, with D
-  idle (the baseline, measured in the same run) and with D waiting, as a ratio.
+* the latency of a plain prefill on P (max_tokens=1) on the same cores, with D idle (the
+  baseline, measured in the same run) and with D waiting, as a ratio.
 
 Both servers run under vLLM's default CPU thread binding (what users get; on a 2-core box
-both bind their OpenMP threads to the same cores), bench model, 127.0.0.1 only. P stays up;
-D is restarted per setting. Every process started here is stopped by its process group.
+both bind their OpenMP threads to the same cores), 127.0.0.1 only. P stays up; D is
+restarted per variant. Every process started here is stopped by its process group.
 
-    .venv/bin/python scripts/bench_kv_wait.py                 # idle_wait_ms 0 vs the default
-    .venv/bin/python scripts/bench_kv_wait.py --waits 0,5,20 --samples 7
+    .venv/bin/python scripts/bench_kv_wait.py                       # bench model, 1k tokens
+    .venv/bin/python scripts/bench_kv_wait.py --model tiny --tokens 288 --samples 9
+    .venv/bin/python scripts/bench_kv_wait.py --variants '[{}, {"sync_load": false}]'
+
+Finding (2-core EPYC, see the README): D's empty steps cost P's prefill 0-13 %. A connector
+that made each empty step wait in the worker (commit e23b394, ``idle_wait_ms``) cut D's
+CPU from 1.8 to 1.2 cores but made P 1.6-3.7x slower (vLLM's shared-memory queues then
+spin in sched_yield instead), so it was reverted.
 """
 
 from __future__ import annotations
@@ -39,7 +45,6 @@ sys.path.insert(0, str(ROOT))
 import bench_e2e  # noqa: E402  (scripts/bench_e2e.py: the bench model and its prompts)
 import cluster  # noqa: E402
 
-from connector.config import DEFAULT_IDLE_WAIT_MS  # noqa: E402
 from xpyd_wire import request_id  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -96,7 +101,8 @@ def measure(p: cluster.Server, d: cluster.Server, prompts: bench_e2e.Prompts, ar
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--waits", default=f"0,{DEFAULT_IDLE_WAIT_MS:g}", help="idle_wait_ms values, comma-separated")
+    ap.add_argument("--variants", default="[{}]",
+                    help="JSON list of kv_connector_extra_config additions for D, one D per entry")
     ap.add_argument("--samples", type=int, default=5, help="P prefills per condition (median)")
     ap.add_argument("--tokens", type=int, default=1024, help="prompt length of P's prefills")
     ap.add_argument("--window-s", type=float, default=4.0, help="how long D's CPU is sampled while it waits")
@@ -104,7 +110,7 @@ def main() -> int:
     ap.add_argument("--model", choices=("bench", "tiny"), default="bench")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    waits = [float(w) for w in args.waits.split(",") if w.strip()]
+    variants: list[dict] = json.loads(args.variants)
     model = bench_e2e.ensure_model(args.model)
     prompts = bench_e2e.Prompts(model, seed=7)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-wait-"))
@@ -116,17 +122,18 @@ def main() -> int:
         p = cluster.start_vllm("prefill", p_port, log_dir, model=model, env=unbound, kv_config=cluster.kv_transfer_config(
             "kv_producer", cluster.free_port_pair(), p_port, None))
         started.append(p)
-        for w in waits:
+        for i, extra in enumerate(variants):
+            name = json.dumps(extra, sort_keys=True)
             d_port = cluster.free_port()
-            d = cluster.start_vllm(f"decode-wait{w:g}", d_port, log_dir, model=model, env=unbound,
+            d = cluster.start_vllm(f"decode-{i}", d_port, log_dir, model=model, env=unbound,
                                    kv_config=cluster.kv_transfer_config(
                                        "kv_consumer", cluster.free_port_pair(), d_port, None,
-                                       kv_load_timeout_s=args.load_timeout_s, idle_wait_ms=w))
+                                       **{"kv_load_timeout_s": args.load_timeout_s, **extra}))
             started.append(d)
             cluster.wait_until([p, d], "/health", 600)
             prefill_ms(p, prompts, args.tokens)  # warm-up
-            results[f"{w:g}"] = r = measure(p, d, prompts, args)
-            print(f"idle_wait_ms={w:g}: D uses {r['d_cores_while_waiting']:.2f} cores while it waits; "
+            results[name] = r = measure(p, d, prompts, args)
+            print(f"D {name}: D uses {r['d_cores_while_waiting']:.2f} cores while it waits; "
                   f"P's {args.tokens}-token prefill {r['p_prefill_ms_d_idle']:.1f} ms with D idle, "
                   f"{r['p_prefill_ms_d_waiting']:.1f} ms with D waiting ({r['ratio']:.2f}x)", flush=True)
             d.stop()
@@ -134,7 +141,7 @@ def main() -> int:
     finally:
         for s in started:
             s.stop()
-    out = {"results_by_idle_wait_ms": results, "tokens": args.tokens, "samples": args.samples,
+    out = {"results_by_d_config": results, "tokens": args.tokens, "samples": args.samples,
            "cpus": os.cpu_count(), "command": " ".join(sys.argv), "logs": str(log_dir)}
     print(json.dumps(out, indent=1))
     if args.json:
