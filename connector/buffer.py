@@ -95,8 +95,10 @@ class KVBuffer:
     matter more); each evicted key is recorded as failed, so its reader is told at once."""
 
     def __init__(self, name: str, capacity_bytes: int, ttl_s: float, reservation_ttl_s: float | None = None,
-                 evict_lru: bool = False) -> None:
+                 evict_lru: bool = False, changed: threading.Event | None = None) -> None:
         self._name = name
+        # Set whenever a payload is stored or a key fails: a waiting reader wakes (engine.poll).
+        self._changed = changed
         self._evict_lru = evict_lru
         self.evicted = 0  # payloads pushed out by newer ones, since start
         self._capacity = capacity_bytes
@@ -130,6 +132,11 @@ class KVBuffer:
 
     def _fail_locked(self, key: str, reason: str) -> None:
         self._failures[key] = (reason, time.monotonic() + self._ttl)
+        self._signal()
+
+    def _signal(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
 
     def _unreserve_locked(self, key: str) -> _Reservation | None:
         res = self._reserved.pop(key, None)
@@ -192,6 +199,7 @@ class KVBuffer:
                 return reason
             self._items[key] = payload
             self._used += payload.nbytes
+            self._signal()
             return None
 
     def peek(self, key: str) -> Payload | None:
@@ -255,6 +263,8 @@ class KVBuffer:
                 dropped.append((key, "reserved, but the payload never came"))
             for key, reason in dropped:
                 self._failures[key] = (reason, now + self._ttl)
+            if dropped:
+                self._signal()
             for key in [k for k, until in self._tombstones.items() if until < now]:
                 del self._tombstones[key]
             for key in [k for k, (_, until) in self._failures.items() if until < now]:

@@ -95,6 +95,17 @@ def _positive_int(extra: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
+def _idle_wait_ms(extra: dict[str, Any]) -> float:
+    value = extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        ms = -1.0
+    if isinstance(value, bool) or not (0 <= ms <= MAX_IDLE_WAIT_MS):
+        raise ValueError(f"idle_wait_ms must be a number of milliseconds in [0, {MAX_IDLE_WAIT_MS:g}], got {value!r}")
+    return ms
+
+
 def _positive_seconds(extra: dict[str, Any], key: str, default: float) -> float:
     value = extra.get(key)
     if value is None:
@@ -114,6 +125,11 @@ def _positive_seconds(extra: dict[str, Any], key: str, default: float) -> float:
 # is allocated and pinned, at exactly this size, in the background as the engine starts). A
 # prefill-only instance receives no KV in any send mode (GET copies live in its send store),
 # so it gets none.
+# How long an engine step that computes nothing may wait for a transfer to move. A request
+# that reaches an engine waiting this way starts at most this much later. 5 ms ended the
+# stall of scripts/bench_kv_wait.py (P's request waited out D's whole KV wait) as 20 ms did.
+DEFAULT_IDLE_WAIT_MS = 5.0
+MAX_IDLE_WAIT_MS = 1000.0
 DEFAULT_POOL_GB = {"kv_consumer": 1.0, "kv_both": 1.0, "kv_producer": 0.0}
 
 
@@ -167,6 +183,12 @@ class ConnectorConfig:
     # synchronously (before the forward pass of the step that schedules the request) instead
     # of one engine step later; False: always asynchronously.
     sync_load: bool = True
+    # Longest a worker waits for a transfer to progress (KV arriving, a send ending) in an
+    # engine step that computes nothing: vLLM steps without pause while a request waits for
+    # remote KV or its blocks wait for a send, and on a CPU box shared with another engine
+    # that loop can hold the other engine off for as long as it lasts. 0: never wait (vLLM's
+    # own behaviour).
+    idle_wait_ms: float = DEFAULT_IDLE_WAIT_MS
 
     @property
     def is_producer(self) -> bool:
@@ -224,6 +246,7 @@ class ConnectorConfig:
             proxy_resolve_interval_s=_positive_seconds(extra, "proxy_resolve_interval_s", 10.0),
             kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
             sync_load=_flag(extra.get("sync_load", True)),
+            idle_wait_ms=_idle_wait_ms(extra),
         )
 
 

@@ -77,7 +77,8 @@ class P2pNcclConnector(XpydConnectorBase):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        r = self._worker.poll(finished_req_ids)
+        meta = self._meta() if self.has_connector_metadata() else None
+        r = self._worker.poll(finished_req_ids, meta)
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending,
             finished_recving=r.finished_recving,

@@ -104,8 +104,11 @@ class KVEngine:
         self._stager = (RecvStager(cfg.kv_buffer_size, int(cfg.mem_pool_size_gb * (1 << 30)))
                         if self._device.type == "cuda" else None)
         # A reservation whose bytes did not come within the sender's deadline never will.
+        # Set by whatever moves a transfer on (KV stored or failed here, a send of ours ended):
+        # an idle step's poll waits on it (cfg.idle_wait_ms) instead of vLLM spinning.
+        self._progress = threading.Event()
         self._recv = KVBuffer("recv", self._stager.capacity if self._stager else cfg.kv_buffer_size, cfg.buffer_ttl_s,
-                              reservation_ttl_s=cfg.send_timeout_s + 1.0)
+                              reservation_ttl_s=cfg.send_timeout_s + 1.0, changed=self._progress)
         # GET: P keeps copies until D pulls them; when full, the oldest unread go first.
         self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s, evict_lru=True)
         self._stop = threading.Event()
@@ -127,7 +130,7 @@ class KVEngine:
         self._transport.on_fallback = self.xfer_stats.fallback  # nccl -> host-staged tcp, per peer
         self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
-                                 self.check_peer, self._tp)
+                                 self.check_peer, self._tp, self._progress)
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
                                  self.xfer_stats, self._stager,
                                  lambda header: self.check_peer(header, we_send=False), self._tp, self._head_axis)
@@ -367,8 +370,27 @@ class KVEngine:
     def release(self, keys: list[str]) -> None:
         self.consumer.release(keys)
 
-    def poll(self, finished_req_ids: set[str]) -> PollResult:
-        """Complete what can be completed; called once per step by the worker."""
+    def poll(self, finished_req_ids: set[str], wait_s: float = 0.0) -> PollResult:
+        """Complete what can be completed; called once per step by the worker.
+
+        ``wait_s`` > 0 (a step that computes nothing): when nothing completed but loads or
+        sends are pending, wait up to that long for one of them to move, then look again.
+        vLLM's engine loop would otherwise run empty steps back to back until the KV
+        arrives or the send ends, taking a core from the transfer and from any engine
+        sharing the box."""
+        if wait_s > 0:
+            self._progress.clear()  # before looking: whatever happens after it wakes the wait
+        result = self._poll_once(finished_req_ids)
+        if (wait_s > 0 and not (result.finished_sending or result.finished_recving)
+                and (self.consumer.pending or self.producer.pending)):
+            if self._progress.wait(wait_s):
+                more = self._poll_once(set())
+                result.finished_sending |= more.finished_sending
+                result.finished_recving |= more.finished_recving
+                result.failed_recving |= more.failed_recving
+        return result
+
+    def _poll_once(self, finished_req_ids: set[str]) -> PollResult:
         recving, failed = self.consumer.poll(finished_req_ids)
         return PollResult(self.producer.finished_sending(finished_req_ids), recving, failed)
 

@@ -68,3 +68,7 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     # since the last step: the worker makes first contact with them during this step's
     # forward pass, so the send after it does not pay for a new connection and hello.
     contacts: list[str] = field(default_factory=list)
+    # This step computes nothing (no token scheduled): the engine is only waiting for KV to
+    # arrive or for sends to end, so the worker may wait for that (bounded) instead of
+    # returning at once into vLLM's next, equally empty step.
+    idle: bool = False

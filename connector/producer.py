@@ -86,6 +86,13 @@ class Send:
     # When the forward pass that wrote the blocks ended (save): a send's log line counts from
     # here, so its total is the KV arrival lag (forward end -> D acknowledged every byte).
     created: float = field(default_factory=time.monotonic)
+    # Set too when the send ends: a worker waiting in an idle step wakes (engine.poll).
+    progress: threading.Event | None = None
+
+    def finish(self) -> None:
+        self.done.set()
+        if self.progress is not None:
+            self.progress.set()
 
     def claim(self) -> bool:
         """Peer thread: move queued -> sending; False if it was cancelled."""
@@ -247,7 +254,7 @@ class PeerSender:
                                send.spec.req_id, send.spec.transfer_key, self.peer, reason)
                 self._stats.failure("send", "unreachable")
                 self._notice(send.spec.transfer_key, reason)
-                send.done.set()
+                send.finish()
 
     def _targets(self) -> list[str]:
         """The decode ranks our sends go to (where a failed send is told)."""
@@ -425,7 +432,7 @@ class PeerSender:
             self._stats.failure("send", "error")
             self._notice(spec.transfer_key, f"{type(e).__name__}: {e}", pending)
         finally:
-            send.done.set()
+            send.finish()
 
 
 class Producer:
@@ -433,8 +440,10 @@ class Producer:
 
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, build: PayloadBuilder,
                  sendbuf: KVBuffer, cpus: CpuPlan | None, stats: StatsRecorder | None = None,
-                 check: PeerCheck | None = None, local: tp.TpSide | None = None) -> None:
+                 check: PeerCheck | None = None, local: tp.TpSide | None = None,
+                 progress: threading.Event | None = None) -> None:
         self._cfg = cfg
+        self._progress = progress
         self._local = local  # this instance's TP: which decode ranks get which heads
         self._check = check
         self.stats = stats or StatsRecorder()
@@ -480,7 +489,7 @@ class Producer:
                 self.stats.failure("send", "refused")
                 logger.warning("GET buffer refused transfer=%s reason=%s", spec.transfer_key, refused)
             return
-        send = Send(spec)
+        send = Send(spec, progress=self._progress)
         peer = self.peer(spec.decode_addr)
         if self._cfg.send_type == "PUT":
             peer.send_now(send)  # the step waits, bounded by send_timeout_s

@@ -272,7 +272,8 @@ class P2pScheduler:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
         if self._grace:
             self._release_due(time.monotonic())
-        meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release, contacts=list(self._contacts))
+        meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release, contacts=list(self._contacts),
+                                    idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._new_loads = []
         self._release = []
         self._contacts.clear()

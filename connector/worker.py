@@ -100,10 +100,13 @@ class P2pWorker:
         buf = self.engine.recv_buffer
         return self.engine.xfer_stats.take(self._rank, buf.used_bytes + buf.reserved_bytes, buf.capacity_bytes)
 
-    def poll(self, finished_req_ids: set[str]) -> PollResult:
+    def poll(self, finished_req_ids: set[str], meta: P2pConnectorMetadata | None = None) -> PollResult:
+        """What finished this step. In a step that computes nothing (``meta.idle``) the engine
+        may wait up to ``idle_wait_ms`` for a pending transfer to move."""
         if self.engine is None:
             return PollResult()
-        return self.engine.poll(finished_req_ids)
+        wait_s = self._cfg.idle_wait_ms / 1e3 if meta is not None and meta.idle else 0.0
+        return self.engine.poll(finished_req_ids, wait_s)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -6,23 +6,22 @@ transfer), vLLM's engine loop runs steps that compute nothing, back to back: it 
 when it has no request at all. This benchmark measures what that costs, per D configuration
 given (``--variants``: a JSON list of kv_connector_extra_config additions for D):
 
+* the latency of a plain prefill on P (max_tokens=1) on the same cores: with D idle (the
+  baseline, measured in the same run); the first one right after D began waiting
+  (``--first-repeats`` times; with vLLM's behaviour it may wait for most of D's KV wait); and
+  later in a wait, as ratios to the baseline;
 * D's CPU use (all of D's processes, in cores) while one request waits for KV that never
-  comes (its prefill address is dead; D's load deadline is longer than the window);
-* the latency of a plain prefill on P (max_tokens=1) on the same cores, with D idle (the
-  baseline, measured in the same run) and with D waiting, as a ratio.
+  comes (its prefill address is dead; it waits until D's kv_load_timeout_s).
 
 Both servers run under vLLM's default CPU thread binding (what users get; on a 2-core box
 both bind their OpenMP threads to the same cores), 127.0.0.1 only. P stays up; D is
 restarted per variant. Every process started here is stopped by its process group.
 
-    .venv/bin/python scripts/bench_kv_wait.py                       # bench model, 1k tokens
-    .venv/bin/python scripts/bench_kv_wait.py --model tiny --tokens 288 --samples 9
-    .venv/bin/python scripts/bench_kv_wait.py --variants '[{}, {"sync_load": false}]'
+    .venv/bin/python scripts/bench_kv_wait.py --model tiny --tokens 288 --samples 7
+    .venv/bin/python scripts/bench_kv_wait.py --variants '[{"idle_wait_ms": 0}, {"idle_wait_ms": 20}]'
 
-Finding (2-core EPYC, see the README): D's empty steps cost P's prefill 0-13 %. A connector
-that made each empty step wait in the worker (commit e23b394, ``idle_wait_ms``) cut D's
-CPU from 1.8 to 1.2 cores but made P 1.6-3.7x slower (vLLM's shared-memory queues then
-spin in sched_yield instead), so it was reverted.
+The default variants are vLLM's behaviour (``idle_wait_ms: 0``) and the connector's default.
+Results on a 2-core EPYC are in the README (*Concurrent dispatch*).
 """
 
 from __future__ import annotations
@@ -80,33 +79,53 @@ def prefill_ms(p: cluster.Server, prompts: bench_e2e.Prompts, tokens: int) -> fl
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure(p: cluster.Server, d: cluster.Server, prompts: bench_e2e.Prompts, args: argparse.Namespace) -> dict:
-    """P's prefill with D idle, then with D holding a request whose KV never comes."""
-    idle = [prefill_ms(p, prompts, args.tokens) for _ in range(args.samples)]
+def wait_on_d(d: cluster.Server, prompts: bench_e2e.Prompts, timeout_s: float) -> threading.Thread:
+    """A request on D whose KV never comes (its prefill address is dead): D waits for it
+    until its kv_load_timeout_s, then recomputes."""
     rid = request_id.build(f"{cluster.HOST}:{cluster.free_port()}", f"{cluster.HOST}:{d.kv_port}")
     body = {"model": "tiny-llama", "prompt": prompts.make(200), "max_tokens": 2, "temperature": 0}
-    waiter = threading.Thread(target=lambda: post(d.url, body, {"X-Request-Id": rid}), daemon=True)
+    waiter = threading.Thread(target=lambda: post(d.url, body, {"X-Request-Id": rid}, timeout=timeout_s + 60),
+                              daemon=True)
     waiter.start()
-    time.sleep(1.0)  # D planned the load and waits
+    return waiter
+
+
+def measure(p: cluster.Server, d: cluster.Server, prompts: bench_e2e.Prompts, args: argparse.Namespace) -> dict:
+    """P's prefill with D idle; P's first prefill right after D began waiting for KV (the
+    stall: it may last until D's wait ends); then D's CPU and P's prefills in a longer wait."""
+    idle = [prefill_ms(p, prompts, args.tokens) for _ in range(args.samples)]
+    first = []
+    for _ in range(args.first_repeats):
+        waiter = wait_on_d(d, prompts, args.load_timeout_s)
+        time.sleep(args.settle_s)
+        first.append(prefill_ms(p, prompts, args.tokens))
+        waiter.join(timeout=args.load_timeout_s + 60)
+    waiter = wait_on_d(d, prompts, args.load_timeout_s)
+    time.sleep(1.0)
     c0, t0 = group_cpu_s(d.proc.pid), time.monotonic()
     time.sleep(args.window_s)
     d_cores = (group_cpu_s(d.proc.pid) - c0) / (time.monotonic() - t0)
     busy = [prefill_ms(p, prompts, args.tokens) for _ in range(args.samples)]
-    waiter.join(timeout=args.load_timeout_s + 60)  # D recomputes after its deadline
+    waiter.join(timeout=args.load_timeout_s + 60)
     return {"d_cores_while_waiting": round(d_cores, 3),
             "p_prefill_ms_d_idle": round(statistics.median(idle), 1),
+            "p_first_prefill_ms_d_starts_waiting": [round(x, 1) for x in first],
             "p_prefill_ms_d_waiting": round(statistics.median(busy), 1),
+            "first_ratio": round(statistics.median(first) / statistics.median(idle), 3),
             "ratio": round(statistics.median(busy) / statistics.median(idle), 3)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="[{}]",
+    ap.add_argument("--variants", default='[{"idle_wait_ms": 0}, {}]',
                     help="JSON list of kv_connector_extra_config additions for D, one D per entry")
     ap.add_argument("--samples", type=int, default=5, help="P prefills per condition (median)")
     ap.add_argument("--tokens", type=int, default=1024, help="prompt length of P's prefills")
-    ap.add_argument("--window-s", type=float, default=4.0, help="how long D's CPU is sampled while it waits")
-    ap.add_argument("--load-timeout-s", type=float, default=40.0, help="D's kv_load_timeout_s")
+    ap.add_argument("--window-s", type=float, default=3.0, help="how long D's CPU is sampled while it waits")
+    ap.add_argument("--settle-s", type=float, default=0.3, help="from D's request to P's first prefill")
+    ap.add_argument("--first-repeats", type=int, default=3, help="D waits (and P's first prefills) for the stall")
+    ap.add_argument("--load-timeout-s", type=float, default=10.0,
+                    help="D's kv_load_timeout_s: the longest the stall can last")
     ap.add_argument("--model", choices=("bench", "tiny"), default="bench")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
@@ -133,9 +152,10 @@ def main() -> int:
             cluster.wait_until([p, d], "/health", 600)
             prefill_ms(p, prompts, args.tokens)  # warm-up
             results[name] = r = measure(p, d, prompts, args)
-            print(f"D {name}: D uses {r['d_cores_while_waiting']:.2f} cores while it waits; "
-                  f"P's {args.tokens}-token prefill {r['p_prefill_ms_d_idle']:.1f} ms with D idle, "
-                  f"{r['p_prefill_ms_d_waiting']:.1f} ms with D waiting ({r['ratio']:.2f}x)", flush=True)
+            print(f"D {name}: P's {args.tokens}-token prefill {r['p_prefill_ms_d_idle']:.1f} ms with D idle; "
+                  f"right after D began waiting {r['p_first_prefill_ms_d_starts_waiting']} ms "
+                  f"({r['first_ratio']:.2f}x); later in the wait {r['p_prefill_ms_d_waiting']:.1f} ms "
+                  f"({r['ratio']:.2f}x), D using {r['d_cores_while_waiting']:.2f} cores", flush=True)
             d.stop()
             started.remove(d)
     finally:

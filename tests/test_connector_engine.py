@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -16,9 +17,10 @@ import zmq
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.engine import KVEngine, PollResult
-from connector.metadata import LoadSpec, SaveSpec
+from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.transport.base import REFUSAL_REASONS
 from connector.transport.tcp import TcpTransport
+from connector.worker import P2pWorker
 
 HOST = "127.0.0.1"
 SHAPE = (16, 2, 16, 64)  # [blocks, kv heads, tokens per block, content]
@@ -468,6 +470,99 @@ def test_arrival_probe_of_a_dead_socket_says_no_quickly():
         assert time.monotonic() - t0 < ARRIVAL_PROBE_TIMEOUT_S + 0.5
     finally:
         probe.close()
+
+
+# ================================================================ idle steps
+# A step with no token scheduled polls with a wait: vLLM runs such steps back to back while
+# a request waits for remote KV (or its blocks for a send), so the wait is what keeps that
+# loop off the cores. It must end as soon as the transfer moves, and never last longer
+# than its bound.
+
+
+def _later(delay_s: float, fn: Callable[[], object]) -> threading.Timer:
+    timer = threading.Timer(delay_s, fn)
+    timer.start()
+    return timer
+
+
+def test_idle_poll_returns_as_soon_as_the_kv_arrives(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    before = snapshot(cons.caches)
+    plan_load(cons, load_spec(rank0(prod), (7, 2, 11), 2))
+    assert cons.poll(set()) == PollResult()  # not here, and no wait asked for
+    t0 = time.monotonic()
+    timer = _later(0.3, lambda: prod.save(save_spec(prod, rank0(cons))))
+    try:
+        res = cons.poll(set(), wait_s=WAIT_S)
+    finally:
+        timer.join()
+    took = time.monotonic() - t0
+    assert res.finished_recving == {"D-req"} and res.failed_recving == set()
+    assert 0.25 <= took < WAIT_S / 2, took  # it waited for the KV and woke when it came
+    assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
+
+
+def test_idle_poll_returns_as_soon_as_the_kv_will_not_come(engines, client):
+    cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
+    plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
+    t0 = time.monotonic()
+    timer = _later(0.3, lambda: client.call(cons.address, {"op": "abort", "keys": {KEY: "P gave up"}},
+                                            timeout_s=5))
+    try:
+        res = cons.poll(set(), wait_s=WAIT_S)
+    finally:
+        timer.join()
+    assert res.failed_recving == {"D-req"}
+    assert time.monotonic() - t0 < WAIT_S / 2
+
+
+def test_idle_poll_returns_as_soon_as_a_send_ends(engines):
+    """P: the blocks of a finished request wait for its send; the idle step wakes when the
+    send ends (here: it gives up on a dead peer after send_timeout_s)."""
+    prod = engines("kv_producer", "PUT_ASYNC", send_timeout_s=0.5, seed=1)
+    prod.save(save_spec(prod, f"{HOST}:{free_port()}"))
+    t0 = time.monotonic()
+    res = prod.poll({"P-req"}, wait_s=WAIT_S)
+    assert res.finished_sending == {"P-req"}
+    assert time.monotonic() - t0 < WAIT_S / 2
+    assert prod.stats() == ZERO
+
+
+def test_idle_poll_waits_at_most_its_bound(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
+    plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))  # nothing will come
+    t0 = time.monotonic()
+    assert cons.poll(set(), wait_s=0.3) == PollResult()
+    assert 0.25 <= time.monotonic() - t0 < WAIT_S / 2
+    assert cons.stats()["pending_loads"] == 1
+
+
+def test_idle_poll_without_pending_transfers_does_not_wait(engines):
+    for eng in (engines("kv_consumer", "PUT_ASYNC"), engines("kv_producer", "PUT_ASYNC")):
+        t0 = time.monotonic()
+        assert eng.poll(set(), wait_s=WAIT_S) == PollResult()
+        assert time.monotonic() - t0 < WAIT_S / 2
+
+
+def test_worker_waits_only_in_steps_that_compute_nothing(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0, idle_wait_ms=1000.0)
+    worker = P2pWorker(cons.cfg, None, 0)
+    worker.engine = cons
+    plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
+    t0 = time.monotonic()
+    assert worker.poll(set(), P2pConnectorMetadata()) == PollResult()  # a step that computes
+    t1 = time.monotonic()
+    assert worker.poll(set(), P2pConnectorMetadata(idle=True)) == PollResult()
+    t2 = time.monotonic()
+    assert t1 - t0 < 0.5 and t2 - t1 >= 0.95, (t1 - t0, t2 - t1)
+    off = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0, idle_wait_ms=0.0)
+    worker = P2pWorker(off.cfg, None, 0)  # idle_wait_ms 0: vLLM's own behaviour, no wait
+    worker.engine = off
+    plan_load(off, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
+    t0 = time.monotonic()
+    assert worker.poll(set(), P2pConnectorMetadata(idle=True)) == PollResult()
+    assert time.monotonic() - t0 < 0.5
 
 
 # ================================================================ failures

@@ -120,7 +120,15 @@ def test_consumer_plain_request_is_not_loaded():
     s.update_state_after_alloc(req, kv_blocks([1, 2, 3]), 0)
     meta = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 300)]))
     assert meta.loads == [] and meta.saves == []
+    assert not meta.idle  # a step that computes: the worker must not wait in it
     assert s.request_finished(req, [1, 2, 3]) == (False, None)
+
+
+def test_a_step_that_computes_nothing_is_marked_idle():
+    """The worker may wait for transfers only in a step with no token scheduled."""
+    assert consumer().build_connector_meta(sched_out()).idle
+    assert producer().build_connector_meta(sched_out(finished=["x"])).idle
+    assert not producer().build_connector_meta(sched_out(cached=[("r", 10, 1)])).idle
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -667,7 +675,7 @@ def test_consumer_n_children_share_one_transfer_released_after_the_last(monkeypa
     s.on_new_request(kids[2])
     assert s.get_num_new_matched_tokens(kids[2], 0) == (0, False)
     s.update_state_after_alloc(kids[2], kv_blocks([7, 8, 9]), 0)
-    assert s.build_connector_meta(sched_out()) == P2pConnectorMetadata()
+    assert s.build_connector_meta(sched_out()) == P2pConnectorMetadata(idle=True)
 
 
 def test_consumer_batch_prompts_get_a_transfer_each():

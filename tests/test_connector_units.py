@@ -148,6 +148,18 @@ def test_config_synchronous_loads(role, extra, sync):
     assert ConnectorConfig.from_vllm(_kvt(role, **extra)).loads_sync is sync
 
 
+@pytest.mark.parametrize("value, ms", [(None, 5.0), (0, 0.0), ("20", 20.0), (1000, 1000.0)])
+def test_config_idle_wait(value, ms):
+    extra = {} if value is None else {"idle_wait_ms": value}
+    assert ConnectorConfig.from_vllm(_kvt(**extra)).idle_wait_ms == ms
+
+
+@pytest.mark.parametrize("value", [-1, 1001, "soon", True, float("nan")])
+def test_config_rejects_bad_idle_wait(value):
+    with pytest.raises(ValueError, match="idle_wait_ms"):
+        ConnectorConfig.from_vllm(_kvt(idle_wait_ms=value))
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="send_type"):
         ConnectorConfig.from_vllm(_kvt(send_type="PUSH"))
