@@ -113,8 +113,10 @@ def test_connector_metrics_on_vllm_metrics_endpoint(sys_: E2ECluster, tokenizer)
     def settled() -> bool:
         # P counts a send when D acknowledges its last byte, which can come after D's answer
         # reached the client: wait until every send and load the logs show is in /metrics, so an
-        # earlier test's transfer is not counted as this one's.
-        return (metric(p, "vllm:xpyd_kv_transfers_total", sent_ok) >= len(SENT_LINE.findall(sys_.prefill.log()))
+        # earlier test's transfer is not counted as this one's. A send still in flight (D answered
+        # before P had D's acknowledgement) has neither its log line nor its count yet.
+        return (sys_.engine_stats(sys_.prefill)["pending_sends"] == 0
+                and metric(p, "vllm:xpyd_kv_transfers_total", sent_ok) >= len(SENT_LINE.findall(sys_.prefill.log()))
                 and metric(d, "vllm:xpyd_kv_transfers_total", load_ok) == len(LOADED_LINE.findall(sys_.decode.log())))
 
     assert poll(settled, timeout=20), "P's or D's /metrics never caught up with the transfers in its log"
