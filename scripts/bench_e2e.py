@@ -324,18 +324,8 @@ class CpuMeter:
         return v[0] + v[1] + v[2] + v[5] + v[6], v[7] if len(v) > 7 else 0
 
     def _ours(self) -> int:
-        total = 0
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(d) == os.getpid() or int(fields[3]) in self.sessions:  # fields[3]: session id
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total
+        return sum(int(fields[11]) + int(fields[12]) for pid, fields in cluster.proc_stats()
+                   if pid == os.getpid() or int(fields[3]) in self.sessions)
 
     def _sample(self) -> tuple[float, int, int, int]:
         busy, steal = self._stat()

@@ -51,18 +51,7 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 def group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in a process group."""
-    total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # field 5 of stat: the process group
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / CLK
+    return sum(int(f[11]) + int(f[12]) for _, f in cluster.proc_stats() if int(f[2]) == pgid) / CLK
 
 
 def post(url: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 300.0) -> dict:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+from collections.abc import Iterator
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,19 @@ def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[
     cmd = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
            "--discovery-host", HOST, "--discovery-port", str(discovery_port)] + (extra_args or [])
     return _spawn(name, port, cmd, log_dir, {})
+
+
+def proc_stats() -> Iterator[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/PID/stat after the command name) of every live process:
+    fields[2] is the process group, fields[3] the session, fields[11:13] utime and stime."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                yield int(d), f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
