@@ -119,17 +119,18 @@ def _positive_seconds(extra: dict[str, Any], key: str, default: float) -> float:
     return seconds
 
 
+# How long an engine step that computes nothing may wait for a transfer to move. A request
+# that reaches an engine waiting this way starts at most this much later. 5 ms ended the
+# stall of scripts/bench_kv_wait.py (P's request waited out D's whole KV wait) as 20 ms did.
+DEFAULT_IDLE_WAIT_MS = 5.0
+MAX_IDLE_WAIT_MS = 1000.0
+
 # Pinned staging per role. A decode instance receives every prompt's KV; 1 GiB of overflow
 # beyond kv_buffer_size holds ~8k tokens of an 8B GQA model (Llama-3-8B: 128 KiB/token), i.e.
 # a short burst, without pinning much of the host (pinned pages cannot be swapped; the pool
 # is allocated and pinned, at exactly this size, in the background as the engine starts). A
 # prefill-only instance receives no KV in any send mode (GET copies live in its send store),
 # so it gets none.
-# How long an engine step that computes nothing may wait for a transfer to move. A request
-# that reaches an engine waiting this way starts at most this much later. 5 ms ended the
-# stall of scripts/bench_kv_wait.py (P's request waited out D's whole KV wait) as 20 ms did.
-DEFAULT_IDLE_WAIT_MS = 5.0
-MAX_IDLE_WAIT_MS = 1000.0
 DEFAULT_POOL_GB = {"kv_consumer": 1.0, "kv_both": 1.0, "kv_producer": 0.0}
 
 

@@ -103,10 +103,10 @@ class KVEngine:
         # GPU: received KV beyond kv_buffer_size of device memory goes to a pinned host pool.
         self._stager = (RecvStager(cfg.kv_buffer_size, int(cfg.mem_pool_size_gb * (1 << 30)))
                         if self._device.type == "cuda" else None)
-        # A reservation whose bytes did not come within the sender's deadline never will.
         # Set by whatever moves a transfer on (KV stored or failed here, a send of ours ended):
         # an idle step's poll waits on it (cfg.idle_wait_ms) instead of vLLM spinning.
         self._progress = threading.Event()
+        # A reservation whose bytes did not come within the sender's deadline never will.
         self._recv = KVBuffer("recv", self._stager.capacity if self._stager else cfg.kv_buffer_size, cfg.buffer_ttl_s,
                               reservation_ttl_s=cfg.send_timeout_s + 1.0, changed=self._progress)
         # GET: P keeps copies until D pulls them; when full, the oldest unread go first.
@@ -376,8 +376,8 @@ class KVEngine:
         ``wait_s`` > 0 (a step that computes nothing): when nothing completed but loads or
         sends are pending, wait up to that long for one of them to move, then look again.
         vLLM's engine loop would otherwise run empty steps back to back until the KV
-        arrives or the send ends, taking a core from the transfer and from any engine
-        sharing the box."""
+        arrives or the send ends; on a CPU box shared with another engine that loop could
+        hold the other one off for seconds (scripts/bench_kv_wait.py)."""
         if wait_s > 0:
             self._progress.clear()  # before looking: whatever happens after it wakes the wait
         result = self._poll_once(finished_req_ids)
