@@ -55,6 +55,7 @@ def test_scheduler_announces_peers_of_new_requests_once_per_step():
 
     class Out:
         num_scheduled_tokens: dict = {}
+        total_num_scheduled_tokens = 0
         preempted_req_ids = None
         scheduled_new_reqs: list = []
 
