@@ -124,7 +124,7 @@ def main() -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-wait-"))
     unbound = {"VLLM_CPU_OMP_THREADS_BIND": None}  # vLLM's default binding
     started: list[cluster.Server] = []
-    results: dict[str, dict] = {}
+    results: list[dict] = []  # one per variant, in order (a variant may repeat)
     try:
         p_port = cluster.free_port()
         p = cluster.start_vllm("prefill", p_port, log_dir, model=model, env=unbound, kv_config=cluster.kv_transfer_config(
@@ -140,7 +140,8 @@ def main() -> int:
             started.append(d)
             cluster.wait_until([p, d], "/health", 600)
             prefill_ms(p, prompts, args.tokens)  # warm-up
-            results[name] = r = measure(p, d, prompts, args)
+            r = measure(p, d, prompts, args)
+            results.append({"d_config": extra, **r})
             print(f"D {name}: P's {args.tokens}-token prefill {r['p_prefill_ms_d_idle']:.1f} ms with D idle; "
                   f"right after D began waiting {r['p_first_prefill_ms_d_starts_waiting']} ms "
                   f"({r['first_ratio']:.2f}x); later in the wait {r['p_prefill_ms_d_waiting']:.1f} ms "
@@ -150,7 +151,7 @@ def main() -> int:
     finally:
         for s in started:
             s.stop()
-    out = {"results_by_d_config": results, "tokens": args.tokens, "samples": args.samples,
+    out = {"results": results, "tokens": args.tokens, "samples": args.samples,
            "cpus": os.cpu_count(), "command": " ".join(sys.argv), "logs": str(log_dir)}
     print(json.dumps(out, indent=1))
     if args.json:
