@@ -62,7 +62,7 @@ def post(url: str, body: dict, headers: dict[str, str] | None = None, timeout: f
 
 
 def prefill_ms(p: cluster.Server, prompts: bench_e2e.Prompts, tokens: int) -> float:
-    body = {"model": "tiny-llama", "prompt": prompts.make(tokens), "max_tokens": 1, "temperature": 0}
+    body = bench_e2e.completion_body(prompts.make(tokens), 1, stream=False)
     t0 = time.perf_counter()
     post(p.url, body)
     return (time.perf_counter() - t0) * 1e3
@@ -72,7 +72,7 @@ def wait_on_d(d: cluster.Server, prompts: bench_e2e.Prompts, timeout_s: float) -
     """A request on D whose KV never comes (its prefill address is dead): D waits for it
     until its kv_load_timeout_s, then recomputes."""
     rid = request_id.build(f"{cluster.HOST}:{cluster.free_port()}", f"{cluster.HOST}:{d.kv_port}")
-    body = {"model": "tiny-llama", "prompt": prompts.make(200), "max_tokens": 2, "temperature": 0}
+    body = bench_e2e.completion_body(prompts.make(200), 2, stream=False)
     waiter = threading.Thread(target=lambda: post(d.url, body, {"X-Request-Id": rid}, timeout=timeout_s + 60),
                               daemon=True)
     waiter.start()
