@@ -184,6 +184,22 @@ class KVBuffer:
                 self._reserved_bytes += nbytes
             return refused
 
+    def reservation(self, key: str) -> int | None:
+        """The bytes reserved for key, or None."""
+        with self._lock:
+            res = self._reserved.get(key)
+            return res.nbytes if res is not None else None
+
+    def extend(self, key: str) -> int | None:
+        """A reservation's bytes, its expiry moved to a full TTL from now (a layer-wise sender
+        fills it part by part); None without one."""
+        with self._lock:
+            res = self._reserved.get(key)
+            if res is None:
+                return None
+            res.expires = time.monotonic() + self._reservation_ttl
+            return res.nbytes
+
     def put(self, key: str, payload: Payload) -> str | None:
         """Store a payload into its reservation (or, unreserved, if it fits);
         returns None on success or the reason it was refused."""

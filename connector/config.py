@@ -15,6 +15,9 @@ logger = get_logger(__name__)
 
 SendType = Literal["PUT", "PUT_ASYNC", "GET"]
 SEND_TYPES: tuple[str, ...] = ("PUT", "PUT_ASYNC", "GET")
+# "request": P ships a prompt's KV once, after the forward pass that completed it; "layer":
+# each layer's blocks as soon as that layer's attention ran, overlapping the later layers.
+SEND_GRANULARITIES: tuple[str, ...] = ("request", "layer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +193,14 @@ class ConnectorConfig:
     # that loop can hold the other engine off for as long as it lasts. 0: never wait (vLLM's
     # own behaviour).
     idle_wait_ms: float = DEFAULT_IDLE_WAIT_MS
+    # P (PUT_ASYNC): "request" ships a prompt's KV after the forward pass; "layer" ships each
+    # layer's blocks while the later layers run (README: Layer-wise sends).
+    send_granularity: str = "request"
+
+    @property
+    def layerwise(self) -> bool:
+        """P ships each layer as its forward ends (only with PUT_ASYNC: config refuses the rest)."""
+        return self.send_granularity == "layer" and self.is_producer
 
     @property
     def is_producer(self) -> bool:
@@ -222,6 +233,10 @@ class ConnectorConfig:
         # vLLM 0.32 rejects top-level kv_ip / kv_buffer_size, so they live here.
         kv_ip = str(extra.get("kv_ip", "127.0.0.1"))
         http_port = extra.get("http_port")
+        granularity = _choice(extra, "send_granularity", SEND_GRANULARITIES)
+        if granularity == "layer" and send_type != "PUT_ASYNC":
+            # PUT sends inside the step (nothing to overlap it with); GET copies once for D to pull.
+            raise ValueError(f"send_granularity 'layer' needs send_type PUT_ASYNC, got {send_type!r}")
         return ConnectorConfig(
             role=role,
             kv_ip=kv_ip,
@@ -248,6 +263,7 @@ class ConnectorConfig:
             kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
             sync_load=_flag(extra.get("sync_load", True)),
             idle_wait_ms=_idle_wait_ms(extra),
+            send_granularity=granularity,
         )
 
 

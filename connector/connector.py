@@ -7,7 +7,7 @@ process it runs in; those two share nothing but ``P2pConnectorMetadata``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -23,6 +23,8 @@ from connector.scheduler import ArrivalProbe, P2pScheduler
 from connector.worker import P2pWorker
 
 if TYPE_CHECKING:
+    import torch
+    from vllm.attention.backends.abstract import AttentionMetadata
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -55,6 +57,7 @@ class P2pNcclConnector(XpydConnectorBase):
                                        vllm_config.cache_config.num_gpu_blocks)
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
+        self._layerwise = cfg.layerwise
         if role == KVConnectorRole.SCHEDULER:
             if cfg.is_consumer:
                 warn_unless_recompute("P2pNcclConnector", vllm_config,
@@ -69,6 +72,15 @@ class P2pNcclConnector(XpydConnectorBase):
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, P2pConnectorMetadata):
             self._worker.prepare(connector_metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: "torch.Tensor", attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        """Layer-wise sends: this layer's blocks of the prompts completed in this step go now,
+        while the later layers run. Whole-request sends wait for the step's end (wait_for_save)."""
+        if self._layerwise and self._worker is not None:
+            meta = self._meta()
+            if isinstance(meta, P2pConnectorMetadata) and meta.saves:
+                self._worker.save_layer(meta, layer_name)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None

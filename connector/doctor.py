@@ -4,7 +4,7 @@ that will serve with xPyD. It reports the environment, then checks what this mac
 * everywhere: NCCL found, loads, its version; our ``ncclConfig_t`` against the ``nccl.h``
   beside that library (when there is one and a C compiler); the tcp transport round trip;
   gather/scatter of every KV cache layout on CPU; a prefill and a decode engine in two
-  processes moving a request's KV over tcp (PUT, PUT_ASYNC, GET);
+  processes moving a request's KV over tcp (PUT, PUT_ASYNC, GET, layer-wise PUT_ASYNC);
 * with a GPU: the same engine pair over real NCCL for every layout and send mode, with
   checksums (two GPUs when there are two, as production runs them; else one GPU shared by
   two processes made two NCCL hosts), pinned staging, and GB/s of NCCL send/recv,
@@ -550,6 +550,8 @@ def run_doctor(args: argparse.Namespace) -> tuple[Report, bool]:
         report.run(f"engine.cpu_tcp[{layout},{send_type}]",
                    lambda layout=layout, send_type=send_type: _pair_check(layout, send_type, "tcp", device="cpu",
                                                                         split_hosts=False))
+    report.run("engine.cpu_tcp[BLNHC,PUT_ASYNC,layer]",
+               lambda: _pair_check("BLNHC", "PUT_ASYNC", "tcp", device="cpu", split_hosts=False, granularity="layer"))
     if gpu:
         two = n_gpus >= 2
         report.run("nccl.single_rank_communicator", check_single_rank_nccl)
@@ -561,6 +563,9 @@ def run_doctor(args: argparse.Namespace) -> tuple[Report, bool]:
             for send_type in SEND_TYPES:
                 report.run(f"engine.gpu_nccl[{layout},{send_type}]",
                            lambda layout=layout, send_type=send_type: _pair_check(layout, send_type, "nccl", **kw))
+            # Layer-wise: each layer's send waits on its own CUDA event, not the step's.
+            report.run(f"engine.gpu_nccl[{layout},PUT_ASYNC,layer]",
+                       lambda layout=layout: _pair_check(layout, "PUT_ASYNC", "nccl", granularity="layer", **kw))
         report.run("engine.gpu_tcp[LBHNC,PUT_ASYNC]", lambda: _pair_check("LBHNC", "PUT_ASYNC", "tcp", **kw))
         for channels in (None, 8):  # NCCL's choice vs vLLM P2P's fixed 8
             report.run(f"bench.nccl_transfers[channels={channels or 'auto'}]",

@@ -32,6 +32,7 @@ import torch
 
 from connector import affinity, tp
 from connector import layout as kvlayout
+from connector.assembly import PartAssembler, is_part
 from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.consumer import Consumer
@@ -111,6 +112,9 @@ class KVEngine:
                               reservation_ttl_s=cfg.send_timeout_s + 1.0, changed=self._progress)
         # GET: P keeps copies until D pulls them; when full, the oldest unread go first.
         self._sendbuf = KVBuffer("send", cfg.kv_buffer_size, cfg.buffer_ttl_s, evict_lru=True)
+        # Layer-wise senders' payloads, part by part, inside their reservation in _recv.
+        self._parts = PartAssembler(self._recv)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._stop = threading.Event()
         self._cpus = cpus
         # CUDA: events marking when the blocks of a transfer were written (the forward pass)
@@ -130,7 +134,7 @@ class KVEngine:
         self._transport.on_fallback = self.xfer_stats.fallback  # nccl -> host-staged tcp, per peer
         self._device_native = bool(getattr(self._transport, "device_native", False))
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
-                                 self.check_peer, self._tp, self._progress)
+                                 self.check_peer, self._tp, self._progress, num_layers=len(self._layer_names))
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
                                  self.xfer_stats, self._stager,
                                  lambda header: self.check_peer(header, we_send=False), self._tp, self._head_axis)
@@ -169,6 +173,7 @@ class KVEngine:
             "send_items": len(self._sendbuf),
             "pending_sends": self.producer.pending,
             "pending_loads": self.consumer.pending,
+            "partial_payloads": len(self._parts),
         }
 
     def refusals(self) -> dict[str, int]:
@@ -191,7 +196,15 @@ class KVEngine:
                 return {"ok": False, "error": refused}, []
             return {"ok": True}, []
         if op == "put":
-            payload = Payload.of(header, tensors)
+            if is_part(header):  # a layer-wise sender: the payload comes a run of layers at a time
+                payload, refused = self._parts.add(key, header, tensors)
+                if refused:
+                    logger.warning("refused kv transfer=%s part=%s reason=%s", key, header.get("part"), refused)
+                    return {"ok": False, "error": refused}, []
+                if payload is None:
+                    return {"ok": True}, []
+            else:
+                payload = Payload.of(header, tensors)
             refused = store_received(self._recv, self._stager, key, payload)
             if refused:
                 logger.warning("refused kv transfer=%s reason=%s", key, refused)
@@ -204,6 +217,7 @@ class KVEngine:
                 return {"ok": False, "error": "abort needs keys"}, []
             for k, why in keys.items():
                 if isinstance(k, str) and self._recv.fail(k, str(why)):
+                    self._parts.drop(k)
                     logger.warning("kv transfer=%s will not come: %s", k, why)
             return {"ok": True}, []
         if op == "get":
@@ -283,6 +297,7 @@ class KVEngine:
         while not self._stop.wait(_SWEEP_S):
             self._drop_events(time.monotonic() - self._cfg.send_timeout_s - self._cfg.buffer_ttl_s)
             self._recv.expire()
+            self._parts.sweep()  # parts of transfers whose reservation expired
             self._sendbuf.expire()
 
     def _drop_events(self, older_than: float) -> None:
@@ -292,16 +307,19 @@ class KVEngine:
                 table.pop(key, None)
 
     # ---- producer (worker thread, and the per-peer sender threads) ----
-    def _payload(self, spec: SaveSpec, copy: bool, heads: slice | None = None) -> tuple[dict[str, Any],
-                                                                                      list[torch.Tensor]]:
+    def _payload(self, spec: SaveSpec, copy: bool, heads: slice | None = None, layers: tuple[int, int] | None = None,
+                 after: Any = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The blocks of ``spec`` (only ``heads`` of each, for a decode rank of another TP
-        size: then one packed tensor per layer)."""
-        written = self._written.pop(spec.transfer_key, None)
-        if written is not None:  # CUDA: read the blocks only after the forward pass wrote them
+        size: then one packed tensor per layer). ``layers``: only layers [lo, hi), as one part
+        of a layer-wise send; ``after``: the CUDA event that marks them written."""
+        written = self._written.pop(spec.transfer_key, None) if layers is None else (after, 0.0)
+        if written is not None and written[0] is not None:
+            # CUDA: read the blocks only after the forward pass wrote them
             torch.cuda.current_stream(self._device).wait_event(written[0])
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
-        for name in self._layer_names:
+        names = self._layer_names if layers is None else self._layer_names[layers[0]:layers[1]]
+        for name in names:
             if heads is not None:
                 parts = [kvlayout.gather_packed(self._caches[name], spec.block_ids, heads=heads,
                                                 head_axis=self._head_axis)]
@@ -339,9 +357,28 @@ class KVEngine:
             **self._layout.describe(),
             **self._tp.describe(),  # D checks it: rank r to rank r is right only for equal TP
         }
+        if layers is not None:
+            header["part"] = list(layers)
         return header, tensors
 
+    def _mark_written(self) -> Any:
+        """CUDA: an event after what this thread's stream has queued (the forward pass so far)."""
+        if self._device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    def save_layer(self, spec: SaveSpec, layer_name: str) -> None:
+        """Layer-wise sends: this layer's blocks of ``spec`` are written (its attention ran)."""
+        i = self._layer_index.get(layer_name) if self._cfg.layerwise else None
+        if i is not None:  # a layer without a cache of ours: the end of the forward covers it
+            self.producer.save_layer(spec, i, self._mark_written())
+
     def save(self, spec: SaveSpec) -> None:
+        if self._cfg.layerwise:  # the forward pass is over: every layer may go
+            self.producer.seal(spec, self._mark_written())
+            return
         if self._device.type == "cuda":
             # The forward pass that wrote these blocks may still be running on this thread's
             # stream: the sender thread and the transport's stream wait for this event.

@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--peer-port", type=int, required=True)
     ap.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
     ap.add_argument("--send-type", default="PUT_ASYNC")
+    ap.add_argument("--granularity", choices=("request", "layer"), default="request",
+                    help="layer: P reports each layer written, as vLLM's save_kv_layer does, then the step's end")
     ap.add_argument("--transport", default="nccl")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--device", default="cuda", help="cpu: check this script itself (tcp only)")
@@ -87,7 +89,8 @@ def main() -> None:
         role="kv_producer" if args.role == "p" else "kv_consumer", kv_ip=HOST, kv_port=args.port, http_host=HOST,
         http_port=None, proxies=(), send_type=args.send_type, kv_buffer_size=1 << 30, kv_load_timeout_s=args.timeout,
         send_timeout_s=args.timeout, buffer_ttl_s=120.0, heartbeat_interval_s=3.0, transport=args.transport,
-        thread_affinity="off", discovery_secret=None, allow_debug_corruption=False)
+        thread_affinity="off", discovery_secret=None, allow_debug_corruption=False,
+        send_granularity=args.granularity)
     engine = KVEngine(cfg, 0, caches, layout)
     n_prompt = len(SRC_IDS) * tokens - 3
     out: dict = {"role": args.role, "transport": engine._transport.name, "layout": str(layout)}
@@ -95,9 +98,12 @@ def main() -> None:
         if args.role == "p":
             out["sha"] = [block_sha(c, SRC_IDS[FIRST:]) for c in caches.values()]
             print(json.dumps({"ready": True}), flush=True)
-            engine.save(SaveSpec(req_id="P-req", transfer_key=KEY, decode_addr=f"{HOST}:{args.peer_port}",
-                                 prefill_addr=f"{HOST}:{args.port}", block_ids=SRC_IDS, num_tokens=n_prompt,
-                                 delay_free=args.send_type == "PUT_ASYNC"))
+            spec = SaveSpec(req_id="P-req", transfer_key=KEY, decode_addr=f"{HOST}:{args.peer_port}",
+                            prefill_addr=f"{HOST}:{args.port}", block_ids=SRC_IDS, num_tokens=n_prompt,
+                            delay_free=args.send_type == "PUT_ASYNC")
+            for name in caches:  # layer-wise: each layer goes as it is reported (no-op otherwise)
+                engine.save_layer(spec, name)
+            engine.save(spec)
             sent = set()
             deadline = time.monotonic() + args.timeout
             while args.send_type == "PUT_ASYNC" and "P-req" not in sent and time.monotonic() < deadline:
@@ -155,14 +161,14 @@ def _json_line(proc: subprocess.Popen, what: str) -> dict:
 
 def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str = "cuda",
              timeout: float = 90.0, p_device: str | None = None, d_device: str | None = None,
-             split_hosts: bool = True) -> tuple[dict, dict]:
+             split_hosts: bool = True, granularity: str = "request") -> tuple[dict, dict]:
     """A prefill and a decode engine, each in a process of its own, move one request's
     blocks; returns what each printed (checksums, load result). ``p_device``/``d_device``
     (default ``device``) put them on two GPUs; ``split_hosts`` makes the two processes two
     NCCL hosts (needed when they share a GPU, not otherwise)."""
     p_port, d_port = _free_port(), _free_port()
     common = ["--layout", layout, "--send-type", send_type, "--transport", transport, "--timeout",
-              str(int(timeout * 2 / 3))]
+              str(int(timeout * 2 / 3)), "--granularity", granularity]
     repo = str(Path(__file__).resolve().parents[1])
 
     def env(host_id: str) -> dict[str, str]:

@@ -58,6 +58,54 @@ PeerCheck = Callable[[dict[str, Any]], str | None]
 RECHECK_S = 30.0
 # A send slower than this is logged at WARNING with where its time went.
 SLOW_SEND_S = 1.0
+# Layer-wise sends: a forward pass that writes no further layer for this long is not running
+# (the worker died or vLLM stopped calling save_kv_layer); the send gives up. Generous: one
+# layer of a long chunk takes seconds on a small CPU.
+FORWARD_WAIT_S = 300.0
+
+
+class LayerProgress:
+    """Layer-wise sends: how many of a prompt's layers (in cache order) the forward pass has
+    written. The worker thread advances it per layer (``save_kv_layer``) and seals it when the
+    forward pass is over (``wait_for_save``: every layer written, also those whose attention
+    did not report); the peer thread waits on it."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+        self.ready = 0
+        # Per ready layer: the CUDA event after its write (None on CPU).
+        self.events: list[Any] = []
+        self.sealed_at: float | None = None
+        self._cond = threading.Condition()
+
+    def advance(self, layer: int, event: Any = None) -> None:
+        with self._cond:
+            if layer != self.ready or self.sealed_at is not None:
+                return  # out of order or repeated: the seal covers it
+            self.ready += 1
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def seal(self, event: Any = None) -> None:
+        with self._cond:
+            self.events.extend([event] * (self.layers - self.ready))
+            self.ready = self.layers
+            self.sealed_at = time.monotonic()
+            self._cond.notify_all()
+
+    def wait(self, lo: int, timeout_s: float) -> tuple[int, Any, bool]:
+        """Until a layer past ``lo`` is written: (layers written, the event of the last of
+        them, whether this had to wait). (lo, None, True) after ``timeout_s``."""
+        with self._cond:
+            if self.ready > lo:
+                return self.ready, self.events[self.ready - 1], False
+            if not self._cond.wait_for(lambda: self.ready > lo, timeout_s):
+                return lo, None, True
+            return self.ready, self.events[self.ready - 1], True
+
+    def lag_ms(self, now: float) -> float:
+        """ms from the end of the forward pass to ``now`` (0 when the last byte was there first)."""
+        return max(0.0, now - self.sealed_at) * 1e3 if self.sealed_at is not None else 0.0
 
 
 @dataclass(slots=True)
@@ -88,6 +136,8 @@ class Send:
     created: float = field(default_factory=time.monotonic)
     # Set too when the send ends: a worker waiting in an idle step wakes (engine.poll).
     progress: threading.Event | None = None
+    # Layer-wise: the layers written so far (None: the whole payload is written already).
+    layers: LayerProgress | None = None
 
     def finish(self) -> None:
         self.done.set()
@@ -355,22 +405,28 @@ class PeerSender:
         return why, False
 
     def _ship(self, spec: SaveSpec, addr: str, route: tp.Route | None, deadline: float,
-              phases: SendPhases) -> int | None:
+              phases: SendPhases, part: tuple[int, int, int] | None = None, after: Any = None) -> int | None:
         """Reserve, then send, one payload to one decode rank: the bytes sent, or None when
-        D refused it. Raises TransportError."""
+        D refused it. Raises TransportError. ``part`` (lo, hi, layers): only layers [lo, hi)
+        of the payload, written once ``after`` (a CUDA event) ran; the first part reserves
+        the whole payload (every layer's blocks have one size)."""
         t = time.monotonic()
+        span = {} if part is None else {"layers": part[:2], "after": after}
         if route is None:
-            header, tensors = self._build(spec, False)
+            header, tensors = self._build(spec, False, **span)
         else:
-            header, tensors = self._build(spec, False, route.piece.remote_heads)
+            header, tensors = self._build(spec, False, route.piece.remote_heads, **span)
             header.update(key=tp.piece_key(spec.transfer_key, route.index), piece=route.index,
                           pieces=route.count, src_rank=self._rank,
                           heads=[route.piece.local_heads.start, route.piece.local_heads.stop])
         nbytes = tensor_bytes(tensors)
         t = phases.add("build", t)
-        reply, _ = self._transport.call(addr, {"op": "reserve", "key": header["key"], "nbytes": nbytes},
-                                        timeout_s=max(0.05, deadline - time.monotonic()))
-        t = phases.add("reserve", t)
+        reply = {"ok": True}
+        if part is None or part[0] == 0:
+            total = nbytes if part is None else nbytes * part[2] // (part[1] - part[0])
+            reply, _ = self._transport.call(addr, {"op": "reserve", "key": header["key"], "nbytes": total},
+                                            timeout_s=max(0.05, deadline - time.monotonic()))
+            t = phases.add("reserve", t)
         if reply.get("ok"):
             reply, _ = self._transport.call(addr, header, tensors, timeout_s=max(0.05, deadline - time.monotonic()))
             phases.add("put", t)
@@ -383,6 +439,36 @@ class PeerSender:
             # D knows this piece will not come, but waits for the transfer's key: tell it.
             self._notice(spec.transfer_key, f"piece {route.index} refused: {reply.get('error')}", [addr])
         return None
+
+    def _ship_layers(self, send: Send, routes: list[tuple[str, tp.Route | None]], pending: list[str],
+                     deadline: float, phases: SendPhases) -> tuple[int, bool]:
+        """A layer-wise send: each run of layers the forward pass has written goes to every
+        decode rank as soon as it is written (the first part reserves the whole payload).
+        Removes a rank from ``pending`` once its last part is in, or it refused one. Returns
+        (bytes sent, whether every rank took every part). Raises TransportError."""
+        progress = send.layers
+        assert progress is not None
+        live = list(routes)
+        sent, lo = 0, 0
+        while lo < progress.layers and live:
+            t = time.monotonic()
+            hi, event, waited = progress.wait(lo, FORWARD_WAIT_S)
+            if hi <= lo:
+                raise RuntimeError(f"the forward pass wrote no layer past {lo} in {FORWARD_WAIT_S:g}s")
+            if waited:  # the deadline counts from when the KV was there to send
+                deadline = max(deadline, time.monotonic() + self._cfg.send_timeout_s)
+            phases.add("forward", t)
+            for addr, route in list(live):
+                nbytes = self._ship(send.spec, addr, route, deadline, phases, (lo, hi, progress.layers), event)
+                if nbytes is None:
+                    live.remove((addr, route))
+                    pending.remove(addr)
+                    continue
+                sent += nbytes
+                if hi == progress.layers:
+                    pending.remove(addr)
+            lo = hi
+        return sent, len(live) == len(routes)
 
     def _send(self, send: Send) -> None:
         if not send.claim():
@@ -406,15 +492,19 @@ class PeerSender:
                 return
             routes = list(self._routes)
             pending = [addr for addr, _ in routes]
-            sent, ok = 0, True
-            for addr, route in routes:
-                nbytes = self._ship(spec, addr, route, deadline, phases)
-                pending.remove(addr)
-                ok = ok and nbytes is not None
-                sent += nbytes or 0
+            if send.layers is None:
+                sent, ok = 0, True
+                for addr, route in routes:
+                    nbytes = self._ship(spec, addr, route, deadline, phases)
+                    pending.remove(addr)
+                    ok = ok and nbytes is not None
+                    sent += nbytes or 0
+            else:
+                sent, ok = self._ship_layers(send, routes, pending, deadline, phases)
             if ok:
                 self._stats.transfer("send", "ok", sent, "sent")
-                took = time.monotonic() - t0
+                # The KV arrival lag: from the end of the forward pass that wrote the blocks.
+                took = time.monotonic() - t0 if send.layers is None else send.layers.lag_ms(time.monotonic()) / 1e3
                 logger.log(logging.WARNING if took > SLOW_SEND_S else logging.INFO,
                            "kv sent%s req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f "
                            "phases_ms=%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
@@ -441,8 +531,9 @@ class Producer:
     def __init__(self, cfg: ConnectorConfig, rank: int, transport: Transport, build: PayloadBuilder,
                  sendbuf: KVBuffer, cpus: CpuPlan | None, stats: StatsRecorder | None = None,
                  check: PeerCheck | None = None, local: tp.TpSide | None = None,
-                 progress: threading.Event | None = None) -> None:
+                 progress: threading.Event | None = None, num_layers: int = 0) -> None:
         self._cfg = cfg
+        self._num_layers = num_layers  # layer-wise sends: layers of the cache, in order
         self._progress = progress
         self._local = local  # this instance's TP: which decode ranks get which heads
         self._check = check
@@ -496,6 +587,28 @@ class Producer:
             return
         self._sends[spec.req_id] = send
         peer.submit(send)
+
+    def _layered(self, spec: SaveSpec) -> Send:
+        """This step's layer-wise send of ``spec``, queued on its peer at the first layer."""
+        send = self._sends.get(spec.req_id)
+        if send is None or send.spec is not spec:
+            send = Send(spec, progress=self._progress, layers=LayerProgress(self._num_layers))
+            self._sends[spec.req_id] = send
+            self.peer(spec.decode_addr).submit(send)
+        return send
+
+    def save_layer(self, spec: SaveSpec, layer: int, event: Any = None) -> None:
+        """Layer-wise (PUT_ASYNC): layer ``layer`` of the prompt's blocks is written."""
+        layers = self._layered(spec).layers
+        assert layers is not None
+        layers.advance(layer, event)
+
+    def seal(self, spec: SaveSpec, event: Any = None) -> None:
+        """Layer-wise: the forward pass is over, every layer may go (also when no layer was
+        reported: the whole payload then goes at once)."""
+        layers = self._layered(spec).layers
+        assert layers is not None
+        layers.seal(event)
 
     def wait_sends(self, req_ids: list[str]) -> None:
         """Preemption: no send may read these requests' blocks after we return.

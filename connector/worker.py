@@ -86,6 +86,11 @@ class P2pWorker:
         """Blocks of synchronous loads that failed since the last step."""
         return self.engine.take_invalid_blocks() if self.engine is not None else set()
 
+    def save_layer(self, meta: P2pConnectorMetadata, layer_name: str) -> None:
+        """Layer-wise sends: one layer's attention ran in this step's forward pass."""
+        for spec in meta.saves:
+            self._engine().save_layer(spec, layer_name)
+
     def wait_for_save(self, meta: P2pConnectorMetadata) -> None:
         for spec in meta.saves:
             self._engine().save(spec)

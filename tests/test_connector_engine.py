@@ -147,7 +147,7 @@ def assert_untouched(eng: KVEngine, before: dict) -> None:
 
 
 ZERO = {"recv_bytes": 0, "recv_reserved_bytes": 0, "recv_items": 0, "send_bytes": 0, "send_items": 0,
-        "pending_sends": 0, "pending_loads": 0}
+        "pending_sends": 0, "pending_loads": 0, "partial_payloads": 0}
 NO_REFUSALS = dict.fromkeys(REFUSAL_REASONS, 0)
 
 

@@ -253,18 +253,22 @@ def _send_one_and_check(prod, dec) -> None:
     before = [snapshot(d.caches) for d in dec]
     for d in dec:
         plan_load(d, load_spec(rank0(prod), (7, 2, 11), 2))
-    prod.save(save_spec(prod, rank0(dec[0])))
+    spec = save_spec(prod, rank0(dec[0]))
+    for name in prod.caches:  # the forward pass layer by layer (ignored unless sends are layer-wise)
+        prod.save_layer(spec, name)
+    prod.save(spec)
     for d in dec:
         res, _ = poll_until(d, lambda r: "D-req" in r.finished_recving)
         assert res.failed_recving == set()
     _check_decode(dec, [prod], before)
 
 
-@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT"])
-def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type):
+@pytest.mark.parametrize("send_type, granularity", [("PUT_ASYNC", "request"), ("PUT", "request"),
+                                                    ("PUT_ASYNC", "layer")])
+def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type, granularity):
     from test_connector_engine import poll_until
 
-    (prod,) = instances("kv_producer", send_type, 1, 4, seed=1, blocks_heads=4)
+    (prod,) = instances("kv_producer", send_type, 1, 4, seed=1, blocks_heads=4, send_granularity=granularity)
     dec = instances("kv_consumer", send_type, 2, 4, seed=2, blocks_heads=2)
     _send_one_and_check(prod, dec)
     if send_type == "PUT_ASYNC":  # PUT sent within save(): its blocks were never held
@@ -274,7 +278,8 @@ def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type
         assert d.stats()["recv_items"] == 0
 
 
-def test_head_slices_over_the_nccl_transport(instances):
+@pytest.mark.parametrize("granularity", ["request", "layer"])
+def test_head_slices_over_the_nccl_transport(instances, granularity):
     """P tp=1 -> D tp=2 over the nccl transport (host-memory NCCL double): the head slices
     go over the communicators, each D rank gets exactly its heads."""
     import torch
@@ -290,7 +295,8 @@ def test_head_slices_over_the_nccl_transport(instances):
         return NcclTransport(libs[-1], torch.device("cpu"), max_msg_bytes=cfg.kv_buffer_size + (1 << 20))
 
     try:
-        (prod,) = instances("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, transport=build)
+        (prod,) = instances("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, transport=build,
+                            send_granularity=granularity)
         dec = instances("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2, transport=build)
         _send_one_and_check(prod, dec)
         half = sum(c[:5, :2].numel() * c.element_size() for c in prod.caches.values())  # 5 blocks, 2 heads

@@ -160,6 +160,28 @@ def test_config_rejects_bad_idle_wait(value):
         ConnectorConfig.from_vllm(_kvt(idle_wait_ms=value))
 
 
+@pytest.mark.parametrize("role, extra, layerwise", [
+    ("kv_producer", {}, False),  # the default: whole-request sends
+    ("kv_producer", {"send_granularity": "layer"}, True),
+    ("kv_producer", {"send_granularity": "LAYER"}, True),
+    ("kv_both", {"send_granularity": "layer"}, True),
+    ("kv_consumer", {"send_granularity": "layer"}, False),  # D sends nothing
+    ("kv_producer", {"send_granularity": "request"}, False),
+])
+def test_config_send_granularity(role, extra, layerwise):
+    assert ConnectorConfig.from_vllm(_kvt(role, **extra)).layerwise is layerwise
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"send_granularity": "token"}, "send_granularity must be one of"),
+    ({"send_granularity": "layer", "send_type": "PUT"}, "needs send_type PUT_ASYNC"),
+    ({"send_granularity": "layer", "send_type": "GET"}, "needs send_type PUT_ASYNC"),
+])
+def test_config_rejects_bad_send_granularity(extra, match):
+    with pytest.raises(ValueError, match=match):
+        ConnectorConfig.from_vllm(_kvt("kv_producer", **extra))
+
+
 def test_config_rejects_bad_values():
     with pytest.raises(ValueError, match="send_type"):
         ConnectorConfig.from_vllm(_kvt(send_type="PUSH"))

@@ -48,7 +48,8 @@ def test_doctor_without_a_gpu_runs_the_device_free_checks_and_exits_3(newest_lib
                  "transport.tcp_roundtrip", "layout.cpu_gather_scatter"):
         assert status[name] == "pass", (name, report["checks"])
     pairs = [n for n in status if n.startswith("engine.cpu_tcp[")]
-    assert len(pairs) == 3 and all(status[n] == "pass" for n in pairs)  # PUT_ASYNC, PUT, GET
+    # PUT_ASYNC, PUT, GET, and PUT_ASYNC with layer-wise sends
+    assert len(pairs) == 4 and all(status[n] == "pass" for n in pairs)
     assert not any(s == "fail" for s in status.values())
     assert not any(n.startswith(("engine.gpu", "bench.")) for n in status)  # nothing pretends to be GPU
     lib = next(c for c in report["checks"] if c["name"] == "nccl.library")
