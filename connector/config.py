@@ -16,8 +16,10 @@ logger = get_logger(__name__)
 SendType = Literal["PUT", "PUT_ASYNC", "GET"]
 SEND_TYPES: tuple[str, ...] = ("PUT", "PUT_ASYNC", "GET")
 # "request": P ships a prompt's KV once, after the forward pass that completed it; "layer":
-# each layer's blocks as soon as that layer's attention ran, overlapping the later layers.
-SEND_GRANULARITIES: tuple[str, ...] = ("request", "layer")
+# each layer's blocks as soon as that layer's attention ran, overlapping the later layers;
+# "auto": layer over tcp (measured: README, Layer-wise sends), request over nccl (not measured).
+SEND_GRANULARITIES: tuple[str, ...] = ("auto", "request", "layer")  # the default first
+DEFAULT_SEND_GRANULARITY = SEND_GRANULARITIES[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +196,18 @@ class ConnectorConfig:
     # own behaviour).
     idle_wait_ms: float = DEFAULT_IDLE_WAIT_MS
     # P (PUT_ASYNC): "request" ships a prompt's KV after the forward pass; "layer" ships each
-    # layer's blocks while the later layers run (README: Layer-wise sends).
-    send_granularity: str = "request"
+    # layer's blocks while the later layers run (README: Layer-wise sends); "auto" picks per transport.
+    send_granularity: str = DEFAULT_SEND_GRANULARITY
 
-    @property
-    def layerwise(self) -> bool:
-        """P ships each layer as its forward ends (only with PUT_ASYNC: config refuses the rest)."""
-        return self.send_granularity == "layer" and self.is_producer
+    def layerwise_on(self, transport: str) -> bool:
+        """Whether this instance ships each layer as its forward ends, over ``transport`` ("tcp"
+        or "nccl"). Only PUT_ASYNC sends apart from the step ("layer" with another send type
+        is refused at start-up; "auto" then means request)."""
+        if not self.is_producer or self.send_type != "PUT_ASYNC":
+            return False
+        if self.send_granularity == "auto":
+            return transport == "tcp"
+        return self.send_granularity == "layer"
 
     @property
     def is_producer(self) -> bool:

@@ -57,7 +57,6 @@ class P2pNcclConnector(XpydConnectorBase):
                                        vllm_config.cache_config.num_gpu_blocks)
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
-        self._layerwise = cfg.layerwise
         if role == KVConnectorRole.SCHEDULER:
             if cfg.is_consumer:
                 warn_unless_recompute("P2pNcclConnector", vllm_config,
@@ -77,7 +76,7 @@ class P2pNcclConnector(XpydConnectorBase):
                       **kwargs: Any) -> None:
         """Layer-wise sends: this layer's blocks of the prompts completed in this step go now,
         while the later layers run. Whole-request sends wait for the step's end (wait_for_save)."""
-        if self._layerwise and self._worker is not None:
+        if self._worker is not None and self._worker.layerwise:
             meta = self._meta()
             if isinstance(meta, P2pConnectorMetadata) and meta.saves:
                 self._worker.save_layer(meta, layer_name)

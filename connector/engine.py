@@ -133,6 +133,9 @@ class KVEngine:
         self._transport.on_refuse = self.xfer_stats.refused
         self._transport.on_fallback = self.xfer_stats.fallback  # nccl -> host-staged tcp, per peer
         self._device_native = bool(getattr(self._transport, "device_native", False))
+        # P ships each layer's blocks as the forward pass writes them (save_layer), else the
+        # whole prompt's at the step's end (save).
+        self.layerwise = cfg.layerwise_on(self._transport.name)
         self.producer = Producer(cfg, rank, self._transport, self._payload, self._sendbuf, cpus, self.xfer_stats,
                                  self.check_peer, self._tp, self._progress, num_layers=len(self._layer_names))
         self.consumer = Consumer(cfg, rank, self._transport, kv_caches, block_layout, self._recv, cpus,
@@ -149,8 +152,9 @@ class KVEngine:
         self._sweeper = threading.Thread(target=self._sweep, name="xpyd-kv-sweep", daemon=True)
         self._sweeper.start()
         logger.info(
-            "kv engine up address=%s rank=%d transport=%s send_type=%s layout=%s auth=%s",
-            self.address, rank, self._transport.name, cfg.send_type, block_layout,
+            "kv engine up address=%s rank=%d transport=%s send_type=%s%s layout=%s auth=%s",
+            self.address, rank, self._transport.name, cfg.send_type, " layer-wise" if self.layerwise else "",
+            block_layout,
             cfg.kv_auth if getattr(self._transport, "authenticated", False) else "none",
         )
 
@@ -371,12 +375,12 @@ class KVEngine:
 
     def save_layer(self, spec: SaveSpec, layer_name: str) -> None:
         """Layer-wise sends: this layer's blocks of ``spec`` are written (its attention ran)."""
-        i = self._layer_index.get(layer_name) if self._cfg.layerwise else None
+        i = self._layer_index.get(layer_name) if self.layerwise else None
         if i is not None:  # a layer without a cache of ours: the end of the forward covers it
             self.producer.save_layer(spec, i, self._mark_written())
 
     def save(self, spec: SaveSpec) -> None:
-        if self._cfg.layerwise:  # the forward pass is over: every layer may go
+        if self.layerwise:  # the forward pass is over: every layer may go
             self.producer.seal(spec, self._mark_written())
             return
         if self._device.type == "cuda":

@@ -66,6 +66,11 @@ class P2pWorker:
         self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout, cpus=cpus,
                                tp_side=tp_side(self._vllm_config, block_layout))
 
+    @property
+    def layerwise(self) -> bool:
+        """Whether this worker ships each layer as the forward pass writes it."""
+        return self.engine is not None and self.engine.layerwise
+
     def _engine(self) -> KVEngine:
         if self.engine is None:
             raise RuntimeError("register_kv_caches was not called")

@@ -82,6 +82,7 @@ import cluster  # noqa: E402  (scripts/cluster.py)
 MODEL_NAME = "tiny-llama"  # cluster.start_vllm serves every model under this name
 # Proxies of the short-prompt sweep, beside the one with the shipped defaults.
 ALWAYS_P = "always-prefill"  # --local-prefill-threshold 0
+GRANULARITIES = ("request", "layer")  # the connector's send_granularity
 ALWAYS_LOCAL = "always-local"  # every prompt on D alone
 DISPATCH_MODES = ("sequential", "concurrent")
 BENCH_DIMS = {"hidden": 768, "intermediate": 2048, "layers": 4, "heads": 12, "kv_heads": 4}
@@ -360,10 +361,10 @@ class DecodeProbe:
     the connector's 'kv loaded ... wait_ms' line D logged for it and the 'kv sent ... ms'
     line P logged for it (P's forward end -> D acknowledged the last byte: the KV arrival lag)."""
 
-    def __init__(self, url: str, log_path: Path, prefill_log: Path) -> None:
+    def __init__(self, url: str, log_path: Path, prefill_logs: list[Path]) -> None:
         self.url = url
         self.log_path = log_path
-        self.prefill_log = prefill_log
+        self.prefill_logs = prefill_logs  # every P behind the probed setups: one of them sends
 
     async def _histograms(self, client) -> dict[str, tuple[float, float]]:
         text = (await client.get(self.url + "/metrics", timeout=10)).text
@@ -375,10 +376,11 @@ class DecodeProbe:
                         out[key][i] += float(line.rsplit(" ", 1)[1])
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-    async def before(self, client) -> tuple[dict[str, tuple[float, float]], int, int]:
-        return await self._histograms(client), self.log_path.stat().st_size, self.prefill_log.stat().st_size
+    async def before(self, client) -> tuple[dict[str, tuple[float, float]], int, list[int]]:
+        return (await self._histograms(client), self.log_path.stat().st_size,
+                [p.stat().st_size for p in self.prefill_logs])
 
-    async def after(self, client, mark: tuple[dict[str, tuple[float, float]], int, int]) -> dict[str, float] | None:
+    async def after(self, client, mark: tuple[dict[str, tuple[float, float]], int, list[int]]) -> dict[str, float] | None:
         """D's timings (ms) of the one request since `mark`; None if D did not count exactly one."""
         h0, offset, p_offset = mark
         for _ in range(20):  # the frontend records a request's stats right after its last output
@@ -394,9 +396,12 @@ class DecodeProbe:
             f.seek(offset)
             waits = kv_waits(f.read().decode(errors="replace"))
         out["kv_wait"] = waits[0] if len(waits) == 1 else math.nan
-        with self.prefill_log.open("rb") as f:
-            f.seek(p_offset)
-            lags = [float(m) for m in re.findall(r"kv sent(?: slowly)? req=.* ms=([0-9.]+) ", f.read().decode(errors="replace"))]
+        lags = []
+        for path, at in zip(self.prefill_logs, p_offset, strict=True):
+            with path.open("rb") as f:
+                f.seek(at)
+                lags += [float(m) for m in re.findall(r"kv sent(?: slowly)? req=.* ms=([0-9.]+) ",
+                                                      f.read().decode(errors="replace"))]
         out["arrival_lag"] = lags[0] if len(lags) == 1 else math.nan
         return out
 
@@ -655,7 +660,8 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     lines.append("  1-core vLLM = TTFT on P and idle ITL on D hit straight (plain requests: no proxy, "
                  "no KV transfer); what one of two 1-core colocated replicas would do at concurrency 1")
     ab = next((k for k in tt if k.startswith("disagg-") and k in (f"disagg-{m}" for m in DISPATCH_MODES)), None)
-    for name in [dis] + ([ab] if ab else []):
+    gab = [k for k in tt if k.startswith(tuple(f"disagg-{g}" for g in GRANULARITIES))]  # the second P's setups
+    for name in [dis] + ([ab] if ab else []) + gab:
         hd = [r.headers for r in tt[name]]
         try:
             q = statistics.median(float(h["x-xpyd-queue-ms"]) for h in hd)
@@ -686,6 +692,12 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
         lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median {args.dispatch_default} (default) "
                      f"{a * 1000:.1f} ms, {ab.removeprefix('disagg-')} {b * 1000:.1f} ms ({b / a:.2f}x); "
                      f"D's share {da:.1f} -> {db:.1f} ms")
+    for k in gab:
+        a, b = (statistics.median(r.ttft for r in tt[x]) for x in (dis, k))
+        la, lb = ((d_share_parts(tt[x]) or {}).get("kv_arrival_lag", math.nan) for x in (dis, k))
+        lines.append(f"  send granularity A/B (two P on core 0, alternating, one D): TTFT median {args.granularity} "
+                     f"{args.dispatch_default} (default) {a * 1000:.1f} ms, {k.removeprefix('disagg-')} {b * 1000:.1f} "
+                     f"ms ({b / a:.2f}x); KV arrival lag {la:.1f} -> {lb:.1f} ms")
     waits = kv_waits(decode_log)
     if waits:
         lines.append(f"  D waited for the KV (connector log, all {len(waits)} transfers): median "
@@ -773,6 +785,13 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
             ab.removeprefix("disagg-"): {"ttft_ms": med(r.ttft for r in tt[ab]) * 1000,
                                          "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[ab]),
                                          "d_share_parts_ms": d_share_parts(tt[ab])}}
+    gab = [k for k in tt if k.startswith(tuple(f"disagg-{g}" for g in GRANULARITIES))]
+    if gab:  # keyed "granularity" (sequential dispatch) or "granularity-dispatch"
+        out["granularity_ab"] = {
+            g: {"ttft_ms": med(r.ttft for r in tt[k]) * 1000, "kv_arrival_lag_ms": (parts or {}).get("kv_arrival_lag"),
+                "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[k]), "d_share_parts_ms": parts}
+            for g, k in [(args.granularity, dis)] + [(x.removeprefix("disagg-"), x) for x in gab]
+            for parts in [d_share_parts(tt[k])]}
     return out
 
 
@@ -816,10 +835,19 @@ def main() -> int:
     ap.add_argument("--no-sync-load", action="store_true",
                     help="D loads every prompt's KV asynchronously (connector sync_load=false), for an A/B "
                          "against the default run")
+    ap.add_argument("--send-granularity", choices=("request", "layer"), default=None,
+                    help="P's connector send_granularity (default: the connector's own), for an A/B of "
+                         "layer-wise sends against the default run")
+    ap.add_argument("--granularity-ab", action="store_true",
+                    help="a second P with the other send_granularity, behind a proxy of its own, sharing D: "
+                         "TTFT and KV arrival lag both ways in one run")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--log-dir", default=None, help="default: a temp dir, removed after a clean run")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    from connector.config import DEFAULT_SEND_GRANULARITY
+
+    args.granularity = args.send_granularity or DEFAULT_SEND_GRANULARITY  # the main P's
     if args.victim_tokens is None:
         args.victim_tokens = (1024 if args.model == "tiny" else 256) // (2 if args.quick else 1)
     if args.quick:
@@ -871,6 +899,22 @@ def main() -> int:
             proxies.append(cluster.start_proxy(cluster.free_port(), d, log_dir, flags, name=f"proxy-{name}"))
             servers.append(proxies[-1])
             reg["proxies"].append(f"{cluster.HOST}:{d}")
+        # --granularity-ab: a P with the other send_granularity registers with a proxy of its own
+        # only (D registers with every proxy), so that proxy's requests take that P.
+        # With --dispatch-ab that P gets a second proxy, with the other dispatch mode.
+        gran: str | None = None  # the second P's send_granularity
+        gab: list[tuple[str, int, cluster.Server]] = []  # its proxies: (setup name, discovery port, proxy)
+        if args.granularity_ab:
+            gran = next(g for g in GRANULARITIES if g != args.granularity)
+            variants = {f"disagg-{gran}": []}
+            if args.dispatch_ab:
+                other = next(m for m in DISPATCH_MODES if m != args.dispatch_default)
+                variants[f"disagg-{gran}-{other}"] = ["--dispatch", other]
+            for name, flags in variants.items():
+                d = cluster.free_port()
+                gab.append((name, d, cluster.start_proxy(cluster.free_port(), d, log_dir, flags, name=f"proxy-{name}")))
+                proxies.append(gab[-1][2])
+                servers.append(gab[-1][2])
         common = {"model": model, "log_dir": log_dir}
         # VLLM_CPU_OMP_THREADS_BIND is explicit everywhere. Note "a|b" means one list per
         # rank: start_vllm's default for cpus="0,1" is "0|1", which gives rank 0 core 0 only.
@@ -886,12 +930,25 @@ def main() -> int:
         p_port, d_port = cluster.free_port(), cluster.free_port()
         prefill = cluster.start_vllm(
             "prefill", p_port, cpus="0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
-            kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p_port, disc, **reg),
+            kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p_port, disc, **reg,
+                                                 **({"send_granularity": args.send_granularity}
+                                                    if args.send_granularity else {})),
             **common)
         servers.append(prefill)
+        prefills = [prefill]
+        d_reg = reg
+        if gab:
+            p2_port = cluster.free_port()
+            prefills.append(cluster.start_vllm(
+                f"prefill-{gran}", p2_port, cpus="0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p2_port, gab[0][1],
+                                                     proxies=[f"{cluster.HOST}:{d}" for _, d, _ in gab[1:]],
+                                                     send_granularity=gran), **common))
+            servers.append(prefills[-1])
+            d_reg = {"proxies": [*reg["proxies"], *(f"{cluster.HOST}:{d}" for _, d, _ in gab)]}
         decode = cluster.start_vllm(
             "decode", d_port, cpus="1", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
-            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc, **reg,
+            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc, **d_reg,
                                                  **({"sync_load": False} if args.no_sync_load else {})),
             **common)
         servers.append(decode)
@@ -901,7 +958,7 @@ def main() -> int:
         cluster.wait_until(proxies, "/health", 60)
         if args.proxy_cpus:
             pin_process_tree(proxy.proc.pid, {int(c) for c in args.proxy_cpus.split(",")})
-        cluster.wait_until(colos + [prefill, decode], "/health", args.startup_timeout)
+        cluster.wait_until(colos + prefills + [decode], "/health", args.startup_timeout)
         deadline = time.monotonic() + 60
         while any(cluster.http_get(px.url + "/ready")[0] != 200 for px in proxies):
             if time.monotonic() > deadline:
@@ -909,17 +966,18 @@ def main() -> int:
             time.sleep(0.3)
         print(f"  servers up ({time.monotonic() - t0:.0f}s)", flush=True)
         binds = []
-        for s in colos + [prefill, decode]:
+        for s in colos + prefills + [decode]:
             line = next((ln for ln in s.log().splitlines() if "local_rank=0, core ids=" in ln), "?")
             binds.append(f"{s.name} {line.split('local_rank=0, ')[-1].strip()}")
         setups = [Setup(c.name, c.url) for c in colos] + [Setup("disaggregated", proxy.url)]
         p_ref, d_ref = Setup("P alone", prefill.url), Setup("D alone", decode.url)
         meter = CpuMeter([srv.proc.pid for srv in servers])
-        by_name = {f"proxy-{n}": px.url for n, px in zip(others, proxies[1:], strict=True)}
+        by_name = {f"proxy-{n}": px.url for n, px in zip(others, proxies[1:1 + len(others)], strict=True)}
         extra = [Setup(n, by_name[f"proxy-{n}"]) for n in others if n.startswith("disagg-")]
+        extra += [Setup(name, px.url) for name, _, px in gab]
         short_group = ([setups[-1], Setup(ALWAYS_P, by_name[f"proxy-{ALWAYS_P}"]),
                         Setup(ALWAYS_LOCAL, by_name[f"proxy-{ALWAYS_LOCAL}"])] if args.short_lengths else [])
-        probe = DecodeProbe(decode.url, decode.log_path, prefill.log_path)
+        probe = DecodeProbe(decode.url, decode.log_path, [p.log_path for p in prefills])
         res = asyncio.run(bench(args, setups, p_ref, d_ref, prompts, extra, short_group, probe))
         cpu_line = meter.report()
         notes = facts + [
@@ -929,6 +987,9 @@ def main() -> int:
             "default max-num-batched-tokens (2048 on CPU), prefix caching on",
             "OMP threads (from the logs): " + "; ".join(binds)
             + f"; all colocated processes on cores 0,1; proxy {proxy_where}; load generator unpinned",
+            f"connector: P send_granularity {args.granularity}"
+            + (f" (a second P on core 0: {gran})" if gran else "") + ", D sync_load "
+            f"{'false' if args.no_sync_load else 'default'}",
             f"TTFT: {args.ttft_n} distinct prompts, the same text to each setup, rotating order, "
             f"max_tokens {args.ttft_max_tokens}, time to the first SSE chunk with a token",
             f"ITL: {args.victims} victims per setup/condition, {args.victim_prompt_tokens}-token prompt, "

@@ -86,7 +86,9 @@ def bind_env(bind: str | None) -> dict[str, str | None]:
     return {"VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
-def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None) -> E2ECluster:
+def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None,
+          prefill_extra: dict[str, object] | None = None) -> E2ECluster:
+    """Proxy, P, D and a colocated server; ``prefill_extra``: more of P's connector config."""
     disc = free_port()
     proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5", "--local-prefill-threshold",
                                                              str(LOCAL_PREFILL_THRESHOLD)])
@@ -97,7 +99,8 @@ def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None) -> E2E
                     buffer_ttl_s=BUFFER_TTL_S, kv_secret=KV_SECRET)
     prefill = cluster.start_vllm(
         "prefill", p_port, log_dir,
-        kv_config=cluster.kv_transfer_config("kv_producer", p_kv, p_port, disc, **timeouts), **common)
+        kv_config=cluster.kv_transfer_config("kv_producer", p_kv, p_port, disc, **timeouts, **(prefill_extra or {})),
+        **common)
     decode = cluster.start_vllm(
         "decode", d_port, log_dir,
         kv_config=cluster.kv_transfer_config("kv_consumer", d_kv, d_port, disc,

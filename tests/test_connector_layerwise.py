@@ -21,7 +21,14 @@ LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 def layerwise(engines, **over):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer", **over)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    assert prod.layerwise and not cons.layerwise
     return prod, cons
+
+
+def test_auto_is_layerwise_over_tcp(engines):
+    """The default (auto) over the tcp transport: layer by layer."""
+    assert engines("kv_producer", "PUT_ASYNC").layerwise
+    assert not engines("kv_producer", "PUT").layerwise
 
 
 def test_layers_reach_decode_while_the_forward_pass_runs(engines):
@@ -50,8 +57,9 @@ def test_layers_reach_decode_while_the_forward_pass_runs(engines):
 
 def test_request_granularity_sends_nothing_before_the_forward_pass_ends(engines):
     """The control for the test above: whole-request sends ignore the layer reports."""
-    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    assert not prod.layerwise
     spec = save_spec(prod, rank0(cons))
     for name in LAYERS:
         prod.save_layer(spec, name)

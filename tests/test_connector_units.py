@@ -160,16 +160,19 @@ def test_config_rejects_bad_idle_wait(value):
         ConnectorConfig.from_vllm(_kvt(idle_wait_ms=value))
 
 
-@pytest.mark.parametrize("role, extra, layerwise", [
-    ("kv_producer", {}, False),  # the default: whole-request sends
-    ("kv_producer", {"send_granularity": "layer"}, True),
-    ("kv_producer", {"send_granularity": "LAYER"}, True),
-    ("kv_both", {"send_granularity": "layer"}, True),
-    ("kv_consumer", {"send_granularity": "layer"}, False),  # D sends nothing
-    ("kv_producer", {"send_granularity": "request"}, False),
+@pytest.mark.parametrize("role, extra, tcp, nccl", [
+    ("kv_producer", {}, True, False),  # the default, auto: layer-wise over tcp, whole requests over nccl
+    ("kv_producer", {"send_granularity": "layer"}, True, True),
+    ("kv_producer", {"send_granularity": "LAYER"}, True, True),
+    ("kv_both", {"send_granularity": "layer"}, True, True),
+    ("kv_consumer", {"send_granularity": "layer"}, False, False),  # D sends nothing
+    ("kv_producer", {"send_granularity": "request"}, False, False),
+    ("kv_producer", {"send_type": "PUT"}, False, False),  # auto: the send is inside the step
+    ("kv_producer", {"send_type": "GET"}, False, False),
 ])
-def test_config_send_granularity(role, extra, layerwise):
-    assert ConnectorConfig.from_vllm(_kvt(role, **extra)).layerwise is layerwise
+def test_config_send_granularity(role, extra, tcp, nccl):
+    cfg = ConnectorConfig.from_vllm(_kvt(role, **extra))
+    assert (cfg.layerwise_on("tcp"), cfg.layerwise_on("nccl")) == (tcp, nccl)
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -3,7 +3,9 @@ real KV transfer, compared token for token with a colocated server.
 
 One cluster for the module (vLLM start-up dominates); tests that break things
 run last, in file order. The whole module runs twice: under vLLM's default CPU
-thread binding (what users get) and with VLLM_CPU_OMP_THREADS_BIND=nobind.
+thread binding with the connector's defaults (what users get), and with
+VLLM_CPU_OMP_THREADS_BIND=nobind and layer-wise sends (send_granularity: layer), so every
+test here also covers P shipping each layer while its forward pass runs.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from connector.transport import TransportRefused
 
 pytestmark = pytest.mark.vllm
 
-@pytest.fixture(scope="module", params=[None, "nobind"], ids=["vllm-default-binding", "nobind"])
+@pytest.fixture(scope="module", params=[(None, {}), ("nobind", {"send_granularity": "layer"})],
+                ids=["vllm-default-binding", "nobind-layerwise"])
 def sys_(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> E2ECluster:
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
     log_dir = Path(tmp_path_factory.mktemp("e2e-logs"))
-    c = e2e_cluster.start(log_dir, bind=request.param)
+    bind, prefill_extra = request.param
+    c = e2e_cluster.start(log_dir, bind=bind, prefill_extra=prefill_extra)
     yield c
     c.stop()
 
