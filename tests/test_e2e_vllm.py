@@ -3,9 +3,9 @@ real KV transfer, compared token for token with a colocated server.
 
 One cluster for the module (vLLM start-up dominates); tests that break things
 run last, in file order. The whole module runs twice: under vLLM's default CPU
-thread binding with the connector's defaults (what users get), and with
-VLLM_CPU_OMP_THREADS_BIND=nobind and layer-wise sends (send_granularity: layer), so every
-test here also covers P shipping each layer while its forward pass runs.
+thread binding with the connector's defaults (what users get: over tcp P ships each layer
+while its forward pass runs), and with VLLM_CPU_OMP_THREADS_BIND=nobind and whole-request
+sends (send_granularity: request, what the nccl transport does by default).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from connector.transport import TransportRefused
 
 pytestmark = pytest.mark.vllm
 
-@pytest.fixture(scope="module", params=[(None, {}), ("nobind", {"send_granularity": "layer"})],
-                ids=["vllm-default-binding", "nobind-layerwise"])
+@pytest.fixture(scope="module", params=[(None, {}), ("nobind", {"send_granularity": "request"})],
+                ids=["vllm-default-binding", "nobind-whole-requests"])
 def sys_(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> E2ECluster:
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
