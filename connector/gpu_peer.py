@@ -93,7 +93,8 @@ def main() -> None:
         send_granularity=args.granularity)
     engine = KVEngine(cfg, 0, caches, layout)
     n_prompt = len(SRC_IDS) * tokens - 3
-    out: dict = {"role": args.role, "transport": engine._transport.name, "layout": str(layout)}
+    out: dict = {"role": args.role, "transport": engine._transport.name, "layout": str(layout),
+                 "layerwise": engine.layerwise}
     try:
         if args.role == "p":
             out["sha"] = [block_sha(c, SRC_IDS[FIRST:]) for c in caches.values()]

@@ -62,46 +62,45 @@ SLOW_SEND_S = 1.0
 # (the worker died or vLLM stopped calling save_kv_layer); the send gives up. Generous: one
 # layer of a long chunk takes seconds on a small CPU.
 FORWARD_WAIT_S = 300.0
+# Layer-wise sends queued while others are on their way join them, layer run by layer run, so a
+# prompt that completed in the same step as another does not wait for the other's last layer.
+MAX_COHORT = 64
 
 
 class LayerProgress:
     """Layer-wise sends: how many of a prompt's layers (in cache order) the forward pass has
     written. The worker thread advances it per layer (``save_kv_layer``) and seals it when the
     forward pass is over (``wait_for_save``: every layer written, also those whose attention
-    did not report); the peer thread waits on it."""
+    did not report); each change sets ``wake``, which the peer thread waits on."""
 
-    def __init__(self, layers: int) -> None:
+    def __init__(self, layers: int, wake: threading.Event | None = None) -> None:
         self.layers = layers
         self.ready = 0
         # Per ready layer: the CUDA event after its write (None on CPU).
         self.events: list[Any] = []
         self.sealed_at: float | None = None
-        self._cond = threading.Condition()
+        self.wake = wake or threading.Event()
+        self._lock = threading.Lock()
 
     def advance(self, layer: int, event: Any = None) -> None:
-        with self._cond:
+        with self._lock:
             if layer != self.ready or self.sealed_at is not None:
                 return  # out of order or repeated: the seal covers it
             self.ready += 1
             self.events.append(event)
-            self._cond.notify_all()
+        self.wake.set()
 
     def seal(self, event: Any = None) -> None:
-        with self._cond:
+        with self._lock:
             self.events.extend([event] * (self.layers - self.ready))
             self.ready = self.layers
             self.sealed_at = time.monotonic()
-            self._cond.notify_all()
+        self.wake.set()
 
-    def wait(self, lo: int, timeout_s: float) -> tuple[int, Any, bool]:
-        """Until a layer past ``lo`` is written: (layers written, the event of the last of
-        them, whether this had to wait). (lo, None, True) after ``timeout_s``."""
-        with self._cond:
-            if self.ready > lo:
-                return self.ready, self.events[self.ready - 1], False
-            if not self._cond.wait_for(lambda: self.ready > lo, timeout_s):
-                return lo, None, True
-            return self.ready, self.events[self.ready - 1], True
+    def written(self) -> tuple[int, Any]:
+        """(layers written so far, the CUDA event of the last of them)."""
+        with self._lock:
+            return self.ready, self.events[self.ready - 1] if self.ready else None
 
     def lag_ms(self, now: float) -> float:
         """ms from the end of the forward pass to ``now`` (0 when the last byte was there first)."""
@@ -162,6 +161,19 @@ class Send:
         return True
 
 
+@dataclass(slots=True)
+class _Flight:
+    """One layer-wise send on its way: the layers shipped so far, the ranks it goes to."""
+
+    send: Send
+    lo: int = 0  # layers [0, lo) shipped to every live rank
+    live: list[tuple[str, tp.Route | None]] = field(default_factory=list)  # ranks that took every part so far
+    pending: list[str] | None = None  # ranks not served yet (None: before first contact)
+    sent: int = 0
+    ok: bool = True
+    phases: SendPhases = field(default_factory=SendPhases)
+
+
 class PeerSender:
     """The send queue of one decode instance (the ranks this worker rank sends to), served
     by one thread. ``instance``: the decode's rank-0 kv address."""
@@ -194,6 +206,8 @@ class PeerSender:
         self._thread: threading.Thread | None = None
         self.dead_since: float | None = None  # monotonic; None while the peer answers
         self._contact_wanted = False  # prepare() asked for first contact ahead of a send
+        # Set by the worker thread whenever a layer-wise send of this peer has more layers.
+        self.layers_written = threading.Event()
 
     # ---- called from the worker thread ----
     def submit(self, send: Send) -> None:
@@ -231,6 +245,7 @@ class PeerSender:
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
+        self.layers_written.set()  # a layer-wise send waiting for the forward pass looks again
 
     def join(self, timeout: float) -> None:
         t = self._thread
@@ -278,7 +293,9 @@ class PeerSender:
                 self._deliver(notices)
             if early and send is None:
                 self._early_contact()  # (a queued send makes first contact itself)
-            if send is not None:
+            if send is not None and send.layers is not None:
+                self._send_layers(send)
+            elif send is not None:
                 self._send(send)
             idle_since = time.monotonic()
 
@@ -440,87 +457,148 @@ class PeerSender:
             self._notice(spec.transfer_key, f"piece {route.index} refused: {reply.get('error')}", [addr])
         return None
 
-    def _ship_layers(self, send: Send, routes: list[tuple[str, tp.Route | None]], pending: list[str],
-                     deadline: float, phases: SendPhases) -> tuple[int, bool]:
-        """A layer-wise send: each run of layers the forward pass has written goes to every
-        decode rank as soon as it is written (the first part reserves the whole payload).
-        Removes a rank from ``pending`` once its last part is in, or it refused one. Returns
-        (bytes sent, whether every rank took every part). Raises TransportError."""
-        progress = send.layers
-        assert progress is not None
-        live = list(routes)
-        sent, lo = 0, 0
-        while lo < progress.layers and live:
-            t = time.monotonic()
-            hi, event, waited = progress.wait(lo, FORWARD_WAIT_S)
-            if hi <= lo:
-                raise RuntimeError(f"the forward pass wrote no layer past {lo} in {FORWARD_WAIT_S:g}s")
-            if waited:  # the deadline counts from when the KV was there to send
-                deadline = max(deadline, time.monotonic() + self._cfg.send_timeout_s)
-            phases.add("forward", t)
-            for addr, route in list(live):
-                nbytes = self._ship(send.spec, addr, route, deadline, phases, (lo, hi, progress.layers), event)
-                if nbytes is None:
-                    live.remove((addr, route))
-                    pending.remove(addr)
-                    continue
-                sent += nbytes
-                if hi == progress.layers:
-                    pending.remove(addr)
-            lo = hi
-        return sent, len(live) == len(routes)
+    def _absorb(self, flights: list["_Flight"], routes: list[tuple[str, tp.Route | None]]) -> None:
+        """Take the layer-wise sends queued behind these into them (a send cancelled by a
+        preemption is dropped)."""
+        with self._cond:
+            while self._queue and self._queue[0].layers is not None and len(flights) < MAX_COHORT:
+                send = self._queue.popleft()
+                if send.claim():
+                    flights.append(_Flight(send, live=list(routes), pending=[addr for addr, _ in routes]))
+                    flights[-1].phases.add("queue", send.created)
 
-    def _send(self, send: Send) -> None:
-        if not send.claim():
+    def _send_layers(self, first: Send) -> None:
+        """Layer-wise sends, shipped together: ``first`` and every layer-wise send queued
+        while it is on its way. Whenever the forward pass has written more layers of any of
+        them, those layers go to every decode rank (the first part reserves the whole
+        payload). Each send ends, and is logged, as soon as its last layer is in or a rank
+        refused it. A transport failure fails them all (the peer is dead)."""
+        if not first.claim():
             return  # cancelled by a preemption before it started
-        spec = send.spec
+        flights = [_Flight(first)]
         deadline = time.monotonic() + self._cfg.send_timeout_s
-        t0 = send.created
-        pending: list[str] | None = None  # decode ranks not served yet (None: before first contact)
-        phases = SendPhases()
         try:
-            t = phases.add("queue", t0)
+            t = flights[0].phases.add("queue", first.created)
             why, refused = self._first_contact(deadline)
-            phases.add("contact", t)
+            flights[0].phases.add("contact", t)
             if why is not None:
-                logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
-                               spec.req_id, spec.transfer_key, self.peer, why)
-                # Refused (e.g. another kv_secret): D knows and logs it, as for reserve.
-                self._stats.failure("send", "refused" if refused else "invalid")
-                if not refused:
-                    self._notice(spec.transfer_key, why, [self.peer])
+                self._contact_failed(first.spec, why, refused)
                 return
             routes = list(self._routes)
-            pending = [addr for addr, _ in routes]
-            if send.layers is None:
-                sent, ok = 0, True
-                for addr, route in routes:
-                    nbytes = self._ship(spec, addr, route, deadline, phases)
-                    pending.remove(addr)
-                    ok = ok and nbytes is not None
-                    sent += nbytes or 0
-            else:
-                sent, ok = self._ship_layers(send, routes, pending, deadline, phases)
-            if ok:
-                self._stats.transfer("send", "ok", sent, "sent")
-                # The KV arrival lag: from the end of the forward pass that wrote the blocks.
-                took = time.monotonic() - t0 if send.layers is None else send.layers.lag_ms(time.monotonic()) / 1e3
-                logger.log(logging.WARNING if took > SLOW_SEND_S else logging.INFO,
-                           "kv sent%s req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f "
-                           "phases_ms=%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
-                           spec.num_tokens, len(spec.block_ids), sent, self.instance, len(routes), took * 1e3,
-                           phases.describe())
+            flights[0].live, flights[0].pending = list(routes), [addr for addr, _ in routes]
+            while flights:
+                self.layers_written.clear()  # before looking: a layer written after it wakes the wait
+                if any(f.send.layers.sealed_at is None for f in flights if f.send.layers is not None):
+                    # Only while a forward pass is still writing: a stream of new sends must not
+                    # keep this loop (and the abort notices queued behind it) going for ever.
+                    self._absorb(flights, routes)
+                moved = False
+                for f in list(flights):
+                    progress = f.send.layers
+                    assert progress is not None
+                    hi, event = progress.written()
+                    if hi <= f.lo:
+                        continue
+                    moved = True
+                    for addr, route in list(f.live):
+                        nbytes = self._ship(f.send.spec, addr, route, deadline, f.phases,
+                                            (f.lo, hi, progress.layers), event)
+                        if nbytes is None or hi == progress.layers:
+                            f.pending.remove(addr)
+                        if nbytes is None:
+                            f.live.remove((addr, route))
+                            f.ok = False
+                        else:
+                            f.sent += nbytes
+                    f.lo = hi
+                    if f.lo == progress.layers or not f.live:
+                        flights.remove(f)
+                        self._sent(f.send, f.sent, len(routes), f.phases, f.ok)
+                if flights and not moved:
+                    t = time.monotonic()
+                    if not self.layers_written.wait(FORWARD_WAIT_S):
+                        raise RuntimeError(f"the forward pass wrote no further layer in {FORWARD_WAIT_S:g}s")
+                    if self._stop.is_set():
+                        raise TransportError("kv engine closing")
+                    for f in flights:
+                        f.phases.add("forward", t)
+                    # The deadline counts from when the KV was there to send.
+                    deadline = max(deadline, time.monotonic() + self._cfg.send_timeout_s)
         except TransportError as e:
+            for f in flights:
+                self._failed(f.send.spec, f.phases, e, f.pending)
+            self._mark_dead(e)
+        except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send
+            for f in flights:
+                self._failed(f.send.spec, f.phases, e, f.pending)
+        finally:
+            for f in flights:
+                f.send.finish()
+
+    def _contact_failed(self, spec: SaveSpec, why: str, refused: bool) -> None:
+        logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
+                       spec.req_id, spec.transfer_key, self.peer, why)
+        # Refused (e.g. another kv_secret): D knows and logs it, as for reserve.
+        self._stats.failure("send", "refused" if refused else "invalid")
+        if not refused:
+            self._notice(spec.transfer_key, why, [self.peer])
+
+    def _sent(self, send: Send, sent: int, ranks: int, phases: SendPhases, ok: bool) -> None:
+        """A send is over (every rank took it, or one refused: counted and told already)."""
+        if ok:
+            spec = send.spec
+            self._stats.transfer("send", "ok", sent, "sent")
+            # The KV arrival lag: from the end of the forward pass that wrote the blocks.
+            took = time.monotonic() - send.created if send.layers is None else send.layers.lag_ms(time.monotonic()) / 1e3
+            logger.log(logging.WARNING if took > SLOW_SEND_S else logging.INFO,
+                       "kv sent%s req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f "
+                       "phases_ms=%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
+                       spec.num_tokens, len(spec.block_ids), sent, self.instance, ranks, took * 1e3,
+                       phases.describe())
+        send.finish()
+
+    def _failed(self, spec: SaveSpec, phases: SendPhases, e: Exception, pending: list[str] | None) -> None:
+        """A send failed: count it and tell the decode ranks still waiting for it."""
+        if isinstance(e, TransportError):
             logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s phases_ms=%s",
                            spec.req_id, spec.transfer_key, self.peer, e, phases.describe())
             # Refused before its handler (another kv_secret, too large): no byte was taken.
             self._stats.failure("send", "refused" if isinstance(e, TransportRefused) else "transport")
             self._notice(spec.transfer_key, str(e), pending)
-            self._mark_dead(e)
-        except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send
-            logger.exception("kv send failed req=%s transfer=%s peer=%s", spec.req_id, spec.transfer_key, self.peer)
+        else:
+            logger.error("kv send failed req=%s transfer=%s peer=%s", spec.req_id, spec.transfer_key, self.peer,
+                         exc_info=e)
             self._stats.failure("send", "error")
             self._notice(spec.transfer_key, f"{type(e).__name__}: {e}", pending)
+
+    def _send(self, send: Send) -> None:
+        """A whole-request send: every decode rank gets the prompt's blocks in one payload."""
+        if not send.claim():
+            return  # cancelled by a preemption before it started
+        spec = send.spec
+        deadline = time.monotonic() + self._cfg.send_timeout_s
+        pending: list[str] | None = None  # decode ranks not served yet (None: before first contact)
+        phases = SendPhases()
+        try:
+            t = phases.add("queue", send.created)
+            why, refused = self._first_contact(deadline)
+            phases.add("contact", t)
+            if why is not None:
+                self._contact_failed(spec, why, refused)
+                return
+            routes = list(self._routes)
+            pending = [addr for addr, _ in routes]
+            sent, ok = 0, True
+            for addr, route in routes:
+                nbytes = self._ship(spec, addr, route, deadline, phases)
+                pending.remove(addr)
+                ok = ok and nbytes is not None
+                sent += nbytes or 0
+            self._sent(send, sent, len(routes), phases, ok)
+        except Exception as e:  # noqa: BLE001 - the peer thread must survive any one send
+            self._failed(spec, phases, e, pending)
+            if isinstance(e, TransportError):
+                self._mark_dead(e)
         finally:
             send.finish()
 
@@ -592,9 +670,10 @@ class Producer:
         """This step's layer-wise send of ``spec``, queued on its peer at the first layer."""
         send = self._sends.get(spec.req_id)
         if send is None or send.spec is not spec:
-            send = Send(spec, progress=self._progress, layers=LayerProgress(self._num_layers))
+            peer = self.peer(spec.decode_addr)
+            send = Send(spec, progress=self._progress, layers=LayerProgress(self._num_layers, peer.layers_written))
             self._sends[spec.req_id] = send
-            self.peer(spec.decode_addr).submit(send)
+            peer.submit(send)
         return send
 
     def save_layer(self, spec: SaveSpec, layer: int, event: Any = None) -> None:

@@ -130,17 +130,41 @@ def test_a_layerwise_send_to_a_dead_decode_ends_within_its_deadline(engines):
     assert prod.stats() == ZERO
 
 
-def test_preemption_before_the_first_layer_cancels_the_send(engines):
+def test_prompts_of_one_step_go_layer_by_layer_together(engines):
+    """Two prompts completed in the same step to one decode: the second one's first layer is on
+    D before the first one's last layer is written (it does not queue behind the whole first)."""
     prod, cons = layerwise(engines)
-    slow = save_spec(prod, rank0(cons), req_id="P-first", key="c" * 32)
-    queued = save_spec(prod, rank0(cons))
-    prod.save_layer(slow, LAYERS[0])  # the peer thread waits for P-first's layer 1
-    prod.save_layer(queued, LAYERS[0])  # queued behind it
-    prod.wait_sends(["P-req"])  # preempted: must never read its (reused) blocks
-    prod.save(slow)
-    wait_for(lambda: cons.stats()["recv_items"] == 1)
+    a = save_spec(prod, rank0(cons), req_id="P-a", key="a" * 32)
+    b = save_spec(prod, rank0(cons), req_id="P-b", key="b" * 32, block_ids=(0, 2))
+    prod.save_layer(a, LAYERS[0])
+    prod.save_layer(b, LAYERS[0])
+    wait_for(lambda: cons.stats()["partial_payloads"] == 2)
+    assert cons.stats()["recv_items"] == 0
+    prod.save_layer(a, LAYERS[1])
+    wait_for(lambda: cons.stats()["recv_items"] == 1)  # a is whole; b waits for its layer 1
+    prod.save(a)
+    prod.save(b)
+    wait_for(lambda: cons.stats()["recv_items"] == 2)
+    poll_until(prod, lambda r: {"P-a", "P-b"} <= r.finished_sending, finished={"P-a", "P-b"})
+    assert cons.stats()["partial_payloads"] == 0
+
+
+def test_a_preempted_layerwise_send_is_over_when_wait_sends_returns(engines):
+    """Preemption (after the step that wrote the blocks): whether the send was cancelled while
+    queued or had started, nothing of it is on its way once wait_sends returns."""
+    prod, cons = layerwise(engines)
+    specs = [save_spec(prod, rank0(cons), req_id=f"P-{i}", key=f"{i}" * 32) for i in range(4)]
+    for name in LAYERS:
+        for spec in specs:
+            prod.save_layer(spec, name)
+    for spec in specs:
+        prod.save(spec)
+    prod.wait_sends([s.req_id for s in specs])
+    stats = cons.stats()
+    assert stats["partial_payloads"] == 0 and stats["recv_reserved_bytes"] == 0
+    assert prod.stats()["pending_sends"] == 0
     time.sleep(0.2)
-    assert cons.stats()["recv_items"] == 1 and cons.stats()["recv_reserved_bytes"] == 0
+    assert cons.stats()["recv_items"] == stats["recv_items"]  # nothing arrives afterwards
 
 
 # ------------------------------------------------------------- PartAssembler alone

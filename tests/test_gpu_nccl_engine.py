@@ -18,9 +18,12 @@ LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT", "GET"])
-def test_cuda_blocks_move_over_real_nccl(layout, send_type):
-    p_out, d_out = run_pair(layout, send_type)
+@pytest.mark.parametrize("send_type, granularity", [("PUT_ASYNC", "request"), ("PUT", "request"),
+                                                    ("GET", "request"), ("PUT_ASYNC", "layer")])
+def test_cuda_blocks_move_over_real_nccl(layout, send_type, granularity):
+    """Layer-wise: P reports each layer written (a CUDA event each) and each goes on its own."""
+    p_out, d_out = run_pair(layout, send_type, granularity=granularity)
+    assert p_out["layerwise"] is (granularity == "layer")
     assert p_out["transport"] == d_out["transport"] == "nccl"
     assert d_out["loaded"], d_out
     assert d_out["sha"] == p_out["sha"]  # every layer's blocks byte-identical
@@ -35,10 +38,13 @@ def test_cuda_blocks_over_tcp_between_processes_match_nccl():
     assert d_out["loaded"] and d_out["sha"] == p_out["sha"]
 
 
-@pytest.mark.parametrize("layout, send_type", [("BLHNC", "GET"), ("LHBNC", "PUT_ASYNC")])
-def test_two_process_harness_on_cpu(layout, send_type):
+@pytest.mark.parametrize("layout, send_type, granularity", [("BLHNC", "GET", "request"),
+                                                            ("LHBNC", "PUT_ASYNC", "request"),
+                                                            ("LBNHC", "PUT_ASYNC", "layer")])
+def test_two_process_harness_on_cpu(layout, send_type, granularity):
     """The harness of the GPU test, on CPU caches over tcp: so CI keeps it working (a GPU
     run is rare) and its checks have power (the two caches start different)."""
-    p_out, d_out = run_pair(layout, send_type, transport="tcp", device="cpu")
+    p_out, d_out = run_pair(layout, send_type, transport="tcp", device="cpu", granularity=granularity)
+    assert p_out["layerwise"] is (granularity == "layer")
     assert d_out["loaded"] and d_out["others_untouched"]
     assert d_out["sha"] == p_out["sha"]
