@@ -457,7 +457,7 @@ class PeerSender:
             self._notice(spec.transfer_key, f"piece {route.index} refused: {reply.get('error')}", [addr])
         return None
 
-    def _absorb(self, flights: list["_Flight"], routes: list[tuple[str, tp.Route | None]]) -> None:
+    def _absorb(self, flights: list[_Flight], routes: list[tuple[str, tp.Route | None]]) -> None:
         """Take the layer-wise sends queued behind these into them (a send cancelled by a
         preemption is dropped)."""
         with self._cond:
