@@ -5,11 +5,14 @@ Send modes, as upstream P2pNcclConnector defines them:
 - PUT: the worker sends synchronously after the forward pass that completed the
   prompt; blocks are free as soon as the step ends.
 - PUT_ASYNC (default): a per-peer sender thread ships views of the cache blocks;
-  the scheduler keeps the blocks until ``poll`` reports the send finished.
+  the scheduler keeps the blocks until ``poll`` reports the send finished. Layer-wise
+  (``send_granularity``; over tcp by default) each layer goes as soon as the forward pass
+  wrote it (``save_layer``), the rest at the step's end (``save``).
 - GET: the worker copies the blocks into its own buffer; D pulls them.
 
 Control ops served here: ``reserve`` (room for a payload, before its bytes),
-``put``, ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
+``put`` (a whole payload, or one run of layers of a layer-wise sender's, joined by
+``connector.assembly``), ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
 mode), ``ready`` (is a transfer's KV here: asked by this instance's scheduler), ``ping``,
 ``stats``. Every wait is bounded: sends by ``send_timeout_s``,
 loads by ``kv_load_timeout_s``, buffered payloads by ``buffer_ttl_s``.
