@@ -39,6 +39,11 @@ huge). --json FILE writes the medians: ttft_1k_ms {colocated, disaggregated},
 ttft_short_ms {colocated, disaggregated, tokens}, d_share_ms, d_share_parts_ms, itl_p99_*_ms,
 the shipped defaults, the machine and the command.
 
+--granularity-ab starts a second P (core 0 too) with the other connector send_granularity
+than the first one's (with the default, auto, that is request), behind a proxy of its own (two
+with --dispatch-ab); D registers with every proxy. Its setups are measured alongside, and the
+report and --json (granularity_ab) give each one's TTFT, D's share and KV arrival lag.
+
 D's share of each disaggregated TTFT request (P's answer -> D's first byte) is split from D's
 own /metrics histograms and both connector logs, read around the request (one in flight at a
 time): outside vLLM's clock, frontend <-> engine, the connector's KV wait, the engine steps
@@ -82,9 +87,9 @@ import cluster  # noqa: E402  (scripts/cluster.py)
 MODEL_NAME = "tiny-llama"  # cluster.start_vllm serves every model under this name
 # Proxies of the short-prompt sweep, beside the one with the shipped defaults.
 ALWAYS_P = "always-prefill"  # --local-prefill-threshold 0
-GRANULARITIES = ("request", "layer")  # the connector's send_granularity
 ALWAYS_LOCAL = "always-local"  # every prompt on D alone
 DISPATCH_MODES = ("sequential", "concurrent")
+GRANULARITIES = ("request", "layer")  # the connector's send_granularity, "auto" resolved (tcp: layer)
 BENCH_DIMS = {"hidden": 768, "intermediate": 2048, "layers": 4, "heads": 12, "kv_heads": 4}
 
 
@@ -839,8 +844,8 @@ def main() -> int:
                     help="P's connector send_granularity (default: the connector's own), for an A/B of "
                          "layer-wise sends against the default run")
     ap.add_argument("--granularity-ab", action="store_true",
-                    help="a second P with the other send_granularity, behind a proxy of its own, sharing D: "
-                         "TTFT and KV arrival lag both ways in one run")
+                    help="a second P with the other send_granularity (request, with the default auto), behind "
+                         "a proxy of its own, sharing D: TTFT and KV arrival lag both ways in one run")
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--log-dir", default=None, help="default: a temp dir, removed after a clean run")
     ap.add_argument("--seed", type=int, default=0)
