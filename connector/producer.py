@@ -79,6 +79,9 @@ class LayerProgress:
         # Per ready layer: the CUDA event after its write (None on CPU).
         self.events: list[Any] = []
         self.sealed_at: float | None = None
+        # Layers vLLM reported written before the forward pass ended (save_kv_layer): all of
+        # them when layer-wise sends work, 0 when vLLM never called it (the log says so).
+        self.reported = 0
         self.wake = wake or threading.Event()
         self._lock = threading.Lock()
 
@@ -92,6 +95,7 @@ class LayerProgress:
 
     def seal(self, event: Any = None) -> None:
         with self._lock:
+            self.reported = self.ready
             self.events.extend([event] * (self.layers - self.ready))
             self.ready = self.layers
             self.sealed_at = time.monotonic()
@@ -549,12 +553,17 @@ class PeerSender:
             spec = send.spec
             self._stats.transfer("send", "ok", sent, "sent")
             # The KV arrival lag: from the end of the forward pass that wrote the blocks.
-            took = time.monotonic() - send.created if send.layers is None else send.layers.lag_ms(time.monotonic()) / 1e3
+            layers = send.layers
+            took = time.monotonic() - send.created if layers is None else layers.lag_ms(time.monotonic()) / 1e3
+            # Layer-wise: how many layers vLLM reported before the forward pass ended (while it
+            # is still running, this send's were all reported and shipped before it ended).
+            reported = "" if layers is None else (f" layers_reported={layers.reported if layers.sealed_at else layers.layers}"
+                                                  f"/{layers.layers}")
             logger.log(logging.WARNING if took > SLOW_SEND_S else logging.INFO,
                        "kv sent%s req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f "
-                       "phases_ms=%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
+                       "phases_ms=%s%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
                        spec.num_tokens, len(spec.block_ids), sent, self.instance, ranks, took * 1e3,
-                       phases.describe())
+                       phases.describe(), reported)
         send.finish()
 
     def _failed(self, spec: SaveSpec, phases: SendPhases, e: Exception, pending: list[str] | None) -> None:

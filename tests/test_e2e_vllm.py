@@ -89,6 +89,12 @@ def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer
     log = sys_.decode.log()
     key = data["kv_transfer_params"]["xpyd"]["transfer_key"]
     assert re.search(rf"kv loaded req=\S+ transfer={key} tokens={n - 1} ", log), "no load line in D's log"
+    if " layer-wise " in sys_.prefill.log():  # the shipped default over tcp
+        # vLLM called save_kv_layer for every layer before the forward pass ended (were it not
+        # called, the whole payload would still go at the step's end: 0/N, tokens still right).
+        sent = poll(lambda: re.search(rf"kv sent(?: slowly)? req=\S+ transfer={key} .* layers_reported=(\d+)/(\d+)",
+                                      sys_.prefill.log()), timeout=10)
+        assert sent and sent.group(1) == sent.group(2), sent and sent.group(0)
 
 
 SENT_LINE = re.compile(r"kv sent(?: slowly)? req=")
