@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from test_connector_engine import (SRC_IDS, assert_loaded, load_spec, plan_load, poll_until, rank0, save_spec,
                                    snapshot, wait_for)
@@ -133,24 +135,33 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_a_sends_log_line_counts_from_the_forward_end_including_its_wait_in_the_queue(engines):
-    """The 'kv sent ... ms=' figure is the KV arrival lag (forward end -> D acknowledged the
-    last byte): a send queued behind another one's slow first contact says so."""
-    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
-    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
-    slow = SlowHello(rank0(cons), delay_s=0.5)
+@contextmanager
+def producer_log() -> Iterator[_Lines]:
+    """The producer's INFO lines (its 'kv sent' lines) while the block runs."""
     lines = _Lines()
     log = logging.getLogger("vllm.xpyd.connector.producer")
     log.addHandler(lines)
     level = log.level
     log.setLevel(logging.INFO)
     try:
-        prod.save(save_spec(prod, slow.address, req_id="first", key="k-first", block_ids=SRC_IDS[:2]))
-        prod.save(save_spec(prod, slow.address, req_id="second", key="k-second", block_ids=SRC_IDS[2:]))
-        wait_for(lambda: sum("kv sent" in ln for ln in lines.lines) == 2)
+        yield lines
     finally:
         log.removeHandler(lines)
         log.setLevel(level)
+
+
+def test_a_sends_log_line_counts_from_the_forward_end_including_its_wait_in_the_queue(engines):
+    """The 'kv sent ... ms=' figure is the KV arrival lag (forward end -> D acknowledged the
+    last byte): a send queued behind another one's slow first contact says so."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    slow = SlowHello(rank0(cons), delay_s=0.5)
+    try:
+        with producer_log() as lines:
+            prod.save(save_spec(prod, slow.address, req_id="first", key="k-first", block_ids=SRC_IDS[:2]))
+            prod.save(save_spec(prod, slow.address, req_id="second", key="k-second", block_ids=SRC_IDS[2:]))
+            wait_for(lambda: sum("kv sent" in ln for ln in lines.lines) == 2)
+    finally:
         slow.close()
     sent = {re.search(r"req=(\S+)", ln).group(1): ln for ln in lines.lines if "kv sent" in ln}
     phases = {rid: dict((k, float(v)) for k, v in re.findall(r"(\w+):([0-9.]+)", ln.split("phases_ms=")[1]))

@@ -5,13 +5,14 @@ would have sent. Two real KVEngines on loopback (test_connector_engine's helpers
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
 import torch
 from test_connector_engine import (KEY, SRC_IDS, ZERO, assert_loaded, load_spec, plan_load, poll_until, rank0,
                                    save_spec, snapshot, wait_for)
+
+from test_connector_first_contact import producer_log
 
 from connector.assembly import PartAssembler
 from connector.buffer import KVBuffer, tensor_bytes
@@ -93,34 +94,17 @@ def test_layers_not_reported_in_order_go_when_the_forward_pass_ends(engines, rep
     assert_loaded(cons, dst_before, prod, (0, 15, 5, 6, 8), SRC_IDS)
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 @pytest.mark.parametrize("reported", [2, 0])
 def test_the_send_log_says_how_many_layers_were_reported_before_the_end(engines, reported):
     """'layers_reported=2/2': vLLM reported every layer (save_kv_layer) before the forward pass
     ended; '0/2': it reported none, and the whole payload went at the step's end."""
     prod, cons = layerwise(engines)
     spec = save_spec(prod, rank0(cons))
-    lines = _Lines()
-    log = logging.getLogger("vllm.xpyd.connector.producer")
-    log.addHandler(lines)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
+    with producer_log() as lines:
         for name in LAYERS[:reported]:
             prod.save_layer(spec, name)
         prod.save(spec)
         wait_for(lambda: any("kv sent" in ln for ln in lines.lines))
-    finally:
-        log.removeHandler(lines)
-        log.setLevel(level)
     sent = next(ln for ln in lines.lines if "kv sent" in ln)
     assert sent.endswith(f" layers_reported={reported}/2"), sent
 
