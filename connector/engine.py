@@ -319,10 +319,11 @@ class KVEngine:
         """The blocks of ``spec`` (only ``heads`` of each, for a decode rank of another TP
         size: then one packed tensor per layer). ``layers``: only layers [lo, hi), as one part
         of a layer-wise send; ``after``: the CUDA event that marks them written."""
-        written = self._written.pop(spec.transfer_key, None) if layers is None else (after, 0.0)
-        if written is not None and written[0] is not None:
-            # CUDA: read the blocks only after the forward pass wrote them
-            torch.cuda.current_stream(self._device).wait_event(written[0])
+        if layers is None:  # the whole payload: after the event save() recorded, if any
+            written = self._written.pop(spec.transfer_key, None)
+            after = written[0] if written is not None else None
+        if after is not None:  # CUDA: read the blocks only after the forward pass wrote them
+            torch.cuda.current_stream(self._device).wait_event(after)
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
         names = self._layer_names if layers is None else self._layer_names[layers[0]:layers[1]]
