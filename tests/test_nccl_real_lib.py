@@ -418,8 +418,11 @@ def _call(path: str, ports: list[int]) -> dict:
         time.sleep(0.3)
         before = _counts()
         for port in mine[1:]:
-            reply, _ = t.call(f"127.0.0.1:{port}", {"op": "x"}, [torch.ones(8)], timeout_s=20)
-            out["replies_ok"] &= bool(reply.get("ok"))
+            # Twice: the second call goes over the peer's byte stream (a pooled connection
+            # either transport keeps per peer), whatever the nccl set-up took before it.
+            for _ in range(2):
+                reply, _ = t.call(f"127.0.0.1:{port}", {"op": "x"}, [torch.ones(8)], timeout_s=20)
+                out["replies_ok"] &= bool(reply.get("ok"))
         time.sleep(1.0)
         after = _counts()
         out[name] = {"threads": after[0] - before[0], "fds": after[1] - before[1], "set_ups": len(set(hellos))}

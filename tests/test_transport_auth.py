@@ -21,7 +21,7 @@ from connector.config import ConnectorConfig
 from connector.transport import KVAuth, TcpTransport, TransportError, TransportRefused, derive_kv_key
 from connector.transport.auth import REQ_AUTH_LEN, MacAuth, ReplayGuard, is_reply_auth
 from connector.transport.base import REFUSAL_REASONS
-from connector.transport.tcp import _encode, _lens
+from connector.transport.wire import encode as _encode, frame_lens as _lens
 
 HOST = "127.0.0.1"
 SECRET = "correct horse battery staple"

@@ -4,11 +4,19 @@ Wire format, one multipart message per call and per reply::
 
     [header_msgpack, tensor_frame_0, tensor_frame_1, ...]
 
-``header`` is the caller's dict plus two keys owned by the transport: ``"tensors"``
+``header`` is the caller's dict plus keys owned by the transport (``wire.py``): ``"tensors"``
 (``[{"dtype": "bfloat16", "shape": [...]}, ...]``, one entry per tensor frame) and
 ``"_id"`` (the call id, echoed in the reply). Each tensor travels as its raw bytes in one
 frame. Sends are zero-copy from the tensor's memory (pyzmq ``copy=False``) and received
 tensors are zero-copy views of the zmq frames (the tensor keeps its frame alive).
+
+Byte stream (``stream.py``, on unless ``byte_stream=False`` or CURVE): the server also listens
+on a plain TCP port and says where in every zmq reply (``"_stream"``); once a client knows
+it, its calls to that peer go over pooled plain connections, the same header and auth,
+with received tensors read into reused memory (``recv_memory_bytes``) instead of a fresh
+zmq message each: libzmq's per-message allocation and thread hand-off cost half the
+throughput of KV-sized payloads. A peer whose stream is gone or refuses it gets the call
+over zmq.
 
 With ``auth`` (a shared secret, see ``connector.transport.auth``) requests and replies
 carry an auth frame in front (``mac``), or the sockets run CURVE (``curve``). A request
@@ -34,8 +42,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import queue
 import socket
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +51,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 import zmq
@@ -51,21 +58,28 @@ from zmq.utils.monitor import recv_monitor_message
 
 from connector.affinity import CpuPlan, pin_current_thread
 
+from . import stream
 from .auth import KVAuth, MacAuth, RateLimitedLog, ZapHandler, is_reply_auth, is_request_auth
 from .base import REFUSAL_REASONS, Deferred, Handler, Transport, TransportError, TransportRefused
+from .wire import (
+    ID_KEY,
+    MAX_HEADER_BYTES,
+    STREAM_KEY,
+    TENSORS_KEY,
+    Malformed,
+    TensorSpec,
+    decode_header,
+    encode,
+    frame_lens,
+    printable,
+    tensor_specs,
+)
 
 __all__ = ["Deferred", "TcpTransport"]
 
 logger = logging.getLogger(__name__)
 
-TENSORS_KEY = "tensors"
-ID_KEY = "_id"
-RESERVED_KEYS = (TENSORS_KEY, ID_KEY)
 _RELEASE_WAIT_S = 0.5  # bound on waiting for libzmq to drop a failed call's send buffers (ms in practice)
-# A header is a small map (op, key, layer names, runs, tensor metas); a larger one is
-# refused before it is hashed or decoded, so garbage cannot buy CPU by the gigabyte.
-MAX_HEADER_BYTES = 1 << 20
-
 _REFUSAL_TEXT: MappingProxyType[str, str] = MappingProxyType({
     "unauthenticated": "kv auth: this engine requires a kv_secret and the call carried none",
     "bad_mac": "kv auth: MAC does not verify (is kv_secret the same on both sides?)",
@@ -77,24 +91,8 @@ _REFUSAL_TEXT: MappingProxyType[str, str] = MappingProxyType({
 _CURVE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
-_DTYPES: MappingProxyType[str, torch.dtype] = MappingProxyType(
-    {
-        str(dt).removeprefix("torch."): dt
-        for dt in (
-            torch.float32, torch.float16, torch.bfloat16, torch.float64,
-            torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-            getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None),
-        )
-        if dt is not None
-    }
-)
-_DTYPE_NAMES: MappingProxyType[torch.dtype, str] = MappingProxyType(
-    {dt: name for name, dt in _DTYPES.items()}
-)
-
-
-class _Malformed(ValueError):
-    """An incoming message that does not follow the wire format."""
+class _NotServed(Exception):
+    """A peer's byte stream did not take the call (no connection, refused): nothing ran."""
 
 
 @dataclass(slots=True)
@@ -105,44 +103,6 @@ class _Later:
     call_id: int | None
     nonce: bytes | None
     ident: Any = None
-
-
-# ---------------------------------------------------------------------------- encoding
-
-
-def _tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """A flat uint8 numpy view of ``t``'s bytes; zero-copy when ``t`` is contiguous on CPU.
-
-    The array's base is the (possibly copied) tensor, so handing the array to zmq keeps
-    the memory alive until libzmq has sent it. bf16 has no numpy dtype, hence uint8.
-    """
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _encode(header: dict, tensors: Sequence[torch.Tensor], call_id: int | None) -> list[Any]:
-    if not isinstance(header, dict):
-        raise TypeError(f"header must be a dict, got {type(header).__name__}")
-    for key in RESERVED_KEYS:
-        if key in header:
-            raise ValueError(f"header key {key!r} is reserved for the transport")
-    metas, bufs = [], []
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensors must be torch.Tensor, got {type(t).__name__}")
-        name = _DTYPE_NAMES.get(t.dtype)
-        if name is None:
-            raise TypeError(f"unsupported tensor dtype {t.dtype}")
-        metas.append({"dtype": name, "shape": list(t.shape)})
-        bufs.append(_tensor_bytes(t))
-    wire = dict(header)
-    wire[TENSORS_KEY] = metas
-    if call_id is not None:
-        wire[ID_KEY] = call_id
-    return [msgpack.packb(wire, use_bin_type=True), *bufs]
 
 
 # ---------------------------------------------------------------------------- decoding
@@ -180,51 +140,15 @@ def _frame_to_tensor(frame: zmq.Frame, dtype: torch.dtype, shape: list[int]) -> 
     return flat.view(dtype).reshape(shape)
 
 
-def _decode_header(frame: zmq.Frame) -> dict:
-    try:
-        header = msgpack.unpackb(frame.buffer, raw=False)
-    except Exception as e:  # msgpack raises a zoo of exception types
-        raise _Malformed(f"header is not msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(header, dict):
-        raise _Malformed(f"header is a {type(header).__name__}, not a map")
-    return header
-
-
 def _decode_tensors(metas: Any, frames: Sequence[zmq.Frame]) -> list[torch.Tensor]:
-    if not isinstance(metas, list):
-        raise _Malformed(f"header[{TENSORS_KEY!r}] must be a list")
-    if len(metas) != len(frames):
-        raise _Malformed(f"header lists {len(metas)} tensors but {len(frames)} tensor frames arrived")
-    out = []
-    for i, (meta, frame) in enumerate(zip(metas, frames)):
-        if not isinstance(meta, dict):
-            raise _Malformed(f"tensor {i}: metadata is not a map")
-        name = meta.get("dtype")
-        dtype = _DTYPES.get(name) if isinstance(name, str) else None  # a dict is unhashable
-        if dtype is None:
-            raise _Malformed(f"tensor {i}: unknown dtype {meta.get('dtype')!r}")
-        shape = meta.get("shape")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise _Malformed(f"tensor {i}: bad shape {shape!r}")
-        expected = math.prod(shape) * dtype.itemsize
-        if len(frame) != expected:
-            raise _Malformed(
-                f"tensor {i}: {meta['dtype']}{shape} needs {expected} bytes, frame has {len(frame)}"
-            )
-        out.append(_frame_to_tensor(frame, dtype, shape))
-    return out
-
-
-def _printable(text: str, limit: int = 300) -> str:
-    """Peer-controlled text for a log line or an error: bounded, one line."""
-    return "".join(c if c.isprintable() else "?" for c in text[:limit])
-
-
-def _lens(frames: Sequence[Any]) -> list[int]:
-    """Byte lengths of an outgoing message's frames (bytes and numpy buffers)."""
-    return [f.nbytes if isinstance(f, np.ndarray) else len(f) for f in frames]
+    specs = tensor_specs(metas)
+    if len(specs) != len(frames):
+        raise Malformed(f"header lists {len(specs)} tensors but {len(frames)} tensor frames arrived")
+    for i, (spec, frame) in enumerate(zip(specs, frames)):
+        if len(frame) != spec.nbytes:
+            raise Malformed(f"tensor {i}: {spec.dtype}{list(spec.shape)} needs {spec.nbytes} bytes, "
+                            f"frame has {len(frame)}")
+    return [_frame_to_tensor(f, s.dtype, list(s.shape)) for s, f in zip(specs, frames)]
 
 
 def _split_peer(peer: str) -> str:
@@ -258,6 +182,9 @@ class TcpTransport(Transport):
             even when empty).
         auth: authenticate every call with a key derived from a shared secret; ``None``
             accepts anyone who reaches the port (upstream-compatible).
+        byte_stream: serve and use the byte stream (``stream.py``); never with CURVE.
+        recv_memory_bytes: memory reused for tensors received over the stream (default:
+            ``max_msg_bytes``, else 1 GiB); virtual until messages touch it.
     """
 
     name = "tcp"
@@ -273,6 +200,8 @@ class TcpTransport(Transport):
         max_msg_bytes: int | None = None,
         max_frames: int | None = None,
         auth: KVAuth | None = None,
+        byte_stream: bool = True,
+        recv_memory_bytes: int | None = None,
     ) -> None:
         self._hwm = hwm
         self._cpus = cpus
@@ -307,6 +236,16 @@ class TcpTransport(Transport):
         self._log_refusal = RateLimitedLog(logger.warning)
         self.on_refuse: Callable[[str], None] | None = None  # e.g. the engine's metrics
         self.bound_port: int | None = None
+        # Handlers run one at a time, whichever channel's thread received the call.
+        self._handler_lock = threading.Lock()
+        self._handler: Handler | None = None
+        self._use_stream = byte_stream and self._curve is None
+        self._stream_server: stream.StreamServer | None = None
+        self._stream_at: dict[str, tuple[int, bytes]] = {}  # peer -> its stream (port, token)
+        self._stream_idle: dict[str, list[socket.socket]] = {}
+        self._recv_memory = stream.RecvMemory(
+            recv_memory_bytes if recv_memory_bytes is not None else (max_msg_bytes or 1 << 30))
+        self.stream_calls = 0  # calls this client made over the stream (tests, benchmarks)
 
     @property
     def authenticated(self) -> bool:
@@ -321,7 +260,7 @@ class TcpTransport(Transport):
         with self._lock:
             self._refused[reason] += 1
         self._log_refusal(reason, "tcp transport: refused %s request on port %s: %s",
-                          reason, self.bound_port, _printable(detail))
+                          reason, self.bound_port, printable(detail))
         hook = self.on_refuse
         if hook is not None:
             try:
@@ -380,6 +319,7 @@ class TcpTransport(Transport):
             if self._serving:
                 raise RuntimeError("server already started")
             self._serving = True
+        self._handler = handler
         sock = self._ctx.socket(zmq.ROUTER)
         monitor = None
         try:
@@ -410,6 +350,12 @@ class TcpTransport(Transport):
             with self._lock:
                 self._serving = False
             raise TransportError(f"cannot bind tcp://{bind_host}:{port}: {e}") from e
+        if self._use_stream:
+            try:
+                self._stream_server = stream.StreamServer(bind_host, self._serve_stream, self._cpus,
+                                                          str(self.bound_port))
+            except OSError as e:  # zmq serves alone; clients keep to it
+                logger.warning("tcp transport: no byte stream (%s); calls stay on zmq", e)
         self._wake = socket.socketpair()
         for w in self._wake:
             w.setblocking(False)
@@ -418,8 +364,9 @@ class TcpTransport(Transport):
             daemon=True,
         )
         self._server_thread.start()
-        logger.info("tcp transport serving", extra={"bind": f"{bind_host}:{self.bound_port}",
-                                                    "auth": self._auth.mode if self._auth else "none"})
+        logger.info("tcp transport serving", extra={
+            "bind": f"{bind_host}:{self.bound_port}", "auth": self._auth.mode if self._auth else "none",
+            "stream_port": self._stream_server.port if self._stream_server else None})
 
     def _serve(self, sock: zmq.Socket, handler: Handler, monitor: zmq.Socket | None) -> None:
         pin_current_thread(self._cpus)
@@ -454,7 +401,7 @@ class TcpTransport(Transport):
                     reply = self._serve_one(body, oversized, handler)
                 except Exception as e:  # noqa: BLE001 - no message may stop the server thread
                     logger.exception("tcp transport: serving a request failed")
-                    reply = _encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), None)
+                    reply = encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), None)
                 if isinstance(reply, _Later):
                     reply.ident = ident
                     later[id(reply.deferred)] = reply
@@ -515,18 +462,18 @@ class TcpTransport(Transport):
                 frames = self._reply_frames(result, item.call_id)
             except Exception as e:  # noqa: BLE001 - as for a handler's reply
                 logger.exception("tcp transport: encoding a deferred reply failed")
-                frames = _encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), item.call_id)
+                frames = encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), item.call_id)
             self._send_reply(sock, item.ident, self._signed(frames, item.nonce))
         now = time.monotonic()
         for key in [k for k, v in later.items() if v.deferred.until < now]:
             del later[key]  # never resolved in time: the caller gave up
 
-    @staticmethod
-    def _reply_frames(result: tuple[dict, Sequence[torch.Tensor]], call_id: int | None) -> list[Any]:
+    def _reply_frames(self, result: tuple[dict, Sequence[torch.Tensor]], call_id: int | None) -> list[Any]:
         reply_header, reply_tensors = result
         reply_header = dict(reply_header)
         reply_header.setdefault("ok", True)
-        return _encode(reply_header, reply_tensors, call_id)
+        srv = self._stream_server  # where this server's byte stream is (signed with the reply)
+        return encode(reply_header, reply_tensors, call_id, {STREAM_KEY: [srv.port, srv.token]} if srv else None)
 
     def _handshake_failures(self, monitor: zmq.Socket) -> None:
         while monitor.poll(0):
@@ -537,7 +484,7 @@ class TcpTransport(Transport):
 
     def _refuse(self, reason: str, detail: str, text: str | None = None) -> list[Any]:
         self._count_refusal(reason, detail)
-        return _encode({"ok": False, "error": text or _REFUSAL_TEXT.get(reason, detail), "refused": reason}, (), None)
+        return encode({"ok": False, "error": text or _REFUSAL_TEXT.get(reason, detail), "refused": reason}, (), None)
 
     def _serve_one(self, body: list[zmq.Frame], oversized: bool, handler: Handler) -> list[Any] | _Later:
         if oversized:
@@ -560,32 +507,91 @@ class TcpTransport(Transport):
         call_id = None
         try:
             if not body:
-                raise _Malformed("empty message")
-            header = _decode_header(body[0])
+                raise Malformed("empty message")
+            header = decode_header(body[0].buffer)
             call_id = header.pop(ID_KEY, None)
             if not isinstance(call_id, int | None):
                 call_id = None
-                raise _Malformed("call id is not an int")
+                raise Malformed("call id is not an int")
             tensors = _decode_tensors(header.pop(TENSORS_KEY, []), body[1:])
-        except _Malformed as e:
+        except Malformed as e:
             self._count_refusal("malformed", str(e))
-            return self._signed(_encode({"ok": False, "error": f"malformed request: {_printable(str(e))}",
-                                         "refused": "malformed"}, (), call_id), nonce)
+            return self._signed(encode({"ok": False, "error": f"malformed request: {printable(str(e))}",
+                                        "refused": "malformed"}, (), call_id), nonce)
+        reply = self._dispatch(handler, header, tensors, call_id)
+        if isinstance(reply, Deferred):
+            return _Later(reply, call_id, nonce)
+        return self._signed(reply, nonce)
+
+    def _dispatch(self, handler: Handler, header: dict, tensors: list[torch.Tensor],
+                  call_id: int | None) -> list[Any] | Deferred:
+        """Run the handler (one at a time, whichever channel): its reply frames, unsigned."""
         try:
-            result = handler(header, tensors)
+            with self._handler_lock:
+                result = handler(header, tensors)
             if isinstance(result, Deferred):
-                return _Later(result, call_id, nonce)
-            reply = self._reply_frames(result, call_id)
+                return result
+            return self._reply_frames(result, call_id)
         except Exception as e:
             logger.exception("tcp transport: handler failed")
-            reply = _encode({"ok": False, "error": f"handler error: {type(e).__name__}: {e}"}, (), call_id)
-        return self._signed(reply, nonce)
+            return encode({"ok": False, "error": f"handler error: {type(e).__name__}: {e}"}, (), call_id)
+
+    def _serve_stream(self, head: stream.Head, conn: socket.socket) -> tuple[list[Any], bool] | None:
+        """A stream connection's thread: admit one request as ``_serve_one`` does (same caps,
+        same MAC over the same parts), then read its tensors into reused memory and serve it.
+        A refused request is answered and its connection closed (its bytes stay unread)."""
+        handler = self._handler
+        assert handler is not None
+        auth_len = len(head.auth) if head.auth is not None else 0
+
+        def refuse(reason: str, detail: str, text: str | None = None) -> tuple[list[Any], bool]:
+            return stream.message(stream.REPLY, bytes(8), None, self._refuse(reason, detail, text)[0], ()), False
+
+        try:
+            header = decode_header(head.header)
+            specs = tensor_specs(header.pop(TENSORS_KEY, []))
+            call_id = header.pop(ID_KEY, None)
+            if not isinstance(call_id, int | None):
+                raise Malformed("call id is not an int")
+        except Malformed as e:
+            return refuse("malformed", str(e), f"malformed request: {printable(str(e))}")
+        lens = [len(head.header), *(s.nbytes for s in specs)]
+        if (self._max_msg_bytes is not None and auth_len + sum(lens) > self._max_msg_bytes) or \
+                (self._max_frames is not None and len(lens) > self._max_frames + 1):
+            return refuse("oversized", "over the cap", f"message over {self._max_msg_bytes} bytes or "
+                          f"{self._max_frames} frames (kv_buffer_size of the receiving engine)")
+        nonce = None
+        if self._mac is not None:
+            if head.auth is None:
+                return refuse("unauthenticated", f"{len(lens)} parts")
+            reason, nonce = self._mac.check_request(head.auth, head.header, lens)
+            if reason is not None:
+                return refuse(reason, f"{len(lens)} parts, {sum(lens)} bytes")
+        elif head.auth is not None:
+            return refuse("malformed", "signed call, no secret here", _REFUSAL_TEXT["signed_no_secret"])
+        # Bounded by a floor of 0.1 GB/s: a sender that stalls longer has given up.
+        tensors = stream.read_tensors(conn, specs, time.monotonic() + 30.0 + sum(lens) / 1e8, self._recv_memory)
+        reply = self._dispatch(handler, header, tensors, call_id)
+        del tensors  # the handler kept what it wanted; the rest of the memory goes back now
+        if isinstance(reply, Deferred):
+            done = threading.Event()
+            reply.on_resolve(lambda _d: done.set())
+            result = reply.result() if done.wait(max(0.0, reply.until - time.monotonic())) else None
+            if result is None:
+                return None  # never resolved in time: the caller has given up
+            try:
+                reply = self._reply_frames(result, call_id)
+            except Exception as e:  # noqa: BLE001 - as for a handler's reply
+                logger.exception("tcp transport: encoding a deferred reply failed")
+                reply = encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), call_id)
+        auth = self._mac.sign_reply(nonce, reply[0], frame_lens(reply)) if nonce is not None and self._mac else None
+        return stream.message(stream.REPLY, bytes(8), auth, reply[0], reply[1:]), True
 
     def _signed(self, frames: list[Any], nonce: bytes | None) -> list[Any]:
         """A reply to an authenticated request carries the MAC bound to its nonce."""
         if nonce is None or self._mac is None:
             return frames
-        return [self._mac.sign_reply(nonce, frames[0], _lens(frames)), *frames]
+        return [self._mac.sign_reply(nonce, frames[0], frame_lens(frames)), *frames]
 
     # ------------------------------------------------------------------ client
 
@@ -600,11 +606,19 @@ class TcpTransport(Transport):
         call_id = next(self._ids)
         # `frames` references the tensors' memory: it must outlive the send, which is
         # guaranteed once the reply arrived (or the socket was closed on failure).
-        frames = _encode(header, tensors, call_id)
+        frames = encode(header, tensors, call_id)
         nonce = None
         if self._mac is not None:
-            auth_frame, nonce = self._mac.sign_request(frames[0], _lens(frames))
+            auth_frame, nonce = self._mac.sign_request(frames[0], frame_lens(frames))
             frames = [auth_frame, *frames]
+        at = self._stream_at.get(peer) if self._use_stream else None
+        if at is not None:
+            try:
+                return self._call_stream(peer, at, frames, nonce, call_id, deadline, timeout_s)
+            except _NotServed as e:
+                self._forget_stream(peer)
+                logger.info("tcp transport: %s's byte stream is not serving (%s); this call goes over zmq",
+                            peer, e)
         sock = self._checkout(peer)
         reusable = False
         tracker = None
@@ -630,15 +644,16 @@ class TcpTransport(Transport):
                     if reply is None:
                         continue  # a late reply to an earlier call
                 try:
-                    rheader = _decode_header(reply[0])
+                    rheader = decode_header(reply[0].buffer)
                     rid = rheader.pop(ID_KEY, None)
                     if rid is not None and rid != call_id:
                         logger.warning("tcp transport: dropping stale reply %s (want %s) from %s", rid, call_id, peer)
                         continue
                     rtensors = _decode_tensors(rheader.pop(TENSORS_KEY, []), reply[1:])
-                except _Malformed as e:
+                except Malformed as e:
                     raise TransportError(f"malformed reply from {peer}: {e}") from None
                 reusable = True
+                self._learn_stream(peer, rheader.pop(STREAM_KEY, None))
                 return rheader, rtensors
         except zmq.ZMQError as e:
             raise TransportError(f"zmq error talking to {peer}: {e}") from e
@@ -652,6 +667,120 @@ class TcpTransport(Transport):
                     tracker.wait(_RELEASE_WAIT_S)
                 except zmq.NotDone:
                     logger.warning("tcp transport: send buffers to %s not released after close", peer)
+
+    # ------------------------------------------------------------------ client: byte stream
+
+    def _learn_stream(self, peer: str, at: Any) -> None:
+        if not self._use_stream or at is None:
+            return
+        if (isinstance(at, list) and len(at) == 2 and type(at[0]) is int and 0 < at[0] < 65536
+                and isinstance(at[1], bytes) and len(at[1]) == 8):
+            with self._lock:
+                if self._stream_at.get(peer) != (at[0], at[1]):
+                    self._stream_at[peer] = (at[0], at[1])
+
+    def _forget_stream(self, peer: str) -> None:
+        """Back to zmq until a zmq reply says where the peer's stream is (again)."""
+        with self._lock:
+            self._stream_at.pop(peer, None)
+            idle = self._stream_idle.pop(peer, [])
+        for s in idle:
+            s.close()
+
+    def _call_stream(self, peer: str, at: tuple[int, bytes], frames: list[Any], nonce: bytes | None,
+                     call_id: int, deadline: float, timeout_s: float) -> tuple[dict, list[torch.Tensor]]:
+        """``call`` over the byte stream. _NotServed: the call never reached a handler."""
+        sock = self._stream_checkout(peer, at, deadline)
+        ok = False
+        try:
+            auth, body = (frames[0], frames[1:]) if nonce is not None else (None, frames)
+            stream.send_parts(sock, stream.message(stream.REQUEST, at[1], auth, body[0], body[1:]), deadline)
+            head = stream.read_head(sock, deadline)
+            if head.kind != stream.REPLY:
+                raise TransportError(f"stream from {peer}: {head.kind!r} where a reply belongs")
+            try:
+                rheader = decode_header(head.header)
+                specs = tensor_specs(rheader.pop(TENSORS_KEY, []))
+            except Malformed as e:
+                raise TransportError(f"malformed reply from {peer}: {e}") from None
+            lens = [len(head.header), *(s.nbytes for s in specs)]
+            if nonce is not None:
+                self._check_reply(peer, nonce, head.auth, head.header, lens)
+            if self._max_msg_bytes is not None and sum(lens) > self._max_msg_bytes:
+                raise TransportError(f"reply from {peer} over {self._max_msg_bytes} bytes")
+            rtensors = stream.read_tensors(sock, specs, deadline, self._recv_memory)
+            rid = rheader.pop(ID_KEY, None)
+            if rid is not None and rid != call_id:
+                raise TransportError(f"stream from {peer}: reply to call {rid}, not {call_id}")
+            rheader.pop(STREAM_KEY, None)
+            ok = True
+            self.stream_calls += 1
+            return rheader, rtensors
+        except TimeoutError:
+            raise TransportError(f"timeout after {timeout_s:g}s waiting for reply from {peer}") from None
+        except stream.StreamClosed as e:
+            raise TransportError(f"peer {peer} closed the connection before replying ({e}): it gave the "
+                                 "call up (a reply not ready in time) or went away") from None
+        except OSError as e:
+            raise TransportError(f"stream to {peer} failed: {e}") from e
+        finally:
+            self._stream_checkin(peer, sock, ok)
+            if not ok:
+                self._forget_stream(peer)
+
+    def _stream_checkout(self, peer: str, at: tuple[int, bytes], deadline: float) -> socket.socket:
+        """A pooled connection that is still open, or a new one its server accepted."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise TransportError("transport is closed")
+                idle = self._stream_idle.get(peer)
+                sock = idle.pop() if idle else None
+            if sock is None:
+                break
+            if stream.is_open(sock):
+                return sock
+            sock.close()  # the peer closed it (restarted, or its transport closed)
+        host = peer.rpartition(":")[0].strip("[]")
+        sock = None
+        try:
+            limit = min(stream.CONNECT_TIMEOUT_S, max(0.0, deadline - time.monotonic()))
+            sock = socket.create_connection((host, at[0]), timeout=limit)
+            stream.tune(sock)
+            stream.send_parts(sock, stream.message(stream.HELLO, at[1], None, b"", ()), deadline)
+            head = stream.read_head(sock, min(deadline, time.monotonic() + stream.CONNECT_TIMEOUT_S))
+        except (OSError, TransportError) as e:
+            if sock is not None:
+                sock.close()
+            raise _NotServed(f"connecting to port {at[0]}: {e}") from None
+        if head.kind != stream.REPLY:
+            sock.close()
+            raise _NotServed("the server refused the connection (restarted, or at its connection cap)")
+        return sock
+
+    def _stream_checkin(self, peer: str, sock: socket.socket, reusable: bool) -> None:
+        with self._lock:
+            if reusable and not self._closed:
+                idle = self._stream_idle.setdefault(peer, [])
+                if len(idle) < self._max_idle:
+                    idle.append(sock)
+                    return
+        sock.close()
+
+    def _check_reply(self, peer: str, nonce: bytes, auth: bytes | None, header: bytes, lens: list[int]) -> None:
+        """A stream reply must be signed for this call (one call per connection at a time:
+        a stale one is as wrong as a forged one)."""
+        assert self._mac is not None
+        if auth is not None and is_reply_auth(auth):
+            if self._mac.check_reply(nonce, auth, header, lens) is not None:
+                raise TransportError(f"reply from {peer} failed authentication (tampered, or not a peer "
+                                     "with this kv_secret)")
+            return
+        try:
+            error = printable(str(decode_header(header).get("error", "no reason given")))
+        except Malformed:
+            error = "an answer that is neither signed nor readable"
+        raise TransportRefused(f"peer {peer} refused the call (unauthenticated answer): {error}")
 
     def _verified(self, peer: str, nonce: bytes, reply: list[zmq.Frame]) -> list[zmq.Frame] | None:
         """The body of a reply signed for this call; None for a late reply to an earlier
@@ -669,8 +798,8 @@ class TcpTransport(Transport):
                                      "with this kv_secret)")
             return reply[1:]
         try:
-            error = _printable(str(_decode_header(reply[0]).get("error", "no reason given")))
-        except (_Malformed, IndexError):
+            error = printable(str(decode_header(reply[0].buffer).get("error", "no reason given")))
+        except (Malformed, IndexError):
             error = "an answer that is neither signed nor readable"
         raise TransportRefused(f"peer {peer} refused the call (unauthenticated answer): {error}")
 
@@ -718,9 +847,15 @@ class TcpTransport(Transport):
             self._closed = True
             idle = [s for socks in self._idle.values() for s in socks]
             self._idle.clear()
+            idle_streams = [s for socks in self._stream_idle.values() for s in socks]
+            self._stream_idle.clear()
         self._stop.set()
         for s in idle:
             s.close(linger=0)
+        for s in idle_streams:
+            s.close()
+        if self._stream_server is not None:
+            self._stream_server.close()
         t = self._server_thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout=2.0)
