@@ -10,10 +10,16 @@ requested size. For each size it times (median of ``--repeats``):
 
 * PUT  - client sends the tensors, server replies with an empty header;
 * GET  - client sends an empty header, server replies with the tensors (pre-built);
+* zPUT, zGET - the same over zmq alone (``byte_stream=False``: what the transport did before
+          its byte stream, ``connector/transport/stream.py``);
 * copy_ - ``dst.copy_(src)`` into preallocated tensors in this process (the memcpy bar);
 * clone - ``src.clone()`` (allocates, so includes page faults like a fresh receive buffer);
 * raw   - the same bytes over a plain TCP socket (``sendall`` -> ``recv_into`` a reused
           buffer) between the same two processes: the kernel's loopback ceiling.
+
+Copies per byte, each side: one by the kernel on each side in every column. PUT/GET receive
+into memory reused across messages; zmq receives each message into a fresh allocation
+(page faults on every large one) and hands it from its I/O thread to the caller's.
 
 Repeats are interleaved (PUT, GET, raw, copy_, clone, ... in a new seeded order each
 repeat) so that load from other processes on a shared machine hits all columns alike. torch runs single-threaded by
@@ -54,9 +60,9 @@ SECRET = "bench-secret"
 AUTH_MODES = ("none", "mac", "curve")
 
 
-def _transport(args, mode: str) -> TcpTransport:
+def _transport(args, mode: str, byte_stream: bool = True) -> TcpTransport:
     auth = None if mode == "none" else KVAuth.from_secret(SECRET, mode)
-    return TcpTransport(sock_buf_bytes=args.sock_buf, auth=auth)
+    return TcpTransport(sock_buf_bytes=args.sock_buf, auth=auth, byte_stream=byte_stream)
 
 
 def _sha(tensors) -> list[str]:
@@ -149,6 +155,7 @@ def run(args) -> int:
         clients = {mode: _transport(args, mode) for mode in args.auth}
         base = args.auth[0]
         peer, cli = peers[base], clients[base]
+        zmq_only = _transport(args, base, byte_stream=False)
         raw = socket.create_connection(("127.0.0.1", raw_port), timeout=120)
         print(
             f"tcp transport, 2 processes on loopback; torch threads={torch.get_num_threads()}, "
@@ -156,8 +163,9 @@ def run(args) -> int:
             f"auth={base}"
         )
         hdr = (
-            f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'raw':>6} {'copy_':>6} {'clone':>6}"
-            f" {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7} {'GET/raw':>7}"
+            f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'zPUT':>6} {'zGET':>6} {'raw':>6} {'copy_':>6}"
+            f" {'clone':>6} {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7} {'GET/raw':>7} {'zPUT/raw':>8}"
+            f" {'zGET/raw':>8}"
         )
         print(hdr)
         print("-" * len(hdr))
@@ -199,6 +207,12 @@ def run(args) -> int:
             def get(mode=base):
                 clients[mode].call(peers[mode], {"op": "get", "size_mib": size}, timeout_s=timeout)
 
+            def zput():
+                zmq_only.call(peer, {"op": "put"}, src, timeout_s=timeout)
+
+            def zget():
+                zmq_only.call(peer, {"op": "get", "size_mib": size}, timeout_s=timeout)
+
             def raw_tcp():
                 raw.sendall(struct.pack("<Q", nbytes))
                 for v in views:
@@ -213,7 +227,7 @@ def run(args) -> int:
                 return [s.clone() for s in src]
 
             others = [m for m in args.auth if m != base]
-            fns = (put, get, raw_tcp, copy_, clone,
+            fns = (put, get, raw_tcp, copy_, clone, zput, zget,
                    *(fn for m in others for fn in (lambda m=m: put(m), lambda m=m: get(m))))
             for fn in fns:  # warm-up
                 fn()
@@ -229,14 +243,15 @@ def run(args) -> int:
                     fns[i]()
                     times[i].append(time.perf_counter() - t0)
             rates = [nbytes / statistics.median(ts) / 1e9 for ts in times]
-            put_g, get_g, raw_g, copy_g, clone_g = rates[:5]
+            put_g, get_g, raw_g, copy_g, clone_g, zput_g, zget_g = rates[:7]
             by_auth.append((nbytes / MiB, {base: (put_g, get_g),
-                                           **{m: (rates[5 + 2 * i], rates[6 + 2 * i]) for i, m in enumerate(others)}}))
+                                           **{m: (rates[7 + 2 * i], rates[8 + 2 * i]) for i, m in enumerate(others)}}))
             shape = f"{len(src)}x{list(src[0].shape)}"
             flag = "" if put_ok and get_ok else "  MISMATCH"
             print(
-                f"{nbytes / MiB:4.0f} {shape:>20} {put_g:6.2f} {get_g:6.2f} {raw_g:6.2f} {copy_g:6.2f} {clone_g:6.2f}"
-                f" {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%} {get_g / raw_g:7.0%}{flag}",
+                f"{nbytes / MiB:4.0f} {shape:>20} {put_g:6.2f} {get_g:6.2f} {zput_g:6.2f} {zget_g:6.2f} {raw_g:6.2f}"
+                f" {copy_g:6.2f} {clone_g:6.2f} {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%}"
+                f" {get_g / raw_g:7.0%} {zput_g / raw_g:8.0%} {zget_g / raw_g:8.0%}{flag}",
                 flush=True,
             )
             # Release this size's buffers before allocating the next one.
@@ -250,12 +265,15 @@ def run(args) -> int:
             for mib, r in by_auth:
                 print(f"{mib:4.0f}" + "".join(f" {r[m][0]:9.2f} {r[m][1]:9.2f}" for m in args.auth) + "".join(
                     f" {r[m][0] / r[base][0]:16.0%} {r[m][1] / r[base][1]:16.0%}" for m in args.auth[1:]), flush=True)
+        # PUT/GET measure the stream only if they went over it (CURVE has none: zmq both).
+        print(f"calls over the byte stream: {cli.stream_calls} (zmq-only client: {zmq_only.stream_calls})")
         try:
             cli.call(peer, {"op": "stop"}, timeout_s=5)
         except TransportError:
             pass  # the server may close its transports before the reply leaves; it exits anyway
         for c in clients.values():
             c.close()
+        zmq_only.close()
         raw.close()
         proc.wait(timeout=30)
         print("bit-identical round trips (sha256, both directions):", "yes" if ok_all else "NO")
