@@ -198,6 +198,10 @@ class ConnectorConfig:
     # P (PUT_ASYNC): "request" ships a prompt's KV after the forward pass; "layer" ships each
     # layer's blocks while the later layers run (README: Layer-wise sends); "auto" picks per transport.
     send_granularity: str = DEFAULT_SEND_GRANULARITY
+    # tcp: calls (and KV) over the transport's byte stream, a plain TCP port of its own beside
+    # the KV port (transport/stream.py); False: zmq alone (for a firewall that passes only
+    # the KV ports).
+    byte_stream: bool = True
 
     def layerwise_on(self, transport: str) -> bool:
         """Whether this instance ships each layer as its forward ends, over ``transport`` ("tcp"
@@ -271,6 +275,7 @@ class ConnectorConfig:
             sync_load=_flag(extra.get("sync_load", True)),
             idle_wait_ms=_idle_wait_ms(extra),
             send_granularity=granularity,
+            byte_stream=_flag(extra.get("byte_stream", True)),
         )
 
 

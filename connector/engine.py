@@ -70,7 +70,8 @@ def make_transport(cfg: ConnectorConfig, device: torch.device, cpus: affinity.Cp
     """The transport the config names: nccl for CUDA caches under "auto" (tcp when NCCL does
     not load), tcp on CPU. The tcp knobs apply to the nccl transport's control socket."""
     return transport_factory(cfg.transport, device, num_channels=cfg.nccl_num_channels, cpus=cpus,
-                             max_msg_bytes=max_msg_bytes, max_frames=max_frames, auth=auth)
+                             max_msg_bytes=max_msg_bytes, max_frames=max_frames, auth=auth,
+                             byte_stream=cfg.byte_stream)
 
 
 def is_loopback(host: str) -> bool:
@@ -254,7 +255,9 @@ class KVEngine:
         if op == "hello":  # first contact: what a sender must match before shipping KV
             return {"ok": True, "rank": self._rank, **self._tp.describe(), **self._layout.describe()}, []
         if op == "stats":
-            out = {"ok": True, **self.stats(), "refused": self._transport.refusals()}
+            out = {"ok": True, **self.stats(), "refused": self._transport.refusals(),
+                   # KV (and any tensor) bytes that came over the tcp transport's byte stream, ever.
+                   "stream_received_bytes": getattr(self._transport, "stream_received_bytes", 0)}
             fallbacks = getattr(self._transport, "fallbacks", None)  # nccl: peers on the host path, and why
             if callable(fallbacks):
                 out["fallbacks"] = fallbacks()

@@ -90,7 +90,7 @@ class ArrivalProbe:
     def __init__(self, cfg: ConnectorConfig, ranks: int) -> None:
         self._addrs = [request_id.rank_address(cfg.advertised_address, r) for r in range(ranks)]
         auth = KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None
-        self._transport = TcpTransport(auth=auth, max_idle_per_peer=1)
+        self._transport = TcpTransport(auth=auth, max_idle_per_peer=1, byte_stream=cfg.byte_stream)
         self._log = RateLimitedLog(logger.warning)
 
     def arrived(self, key: str) -> bool:

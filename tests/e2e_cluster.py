@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +39,7 @@ class E2ECluster:
     colocated: cluster.Server
     discovery_port: int
     log_dir: Path
+    prefill_extra: dict[str, object] = field(default_factory=dict)  # P's connector config beyond the defaults
 
     def servers(self) -> list[cluster.Server]:
         return [self.proxy, self.prefill, self.decode, self.colocated]
@@ -106,7 +107,7 @@ def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None,
         kv_config=cluster.kv_transfer_config("kv_consumer", d_kv, d_port, disc,
                                              allow_debug_corruption=True, **timeouts), **common)
     colocated = cluster.start_vllm("colocated", free_port(), log_dir, **common)
-    c = E2ECluster(proxy, prefill, decode, colocated, disc, log_dir)
+    c = E2ECluster(proxy, prefill, decode, colocated, disc, log_dir, dict(prefill_extra or {}))
     try:
         cluster.wait_until([proxy], "/health", 60)
         cluster.wait_until([prefill, decode, colocated], "/health", timeout)

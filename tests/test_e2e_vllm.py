@@ -28,8 +28,9 @@ from connector.transport import TransportRefused
 
 pytestmark = pytest.mark.vllm
 
-@pytest.fixture(scope="module", params=[(None, {}), ("nobind", {"send_granularity": "request"})],
-                ids=["vllm-default-binding", "nobind-whole-requests"])
+# The second cluster also keeps P's KV on zmq (byte_stream false): the option stays exercised.
+@pytest.fixture(scope="module", params=[(None, {}), ("nobind", {"send_granularity": "request", "byte_stream": False})],
+                ids=["vllm-default-binding", "nobind-whole-requests-zmq"])
 def sys_(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> E2ECluster:
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
@@ -79,6 +80,7 @@ def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer
     body = {**body_for("completions", prompt, False), "kv_transfer_params": {"xpyd_report_transfer_key": True}}
     before_p2p = metric(sys_.decode.url, "vllm:prompt_tokens_cached_by_source_total", {"source": "p2p"})
     before_local = metric(sys_.decode.url, "vllm:prompt_tokens_by_source_total", {"source": "local_compute"})
+    before_stream = sys_.engine_stats(sys_.decode)["stream_received_bytes"]
     _, data = generate(sys_.proxy.url, "completions", body)
     n = data["usage"]["prompt_tokens"]
     got = poll(lambda: metric(sys_.decode.url, "vllm:prompt_tokens_cached_by_source_total",
@@ -89,6 +91,15 @@ def test_decode_loaded_prompt_and_computed_one_token(sys_: E2ECluster, tokenizer
     log = sys_.decode.log()
     key = data["kv_transfer_params"]["xpyd"]["transfer_key"]
     assert re.search(rf"kv loaded req=\S+ transfer={key} tokens={n - 1} ", log), "no load line in D's log"
+    # The KV came over the tcp transport's byte stream (the default): D counts what arrived
+    # that way, at least the prompt's blocks but the last; nothing when P keeps to zmq.
+    cfg = json.loads(MODEL_DIR.joinpath("config.json").read_text())
+    block_bytes = cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * BLOCK * 2 * cfg["head_dim"] * 2
+    arrived = sys_.engine_stats(sys_.decode)["stream_received_bytes"] - before_stream
+    if sys_.prefill_extra.get("byte_stream", True):
+        assert arrived >= (n - 1) // BLOCK * block_bytes > 0, arrived
+    else:
+        assert arrived == 0, arrived
     if " layer-wise " in sys_.prefill.log():  # the shipped default over tcp
         # vLLM called save_kv_layer for every layer before the forward pass ended (were it not
         # called, the whole payload would still go at the step's end: 0/N, tokens still right).

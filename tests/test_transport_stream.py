@@ -238,3 +238,23 @@ def test_curve_keeps_to_zmq():
     finally:
         cli.close()
         srv.close()
+
+
+def test_an_unreachable_stream_is_not_tried_again_until_the_peer_moves(pair, monkeypatch):
+    srv, cli, peer, handler = pair
+    with socket.socket() as s:  # a port nothing listens on (a firewalled one looks the same, slower)
+        s.bind((HOST, 0))
+        dead = s.getsockname()[1]
+    real = srv._stream_server.port
+    srv._stream_server.port = dead  # what the server's replies name
+    connects: list[int] = []
+    create = socket.create_connection
+    monkeypatch.setattr(socket, "create_connection", lambda addr, **kw: connects.append(addr[1]) or create(addr, **kw))
+    for _ in range(4):
+        reply, _ = cli.call(peer, {"op": "keep"}, [_random(10, 1)])
+        assert reply["ok"]
+    assert connects == [dead] and cli.stream_calls == 0 and handler.calls == 4  # tried once, then zmq
+    srv._stream_server.port = real  # the peer moved (as after a restart): tried again, and used
+    cli.call(peer, {"op": "ping"})
+    cli.call(peer, {"op": "ping"})
+    assert connects == [dead, real] and cli.stream_calls == 1

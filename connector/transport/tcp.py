@@ -94,6 +94,11 @@ _CURVE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PR
 class _NotServed(Exception):
     """A peer's byte stream did not take the call (no connection, refused): nothing ran."""
 
+    def __init__(self, why: str, unreachable: bool = False, blocked: bool = False) -> None:
+        super().__init__(why)
+        self.unreachable = unreachable  # no connection at all (vs. refused by a live server)
+        self.blocked = blocked  # the connect timed out: packets dropped on the way
+
 
 @dataclass(slots=True)
 class _Later:
@@ -242,10 +247,14 @@ class TcpTransport(Transport):
         self._use_stream = byte_stream and self._curve is None
         self._stream_server: stream.StreamServer | None = None
         self._stream_at: dict[str, tuple[int, bytes]] = {}  # peer -> its stream (port, token)
+        # peer -> the stream that could not be reached: not tried again until the peer
+        # restarts (a new token), so a firewalled port costs one connect timeout, not one a call.
+        self._stream_unreachable: dict[str, tuple[int, bytes]] = {}
         self._stream_idle: dict[str, list[socket.socket]] = {}
         self._recv_memory = stream.RecvMemory(
             recv_memory_bytes if recv_memory_bytes is not None else (max_msg_bytes or 1 << 30))
         self.stream_calls = 0  # calls this client made over the stream (tests, benchmarks)
+        self.stream_received_bytes = 0  # tensor bytes this server received over it (engine stats)
 
     @property
     def authenticated(self) -> bool:
@@ -571,6 +580,8 @@ class TcpTransport(Transport):
             return refuse("malformed", "signed call, no secret here", _REFUSAL_TEXT["signed_no_secret"])
         # Bounded by a floor of 0.1 GB/s: a sender that stalls longer has given up.
         tensors = stream.read_tensors(conn, specs, time.monotonic() + 30.0 + sum(lens) / 1e8, self._recv_memory)
+        with self._lock:
+            self.stream_received_bytes += sum(lens) - lens[0]
         reply = self._dispatch(handler, header, tensors, call_id)
         del tensors  # the handler kept what it wanted; the rest of the memory goes back now
         if isinstance(reply, Deferred):
@@ -616,9 +627,11 @@ class TcpTransport(Transport):
             try:
                 return self._call_stream(peer, at, frames, nonce, call_id, deadline, timeout_s)
             except _NotServed as e:
-                self._forget_stream(peer)
-                logger.info("tcp transport: %s's byte stream is not serving (%s); this call goes over zmq",
-                            peer, e)
+                self._forget_stream(peer, unreachable=e.unreachable)
+                (logger.warning if e.blocked else logger.info)(
+                    "tcp transport: %s's byte stream is not serving (%s); calls go over zmq%s", peer, e,
+                    " until it restarts: is its port blocked? (byte_stream: false turns the stream off)"
+                    if e.blocked else "")
         sock = self._checkout(peer)
         reusable = False
         tracker = None
@@ -676,13 +689,16 @@ class TcpTransport(Transport):
         if (isinstance(at, list) and len(at) == 2 and type(at[0]) is int and 0 < at[0] < 65536
                 and isinstance(at[1], bytes) and len(at[1]) == 8):
             with self._lock:
-                if self._stream_at.get(peer) != (at[0], at[1]):
+                if self._stream_unreachable.get(peer) != (at[0], at[1]):
                     self._stream_at[peer] = (at[0], at[1])
 
-    def _forget_stream(self, peer: str) -> None:
-        """Back to zmq until a zmq reply says where the peer's stream is (again)."""
+    def _forget_stream(self, peer: str, unreachable: bool = False) -> None:
+        """Back to zmq until a zmq reply says where the peer's stream is (again); if it could
+        not be reached, until the peer says it is somewhere else."""
         with self._lock:
-            self._stream_at.pop(peer, None)
+            at = self._stream_at.pop(peer, None)
+            if unreachable and at is not None:
+                self._stream_unreachable[peer] = at
             idle = self._stream_idle.pop(peer, [])
         for s in idle:
             s.close()
@@ -743,6 +759,7 @@ class TcpTransport(Transport):
             sock.close()  # the peer closed it (restarted, or its transport closed)
         host = peer.rpartition(":")[0].strip("[]")
         sock = None
+        limit = 0.0
         try:
             limit = min(stream.CONNECT_TIMEOUT_S, max(0.0, deadline - time.monotonic()))
             sock = socket.create_connection((host, at[0]), timeout=limit)
@@ -752,7 +769,13 @@ class TcpTransport(Transport):
         except (OSError, TransportError) as e:
             if sock is not None:
                 sock.close()
-            raise _NotServed(f"connecting to port {at[0]}: {e}") from None
+            # Refused: nothing listens there (the peer restarted). A full connect timeout: a
+            # port that drops packets (a firewall). A shorter one says only that this call
+            # was nearly out of time.
+            timed_out = isinstance(e, TimeoutError)
+            raise _NotServed(f"connecting to port {at[0]}: {e or type(e).__name__}",
+                             unreachable=not timed_out or limit >= stream.CONNECT_TIMEOUT_S,
+                             blocked=timed_out and limit >= stream.CONNECT_TIMEOUT_S) from None
         if head.kind != stream.REPLY:
             sock.close()
             raise _NotServed("the server refused the connection (restarted, or at its connection cap)")
