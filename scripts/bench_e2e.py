@@ -843,6 +843,8 @@ def main() -> int:
     ap.add_argument("--send-granularity", choices=("request", "layer"), default=None,
                     help="P's connector send_granularity (default: the connector's own), for an A/B of "
                          "layer-wise sends against the default run")
+    ap.add_argument("--no-byte-stream", action="store_true",
+                    help="P and D keep KV on zmq (connector byte_stream false), to compare a run of each")
     ap.add_argument("--granularity-ab", action="store_true",
                     help="a second P with the other send_granularity (request, with the default auto), behind "
                          "a proxy of its own, sharing D: TTFT and KV arrival lag both ways in one run")
@@ -921,6 +923,7 @@ def main() -> int:
                 proxies.append(gab[-1][2])
                 servers.append(gab[-1][2])
         common = {"model": model, "log_dir": log_dir}
+        zmq_only = {"byte_stream": False} if args.no_byte_stream else {}
         # VLLM_CPU_OMP_THREADS_BIND is explicit everywhere. Note "a|b" means one list per
         # rank: start_vllm's default for cpus="0,1" is "0|1", which gives rank 0 core 0 only.
         # colocated-1omp: what vLLM's own "auto" binding picks on this 2-core box (one OMP
@@ -937,7 +940,7 @@ def main() -> int:
             "prefill", p_port, cpus="0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
             kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p_port, disc, **reg,
                                                  **({"send_granularity": args.send_granularity}
-                                                    if args.send_granularity else {})),
+                                                    if args.send_granularity else {}), **zmq_only),
             **common)
         servers.append(prefill)
         prefills = [prefill]
@@ -948,13 +951,13 @@ def main() -> int:
                 f"prefill-{gran}", p2_port, cpus="0", env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
                 kv_config=cluster.kv_transfer_config("kv_producer", cluster.free_port_pair(), p2_port, gab[0][1],
                                                      proxies=[f"{cluster.HOST}:{d}" for _, d, _ in gab[1:]],
-                                                     send_granularity=gran), **common))
+                                                     send_granularity=gran, **zmq_only), **common))
             servers.append(prefills[-1])
             d_reg = {"proxies": [*reg["proxies"], *(f"{cluster.HOST}:{d}" for _, d, _ in gab)]}
         decode = cluster.start_vllm(
             "decode", d_port, cpus="1", env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
             kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), d_port, disc, **d_reg,
-                                                 **({"sync_load": False} if args.no_sync_load else {})),
+                                                 **({"sync_load": False} if args.no_sync_load else {}), **zmq_only),
             **common)
         servers.append(decode)
         proxy_where = f"cores {args.proxy_cpus}" if args.proxy_cpus else "unpinned"
@@ -993,7 +996,8 @@ def main() -> int:
             "OMP threads (from the logs): " + "; ".join(binds)
             + f"; all colocated processes on cores 0,1; proxy {proxy_where}; load generator unpinned",
             f"connector: P send_granularity {args.granularity}"
-            + (f" (a second P on core 0: {gran})" if gran else "") + ", D sync_load "
+            + (f" (a second P on core 0: {gran})" if gran else "")
+            + (", KV over zmq alone (byte_stream false)" if args.no_byte_stream else "") + ", D sync_load "
             f"{'false' if args.no_sync_load else 'default'}",
             f"TTFT: {args.ttft_n} distinct prompts, the same text to each setup, rotating order, "
             f"max_tokens {args.ttft_max_tokens}, time to the first SSE chunk with a token",
