@@ -13,8 +13,7 @@ import msgpack
 import pytest
 import torch
 
-from connector.transport import KVAuth, TcpTransport, TransportError
-from connector.transport import stream
+from connector.transport import KVAuth, TcpTransport, TransportError, stream
 
 HOST = "127.0.0.1"
 

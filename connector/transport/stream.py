@@ -102,20 +102,19 @@ class _Lent:
     of the last view, whoever holds it (a KV payload until D loaded it, a test).
     """
 
-    __slots__ = ("_iface", "_give_back", "__weakref__")
+    __slots__ = ("_iface", "_give_back", "_keep")
 
-    def __init__(self, addr: int, nbytes: int, give_back: Callable[[], None] | None, keep: Any) -> None:
+    def __init__(self, addr: int, nbytes: int, give_back: Callable[[], None], keep: torch.Tensor) -> None:
         self._iface = {"data": (addr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-        self._give_back = (give_back, keep)
+        self._give_back = give_back
+        self._keep = keep  # the buffer the bytes are in: alive while they are lent
 
     @property
     def __array_interface__(self) -> dict:
         return self._iface
 
     def __del__(self) -> None:
-        give_back = self._give_back[0]
-        if give_back is not None:
-            give_back()
+        self._give_back()
 
 
 @dataclass(slots=True)
@@ -189,7 +188,7 @@ class RecvMemory:
 
 def send_parts(sock: socket.socket, parts: Sequence[Any], deadline: float) -> None:
     """Write ``parts`` (bytes or numpy arrays) in order, gathered: one syscall when they fit."""
-    views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     i = 0
     while i < len(views):
         sock.settimeout(_left(deadline))
@@ -328,8 +327,8 @@ class StreamServer:
                 return
             while not self._stop.is_set():
                 try:
-                    # Idle between calls for as long as the client keeps the connection (it
-                    # closes idle ones; keepalive finds vanished hosts).
+                    # Idle between calls for as long as the client pools the connection
+                    # (keepalive finds a host that vanished).
                     head = read_head(conn, time.monotonic() + 1e9)
                 except StreamClosed:
                     return
@@ -342,9 +341,11 @@ class StreamServer:
                 send_parts(conn, reply, time.monotonic() + 60.0)
                 if not keep:
                     return
-        except (OSError, TransportError, TimeoutError) as e:
+        except (OSError, TransportError) as e:
             if not self._stop.is_set():
                 logger.debug("stream connection ended: %s", e)
+        except Exception:  # noqa: BLE001 - e.g. MemoryError for what an uncapped header announced
+            logger.exception("stream connection failed; closed")
         finally:
             with self._lock:
                 self._conns.discard(conn)

@@ -42,8 +42,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import socket
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -67,7 +67,6 @@ from .wire import (
     STREAM_KEY,
     TENSORS_KEY,
     Malformed,
-    TensorSpec,
     decode_header,
     encode,
     frame_lens,
@@ -730,7 +729,8 @@ class TcpTransport(Transport):
                 raise TransportError(f"stream from {peer}: reply to call {rid}, not {call_id}")
             rheader.pop(STREAM_KEY, None)
             ok = True
-            self.stream_calls += 1
+            with self._lock:
+                self.stream_calls += 1
             return rheader, rtensors
         except TimeoutError:
             raise TransportError(f"timeout after {timeout_s:g}s waiting for reply from {peer}") from None
