@@ -257,3 +257,21 @@ def test_an_unreachable_stream_is_not_tried_again_until_the_peer_moves(pair, mon
     cli.call(peer, {"op": "ping"})
     cli.call(peer, {"op": "ping"})
     assert connects == [dead, real] and cli.stream_calls == 1
+
+
+def test_a_server_at_its_connection_cap_sends_callers_to_zmq(pair, monkeypatch):
+    srv, cli, peer, handler = pair
+    monkeypatch.setattr(stream, "MAX_CONNECTIONS", 1)
+    cli.call(peer, {"op": "ping"})
+    cli.call(peer, {"op": "ping"})  # holds the one connection (pooled, idle)
+    assert cli.stream_calls == 1
+    other = TcpTransport()
+    try:
+        other.call(peer, {"op": "ping"})
+        t = _random(100, 9)
+        reply, _ = other.call(peer, {"op": "keep"}, [t])
+        assert reply["ok"] and other.stream_calls == 0 and _same(handler.held[-1][0], t)  # served once, over zmq
+    finally:
+        other.close()
+    cli.call(peer, {"op": "ping"})
+    assert cli.stream_calls == 2  # the first client's connection is untouched
