@@ -417,7 +417,7 @@ def test_deferred_replies_leave_the_server_serving():
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="timeout|closed the connection before replying"):
             cli.call(addr, {"op": "never"}, timeout_s=0.5)
-        assert time.monotonic() - t0 < 0.8
+        assert time.monotonic() - t0 < 3.0  # slack for a loaded box; a hang would be unbounded
         held[0].resolve({"too": "late"})  # after its deadline: dropped, nobody waits for it
         reply, _ = cli.call(addr, {"op": "fast"}, timeout_s=1)
         assert reply["now"]
