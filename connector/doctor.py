@@ -305,6 +305,8 @@ def check_init_without_gpu() -> tuple[str, str, Any]:
 
 
 def check_tcp_roundtrip() -> tuple[str, str, Any]:
+    """A tensor round trip over the tcp transport's two channels: the first call goes over
+    zmq and names the server's byte stream, the second goes over that stream (the KV path)."""
     import torch
 
     from connector.transport import TcpTransport
@@ -314,16 +316,25 @@ def check_tcp_roundtrip() -> tuple[str, str, Any]:
 
     server, client = TcpTransport(), TcpTransport()
     server.start("127.0.0.1", 0, lambda h, ts: ({"sha": sha(ts)}, ts[::-1]))
+    g = torch.Generator().manual_seed(0)
+    sent = [torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=g).view(dt)
+            for n, dt in ((4096, torch.bfloat16), (1 << 20, torch.float16), (333, torch.int16))]
+    wrong = []
     try:
-        g = torch.Generator().manual_seed(0)
-        sent = [torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, generator=g).view(dt)
-                for n, dt in ((4096, torch.bfloat16), (1 << 20, torch.float16), (333, torch.int16))]
-        reply, back = client.call(f"127.0.0.1:{server.bound_port}", {"op": "echo"}, sent, timeout_s=30)
+        for channel in ("zmq", "byte stream"):
+            reply, back = client.call(f"127.0.0.1:{server.bound_port}", {"op": "echo"}, sent, timeout_s=30)
+            if not (reply.get("sha") == sha(sent) and sha(back) == sha(sent[::-1])):
+                wrong.append(channel)
+        streamed = client.stream_calls
     finally:
         client.close()
         server.close()
-    ok = reply.get("sha") == sha(sent) and sha(back) == sha(sent[::-1])
-    return ("pass" if ok else "fail"), f"{sum(t.numel() * t.element_size() for t in sent)} bytes both ways", None
+    nbytes = sum(t.numel() * t.element_size() for t in sent)
+    if wrong:
+        return "fail", f"bytes changed over {' and '.join(wrong)}", None
+    if streamed != 1:
+        return "fail", "the second call did not go over the byte stream (its port refused on loopback?)", None
+    return "pass", f"{nbytes} bytes both ways, over zmq and over the byte stream", None
 
 
 def check_layouts_cpu() -> tuple[str, str, Any]:
