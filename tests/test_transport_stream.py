@@ -5,6 +5,7 @@ refused or slow ends in a served call over zmq or a clear error, never a hang.""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -47,15 +48,25 @@ class Recorder:
         return {"n": len(tensors)}, []
 
 
+@contextlib.contextmanager
+def served(handler: Recorder, client: dict | None = None, **server):
+    """A started server (``server``: its TcpTransport options) and a client (``client``'s),
+    both closed afterwards: (server, client, peer)."""
+    srv = TcpTransport(**server)
+    srv.start(HOST, 0, handler)
+    cli = TcpTransport(**(client or {}))
+    try:
+        yield srv, cli, f"{HOST}:{srv.bound_port}"
+    finally:
+        cli.close()
+        srv.close()
+
+
 @pytest.fixture
 def pair():
     handler = Recorder()
-    srv = TcpTransport()
-    srv.start(HOST, 0, handler)
-    cli = TcpTransport()
-    yield srv, cli, f"{HOST}:{srv.bound_port}", handler
-    cli.close()
-    srv.close()
+    with served(handler) as (srv, cli, peer):
+        yield srv, cli, peer, handler
 
 
 def test_calls_move_to_the_stream_after_the_first_reply(pair):
@@ -95,19 +106,12 @@ def test_held_payloads_are_never_overwritten_and_memory_comes_back(pair):
 
 def test_a_message_over_the_reused_memory_gets_fresh_memory():
     handler = Recorder()
-    srv = TcpTransport(recv_memory_bytes=4096)
-    srv.start(HOST, 0, handler)
-    cli = TcpTransport()
-    peer = f"{HOST}:{srv.bound_port}"
-    try:
+    with served(handler, recv_memory_bytes=4096) as (srv, cli, peer):
         cli.call(peer, {"op": "ping"})
         big = _random(10_000, 7)
         cli.call(peer, {"op": "keep"}, [big])
         assert cli.stream_calls == 1 and srv._recv_memory.fresh == 1
         assert _same(handler.held[0][0], big)
-    finally:
-        cli.close()
-        srv.close()
 
 
 def test_a_restarted_peer_is_reached_over_zmq_then_its_new_stream(pair):
@@ -158,11 +162,7 @@ def _raw_request(port: int, token: bytes, header: dict, body: bytes, auth: bytes
 def test_unauthenticated_and_oversized_requests_never_reach_the_handler():
     handler = Recorder()
     auth = KVAuth.from_secret("s3cret", "mac")
-    srv = TcpTransport(auth=auth, max_msg_bytes=1 << 16)
-    srv.start(HOST, 0, handler)
-    cli = TcpTransport(auth=auth)
-    peer = f"{HOST}:{srv.bound_port}"
-    try:
+    with served(handler, {"auth": auth}, auth=auth, max_msg_bytes=1 << 16) as (srv, cli, peer):
         cli.call(peer, {"op": "ping"})
         cli.call(peer, {"op": "keep"}, [_random(100, 1)])
         assert cli.stream_calls == 1 and handler.calls == 2  # signed calls over the stream
@@ -179,18 +179,11 @@ def test_unauthenticated_and_oversized_requests_never_reach_the_handler():
         with pytest.raises(TransportError):  # the client's own oversized call: refused too
             cli.call(peer, {"op": "keep"}, [_random(1 << 17, 2, torch.uint8)])
         assert handler.calls == 2
-    finally:
-        cli.close()
-        srv.close()
 
 
 def test_a_slow_reply_times_out_and_the_next_call_is_served():
     handler = Recorder(delay_s=1.0)
-    srv = TcpTransport()
-    srv.start(HOST, 0, handler)
-    cli = TcpTransport()
-    peer = f"{HOST}:{srv.bound_port}"
-    try:
+    with served(handler) as (srv, cli, peer):
         cli.call(peer, {"op": "ping"})
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="timeout"):
@@ -198,9 +191,6 @@ def test_a_slow_reply_times_out_and_the_next_call_is_served():
         assert time.monotonic() - t0 < 3.0  # ended by its deadline (slack for a loaded box)
         reply, _ = cli.call(peer, {"op": "ping"}, timeout_s=5)
         assert reply["ok"]
-    finally:
-        cli.close()
-        srv.close()
 
 
 def test_concurrent_callers_each_get_their_own_reply(pair):
@@ -226,17 +216,10 @@ def test_concurrent_callers_each_get_their_own_reply(pair):
 def test_curve_keeps_to_zmq():
     auth = KVAuth.from_secret("s3cret", "curve")
     handler = Recorder()
-    srv = TcpTransport(auth=auth)
-    srv.start(HOST, 0, handler)
-    cli = TcpTransport(auth=auth)
-    peer = f"{HOST}:{srv.bound_port}"
-    try:
+    with served(handler, {"auth": auth}, auth=auth) as (srv, cli, peer):
         cli.call(peer, {"op": "ping"})
         cli.call(peer, {"op": "keep"}, [_random(10, 1)])
         assert cli.stream_calls == 0 and srv._stream_server is None  # encryption: zmq only
-    finally:
-        cli.close()
-        srv.close()
 
 
 def test_an_unreachable_stream_is_not_tried_again_until_the_peer_moves(pair, monkeypatch):

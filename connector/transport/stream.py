@@ -39,7 +39,7 @@ from connector.affinity import CpuPlan, pin_current_thread
 from connector.log import get_logger
 
 from .base import TransportError
-from .wire import MAX_HEADER_BYTES, TensorSpec
+from .wire import MAX_HEADER_BYTES, BytesAt, TensorSpec
 
 logger = get_logger(__name__)
 
@@ -49,7 +49,6 @@ MAX_AUTH_BYTES = 256
 ALIGN = 64  # each received tensor starts on a cache line
 IOV_MAX = 512  # parts per sendmsg (Linux allows 1024)
 MAX_CONNECTIONS = 64  # per server; beyond, a caller is told NACK and uses zmq
-_KEEPALIVE = ((socket.SO_KEEPALIVE, 1),)
 _TCP_KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 CONNECT_TIMEOUT_S = 2.0  # a stream port that does not answer soon is treated as absent
 
@@ -61,8 +60,7 @@ class StreamClosed(TransportError):
 def tune(sock: socket.socket) -> None:
     """No Nagle (a reply is one small write), keepalive for peers gone without a FIN."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt, val in _KEEPALIVE:
-        sock.setsockopt(socket.SOL_SOCKET, opt, val)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, val in _TCP_KEEPALIVE:
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), val)
@@ -92,29 +90,6 @@ def _left(deadline: float) -> float:
 
 
 # ---------------------------------------------------------------------------- memory
-
-
-class _Lent:
-    """numpy's view of lent bytes; gives them back when the last tensor over them dies.
-
-    Tensors made with ``torch.from_numpy`` keep their array, and the array its base (this
-    object), alive: reference counting returns the memory exactly when the receiver lets go
-    of the last view, whoever holds it (a KV payload until D loaded it, a test).
-    """
-
-    __slots__ = ("_iface", "_give_back", "_keep")
-
-    def __init__(self, addr: int, nbytes: int, give_back: Callable[[], None], keep: torch.Tensor) -> None:
-        self._iface = {"data": (addr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-        self._give_back = give_back
-        self._keep = keep  # the buffer the bytes are in: alive while they are lent
-
-    @property
-    def __array_interface__(self) -> dict:
-        return self._iface
-
-    def __del__(self) -> None:
-        self._give_back()
 
 
 @dataclass(slots=True)
@@ -179,8 +154,9 @@ class RecvMemory:
             return np.empty(size, dtype=np.uint8)
         assert self._buf is not None
         buf = self._buf
-        lent = _Lent(buf.data_ptr() + off, size, lambda: self._return(off, size), buf)
-        return np.asarray(lent)
+        # The memory comes back when the last tensor over it dies (reference counting: the
+        # tensors keep their array, the array this base), whoever holds it.
+        return np.asarray(BytesAt(buf.data_ptr() + off, size, buf, lambda: self._return(off, size)))
 
 
 # ---------------------------------------------------------------------------- byte I/O
@@ -246,17 +222,13 @@ def read_tensors(sock: socket.socket, specs: Sequence[TensorSpec], deadline: flo
     if not total:
         return [torch.empty(s.shape, dtype=s.dtype) for s in specs]
     arr = memory.lend(total)
-    recv_into_parts(sock, arr, [(o, s.nbytes) for o, s in zip(offsets, specs)], deadline)
+    view = memoryview(arr).cast("B")
+    for o, s in zip(offsets, specs):
+        if s.nbytes:
+            recv_exact(sock, view[o:o + s.nbytes], deadline)
     flat = torch.from_numpy(arr)
     return [flat[o:o + s.nbytes].view(s.dtype).reshape(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype)
             for o, s in zip(offsets, specs)]
-
-
-def recv_into_parts(sock: socket.socket, arr: np.ndarray, spans: Sequence[tuple[int, int]], deadline: float) -> None:
-    view = memoryview(arr).cast("B")
-    for off, n in spans:
-        if n:
-            recv_exact(sock, view[off:off + n], deadline)
 
 
 def message(kind: bytes, token: bytes, auth: bytes | None, header: bytes, tensor_parts: Sequence[Any]) -> list[Any]:

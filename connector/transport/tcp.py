@@ -66,6 +66,7 @@ from .wire import (
     MAX_HEADER_BYTES,
     STREAM_KEY,
     TENSORS_KEY,
+    BytesAt,
     Malformed,
     decode_header,
     encode,
@@ -112,31 +113,12 @@ class _Later:
 # ---------------------------------------------------------------------------- decoding
 
 
-class _FrameArray:
-    """Writable numpy array interface over a received zmq frame; holds the frame alive.
-
-    ``torch.frombuffer`` on the frame's read-only memoryview would warn (and torch cannot
-    mark tensors read-only anyway). The frame's memory is private to this message, so
-    exposing it writable is safe and avoids both the warning and a copy.
-    """
-
-    __slots__ = ("frame", "_iface")
-
-    def __init__(self, frame: zmq.Frame, addr: int, nbytes: int) -> None:
-        self.frame = frame
-        self._iface = {"data": (addr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
-
-    @property
-    def __array_interface__(self) -> dict:
-        return self._iface
-
-
 def _frame_to_tensor(frame: zmq.Frame, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     nbytes = len(frame)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     addr = np.frombuffer(frame.buffer, dtype=np.uint8).ctypes.data
-    flat = torch.from_numpy(np.asarray(_FrameArray(frame, addr, nbytes)))
+    flat = torch.from_numpy(np.asarray(BytesAt(addr, nbytes, frame)))
     if addr % dtype.itemsize:
         # Small frames may sit at an odd offset inside libzmq's shared receive buffer;
         # copy those into an aligned allocation rather than hand out misaligned tensors.
@@ -494,24 +476,23 @@ class TcpTransport(Transport):
         self._count_refusal(reason, detail)
         return encode({"ok": False, "error": text or _REFUSAL_TEXT.get(reason, detail), "refused": reason}, (), None)
 
+    def _refuse_oversized(self) -> list[Any]:
+        return self._refuse("oversized", "over the cap", f"message over {self._max_msg_bytes} bytes or "
+                            f"{self._max_frames} frames (kv_buffer_size of the receiving engine)")
+
     def _serve_one(self, body: list[zmq.Frame], oversized: bool, handler: Handler) -> list[Any] | _Later:
         if oversized:
-            return self._refuse("oversized", "over the cap",
-                                f"message over {self._max_msg_bytes} bytes or {self._max_frames} frames "
-                                "(kv_buffer_size of the receiving engine)")
+            return self._refuse_oversized()
         if len(body) > (self._mac is not None) and len(body[self._mac is not None]) > MAX_HEADER_BYTES:
             return self._refuse("oversized", "header frame too large",
                                 f"header frame over {MAX_HEADER_BYTES} bytes")
-        nonce = None
-        if self._mac is not None:
-            if len(body) < 2:
-                return self._refuse("unauthenticated", f"{len(body)} frames")
-            reason, nonce = self._mac.check_request(body[0].buffer, body[1].buffer, [len(f) for f in body[1:]])
-            if reason is not None:
-                return self._refuse(reason, f"{len(body)} frames, {sum(len(f) for f in body)} bytes")
-            body = body[1:]
-        elif body and is_request_auth(body[0].buffer):
-            return self._refuse("malformed", "signed call, no secret here", _REFUSAL_TEXT["signed_no_secret"])
+        # With a secret the first frame is the auth frame; without, one there is refused.
+        signed = len(body) >= 2 if self._mac is not None else bool(body) and is_request_auth(body[0].buffer)
+        auth, body = (body[0].buffer, body[1:]) if signed else (None, body)
+        refusal, nonce = self._authenticate(auth, body[0].buffer if body else b"", [len(f) for f in body],
+                                            f"{len(body) + signed} frames, {sum(len(f) for f in body)} bytes")
+        if refusal is not None:
+            return refusal
         call_id = None
         try:
             if not body:
@@ -552,8 +533,8 @@ class TcpTransport(Transport):
         assert handler is not None
         auth_len = len(head.auth) if head.auth is not None else 0
 
-        def refuse(reason: str, detail: str, text: str | None = None) -> tuple[list[Any], bool]:
-            return stream.message(stream.REPLY, bytes(8), None, self._refuse(reason, detail, text)[0], ()), False
+        def closing(refusal: list[Any]) -> tuple[list[Any], bool]:  # answer, then close unread
+            return stream.message(stream.REPLY, bytes(8), None, refusal[0], ()), False
 
         try:
             header = decode_header(head.header)
@@ -562,21 +543,14 @@ class TcpTransport(Transport):
             if not isinstance(call_id, int | None):
                 raise Malformed("call id is not an int")
         except Malformed as e:
-            return refuse("malformed", str(e), f"malformed request: {printable(str(e))}")
+            return closing(self._refuse("malformed", str(e), f"malformed request: {printable(str(e))}"))
         lens = [len(head.header), *(s.nbytes for s in specs)]
         if (self._max_msg_bytes is not None and auth_len + sum(lens) > self._max_msg_bytes) or \
                 (self._max_frames is not None and len(lens) > self._max_frames + 1):
-            return refuse("oversized", "over the cap", f"message over {self._max_msg_bytes} bytes or "
-                          f"{self._max_frames} frames (kv_buffer_size of the receiving engine)")
-        nonce = None
-        if self._mac is not None:
-            if head.auth is None:
-                return refuse("unauthenticated", f"{len(lens)} parts")
-            reason, nonce = self._mac.check_request(head.auth, head.header, lens)
-            if reason is not None:
-                return refuse(reason, f"{len(lens)} parts, {sum(lens)} bytes")
-        elif head.auth is not None:
-            return refuse("malformed", "signed call, no secret here", _REFUSAL_TEXT["signed_no_secret"])
+            return closing(self._refuse_oversized())
+        refusal, nonce = self._authenticate(head.auth, head.header, lens, f"{len(lens)} parts, {sum(lens)} bytes")
+        if refusal is not None:
+            return closing(refusal)
         # Bounded by a floor of 0.1 GB/s: a sender that stalls longer has given up.
         tensors = stream.read_tensors(conn, specs, time.monotonic() + 30.0 + sum(lens) / 1e8, self._recv_memory)
         with self._lock:
@@ -596,6 +570,21 @@ class TcpTransport(Transport):
                 reply = encode({"ok": False, "error": f"server error: {type(e).__name__}"}, (), call_id)
         auth = self._mac.sign_reply(nonce, reply[0], frame_lens(reply)) if nonce is not None and self._mac else None
         return stream.message(stream.REPLY, bytes(8), auth, reply[0], reply[1:]), True
+
+    def _authenticate(self, auth: Any, header: Any, lens: list[int],
+                      detail: str) -> tuple[list[Any] | None, bytes | None]:
+        """Both channels' request check: (None, the nonce to sign the reply with), or the
+        refusal to answer. ``lens``: the header's and every tensor's byte length."""
+        if self._mac is None:
+            if auth is not None:
+                return self._refuse("malformed", "signed call, no secret here", _REFUSAL_TEXT["signed_no_secret"]), None
+            return None, None
+        if auth is None:
+            return self._refuse("unauthenticated", detail), None
+        reason, nonce = self._mac.check_request(auth, header, lens)
+        if reason is not None:
+            return self._refuse(reason, detail), None
+        return None, nonce
 
     def _signed(self, frames: list[Any], nonce: bytes | None) -> list[Any]:
         """A reply to an authenticated request carries the MAC bound to its nonce."""

@@ -132,6 +132,28 @@ def tensor_specs(metas: Any) -> list[TensorSpec]:
     return out
 
 
+class BytesAt:
+    """A writable numpy array interface over ``nbytes`` at ``addr``, holding ``keep`` (what
+    owns that memory: a zmq frame, the receive buffer) alive; ``on_free`` runs once the last
+    array and tensor over it are gone. ``torch.frombuffer`` on a read-only buffer would warn
+    and copy; this memory is private to the message, so exposing it writable is safe."""
+
+    __slots__ = ("_iface", "_keep", "_on_free")
+
+    def __init__(self, addr: int, nbytes: int, keep: Any, on_free: Any = None) -> None:
+        self._iface = {"data": (addr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+        self._keep = keep
+        self._on_free = on_free
+
+    @property
+    def __array_interface__(self) -> dict:
+        return self._iface
+
+    def __del__(self) -> None:
+        if self._on_free is not None:
+            self._on_free()
+
+
 def printable(text: str, limit: int = 300) -> str:
     """Peer-controlled text for a log line or an error: bounded, one line."""
     return "".join(c if c.isprintable() else "?" for c in text[:limit])
