@@ -399,10 +399,10 @@ def check_single_rank_nccl() -> tuple[str, str, Any]:
 
 
 def check_bench_transfers(two_gpus: bool, channels: int | None) -> tuple[str, str, Any]:
-    from connector.gpu_bench import measure_transfers
+    from connector.gpu_bench import measure_transfers_fresh
 
-    res = measure_transfers([4, 64, 256], repeats=5, nccl_channels=channels, split_hosts=not two_gpus,
-                            server_device="cuda:1" if two_gpus else "cuda")
+    res = measure_transfers_fresh([4, 64, 256], repeats=5, nccl_channels=channels, split_hosts=not two_gpus,
+                                  server_device="cuda:1" if two_gpus else "cuda")
     big = res["rows"][-1]
     detail = (f"{big['mib']} MiB: nccl PUT {big['nccl_put']:.2f}, GET {big['nccl_get']:.2f}, tcp {big['tcp_put']:.2f}, "
               f"device copy {big['d2d_copy']:.1f} GB/s ({'P2P between 2 GPUs' if two_gpus else 'loopback sockets, 1 GPU'})")
@@ -413,9 +413,13 @@ def check_bench_layouts() -> tuple[str, str, Any]:
     from connector.gpu_bench import bench_layouts
 
     rows = bench_layouts("cuda", repeats=5)
+    data = [dict(zip(("layout", "bytes", "gather", "scatter", "copy"), r, strict=True)) for r in rows]
     slow = [r[0] for r in rows if min(r[2], r[3]) < 0.7 * r[4]]
-    detail = "gather and scatter >= 70 % of a device copy" if not slow else f"below 70 % of a device copy: {slow}"
-    return "pass", detail, [dict(zip(("layout", "bytes", "gather", "scatter", "copy"), r, strict=True)) for r in rows]
+    if not slow:
+        return "pass", "gather and scatter >= 70 % of a device copy", data
+    # A speed figure under its bar, not a fault: the bytes were checked by the engine pairs.
+    worst = min(min(r[2], r[3]) / r[4] for r in rows)
+    return "info", f"gather/scatter down to {worst:.0%} of a device copy (bar 70 %) in {', '.join(slow)}", data
 
 
 def check_bench_staging() -> tuple[str, str, Any]:

@@ -13,7 +13,9 @@ Needs torch with CUDA and libnccl (torch's nvidia-nccl wheel); not vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import random
 import statistics
@@ -25,16 +27,12 @@ from pathlib import Path
 
 import torch
 
-from connector.transport import TcpTransport
+from connector.gpu_peer import split_host_env
+from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
 from connector.transport.nccl_lib import load_nccl_library
 
 MiB = 1 << 20
-
-
-def nccl_env(host_id: str) -> dict[str, str]:
-    """Two processes on one GPU as two NCCL hosts joined by sockets on loopback."""
-    return {"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 
 
 def kv_tensors(size_mib: int, layers: int, device: str, seed: int) -> list[torch.Tensor]:
@@ -162,8 +160,8 @@ def measure_transfers(sizes: list[int], repeats: int = 5, layers: int = 4, nccl_
     ``split_hosts``: the two processes share a GPU (NCCL_HOSTID trick, loopback sockets);
     False with ``server_device`` on another GPU measures the production path (P2P/SHM)."""
     if split_hosts:
-        os.environ.update(nccl_env("xpyd-bench-client"))  # this process only, before NCCL loads
-    env = {**os.environ, **(nccl_env("xpyd-bench-server") if split_hosts else {})}
+        os.environ.update(split_host_env("xpyd-bench-client"))  # this process only, before NCCL loads
+    env = {**os.environ, **(split_host_env("xpyd-bench-server") if split_hosts else {})}
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
     proc = subprocess.Popen([sys.executable, "-m", "connector.gpu_bench", "--serve", "--layers", str(layers),
@@ -206,7 +204,9 @@ def measure_transfers(sizes: list[int], repeats: int = 5, layers: int = 4, nccl_
                 for k in order:
                     times[k].append(_timed(cols[k]))
             out["rows"].append({"mib": size, **{k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}})
-        client.call(nccl_addr, {"op": "stop"}, timeout_s=10)
+        # The server shuts down on "stop": its reply may lose the race with its own close.
+        with contextlib.suppress(TransportError):
+            client.call(nccl_addr, {"op": "stop"}, timeout_s=10)
         client.close()
         tcp.close()
         proc.wait(timeout=30)
@@ -215,6 +215,24 @@ def measure_transfers(sizes: list[int], repeats: int = 5, layers: int = 4, nccl_
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def measure_transfers_fresh(sizes: list[int], repeats: int = 5, nccl_channels: int | None = None,
+                            split_hosts: bool = True, server_device: str = "cuda", timeout_s: float = 300.0) -> dict:
+    """``measure_transfers`` in a process of its own. NCCL reads NCCL_HOSTID and the socket
+    settings once, at its first communicator: a process that made one already (the doctor's
+    one-rank check) would join the server as the same host on the same GPU, which NCCL refuses."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
+    cmd = [sys.executable, "-m", "connector.gpu_bench", "--measure", "--sizes", ",".join(map(str, sizes)),
+           "--repeats", str(repeats), "--nccl-channels", str(nccl_channels or 0), "--server-device", server_device]
+    if not split_hosts:
+        cmd.append("--same-host")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"bench process exited {out.returncode}: {out.stderr[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def run(args) -> int:
@@ -238,14 +256,25 @@ def main() -> int:
     import argparse
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--serve", action="store_true", help="the server process")
+    ap.add_argument("--measure", action="store_true", help="only the transfers, as one JSON line (the doctor's)")
+    ap.add_argument("--sizes", default="4,64,256", help="MiB, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--same-host", action="store_true", help="--measure: no NCCL_HOSTID split (server on another GPU)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--nccl-channels", type=int, default=0)
     ap.add_argument("--server-device", default="cuda")
     args = ap.parse_args()
     args.nccl_channels = args.nccl_channels or None
+    args.sizes = [int(x) for x in args.sizes.split(",")]
     if args.serve:
         serve(args)
+    elif args.measure:
+        res = measure_transfers(args.sizes, args.repeats, args.layers, args.nccl_channels,
+                                split_hosts=not args.same_host, server_device=args.server_device)
+        print(json.dumps(res), flush=True)
+    else:
+        return run(args)
     return 0
 
 

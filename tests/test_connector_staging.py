@@ -14,6 +14,7 @@ import torch
 
 from connector.buffer import KVBuffer, Payload
 from connector.staging import ALIGN, PinnedPool, RecvStager
+from connector.transport.tcp import TcpTransport
 
 
 def test_alloc_free_coalesce():
@@ -294,6 +295,16 @@ def test_pool_is_allocated_at_start_off_the_receive_path():
     st.close()
 
 
+class _DeliversOnDevice(TcpTransport):
+    """What the engine sees of the nccl transport's receiving side: a call's tensors in device
+    memory (NCCL receives into device buffers). The bytes cross loopback tcp, because two
+    engines in one process cannot join one NCCL communicator on one GPU; over plain tcp they
+    would stay in host memory, where there is nothing to stage."""
+
+    def start(self, bind_host: str, port: int, handler) -> None:
+        super().start(bind_host, port, lambda header, tensors: handler(header, [t.cuda() for t in tensors]))
+
+
 @pytest.mark.gpu
 def test_decode_on_gpu_stages_overflow_in_pinned_memory_and_loads_it(engines):
     """CUDA caches: the second of two payloads exceeds D's device share and is staged in
@@ -305,7 +316,7 @@ def test_decode_on_gpu_stages_overflow_in_pinned_memory_and_loads_it(engines):
     one = sum(c[list(SRC_IDS)].numel() * c.element_size() for c in prod_caches.values())
     prod = engines("kv_producer", "PUT_ASYNC", caches=prod_caches)
     cons = engines("kv_consumer", "PUT_ASYNC", caches=cons_caches, kv_buffer_size=one + one // 2,
-                   mem_pool_size_gb=0.01)
+                   mem_pool_size_gb=0.01, transport=lambda cfg: _DeliversOnDevice())
     assert cons._stager.wait_pool(30)
     for i, dst in enumerate(((7, 2, 11), (13, 14, 15))):
         key = f"{i:032x}"
