@@ -187,6 +187,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / HZ  # utime + stime
 
 
+def syscalls(pid: int) -> tuple[int, int]:
+    """(read-like, write-like) system calls of ``pid`` since it started (/proc/<pid>/io)."""
+    with open(f"/proc/{pid}/io") as f:
+        io = dict(line.split(": ") for line in f.read().splitlines())
+    return int(io["syscr"]), int(io["syscw"])
+
+
 @dataclass
 class Run:
     rps: float
@@ -194,6 +201,8 @@ class Run:
     p99: float
     errors: int
     cpu_ms: float  # CPU of the measured process per request
+    reads: float  # its read-like system calls per request (recv, read, accept...)
+    writes: float  # and write-like ones (send, write...)
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -204,6 +213,8 @@ def median_run(runs: list[Run]) -> Run:
         med(r.p99 for r in runs),
         sum(r.errors for r in runs),
         med(r.cpu_ms for r in runs),
+        med(r.reads for r in runs),
+        med(r.writes for r in runs),
     )
 
 
@@ -229,12 +240,13 @@ def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     # CPU is sampled around the measured window only (the load generator reports the same).
     time.sleep(args.warmup)
-    cpu0 = cpu_seconds(pid)
+    cpu0, io0 = cpu_seconds(pid), syscalls(pid)
     out, _ = proc.communicate(timeout=args.duration + args.warmup + 60)
-    cpu1 = cpu_seconds(pid)
+    cpu1, io1 = cpu_seconds(pid), syscalls(pid)
     r = json.loads(out.strip().splitlines()[-1])
     n = max(1, r["n"])
-    return Run(r["rps"], r["p50"], r["p99"], r["errors"], (cpu1 - cpu0) * 1000 / n)
+    return Run(r["rps"], r["p50"], r["p99"], r["errors"], (cpu1 - cpu0) * 1000 / n,
+               (io1[0] - io0[0]) / n, (io1[1] - io0[1]) / n)
 
 
 @dataclass
@@ -384,10 +396,10 @@ def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namesp
     print("direct = load generator -> D;  proxy = load generator -> proxy -> P then D")
     hdr = (f"{'variant':<31} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
            f"{'p50 d':>6} {'p50 px':>6} {'+p50':>6} {'+p99':>6} {'x p50':>5} | "
-           f"{'D cpu':>6} {'px cpu':>6} {'x':>4} | err")  # fmt: skip
+           f"{'D cpu':>6} {'px cpu':>6} {'x':>4} | {'px r/w':>9} | err")  # fmt: skip
     print(hdr)
     print(f"{'':<31} {'':>3} | {'req/s':>7} {'req/s':>7} {'':>5} | {'ms':>6} {'ms':>6} "
-          f"{'ms':>6} {'ms':>6} {'':>5} | {'ms/req':>6} {'ms/req':>6} {'':>4} |")  # fmt: skip
+          f"{'ms':>6} {'ms':>6} {'':>5} | {'ms/req':>6} {'ms/req':>6} {'':>4} | {'calls/req':>9} |")  # fmt: skip
     print("-" * len(hdr))
     for variant, rows in results.items():
         for c, (d, p) in rows.items():
@@ -395,10 +407,11 @@ def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namesp
             print(f"{variant:<31} {c:>3} | {d.rps:>7.0f} {p.rps:>7.0f} {p.rps / d.rps:>5.2f} | "
                   f"{d.p50:>6.2f} {p.p50:>6.2f} {p.p50 - d.p50:>6.2f} {p.p99 - d.p99:>6.2f} "
                   f"{p.p50 / d.p50:>5.2f} | {d.cpu_ms:>6.3f} {p.cpu_ms:>6.3f} {cpu_x:>4.1f} | "
-                  f"{d.errors + p.errors}")  # fmt: skip
+                  f"{p.reads:>4.1f}/{p.writes:<4.1f} | {d.errors + p.errors}")  # fmt: skip
     print(
         "ratio = proxy/direct req/s; +p50/+p99 = latency the proxy adds; x p50 = proxy/direct "
-        "p50; D cpu = fake D's CPU per request in the direct run; x = proxy CPU / D CPU"
+        "p50; D cpu = fake D's CPU per request in the direct run; x = proxy CPU / D CPU; "
+        "px r/w = the proxy's read-like/write-like system calls per request (/proc/<pid>/io)"
     )
 
 
