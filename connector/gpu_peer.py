@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -153,11 +154,20 @@ def split_host_env(host_id: str) -> dict[str, str]:
     return {"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 
 
-def _json_line(proc: subprocess.Popen, what: str) -> dict:
-    line = proc.stdout.readline()
-    if not line:
+def _json_line(proc: subprocess.Popen, what: str, deadline: float) -> dict:
+    """The next line ``proc`` prints, as JSON. One that prints nothing by ``deadline``
+    (monotonic) is killed: a hung peer ends the check instead of hanging the doctor."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(max(0.0, deadline - time.monotonic()))
+    if reader.is_alive():
+        proc.kill()  # its stdout closes: the read returns
+        reader.join(10)
+        raise TimeoutError(f"{what} printed nothing in time (killed): {proc.stderr.read()[-3000:]}")
+    if not box or not box[0]:
         raise RuntimeError(f"{what} ended without output: {proc.stderr.read()[-3000:]}")
-    return json.loads(line)
+    return json.loads(box[0])
 
 
 def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str = "cuda",
@@ -183,18 +193,19 @@ def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str =
                                 env=env(f"xpyd-pair-{role}"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
+    deadline = time.monotonic() + timeout
     d = start("d", d_port, p_port, d_device or device)
     p = start("p", p_port, d_port, p_device or device)
     try:
-        if not _json_line(d, "decode").get("ready") or not _json_line(p, "prefill").get("ready"):
+        if not _json_line(d, "decode", deadline).get("ready") or not _json_line(p, "prefill", deadline).get("ready"):
             raise RuntimeError("a peer did not get ready")
         d.stdin.write("go\n")
         d.stdin.flush()
-        d_out = _json_line(d, "decode")
+        d_out = _json_line(d, "decode", deadline)
         p.stdin.close()
-        p_out = _json_line(p, "prefill")
-        d.wait(timeout)
-        p.wait(timeout)
+        p_out = _json_line(p, "prefill", deadline)
+        d.wait(max(1.0, deadline - time.monotonic()))
+        p.wait(max(1.0, deadline - time.monotonic()))
         return p_out, d_out
     finally:
         for proc in (p, d):

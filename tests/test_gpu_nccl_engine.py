@@ -48,3 +48,21 @@ def test_two_process_harness_on_cpu(layout, send_type, granularity):
     assert p_out["layerwise"] is (granularity == "layer")
     assert d_out["loaded"] and d_out["others_untouched"]
     assert d_out["sha"] == p_out["sha"]
+
+
+def test_a_peer_that_prints_nothing_is_killed_at_the_deadline():
+    """The harness waits for each peer's line under the pair's deadline (the doctor runs it):
+    a hung peer is killed and named, not waited for forever."""
+    import subprocess
+    import sys
+    import time
+
+    from connector.gpu_peer import _json_line
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print('starting', file=sys.stderr, flush=True); "
+                             "time.sleep(60)"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="decode printed nothing in time.*starting"):
+        _json_line(proc, "decode", time.monotonic() + 1.0)
+    assert time.monotonic() - t0 < 10
+    assert proc.wait(10) != 0  # killed
