@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -154,20 +155,46 @@ def split_host_env(host_id: str) -> dict[str, str]:
     return {"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
 
 
-def _json_line(proc: subprocess.Popen, what: str, deadline: float) -> dict:
-    """The next line ``proc`` prints, as JSON. One that prints nothing by ``deadline``
-    (monotonic) is killed: a hung peer ends the check instead of hanging the doctor."""
-    box: list[str] = []
-    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
-    reader.start()
-    reader.join(max(0.0, deadline - time.monotonic()))
-    if reader.is_alive():
-        proc.kill()  # its stdout closes: the read returns
-        reader.join(10)
-        raise TimeoutError(f"{what} printed nothing in time (killed): {proc.stderr.read()[-3000:]}")
-    if not box or not box[0]:
-        raise RuntimeError(f"{what} ended without output: {proc.stderr.read()[-3000:]}")
-    return json.loads(box[0])
+class _Peer:
+    """One engine process of a pair. Its stderr goes to a file (a pipe nobody reads until the
+    end could fill up and stall it); stdout carries its JSON lines, among whatever else is
+    printed there (NCCL_DEBUG without NCCL_DEBUG_FILE writes to stdout)."""
+
+    def __init__(self, what: str, cmd: list[str], env: dict[str, str]) -> None:
+        self.what = what
+        self.err = tempfile.TemporaryFile(mode="w+", prefix=f"xpyd-{what}-")
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     text=True)
+        self.other: list[str] = []  # stdout lines that were not ours
+
+    def stderr_tail(self) -> str:
+        self.err.seek(0)
+        return (self.err.read()[-3000:] + "".join(self.other)[-1000:]).strip()
+
+    def json_line(self, deadline: float) -> dict:
+        """The next JSON object the peer prints. One that prints none by ``deadline``
+        (monotonic) is killed: a hung peer ends the check instead of hanging the doctor."""
+        while True:
+            box: list[str] = []
+            reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)
+            reader.start()
+            reader.join(max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                self.proc.kill()  # its stdout closes: the read returns
+                reader.join(10)
+                raise TimeoutError(f"{self.what} printed nothing in time (killed): {self.stderr_tail()}")
+            if not box or not box[0]:
+                self.proc.wait(10)
+                raise RuntimeError(f"{self.what} ended without output: {self.stderr_tail()}")
+            if box[0].startswith("{"):
+                return json.loads(box[0])
+            self.other.append(box[0])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.err.close()
 
 
 def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str = "cuda",
@@ -176,42 +203,41 @@ def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str =
     """A prefill and a decode engine, each in a process of its own, move one request's
     blocks; returns what each printed (checksums, load result). ``p_device``/``d_device``
     (default ``device``) put them on two GPUs; ``split_hosts`` makes the two processes two
-    NCCL hosts (needed when they share a GPU, not otherwise)."""
+    NCCL hosts (needed when they share a GPU, not otherwise). Everything ends by ``timeout``."""
     p_port, d_port = _free_port(), _free_port()
     common = ["--layout", layout, "--send-type", send_type, "--transport", transport, "--timeout",
               str(int(timeout * 2 / 3)), "--granularity", granularity]
     repo = str(Path(__file__).resolve().parents[1])
 
-    def env(host_id: str) -> dict[str, str]:
-        e = {**os.environ, "PYTHONUNBUFFERED": "1",
-             "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
-        return {**e, **split_host_env(host_id)} if split_hosts else e
-
-    def start(role: str, port: int, peer_port: int, dev: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "connector.gpu_peer", "--role", role, "--port", str(port),
-                                 "--peer-port", str(peer_port), "--device", dev, *common],
-                                env=env(f"xpyd-pair-{role}"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    def start(role: str, port: int, peer_port: int, dev: str) -> _Peer:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
+        if split_hosts:
+            env.update(split_host_env(f"xpyd-pair-{role}"))
+        return _Peer("decode" if role == "d" else "prefill",
+                     [sys.executable, "-m", "connector.gpu_peer", "--role", role, "--port", str(port),
+                      "--peer-port", str(peer_port), "--device", dev, *common], env)
 
     deadline = time.monotonic() + timeout
-    d = start("d", d_port, p_port, d_device or device)
-    p = start("p", p_port, d_port, p_device or device)
+    peers: list[_Peer] = []
     try:
-        if not _json_line(d, "decode", deadline).get("ready") or not _json_line(p, "prefill", deadline).get("ready"):
+        d = start("d", d_port, p_port, d_device or device)
+        peers.append(d)
+        p = start("p", p_port, d_port, p_device or device)
+        peers.append(p)
+        if not d.json_line(deadline).get("ready") or not p.json_line(deadline).get("ready"):
             raise RuntimeError("a peer did not get ready")
-        d.stdin.write("go\n")
-        d.stdin.flush()
-        d_out = _json_line(d, "decode", deadline)
-        p.stdin.close()
-        p_out = _json_line(p, "prefill", deadline)
-        d.wait(max(1.0, deadline - time.monotonic()))
-        p.wait(max(1.0, deadline - time.monotonic()))
+        d.proc.stdin.write("go\n")
+        d.proc.stdin.flush()
+        d_out = d.json_line(deadline)
+        p.proc.stdin.close()
+        p_out = p.json_line(deadline)
+        d.proc.wait(max(1.0, deadline - time.monotonic()))
+        p.proc.wait(max(1.0, deadline - time.monotonic()))
         return p_out, d_out
     finally:
-        for proc in (p, d):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        for peer in peers:
+            peer.stop()
 
 
 if __name__ == "__main__":
