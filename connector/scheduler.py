@@ -46,6 +46,15 @@ SIBLING_GRACE_S = 1.0
 REPORT_KEY_PARAM = "xpyd_report_transfer_key"
 
 
+def _prefill_prompt_tokens(request: "Request") -> int:
+    """The length of the prompt P computed: this request's, or, when the proxy sent D the
+    prompt plus P's first token (its first-token mode), one fewer. Any other value is
+    ignored: the payload check then refuses a mismatch as before."""
+    n = request.num_prompt_tokens
+    value = (request.kv_transfer_params or {}).get(request_id.PREFILL_PROMPT_TOKENS_PARAM)
+    return n - 1 if type(value) is int and value == n - 1 else n
+
+
 def _skip_tokens(request: "Request") -> int:
     """xpyd_skip_tokens, set by the proxy: P ships only the blocks after them. D checks what
     arrives and recomputes what it lacks (a payload that starts after D's own prefix hit is
@@ -250,6 +259,7 @@ class P2pScheduler:
         first = local // self._block_size
         last = _cdiv(local + num_external_tokens, self._block_size)
         params = request.kv_transfer_params or {}
+        p_tokens = _prefill_prompt_tokens(request)
         spec = LoadSpec(
             req_id=request.request_id,
             transfer_key=tid.key,
@@ -257,8 +267,8 @@ class P2pScheduler:
             dst_block_ids=tuple(block_ids[first:last]),
             first_block=first,
             num_tokens=num_external_tokens,
-            prompt_tokens=request.num_prompt_tokens,
-            prompt_blocks=_cdiv(request.num_prompt_tokens, self._block_size),
+            prompt_tokens=p_tokens,
+            prompt_blocks=_cdiv(p_tokens, self._block_size),
             corrupt_for_test=self._cfg.allow_debug_corruption
             and bool(params.get("xpyd_debug_corrupt_kv", False)),
             sync=sync,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import orjson
@@ -23,6 +23,7 @@ import orjson
 from xpyd_wire import request_id
 from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
+from proxy import first_token
 from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import prefill_body
@@ -31,7 +32,7 @@ from proxy.relay import Answer, Relay, read_lead
 from proxy.request import RouteRequest
 from proxy.rewrite import IdRewrite, neutral_id
 from proxy.selection import Selector
-from proxy.upstream import Upstream, UpstreamError
+from proxy.upstream import Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
@@ -91,6 +92,7 @@ class Dispatcher:
         self.upstream = upstream
         self._phase = metrics.phase_children
         self._concurrent = cfg.dispatch == "concurrent"
+        self._first_token = cfg.first_token == "prefill"
         # Off (default): clients see no instance address and a neutral request id.
         self._expose = cfg.expose_routing_headers
         self._relay = Relay(metrics, cfg.stream_idle_timeout, self._expose)
@@ -233,9 +235,11 @@ class Dispatcher:
     async def _disaggregated(self, call: Call, d: Instance) -> Answer:
         cfg = self.cfg
         req = call.req
+        first_mode = self._first_token and first_token.eligible(req)
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
-            pre_raw = orjson.dumps(prefill_body(req.path, req.body, skip))
+            pre_raw = orjson.dumps(first_token.prefill_request(req.body, skip) if first_mode
+                                   else prefill_body(req.path, req.body, skip))
         except orjson.JSONEncodeError:
             # orjson reads nesting up to 1024 levels but writes only up to 254.
             raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None
@@ -259,7 +263,8 @@ class Dispatcher:
             else:
                 self.metrics.prefill_retries.inc()
             try:
-                opening = await self._prefill_then_open(p, d, pre_raw, headers, req)
+                opening, pre_answer = await self._prefill_then_open(p, d, pre_raw, headers, req,
+                                                                    concurrent_ok=not first_mode)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
                 kind = e.kind if isinstance(e, UpstreamError) else "timeout"
@@ -280,6 +285,9 @@ class Dispatcher:
             call.decode_due = t_pre
             p.served += 1
             self.metrics.dispatch(DISAGGREGATED)
+            first = first_token.parse(pre_answer) if first_mode else None
+            if first is not None:
+                return self._first_token_answer(call, d, first, headers)
             try:
                 answer = await self._first_bytes(
                     d, opening if opening is not None else self._open(req, d, headers), headers
@@ -292,20 +300,20 @@ class Dispatcher:
         raise _PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 
     async def _prefill_then_open(self, p: Instance, d: Instance, pre_raw: bytes,
-                                 headers: dict[str, str], req: RouteRequest
-                                 ) -> asyncio.Task[Answer] | None:  # fmt: skip
-        """Run P's prefill; with concurrent dispatch, D's request goes out at the same time
-        (D parses, tokenizes and schedules while P prefills; its connector waits for the KV
-        under its own deadline) and the still-running D task is returned.
+                                 headers: dict[str, str], req: RouteRequest, concurrent_ok: bool = True
+                                 ) -> tuple[asyncio.Task[Answer] | None, bytes]:  # fmt: skip
+        """Run P's prefill and return its answer; with concurrent dispatch, D's request goes
+        out at the same time (D parses, tokenizes and schedules while P prefills; its
+        connector waits for the KV under its own deadline) and the still-running D task is
+        returned with it.
 
         P's failure aborts D's request at once; D's failure before P is done aborts P's.
         D is asked early only while P has nothing else to do: behind a queue on P, D would
         hold the prompt's KV blocks and its load deadline (kv_load_timeout_s) would run
         for the whole wait, for a saving of a few ms."""
         try:
-            if not (self._concurrent and _idle(p)):
-                await self._prefill(p, req.path, pre_raw, headers)
-                return None
+            if not (self._concurrent and concurrent_ok and _idle(p)):
+                return None, await self._prefill(p, req.path, pre_raw, headers)
             loop = asyncio.get_running_loop()
             opening = loop.create_task(self._open(req, d, headers))
             prefill = loop.create_task(self._prefill(p, req.path, pre_raw, headers))
@@ -314,14 +322,73 @@ class Dispatcher:
                 if opening.done() and opening.exception() is not None and not prefill.done():
                     await _discard(prefill)
                     raise opening.exception()  # type: ignore[misc]
-                await prefill
+                data = await prefill
             except BaseException:
                 await _discard(prefill)
                 await _discard(opening)
                 raise
-            return opening
+            return opening, data
         finally:
             self.selector.release(p, req)
+
+    # ------------------------------------------------------------------ first token from P
+
+    def _first_token_answer(self, call: Call, d: Instance, first: first_token.FirstToken,
+                            headers: dict[str, str]) -> Answer:  # fmt: skip
+        """P's token goes to the client now; D's continuation is opened when the relay
+        asks for what follows it (proxy/first_token.py)."""
+        body = call.req.body
+        usage = first_token.usage_wanted(body)
+        rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
+        call.flight.extra.append((b"x-xpyd-first-token", b"prefill"))
+        call.t_decode = time.perf_counter()
+        if first_token.complete_at_prefill(body, first):  # D has nothing to add
+            return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
+                          rewrite)
+        stitched = _Stitched()
+        cont = orjson.dumps(first_token.continuation(body, first))
+        events = first_token.ContinuationEvents(first_token.text_offset_after(first))
+        stitched.gen = self._continue(call, d, cont, headers, stitched, events)
+        return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
+
+    async def _continue(self, call: Call, d: Instance, body: bytes, headers: dict[str, str], stitched: _Stitched,
+                        events: first_token.ContinuationEvents) -> AsyncIterator[bytes]:  # fmt: skip
+        """D's continuation of P's token, for the relay. If D fails before its first byte,
+        D alone continues once (a plain request id: it prefills prompt + token itself);
+        the client has P's token, so no other D may be asked (its KV went to this one)."""
+        req = call.req
+        try:
+            answer = await self._first_bytes(d, self._open(req, d, headers, body), headers)
+        except (DecodeFailed, ProxyError) as e:
+            error = e.error if isinstance(e, DecodeFailed) else e
+            log.warning("decode continuation failed before its first byte instance=%s error=%s; D alone",
+                        d.http_address, error.message)
+            self.metrics.dispatch(LOCAL_RESCUE)
+            plain = {**req.headers, "x-request-id": request_id.build_local()}
+            alone = orjson.dumps(first_token.alone(orjson.loads(body)))
+            try:
+                answer = await self._first_bytes(d, self._open(req, d, plain, alone), plain)
+            except (DecodeFailed, ProxyError) as e2:
+                error = e2.error if isinstance(e2, DecodeFailed) else e2
+                raise UpstreamError("continuation_failed", f"continuation failed: {error.message}") from None
+        stitched.d = answer.resp
+        self._phase["decode_ttfb"].observe(time.perf_counter() - call.t_decode)
+        try:
+            chunk = answer.first
+            rest = answer.chunks
+            while True:
+                # The relay sends the piece that ends D's answer as the response's last.
+                yield events.feed(chunk) + (events.flush() if stitched.at_eof() else b"")
+                if rest is None:
+                    return
+                nxt = await anext(rest, None)
+                if nxt is None:
+                    if tail := events.flush():
+                        yield tail
+                    return
+                chunk = nxt
+        finally:
+            await answer.aclose()
 
     def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
         t_pre = time.perf_counter()
@@ -363,8 +430,9 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ upstream calls
 
-    async def _prefill(self, p: Instance, path: str, body: bytes, headers: dict[str, str]) -> None:
-        """P computes the prompt's KV (and ships it, per the connector's send mode)."""
+    async def _prefill(self, p: Instance, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+        """P computes the prompt's KV (and ships it, per the connector's send mode); its
+        answer (one token) is returned."""
         async with asyncio.timeout(self.cfg.prefill_timeout):
             resp = await self.upstream.request("POST", p.url + path, body, headers)
             try:
@@ -384,6 +452,7 @@ class Dispatcher:
                 "prefill failed",
                 raw=self._upstream_error(resp.status, data, "prefill", p, headers),
             )
+        return data
 
     async def _first_bytes(self, d: Instance, opening: Awaitable[Answer],
                            headers: dict[str, str], limit: float | None = None
@@ -443,11 +512,12 @@ class Dispatcher:
         detail = upstream_text(e.kind, str(e), self._expose)
         return DecodeFailed(ProxyError(status, f"{where} failed before answering: {detail}", code))
 
-    async def _open(self, req: RouteRequest, d: Instance, headers: dict[str, str]) -> Answer:
-        """Send the client's request to D and wait for the first bytes of its answer."""
+    async def _open(self, req: RouteRequest, d: Instance, headers: dict[str, str],
+                    body: bytes | None = None) -> Answer:  # fmt: skip
+        """Send the client's request (or `body`) to D and wait for the first bytes of its answer."""
         resp = None
         try:
-            resp = await self.upstream.request("POST", d.url + req.path, req.raw, headers)
+            resp = await self.upstream.request("POST", d.url + req.path, req.raw if body is None else body, headers)
             if not 200 <= resp.status < 300:
                 raise self._refused(d, resp.status, await resp.read(), headers)
             rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
@@ -461,6 +531,38 @@ class Dispatcher:
             if resp is not None:
                 await resp.aclose()
             raise
+
+
+class _Stitched:
+    """The client's response in first-token mode, as the relay sees one upstream answer:
+    P's token, then D's continuation (its response, once open)."""
+
+    status = 200
+    content_type = "text/event-stream; charset=utf-8"
+
+    def __init__(self, complete: bool = False) -> None:
+        self.d: UpstreamResponse | None = None
+        self.gen: AsyncIterator[bytes] | None = None
+        self._complete = complete  # P's token is the whole answer
+
+    def at_eof(self) -> bool:
+        return self._complete or (self.d is not None and self.d.at_eof())
+
+    async def read(self, limit: int | None = None) -> bytes:
+        raise NotImplementedError("a stitched stream is relayed, not read")
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError("a stitched stream is relayed through its Answer")
+
+    async def aclose(self) -> None:
+        gen, self.gen = self.gen, None
+        if gen is not None:
+            try:
+                await gen.aclose()  # closes D's answer if it was opened
+            except RuntimeError:  # still running: its task's cancellation closes it
+                pass
+        if self.d is not None:
+            await self.d.aclose()
 
 
 def _idle(p: Instance) -> bool:

@@ -827,6 +827,9 @@ def main() -> int:
                          "after each step, which would steal CPU from the next setup measured")
     ap.add_argument("--dispatch-ab", action="store_true",
                     help="a second proxy with the other --dispatch mode on the same P and D: TTFT both ways")
+    ap.add_argument("--first-token-ab", action="store_true",
+                    help="a second proxy with --first-token prefill on the same P and D (use --ttft-max-tokens > 1: "
+                         "a one-token answer is all P's)")
     ap.add_argument("--short-lengths", default="64",
                     help="short-prompt TTFT at these prompt lengths (tokens, comma-separated; '' skips)")
     ap.add_argument("--short-sweep", action="store_true",
@@ -898,6 +901,8 @@ def main() -> int:
         if args.dispatch_ab:
             other = next(m for m in DISPATCH_MODES if m != args.dispatch_default)
             others[f"disagg-{other}"] = ["--dispatch", other]
+        if args.first_token_ab:
+            others["disagg-first-token-prefill"] = ["--first-token", "prefill"]
         if args.short_lengths:
             others[ALWAYS_P] = ["--local-prefill-threshold", "0"]
             others[ALWAYS_LOCAL] = ["--local-prefill-threshold", str(10**9)]

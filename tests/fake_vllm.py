@@ -105,6 +105,18 @@ class _Request:
     keep_alive: bool = True
 
 
+FIRST_TOKEN_ID = 900  # the fake's i-th generated token has id FIRST_TOKEN_ID + i
+
+
+def prompt_token_ids(prompt: Any) -> list[int]:
+    """The fake's tokenizer: a text prompt is one id per character; token ids are themselves."""
+    if isinstance(prompt, str):
+        return [ord(c) % 800 for c in prompt]
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return list(prompt)
+    return []
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -519,6 +531,9 @@ class FakeVLLM:
                 "usage": usage,
                 "kv_transfer_params": None,
             }
+            if body.get("return_token_ids"):  # as vLLM: the ids of the prompt and of each token
+                data["choices"][0]["prompt_token_ids"] = prompt_token_ids(body.get("prompt"))
+                data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + i for i in range(n)]
         return json.dumps(data).encode()
 
     def stream_events(self, chat: bool, rid: str, n: int, body: dict) -> list[bytes]:

@@ -148,6 +148,21 @@ def test_consumer_pd_request_is_loaded_async(chat):
                                    prompt_tokens=300, prompt_blocks=3)]
 
 
+@pytest.mark.parametrize("value, want_prompt", [(256, 256), (255, 257), ("256", 257), (None, 257)])
+def test_consumer_continuing_from_p_token_loads_all_of_p_prompt(value, want_prompt):
+    """The proxy's first-token mode: D's prompt is P's 256 tokens plus P's token, so D loads
+    all 256 (two whole blocks) and checks the payload against P's prompt length. Any other
+    value is ignored: the payload check refuses a mismatch then, as without it."""
+    s = consumer()
+    req = make_req(pd_id(), 257, {"xpyd_prefill_prompt_tokens": value} if value is not None else None)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (256, True)
+    s.update_state_after_alloc(req, kv_blocks([7, 3, 9]), 256)
+    (spec,) = s.build_connector_meta(sched_out()).loads
+    assert (spec.dst_block_ids, spec.num_tokens, spec.prompt_tokens) == ((7, 3), 256, want_prompt)
+    assert spec.prompt_blocks == -(-want_prompt // BS)
+
+
 @dataclass
 class ArrivalDouble:
     """Stands in for D's worker control sockets (the ``ready`` op): which keys are here."""

@@ -313,6 +313,50 @@ def test_power_corrupted_kv_changes_output(sys_: E2ECluster, tokenizer, endpoint
     assert "CORRUPTED(test)" in sys_.decode.log()
 
 
+@pytest.fixture(scope="module")
+def first_token_proxy(sys_: E2ECluster):
+    """A second proxy on the same P and D (static instances), in first-token mode."""
+    proxy = e2e_cluster.cluster.start_proxy(
+        e2e_cluster.free_port(), e2e_cluster.free_port(), sys_.log_dir,
+        ["--first-token", "prefill", "--local-prefill-threshold", "0",
+         "--prefill", f"{sys_.prefill.url},kv={sys_.kv_addr(sys_.prefill)}",
+         "--decode", f"{sys_.decode.url},kv={sys_.kv_addr(sys_.decode)}"], name="proxy-first-token")
+    try:
+        e2e_cluster.cluster.wait_until([proxy], "/ready", 30)  # its static P and D are healthy
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.mark.parametrize("n_tokens", CASES)
+def test_first_token_from_prefill_equals_colocated(sys_: E2ECluster, first_token_proxy, tokenizer, n_tokens):
+    """P's token reaches the client first and D continues from prompt + that token, with
+    all of P's prompt loaded: the tokens (and their logprobs' texts) are the colocated
+    server's, usage counts as the client's request."""
+    prompt = make_prompt(tokenizer, n_tokens, seed=n_tokens * 10 + 7)
+    # Usage on every event (what vllm bench serve asks for): each of D's is counted again.
+    body = {**body_for("completions", prompt, True),
+            "stream_options": {"include_usage": True, "continuous_usage_stats": n_tokens > BLOCK}}
+    want, want_last = generate(sys_.colocated.url, "completions", body)
+    before = metric(sys_.decode.url, "vllm:prompt_tokens_cached_by_source_total", {"source": "p2p"})
+    got, last = generate(first_token_proxy.url, "completions", body)
+    assert_same_greedy(got, want)
+    assert last["usage"] == want_last["usage"]
+    n = want_last["usage"]["prompt_tokens"]
+    assert poll(lambda: metric(sys_.decode.url, "vllm:prompt_tokens_cached_by_source_total",
+                               {"source": "p2p"}) - before == n, timeout=10), "D did not load all of P's prompt"
+
+
+def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy, tokenizer):
+    """Proof the test above can fail: D's continuation with zeroed KV departs."""
+    prompt = make_prompt(tokenizer, 3 * BLOCK, seed=4711)
+    body = body_for("completions", prompt, True)
+    want, _ = generate(sys_.colocated.url, "completions", body)
+    got, _ = generate(first_token_proxy.url, "completions", {**body, "kv_transfer_params": {"xpyd_debug_corrupt_kv": True}})
+    assert got.tokens[:1] == want.tokens[:1]  # P's token: computed by P, not from the KV
+    assert_greedy_differs(got, want)
+
+
 def test_short_prompt_is_served_by_decode_alone(sys_: E2ECluster):
     """Under local_prefill_threshold the proxy skips P: D gets a plain request id, its
     connector waits for nothing, and the tokens are still the colocated server's."""

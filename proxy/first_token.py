@@ -1,0 +1,256 @@
+"""The client's first token from P (``--first-token prefill``).
+
+P computes the prompt's KV and samples one token anyway (the prefill request has
+max_tokens=1). In this mode the proxy asks P for that token's id (``return_token_ids``),
+sends it to the client as the stream's first event as soon as P answers, and asks D to
+continue from the prompt's token ids plus that token, with one token fewer to generate. D's
+connector then loads P's KV for all of D's prompt but that last token (the request carries
+P's prompt length, ``PREFILL_PROMPT_TOKENS_PARAM``). The client's first token no longer
+waits for the KV transfer and D's first step: TTFT is P's.
+
+Greedy output is the same token for token: D sees the same token sequence as a colocated
+server would after its first step. Only requests where the split cannot change the answer
+take this path; every other request is dispatched as before (``eligible``):
+streaming completions of one prompt (text or token ids) with n=1, without stop strings
+(one could span P's token and D's first), presence or frequency penalties (they count
+generated tokens: D would count one fewer), echo, prompt logprobs, a seed (P's sampling
+runs without one) or structured output. Logprobs come from each side for its tokens (D's
+text offsets moved past P's token); usage counts P's token as generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.openai_api import COMPLETIONS, prefill_body
+from proxy.request import RouteRequest
+from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
+
+_OURS = (PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM)  # set by the proxy, never by a client
+
+# A field whose value is not in its neutral set makes the request ineligible.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "prompt_logprobs": (None,),
+    "stop": (None, "", []),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "seed": (None,),
+    "suffix": (None, ""),
+    "bad_words": (None, []),
+    "return_token_ids": (None, False),
+    "return_tokens_as_token_ids": (None, False),
+    "prompt_embeds": (None,),
+    "response_format": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "logits_processors": (None,),
+}
+
+
+def eligible(req: RouteRequest) -> bool:
+    """Whether the request's answer may start with P's token (see the module's text)."""
+    if req.path != COMPLETIONS:
+        return False
+    body = req.body
+    if body.get("stream") is not True:
+        return False  # a whole answer has no first token to hurry
+    prompt = body.get("prompt")
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and type(prompt[0]) is int)):
+        return False  # a batch of prompts
+    for key, neutral in _NEUTRAL.items():
+        value = body.get(key)
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
+            return False
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (type(logprobs) is not int or logprobs < 0):
+        return False
+    if not isinstance(body.get("kv_transfer_params", {}), dict):
+        return False
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
+        return False
+    return True
+
+
+def usage_wanted(body: dict) -> tuple[bool, bool]:
+    """(a usage event at the end, usage on every event), as vLLM reads stream_options."""
+    opts = body.get("stream_options")
+    if not isinstance(opts, dict) or opts.get("include_usage") is not True:
+        return False, False
+    return True, opts.get("continuous_usage_stats") is True
+
+
+def prefill_request(body: dict, skip_tokens: int = 0) -> dict:
+    """P's request: the prefill-only body, asking for the token ids and keeping min_tokens
+    (up to the one token): P's token is the client's, so EOS must not come early."""
+    pre = prefill_body(COMPLETIONS, body, skip_tokens)
+    pre["return_token_ids"] = True
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
+        pre["min_tokens"] = 1
+    return pre
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """What P answered: its one token and the prompt's ids as P tokenized them."""
+
+    id: str
+    created: int
+    model: str
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    finish_reason: str | None
+    stop_reason: Any
+    usage: dict | None
+    logprobs: dict | None  # P's for its token, when asked for
+
+
+def parse(data: bytes) -> FirstToken | None:
+    """P's answer, or None when it lacks what this mode needs (a vLLM without
+    return_token_ids): the request then goes on as in the default mode."""
+    try:
+        obj = orjson.loads(data)
+        choice = obj["choices"][0]
+        tokens, prompt = choice["token_ids"], choice["prompt_token_ids"]
+        if not (isinstance(tokens, list) and len(tokens) == 1 and isinstance(prompt, list) and prompt
+                and all(type(t) is int for t in tokens + prompt)):
+            return None
+        text = choice.get("text")
+        if not isinstance(text, str):
+            return None
+        logprobs = choice.get("logprobs")
+        return FirstToken(str(obj.get("id", "")), int(obj.get("created", 0)), str(obj.get("model", "")), text,
+                          tokens, prompt, choice.get("finish_reason"), choice.get("stop_reason"),
+                          obj.get("usage") if isinstance(obj.get("usage"), dict) else None,
+                          logprobs if isinstance(logprobs, dict) else None)
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def complete_at_prefill(body: dict, first: FirstToken) -> bool:
+    """P's token ends the answer: it stopped (EOS, a stop token) or one token was asked for."""
+    return first.finish_reason not in (None, "length") or body.get("max_tokens") == 1
+
+
+def continuation(body: dict, first: FirstToken) -> dict:
+    """D's request: the prompt as P's token ids plus P's token, one token fewer to generate,
+    and P's prompt length for D's connector."""
+    cont = dict(body)
+    cont["prompt"] = first.prompt_ids + first.token_ids
+    if isinstance(body.get("max_tokens"), int):
+        cont["max_tokens"] = body["max_tokens"] - 1
+    if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
+        cont["min_tokens"] = body["min_tokens"] - 1
+    cont.pop("truncate_prompt_tokens", None)  # P's ids are already cut to it
+    own = {k: v for k, v in (body.get("kv_transfer_params") or {}).items() if k not in _OURS}
+    cont["kv_transfer_params"] = {**own, PREFILL_PROMPT_TOKENS_PARAM: len(first.prompt_ids)}
+    return cont
+
+
+def alone(cont: dict) -> dict:
+    """D's request when it continues alone (its KV load failed): D prefills prompt + token."""
+    out = dict(cont)
+    params = {k: v for k, v in cont.get("kv_transfer_params", {}).items() if k not in _OURS}
+    if params:
+        out["kv_transfer_params"] = params
+    else:
+        out.pop("kv_transfer_params", None)
+    return out
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def first_events(first: FirstToken, final: bool, usage: tuple[bool, bool]) -> bytes:
+    """The stream's first event, as vLLM would have sent it (``usage``: ``usage_wanted``),
+    and, when P's token ends the answer, the rest of the stream: the usage event if asked
+    for, then [DONE]."""
+    include_usage, continuous = usage
+    head = {"id": first.id, "object": "text_completion", "created": first.created, "model": first.model}
+    choice = {"index": 0, "text": first.text, "logprobs": first.logprobs,
+              "finish_reason": first.finish_reason if final else None,
+              "stop_reason": first.stop_reason if final else None}
+    event = {**head, "choices": [choice]}
+    if continuous and first.usage is not None:
+        event["usage"] = first.usage
+    out = _event(event)
+    if final:
+        if include_usage and first.usage is not None:
+            out += _event({**head, "choices": [], "usage": first.usage})
+        out += b"data: [DONE]\n\n"
+    return out
+
+
+def text_offset_after(first: FirstToken) -> int:
+    """Where D's logprobs text offsets must start: after P's token, as vLLM counts them
+    (each token's decoded string, from 0)."""
+    if first.logprobs is None:
+        return 0
+    offsets, tokens = first.logprobs.get("text_offset"), first.logprobs.get("tokens")
+    if isinstance(offsets, list) and offsets and isinstance(tokens, list) and tokens \
+            and type(offsets[-1]) is int and isinstance(tokens[-1], str):
+        return offsets[-1] + len(tokens[-1])
+    return 0
+
+
+_HOLD_MAX = 64 * 1024
+
+
+class ContinuationEvents:
+    """D's events as the client's request counts them: usage with P's token as generated
+    rather than prompt (every usage D reports: a server may force it), logprobs text
+    offsets after P's token. The stream arrives in arbitrary pieces: complete events pass
+    at once, a partial one waits for its end."""
+
+    def __init__(self, text_offset: int) -> None:
+        self._offset = text_offset
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self._held + chunk
+        cut = buf.rfind(b"\n\n") + 2
+        if cut < 2:
+            if len(buf) > _HOLD_MAX:  # not vLLM's LF events: pass them on unchanged
+                self._held = b""
+                return buf
+            self._held = buf
+            return b""
+        self._held = buf[cut:]
+        return b"".join(self._event(e + b"\n\n") for e in buf[:cut - 2].split(b"\n\n"))
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+    def _event(self, event: bytes) -> bytes:
+        usage = b'"usage"' in event
+        offsets = self._offset and b'"text_offset"' in event
+        if not (usage or offsets) or not event.startswith(b"data: "):
+            return event
+        try:
+            obj = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return event
+        if not isinstance(obj, dict):
+            return event
+        if usage and isinstance(u := obj.get("usage"), dict) and type(u.get("prompt_tokens")) is int \
+                and type(u.get("completion_tokens")) is int:
+            u["prompt_tokens"] -= 1
+            u["completion_tokens"] += 1
+        if offsets:
+            for choice in obj.get("choices") or ():
+                lp = choice.get("logprobs") if isinstance(choice, dict) else None
+                if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
+                    lp["text_offset"] = [o + self._offset if type(o) is int else o for o in lp["text_offset"]]
+        return _event(obj)

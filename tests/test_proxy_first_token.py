@@ -1,0 +1,195 @@
+"""First token from P (--first-token prefill): which requests take the path, what P and D
+are asked, what the client gets and when, and D's failures after P's token went out.
+Real proxy, fake instances over real HTTP and ZMQ (tests/test_e2e_first_token.py checks
+the tokens against real vLLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from fake_vllm import FIRST_TOKEN_ID, Fault, prompt_token_ids
+from proxy_helpers import running_proxy
+
+from proxy import first_token
+from proxy.openai_api import CHAT, COMPLETIONS
+from proxy.request import RouteRequest
+from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM
+
+PROMPT = "Tell me about the sea"
+STREAM = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 5, "stream": True}
+
+
+def route(body: dict, path: str = COMPLETIONS) -> RouteRequest:
+    return RouteRequest(path, json.dumps(body).encode(), body, 10, {})
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({}, True),
+    ({"prompt": [1, 2, 3]}, True),
+    ({"stream_options": {"include_usage": True}}, True),
+    ({"temperature": 0.7, "top_p": 0.9, "min_tokens": 2, "ignore_eos": True, "n": 1, "stop": []}, True),
+    ({"stream": False}, False),  # a whole answer: no first token to hurry
+    ({"prompt": ["a", "b"]}, False),
+    ({"prompt": [[1, 2], [3]]}, False),
+    ({"n": 2}, False),
+    ({"stop": ["\n"]}, False),  # a stop string could span P's token and D's first
+    ({"presence_penalty": 0.5}, False),
+    ({"frequency_penalty": 0.1}, False),
+    ({"seed": 7}, False),
+    ({"logprobs": 1}, True),
+    ({"logprobs": -1}, False),
+    ({"echo": True}, False),
+    ({"kv_transfer_params": {"x": 1}}, True),
+    ({"kv_transfer_params": "x"}, False),
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, True),
+    ({"stream_options": {"include_usage": True, "other": 1}}, False),
+    ({"n": True}, False),  # not the integer 1
+])
+def test_eligible(change, ok):
+    assert first_token.eligible(route({**STREAM, **change})) is ok
+
+
+def test_chat_is_not_eligible():
+    assert not first_token.eligible(route({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                           "stream": True}, CHAT))
+
+
+def test_continuation_events_count_p_token_across_any_split():
+    """Usage moves P's token from prompt to generated; logprobs offsets start after it."""
+    events = (b'data: {"id":"cmpl-x","choices":[{"index":0,"text":" a","logprobs":{"text_offset":[0],'
+              b'"token_logprobs":[-0.5],"tokens":[" a"],"top_logprobs":[{" a":-0.5}]}}]}\n\n'
+              b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":9,"total_tokens":13,'
+              b'"completion_tokens":4}}\n\ndata: [DONE]\n\n')
+    for cut in range(1, len(events)):
+        shift = first_token.ContinuationEvents(3)
+        out = shift.feed(events[:cut]) + shift.feed(events[cut:]) + shift.flush()
+        first, usage_event, done = out.split(b"\n\n")[:3]
+        assert json.loads(first[6:])["choices"][0]["logprobs"]["text_offset"] == [3], cut
+        assert json.loads(usage_event[6:])["usage"] == {"prompt_tokens": 8, "total_tokens": 13,
+                                                         "completion_tokens": 5}, cut
+        assert done == b"data: [DONE]" and out.endswith(b"\n\n")
+
+
+def events(text: str) -> list[dict | str]:
+    out: list[dict | str] = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_client_gets_p_token_then_d_continues_from_it():
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd()
+        d.fault = Fault(delay=0.6)  # D's answer comes late: P's token must not wait for it
+        t0 = time.monotonic()
+        async with px.client.stream("POST", "/v1/completions", json=STREAM) as resp:
+            assert resp.status_code == 200
+            assert resp.headers["x-xpyd-first-token"] == "prefill"
+            lines = resp.aiter_lines()
+            first = await anext(lines)
+            t_first = time.monotonic() - t0
+            rest = first + "\n" + "\n".join([line async for line in lines])
+        t_all = time.monotonic() - t0
+        assert t_first < 0.5 <= t_all, (t_first, t_all)
+        got = events(rest)
+        assert got[0]["choices"][0]["text"] == " t0" and got[0]["choices"][0]["finish_reason"] is None
+        # D generated its own " t0".." t3": what P's token is followed by.
+        assert "".join(e["choices"][0]["text"] for e in got[1:-1]) == " t0 t1 t2 t3"
+        assert got[-2]["choices"][0]["finish_reason"] == "length" and got[-1] == "[DONE]"
+        (pre,) = p.completions()
+        assert pre.json["return_token_ids"] is True and pre.json["max_tokens"] == 1 and not pre.json["stream"]
+        (cont,) = d.completions()
+        want_prompt = prompt_token_ids(PROMPT) + [FIRST_TOKEN_ID]
+        assert cont.json["prompt"] == want_prompt and cont.json["max_tokens"] == 4
+        assert cont.json["kv_transfer_params"] == {PREFILL_PROMPT_TOKENS_PARAM: len(want_prompt) - 1}
+        assert cont.headers["x-request-id"] == pre.headers["x-request-id"]  # D loads P's KV
+        # The client sees one id throughout, and not the internal one.
+        assert {e["id"].split("-")[1] for e in got[:-1]} == {resp.headers["x-request-id"]}
+
+
+async def test_one_token_is_all_from_p_and_d_is_not_asked():
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd()
+        body = {**STREAM, "max_tokens": 1, "stream_options": {"include_usage": True}}
+        resp = await px.client.post("/v1/completions", json=body)
+        got = events(resp.text)
+        assert resp.status_code == 200 and got[-1] == "[DONE]"
+        assert got[0]["choices"][0] == {"index": 0, "text": " t0", "logprobs": None, "finish_reason": "length",
+                                        "stop_reason": None}
+        assert got[1]["usage"]["completion_tokens"] == 1
+        assert len(p.completions()) == 1 and d.completions() == []
+
+
+async def test_usage_is_the_client_request_s():
+    async with running_proxy(first_token="prefill") as px:
+        await px.pd()
+        body = {**STREAM, "stream_options": {"include_usage": True}}
+        got = events((await px.client.post("/v1/completions", json=body)).text)
+        # D counted P's token in its prompt (the fake's prompt is 5): the client's answer has 5 tokens.
+        assert got[-2]["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5}
+
+
+async def test_d_failing_before_its_first_byte_continues_alone():
+    """The client has P's token: D alone (a plain id, no KV) continues from it."""
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500, times=1)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = events(resp.text)
+        assert resp.status_code == 200 and got[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["text"] for e in got[:-1]) == " t0 t0 t1 t2 t3"
+        failed, alone = d.completions()
+        assert alone.json["prompt"] == failed.json["prompt"] and "kv_transfer_params" not in alone.json
+        assert not alone.headers["x-request-id"].startswith("___prefill_addr_")
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+async def test_d_failing_twice_ends_the_stream_with_an_error_event():
+    async with running_proxy(first_token="prefill") as px:
+        _, d = await px.pd()
+        d.fault = Fault(status=500)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = events(resp.text)
+        assert resp.status_code == 200  # the status went out with P's token
+        assert got[0]["choices"][0]["text"] == " t0"
+        assert got[-1]["error"]["code"] == "decode_midstream"
+        assert got[-1]["error"]["message"] == "decode instance failed mid-stream: continuation failed"
+
+
+async def test_ineligible_and_default_mode_keep_the_usual_path():
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd()
+        body = {**STREAM, "stop": ["\n"]}
+        resp = await px.client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert "return_token_ids" not in p.completions()[0].json
+        assert d.completions()[0].json == body
+    async with running_proxy() as px:  # the default: D's first token
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert d.completions()[0].json == STREAM
+
+
+async def test_client_leaving_after_p_token_aborts_d():
+    async with running_proxy(first_token="prefill") as px:
+        _, d = await px.pd()
+        d.fault = Fault(token_delay=0.2)
+        async with httpx.AsyncClient(base_url=px.url, timeout=10) as client:
+            async with client.stream("POST", "/v1/completions", json={**STREAM, "max_tokens": 50}) as resp:
+                lines = resp.aiter_lines()
+                await anext(lines)  # P's token
+                await anext(lines)
+        for _ in range(50):
+            if d.completions() and d.completions()[0].cancelled:
+                break
+            await asyncio.sleep(0.05)
+        assert d.completions()[0].cancelled
