@@ -697,6 +697,13 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
         lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median {args.dispatch_default} (default) "
                      f"{a * 1000:.1f} ms, {ab.removeprefix('disagg-')} {b * 1000:.1f} ms ({b / a:.2f}x); "
                      f"D's share {da:.1f} -> {db:.1f} ms")
+    if FIRST_TOKEN_SETUP in tt:
+        ft = first_token_ab(tt, colos[0], dis)
+        lines.append(f"  first token A/B (same P and D, alternating): TTFT median decode (default) "
+                     f"{ft['decode']['ttft_ms']:.1f} ms ({ft['decode']['ttft_vs_colocated']:.2f}x {colos[0]}), "
+                     f"prefill {ft['prefill']['ttft_ms']:.1f} ms ({ft['prefill']['ttft_vs_colocated']:.2f}x); "
+                     f"gap from token 1 to 2: {ft['decode']['first_gap_ms']:.1f} -> {ft['prefill']['first_gap_ms']:.1f} "
+                     f"ms ({ft['colocated_first_gap_ms']:.1f} colocated)")
     for k in gab:
         a, b = (statistics.median(r.ttft for r in tt[x]) for x in (dis, k))
         la, lb = ((d_share_parts(tt[x]) or {}).get("kv_arrival_lag", math.nan) for x in (dis, k))
@@ -732,6 +739,25 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     lines.append("")
     lines += notes
     return lines
+
+
+FIRST_TOKEN_SETUP = "disagg-first-token-prefill"
+
+
+def first_token_ab(tt: dict, colo: str, dis: str) -> dict:
+    """TTFT and the first inter-token gap (P's token -> D's first), medians in ms, of the
+    default proxy and the --first-token prefill one, with their ratios to colocated."""
+    med = statistics.median
+    base = med(r.ttft for r in tt[colo])
+
+    def gap(name: str) -> float:
+        return med(r.gaps()[0] for r in tt[name] if r.gaps()) * 1000
+
+    out = {mode: {"ttft_ms": med(r.ttft for r in tt[name]) * 1000, "first_gap_ms": gap(name)}
+           for mode, name in (("decode", dis), ("prefill", FIRST_TOKEN_SETUP))}
+    for v in out.values():
+        v["ttft_vs_colocated"] = v["ttft_ms"] / (base * 1000)
+    return {**out, "colocated_first_gap_ms": gap(colo)}
 
 
 def short_table(args, short: dict, colo: str, dis: str) -> list[str]:
@@ -790,6 +816,8 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
             ab.removeprefix("disagg-"): {"ttft_ms": med(r.ttft for r in tt[ab]) * 1000,
                                          "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[ab]),
                                          "d_share_parts_ms": d_share_parts(tt[ab])}}
+    if FIRST_TOKEN_SETUP in tt:
+        out["first_token_ab"] = first_token_ab(tt, colo, dis)
     gab = [k for k in tt if k.startswith(tuple(f"disagg-{g}" for g in GRANULARITIES))]
     if gab:  # keyed "granularity" (sequential dispatch) or "granularity-dispatch"
         out["granularity_ab"] = {
@@ -902,7 +930,7 @@ def main() -> int:
             other = next(m for m in DISPATCH_MODES if m != args.dispatch_default)
             others[f"disagg-{other}"] = ["--dispatch", other]
         if args.first_token_ab:
-            others["disagg-first-token-prefill"] = ["--first-token", "prefill"]
+            others[FIRST_TOKEN_SETUP] = ["--first-token", "prefill"]
         if args.short_lengths:
             others[ALWAYS_P] = ["--local-prefill-threshold", "0"]
             others[ALWAYS_LOCAL] = ["--local-prefill-threshold", str(10**9)]
