@@ -53,6 +53,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "logits_processors": (None,),
+    "use_beam_search": (None, False),
+    "vllm_xargs": (None,),
 }
 
 
@@ -117,7 +119,8 @@ class FirstToken:
 
 def parse(data: bytes) -> FirstToken | None:
     """P's answer, or None when it lacks what this mode needs (a vLLM without
-    return_token_ids): the request then goes on as in the default mode."""
+    return_token_ids) or its token is part of a character: the request then goes on as in
+    the default mode (D gets the client's request and loads all but the last prompt token)."""
     try:
         obj = orjson.loads(data)
         choice = obj["choices"][0]
@@ -126,7 +129,9 @@ def parse(data: bytes) -> FirstToken | None:
                 and all(type(t) is int for t in tokens + prompt)):
             return None
         text = choice.get("text")
-        if not isinstance(text, str):
+        if not isinstance(text, str) or "\ufffd" in text:
+            # Part of a character: vLLM would have held it back until the next token, and
+            # D cannot take the rest of it. D answers as in the default mode instead.
             return None
         logprobs = choice.get("logprobs")
         return FirstToken(str(obj.get("id", "")), int(obj.get("created", 0)), str(obj.get("model", "")), text,

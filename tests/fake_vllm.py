@@ -219,6 +219,7 @@ class FakeVLLM:
         # Like vLLM's --api-key: every /v1/ route wants "Authorization: Bearer KEY" (401 else).
         self.api_key = api_key
         self.fault: Fault | None = None
+        self.first_text: str | None = None  # the text of a whole (non-streamed) completion, instead of " t0 t1 ..."
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
         self.models_status = 200
@@ -474,7 +475,7 @@ class FakeVLLM:
             self._send_json(conn, req, rec, 200, self._full(chat, rid, n_tokens, body))
 
     def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
-        text = "".join(f" t{i}" for i in range(n))
+        text = "".join(f" t{i}" for i in range(n)) if self.first_text is None else self.first_text
         usage = {
             "prompt_tokens": 5,
             "total_tokens": 5 + n,

@@ -49,6 +49,7 @@ def route(body: dict, path: str = COMPLETIONS) -> RouteRequest:
     ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, True),
     ({"stream_options": {"include_usage": True, "other": 1}}, False),
     ({"n": True}, False),  # not the integer 1
+    ({"use_beam_search": True}, False),
 ])
 def test_eligible(change, ok):
     assert first_token.eligible(route({**STREAM, **change})) is ok
@@ -193,3 +194,28 @@ async def test_client_leaving_after_p_token_aborts_d():
                 break
             await asyncio.sleep(0.05)
         assert d.completions()[0].cancelled
+
+
+@pytest.mark.parametrize("choice", [
+    {"text": " a", "token_ids": [5, 6], "prompt_token_ids": [1]},  # two tokens
+    {"text": " a", "prompt_token_ids": [1]},  # a vLLM without return_token_ids
+    {"text": "\ufffd", "token_ids": [5], "prompt_token_ids": [1]},  # part of a character
+    {"text": None, "token_ids": [5], "prompt_token_ids": [1]},
+])
+def test_an_answer_this_mode_cannot_use_falls_back(choice):
+    assert first_token.parse(json.dumps({"id": "x", "choices": [choice]}).encode()) is None
+    assert first_token.parse(b"not json") is None
+    ok = {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2]}
+    assert first_token.parse(json.dumps({"id": "x", "choices": [ok]}).encode()).prompt_ids == [1, 2]
+
+
+async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d():
+    """The fallback: D gets the client's own request (and the KV of the prompt as usual)."""
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd()
+        p.first_text = "\ufffd"
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert "".join(e["choices"][0]["text"] for e in events(resp.text)[:-1]) == " t0 t1 t2 t3 t4"
+        assert d.completions()[0].json == STREAM
+        assert p.completions()[0].json["return_token_ids"] is True
