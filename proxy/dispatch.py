@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import orjson
@@ -352,7 +352,7 @@ class Dispatcher:
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
     async def _continue(self, call: Call, d: Instance, body: bytes, headers: dict[str, str], stitched: _Stitched,
-                        events: first_token.ContinuationEvents) -> AsyncIterator[bytes]:  # fmt: skip
+                        events: first_token.ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
         """D's continuation of P's token, for the relay. If D fails before its first byte,
         D alone continues once (a plain request id: it prefills prompt + token itself);
         the client has P's token, so no other D may be asked (its KV went to this one)."""
@@ -542,7 +542,7 @@ class _Stitched:
 
     def __init__(self, complete: bool = False) -> None:
         self.d: UpstreamResponse | None = None
-        self.gen: AsyncIterator[bytes] | None = None
+        self.gen: AsyncGenerator[bytes, None] | None = None
         self._complete = complete  # P's token is the whole answer
 
     def at_eof(self) -> bool:

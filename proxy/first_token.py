@@ -20,6 +20,7 @@ text offsets moved past P's token); usage counts P's token as generated.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,13 +211,15 @@ def text_offset_after(first: FirstToken) -> int:
 
 
 _HOLD_MAX = 64 * 1024
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
+_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n)")
 
 
 class ContinuationEvents:
     """D's events as the client's request counts them: usage with P's token as generated
     rather than prompt (every usage D reports: a server may force it), logprobs text
-    offsets after P's token. The stream arrives in arbitrary pieces: complete events pass
-    at once, a partial one waits for its end."""
+    offsets after P's token. The stream arrives in arbitrary pieces: what precedes the
+    last event's start passes at once, that event waits for its end (bounded)."""
 
     def __init__(self, text_offset: int) -> None:
         self._offset = text_offset
@@ -224,15 +227,17 @@ class ContinuationEvents:
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._held + chunk
-        cut = buf.rfind(b"\n\n") + 2
-        if cut < 2:
-            if len(buf) > _HOLD_MAX:  # not vLLM's LF events: pass them on unchanged
-                self._held = b""
-                return buf
-            self._held = buf
-            return b""
-        self._held = buf[cut:]
-        return b"".join(self._event(e + b"\n\n") for e in buf[:cut - 2].split(b"\n\n"))
+        if buf.endswith(_EVENT_ENDS) or len(buf) > _HOLD_MAX:
+            cut = len(buf)
+        else:
+            cut = buf.rfind(b"data:")
+            if cut < 0:  # no event starts here, unless the buffer ends with the start of "data:"
+                cut = len(buf) - next((k for k in range(4, 0, -1) if buf.endswith(b"data:"[:k])), 0)
+        self._held, done = buf[cut:], buf[:cut]
+        if b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
+            return done
+        parts = _EVENT_SPLIT.split(done)  # events and their ends, alternating
+        return b"".join(self._event(p) if i % 2 == 0 else p for i, p in enumerate(parts))
 
     def flush(self) -> bytes:
         held, self._held = self._held, b""
@@ -241,8 +246,8 @@ class ContinuationEvents:
     def _event(self, event: bytes) -> bytes:
         usage = b'"usage"' in event
         offsets = self._offset and b'"text_offset"' in event
-        if not (usage or offsets) or not event.startswith(b"data: "):
-            return event
+        if not (usage or offsets) or not event.startswith(b"data: ") or b"\n" in event or b"\r" in event:
+            return event  # not vLLM's one-line event: as it is
         try:
             obj = orjson.loads(event[6:])
         except orjson.JSONDecodeError:
@@ -258,4 +263,4 @@ class ContinuationEvents:
                 lp = choice.get("logprobs") if isinstance(choice, dict) else None
                 if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
                     lp["text_offset"] = [o + self._offset if type(o) is int else o for o in lp["text_offset"]]
-        return _event(obj)
+        return b"data: " + orjson.dumps(obj)

@@ -76,6 +76,20 @@ def test_continuation_events_count_p_token_across_any_split():
         assert done == b"data: [DONE]" and out.endswith(b"\n\n")
 
 
+def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
+    """Events before the last one's start go out as they come, whatever their line ends
+    (CRLF too); only the event still arriving waits."""
+    shift = first_token.ContinuationEvents(0)
+    assert shift.feed(b'data: {"a":1}\r\n\r\ndata: {"b"') == b'data: {"a":1}\r\n\r\n'
+    assert shift.feed(b':2}\r\n\r\n') == b'data: {"b":2}\r\n\r\n'
+    assert shift.feed(b": comment, no data\n") == b": comment, no data\n"  # no event start: nothing to hold
+    assert shift.feed(b"\n\nda") == b"\n\n"  # maybe the start of "data:": held
+    assert shift.feed(b'ta: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n') == \
+        b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n'
+    crlf_usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\n\r\n'
+    assert b'"prompt_tokens":2' in first_token.ContinuationEvents(0).feed(crlf_usage)
+
+
 def events(text: str) -> list[dict | str]:
     out: list[dict | str] = []
     for block in text.split("\n\n"):
