@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import orjson
 
-from xpyd_wire import request_id
+from proxy import first_token
 from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
-from proxy import first_token
 from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import prefill_body
@@ -33,6 +32,7 @@ from proxy.request import RouteRequest
 from proxy.rewrite import IdRewrite, neutral_id
 from proxy.selection import Selector
 from proxy.upstream import Upstream, UpstreamError, UpstreamResponse
+from xpyd_wire import request_id
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
