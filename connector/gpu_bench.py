@@ -23,11 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from connector.gpu_peer import split_host_env
+from connector.gpu_peer import child_env, split_host_env
 from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
 from connector.transport.nccl_lib import load_nccl_library
@@ -161,9 +160,7 @@ def measure_transfers(sizes: list[int], repeats: int = 5, layers: int = 4, nccl_
     False with ``server_device`` on another GPU measures the production path (P2P/SHM)."""
     if split_hosts:
         os.environ.update(split_host_env("xpyd-bench-client"))  # this process only, before NCCL loads
-    env = {**os.environ, **(split_host_env("xpyd-bench-server") if split_hosts else {})}
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))
+    env = child_env(**(split_host_env("xpyd-bench-server") if split_hosts else {}))
     proc = subprocess.Popen([sys.executable, "-m", "connector.gpu_bench", "--serve", "--layers", str(layers),
                              "--nccl-channels", str(nccl_channels or 0), "--server-device", server_device],
                             stdout=subprocess.PIPE, text=True, env=env)
@@ -222,13 +219,11 @@ def measure_transfers_fresh(sizes: list[int], repeats: int = 5, nccl_channels: i
     """``measure_transfers`` in a process of its own. NCCL reads NCCL_HOSTID and the socket
     settings once, at its first communicator: a process that made one already (the doctor's
     one-rank check) would join the server as the same host on the same GPU, which NCCL refuses."""
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
     cmd = [sys.executable, "-m", "connector.gpu_bench", "--measure", "--sizes", ",".join(map(str, sizes)),
            "--repeats", str(repeats), "--nccl-channels", str(nccl_channels or 0), "--server-device", server_device]
     if not split_hosts:
         cmd.append("--same-host")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
     lines = out.stdout.strip().splitlines()
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"bench process exited {out.returncode}: {out.stderr[-2000:]}")

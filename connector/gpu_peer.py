@@ -150,6 +150,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child that imports this checkout (``-m connector...``)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))), **extra}
+
+
 def split_host_env(host_id: str) -> dict[str, str]:
     """This process as an NCCL host of its own, joined to the others over loopback sockets."""
     return {"NCCL_HOSTID": host_id, "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
@@ -207,11 +213,9 @@ def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str =
     p_port, d_port = _free_port(), _free_port()
     common = ["--layout", layout, "--send-type", send_type, "--transport", transport, "--timeout",
               str(int(timeout * 2 / 3)), "--granularity", granularity]
-    repo = str(Path(__file__).resolve().parents[1])
 
     def start(role: str, port: int, peer_port: int, dev: str) -> _Peer:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
+        env = child_env(PYTHONUNBUFFERED="1")
         if split_hosts:
             env.update(split_host_env(f"xpyd-pair-{role}"))
         return _Peer("decode" if role == "d" else "prefill",
