@@ -346,26 +346,26 @@ class Dispatcher:
             return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
                           rewrite)
         stitched = _Stitched()
-        cont = orjson.dumps(first_token.continuation(body, first))
         events = first_token.ContinuationEvents(first_token.text_offset_after(first))
-        stitched.gen = self._continue(call, d, cont, headers, stitched, events)
+        stitched.gen = self._continue(call, d, first_token.continuation(body, first), headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
-    async def _continue(self, call: Call, d: Instance, body: bytes, headers: dict[str, str], stitched: _Stitched,
+    async def _continue(self, call: Call, d: Instance, cont: dict, headers: dict[str, str], stitched: _Stitched,
                         events: first_token.ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
-        """D's continuation of P's token, for the relay. If D fails before its first byte,
-        D alone continues once (a plain request id: it prefills prompt + token itself);
-        the client has P's token, so no other D may be asked (its KV went to this one)."""
+        """D's continuation of P's token (``cont``: D's request), for the relay. If D fails
+        before its first byte, D alone continues once (a plain request id: it prefills
+        prompt + token itself); the client has P's token, so no other D may be asked (its
+        KV went to this one)."""
         req = call.req
         try:
-            answer = await self._first_bytes(d, self._open(req, d, headers, body), headers)
+            answer = await self._first_bytes(d, self._open(req, d, headers, orjson.dumps(cont)), headers)
         except (DecodeFailed, ProxyError) as e:
             error = e.error if isinstance(e, DecodeFailed) else e
             log.warning("decode continuation failed before its first byte instance=%s error=%s; D alone",
                         d.http_address, error.message)
             self.metrics.dispatch(LOCAL_RESCUE)
             plain = {**req.headers, "x-request-id": request_id.build_local()}
-            alone = orjson.dumps(first_token.alone(orjson.loads(body)))
+            alone = orjson.dumps(first_token.alone(cont))
             try:
                 answer = await self._first_bytes(d, self._open(req, d, plain, alone), plain)
             except (DecodeFailed, ProxyError) as e2:
@@ -374,19 +374,14 @@ class Dispatcher:
         stitched.d = answer.resp
         self._phase["decode_ttfb"].observe(time.perf_counter() - call.t_decode)
         try:
-            chunk = answer.first
-            rest = answer.chunks
-            while True:
-                # The relay sends the piece that ends D's answer as the response's last.
-                yield events.feed(chunk) + (events.flush() if stitched.at_eof() else b"")
-                if rest is None:
-                    return
-                nxt = await anext(rest, None)
-                if nxt is None:
-                    if tail := events.flush():
-                        yield tail
-                    return
-                chunk = nxt
+            # The relay sends the piece that ends D's answer as the response's last: it
+            # carries whatever event was still held.
+            yield events.feed(answer.first) + (events.flush() if stitched.at_eof() else b"")
+            if answer.chunks is not None:
+                async for chunk in answer.chunks:
+                    yield events.feed(chunk) + (events.flush() if stitched.at_eof() else b"")
+            if tail := events.flush():
+                yield tail
         finally:
             await answer.aclose()
 

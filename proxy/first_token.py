@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from proxy.openai_api import COMPLETIONS, prefill_body
+from proxy.relay import EVENT_END, EVENT_ENDS
 from proxy.request import RouteRequest
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
 
@@ -211,8 +212,7 @@ def text_offset_after(first: FirstToken) -> int:
 
 
 _HOLD_MAX = 64 * 1024
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
-_EVENT_SPLIT = re.compile(rb"(\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n)")
+_EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's end
 
 
 class ContinuationEvents:
@@ -227,7 +227,7 @@ class ContinuationEvents:
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._held + chunk
-        if buf.endswith(_EVENT_ENDS) or len(buf) > _HOLD_MAX:
+        if buf.endswith(EVENT_ENDS) or len(buf) > _HOLD_MAX:
             cut = len(buf)
         else:
             cut = buf.rfind(b"data:")

@@ -42,14 +42,14 @@ class Answer:
 
 
 # What an SSE stream ends with when its last event is complete (LF, CRLF or CR lines).
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
 
 
 def at_event_boundary(tail: bytes) -> bool:
     """Whether a stream whose last bytes are `tail` (empty: nothing sent) may take a new
     event as it is. Unsure (a trailing CR may await its LF) counts as no: an extra blank
     line is harmless in SSE, an event glued to the previous one is not."""
-    return not tail or tail.endswith(_EVENT_ENDS)
+    return not tail or tail.endswith(EVENT_ENDS)
 
 
 # ---------------------------------------------------------------- a stream's lead
@@ -62,7 +62,7 @@ def at_event_boundary(tail: bytes) -> bool:
 # first-byte deadline.
 LEAD_MAX_BYTES = 16 * 1024
 
-_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n")
+EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r|\n\r\n|\r\n\n")
 # Error types that are a verdict on the request (vLLM's 4xx, OpenAI's), for an error event
 # without an HTTP status in its code: any other type counts as D's failure.
 _CLIENT_ERROR_TYPES = frozenset(
@@ -119,7 +119,7 @@ def judge_lead(buf: bytes, start: int = 0) -> tuple[bool | StreamError, int]:
             i = buf.find(b"\n\n", start, cap)
             end = i + 2
         else:
-            m = _EVENT_END.search(buf, start, cap)
+            m = EVENT_END.search(buf, start, cap)
             i, end = (m.start(), m.end()) if m is not None else (-1, 0)
         if i < 0:
             return len(buf) >= cap, start
