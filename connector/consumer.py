@@ -74,6 +74,8 @@ class Consumer:
         self._transport = transport
         self._caches = caches
         self._layer_names = list(caches)
+        # Where the caches live (block id tensors go there); the first cache's, as they all agree.
+        self._cache_device = next(iter(caches.values())).device if caches else torch.device("cpu")
         self._layout = block_layout
         self._recv = recv
         # Bytes one prompt block takes over all layers: sizes a GET reservation.
@@ -221,13 +223,14 @@ class Consumer:
                 if str(t.dtype).removeprefix("torch.") != self._layout.dtype or list(t.shape) != [nb, *shape]:
                     return f"piece tensor {t.dtype}{list(t.shape)} does not match its header"
         assert want is not None
+        idx = kvlayout.index(spec.dst_block_ids, self._cache_device)  # once, not once per layer and piece
         for li, name in enumerate(self._layer_names):
             for piece, p in zip(want, pieces, strict=True):
                 start = spec.first_block - int(p.header.get("first_block", 0))
                 src = p.tensors[li].narrow(kvlayout.BLOCK_AXIS, start, len(spec.dst_block_ids))
                 if spec.corrupt_for_test:
                     src = torch.zeros_like(src)
-                kvlayout.scatter_packed(self._caches[name], spec.dst_block_ids, src, heads=piece.local_heads,
+                kvlayout.scatter_packed(self._caches[name], idx, src, heads=piece.local_heads,
                                         head_axis=self._head_axis)
         for p in pieces:
             for t in p.tensors:
@@ -267,18 +270,23 @@ class Consumer:
             if dtype != self._layout.dtype or tuple(t.shape) != (n, *self._layout.block_shape):
                 return f"payload tensor {t.dtype}{list(t.shape)} does not match its header"
         want = len(spec.dst_block_ids)
+        # Each run straight into its blocks (joining the runs first would copy every byte
+        # twice). Every layer has the same runs: their destination ids become index tensors
+        # once per transfer, not once per layer (on CUDA each is a host-to-device copy).
+        plan: list[tuple[int, int, int, torch.Tensor]] = []  # (run, first block in it, blocks, dst ids)
+        off = 0
+        for r, n in enumerate(runs):
+            lo, hi = max(start, off), min(start + want, off + n)  # payload blocks this run brings
+            if lo < hi:
+                plan.append((r, lo - off, hi - lo, kvlayout.index(spec.dst_block_ids[lo - start:hi - start],
+                                                                  self._cache_device)))
+            off += n
         for i, name in enumerate(self._layer_names):
-            # Each run straight into its blocks: joining the runs first would copy every byte twice.
-            off = 0
-            for part in payload.tensors[i * per_layer:(i + 1) * per_layer]:
-                n = part.shape[kvlayout.BLOCK_AXIS]
-                lo, hi = max(start, off), min(start + want, off + n)  # payload blocks this run brings
-                if lo < hi:
-                    src = part.narrow(kvlayout.BLOCK_AXIS, lo - off, hi - lo)
-                    if spec.corrupt_for_test:
-                        src = torch.zeros_like(src)
-                    kvlayout.scatter(self._caches[name], spec.dst_block_ids[lo - start:hi - start], src)
-                off += n
+            for r, at, n, idx in plan:
+                src = payload.tensors[i * per_layer + r].narrow(kvlayout.BLOCK_AXIS, at, n)
+                if spec.corrupt_for_test:
+                    src = torch.zeros_like(src)
+                kvlayout.scatter(self._caches[name], idx, src)
         for t in payload.tensors:
             if t.is_cuda:
                 # Received on the transport's stream, read on this thread's: keep the memory

@@ -330,15 +330,17 @@ class KVEngine:
         tensors: list[torch.Tensor] = []
         run_lens: list[int] | None = None
         names = self._layer_names if layers is None else self._layer_names[layers[0]:layers[1]]
+        # The block ids as an index tensor once for all layers (on CUDA each is an H2D copy).
+        idx = (kvlayout.index(spec.block_ids, self._caches[names[0]].device)
+               if names and (heads is not None or self._device_native) else None)
         for name in names:
             if heads is not None:
-                parts = [kvlayout.gather_packed(self._caches[name], spec.block_ids, heads=heads,
-                                                head_axis=self._head_axis)]
+                parts = [kvlayout.gather_packed(self._caches[name], idx, heads=heads, head_axis=self._head_axis)]
                 copy = False  # a copy already
             elif self._device_native:
                 # One batched gather per layer: one NCCL op (not one per run of blocks), and
                 # a copy of its own, which GET needs anyway.
-                parts = [kvlayout.gather_packed(self._caches[name], spec.block_ids)]
+                parts = [kvlayout.gather_packed(self._caches[name], idx)]
                 copy = False
             else:
                 parts = kvlayout.gather(self._caches[name], spec.block_ids, self._layout)

@@ -89,9 +89,20 @@ def _timed(fn, device: str = "cuda") -> float:
     return time.perf_counter() - t0
 
 
-def _median_gbs(fn, nbytes: int, repeats: int, device: str) -> float:
+def _median_gbs(fn, nbytes: int, repeats: int, device: str, calls: int = 1) -> float:
+    """GB/s of ``fn`` (``nbytes`` a call), median of ``repeats`` samples of ``calls`` calls
+    in a row. Several calls per sample measure what a transfer sees, one call per layer
+    back to back, where one call's launch overlaps the previous one's kernel."""
     fn()  # warm-up (allocator, kernels)
-    return nbytes / statistics.median(_timed(fn, device) for _ in range(repeats)) / 1e9
+
+    def many() -> None:
+        for _ in range(calls):
+            fn()
+
+    return nbytes * calls / statistics.median(_timed(many, device) for _ in range(repeats)) / 1e9
+
+
+LAYER_CALLS = 8  # gather/scatter calls per timed sample: one per layer of a small model
 
 
 def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, picked: int = 512) -> list[tuple]:
@@ -109,12 +120,16 @@ def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, pi
         packed = kvlayout.gather_packed(kv, ids)
         nbytes = packed.numel() * packed.element_size()
         plain_src, plain_dst = packed.clone(), torch.empty_like(packed)
-        copy = _median_gbs(lambda: plain_dst.copy_(plain_src), nbytes, repeats, device)
-        gather = _median_gbs(lambda: kvlayout.gather_packed(kv, ids, out=plain_dst), nbytes, repeats, device)
-        scatter = _median_gbs(lambda: kvlayout.scatter_packed(kv, dst_ids, plain_src), nbytes, repeats, device)
+        # Ids as index tensors made once, as the connector makes them once per transfer.
+        src_idx, dst_idx = kvlayout.index(ids, kv.device), kvlayout.index(dst_ids, kv.device)
+        copy = _median_gbs(lambda: plain_dst.copy_(plain_src), nbytes, repeats, device, LAYER_CALLS)
+        gather = _median_gbs(lambda: kvlayout.gather_packed(kv, src_idx, out=plain_dst), nbytes, repeats, device,
+                             LAYER_CALLS)
+        scatter = _median_gbs(lambda: kvlayout.scatter_packed(kv, dst_idx, plain_src), nbytes, repeats, device,
+                              LAYER_CALLS)
         rows.append((name, nbytes, gather, scatter, copy))
     print(f"\n{'layout':>6} {'MiB':>6} {'gather':>8} {'scatter':>8} {'copy_':>8}   {'g/copy':>6} {'s/copy':>6}"
-          f"   (GB/s, {device}, {picked} of {blocks} blocks, medians of {repeats})")
+          f"   (GB/s, {device}, {picked} of {blocks} blocks, {LAYER_CALLS} calls in a row, medians of {repeats})")
     for name, nbytes, g, sc, c in rows:
         print(f"{name:>6} {nbytes / MiB:>6.1f} {g:>8.1f} {sc:>8.1f} {c:>8.1f}   {g / c:>6.2f} {sc / c:>6.2f}")
     return rows

@@ -150,8 +150,9 @@ def gather(kv: torch.Tensor, block_ids: list[int] | tuple[int, ...], layout: Blo
     return [gather_packed(kv, block_ids)]
 
 
-def scatter(kv: torch.Tensor, dst_block_ids: list[int] | tuple[int, ...], src: torch.Tensor) -> None:
-    """Write whole blocks ``src[i]`` into ``kv[dst_block_ids[i]]``."""
+def scatter(kv: torch.Tensor, dst_block_ids: BlockIds, src: torch.Tensor) -> None:
+    """Write whole blocks ``src[i]`` into ``kv[dst_block_ids[i]]`` (ids: a sequence, or
+    the tensor ``index`` made of it)."""
     scatter_packed(kv, dst_block_ids, src)
 
 

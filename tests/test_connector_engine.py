@@ -1021,8 +1021,9 @@ def test_dead_peer_is_used_again_once_it_answers(engines):
     try:
         cons.caches, cons.cfg = cons._caches, cfg
         wait_for(lambda: prod.producer.peer(addr).dead_since is None)  # a probe got through
-        # The abort for the lost transfer was delivered when the peer came up.
-        assert cons.recv_buffer.failure("a" * 32) is not None
+        # The abort for the lost transfer is delivered once the peer is up (the probe that
+        # revived it comes first, so wait for it rather than race it).
+        wait_for(lambda: cons.recv_buffer.failure("a" * 32) is not None)
         prod.save(save_spec(prod, addr))
         wait_for(lambda: cons.stats()["recv_items"] == 1)
         poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
