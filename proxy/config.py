@@ -13,7 +13,7 @@ from typing import Any
 ENV_PREFIX = "XPYD_"
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", "precise")
 DISPATCH_MODES = ("sequential", "concurrent")
-FIRST_TOKEN_MODES = ("decode", "prefill")
+FIRST_TOKEN_MODES = ("prefill", "decode")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -88,10 +88,11 @@ class ProxyConfig:
     # Sequential stays the default: concurrent saves ~10 ms on an idle pair, but D's KV
     # deadline then also covers P's delays the proxy cannot see (README: Concurrent dispatch).
     dispatch: str = "sequential"
-    # decode: the client's first token comes from D (D computes it after loading the KV);
-    # prefill: from P, sent as soon as P answers, and D continues from prompt + that token
-    # (streaming completions whose parameters allow it: proxy/first_token.py).
-    first_token: str = "decode"
+    # prefill: the client's first token is P's, sent as soon as P answers, and D continues
+    # from prompt + that token (streaming completions whose parameters allow it:
+    # proxy/first_token.py); TTFT then waits for neither the transfer nor D's first step.
+    # decode: D computes it after loading the KV, for every request.
+    first_token: str = "prefill"
     # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables. 128:
     # below it D alone answers faster than P + transfer (scripts/bench_e2e.py
     # --short-sweep) and its prefill costs D's streams less than a few of their steps.
@@ -251,8 +252,8 @@ HELP = MappingProxyType(
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
         "dispatch": "sequential: D is asked after P answered; concurrent: D is asked with P "
                     "unless P has other requests queued",
-        "first_token": "decode: D computes the client's first token; prefill: P's token goes to the client as "
-                       "soon as P answers and D continues from it (streaming completions only)",
+        "first_token": "prefill: P's token goes to the client as soon as P answers and D continues from it "
+                       "(streaming completions whose parameters allow it); decode: D computes the first token",
         "local_prefill_threshold": "prompts under this many estimated tokens (4 characters each) skip P (0: never)",
         "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",

@@ -23,11 +23,11 @@ import orjson
 from proxy import first_token
 from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
-from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text
+from proxy.errors import ProxyError, instance_text, sse_event_of, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import prefill_body
 from proxy.registry import Instance
-from proxy.relay import Answer, Relay, read_lead
+from proxy.relay import Answer, Relay, StreamFailed, read_lead
 from proxy.request import RouteRequest
 from proxy.rewrite import IdRewrite, neutral_id
 from proxy.selection import Selector
@@ -346,44 +346,74 @@ class Dispatcher:
             return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
                           rewrite)
         stitched = _Stitched()
-        events = first_token.ContinuationEvents(first_token.text_offset_after(first))
+        events = first_token.ContinuationEvents(first_token.text_offset_after(first), first.id)
         stitched.gen = self._continue(call, d, first_token.continuation(body, first), headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
     async def _continue(self, call: Call, d: Instance, cont: dict, headers: dict[str, str], stitched: _Stitched,
                         events: first_token.ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
-        """D's continuation of P's token (``cont``: D's request), for the relay. If D fails
-        before its first byte, D alone continues once (a plain request id: it prefills
-        prompt + token itself); the client has P's token, so no other D may be asked (its
-        KV went to this one)."""
+        """D's continuation of P's token (``cont``: D's request), for the relay. The client
+        has P's token and the 200 already, so a failure can only reach it as an error event:
+        - D's verdict on the request (4xx), an answer over the size limit, or D silent for
+          decode_ttfb_timeout: D's error, as the stream's last event;
+        - D failed before its first byte (5xx, connection): D alone continues once (a plain
+          request id: it prefills prompt + token itself; the KV went to this D, so no other
+          can load it), on another D when there is one, else on this one. If that fails too,
+          the first failure's error ends the stream."""
         req = call.req
+        rescuer: Instance | None = None
         try:
-            answer = await self._first_bytes(d, self._open(req, d, headers, orjson.dumps(cont)), headers)
-        except (DecodeFailed, ProxyError) as e:
-            error = e.error if isinstance(e, DecodeFailed) else e
-            log.warning("decode continuation failed before its first byte instance=%s error=%s; D alone",
-                        d.http_address, error.message)
-            self.metrics.dispatch(LOCAL_RESCUE)
-            plain = {**req.headers, "x-request-id": request_id.build_local()}
-            alone = orjson.dumps(first_token.alone(cont))
             try:
-                answer = await self._first_bytes(d, self._open(req, d, plain, alone), plain)
-            except (DecodeFailed, ProxyError) as e2:
-                error = e2.error if isinstance(e2, DecodeFailed) else e2
-                raise UpstreamError("continuation_failed", f"continuation failed: {error.message}") from None
-        stitched.d = answer.resp
-        self._phase["decode_ttfb"].observe(time.perf_counter() - call.t_decode)
-        try:
-            # The relay sends the piece that ends D's answer as the response's last: it
-            # carries whatever event was still held.
-            yield events.feed(answer.first) + (events.flush() if stitched.at_eof() else b"")
-            if answer.chunks is not None:
-                async for chunk in answer.chunks:
-                    yield events.feed(chunk) + (events.flush() if stitched.at_eof() else b"")
-            if tail := events.flush():
-                yield tail
+                answer = await self._first_bytes(d, self._open(req, d, headers, orjson.dumps(cont)), headers)
+            except ProxyError as e:
+                raise StreamFailed(sse_event_of(e), e.message) from None
+            except DecodeFailed as e:
+                rescuer = await self._continuation_rescuer(call, d)
+                answer = await self._continue_alone(call, rescuer or d, cont, e.error)
+            stitched.d = answer.resp
+            self._phase["decode_ttfb"].observe(time.perf_counter() - call.t_decode)
+            try:
+                # The relay sends the piece that ends D's answer as the response's last: it
+                # carries whatever event was still held.
+                yield events.feed(answer.first) + (events.flush() if stitched.at_eof() else b"")
+                if answer.chunks is not None:
+                    async for chunk in answer.chunks:
+                        yield events.feed(chunk) + (events.flush() if stitched.at_eof() else b"")
+                if tail := events.flush():
+                    yield tail
+            finally:
+                await answer.aclose()
         finally:
-            await answer.aclose()
+            if rescuer is not None:
+                self.selector.release(rescuer, req)
+
+    async def _continuation_rescuer(self, call: Call, d: Instance) -> Instance | None:
+        """Another D for the continuation, taken (the caller releases it), or None: there is
+        none, or none had room before the continuation's deadline."""
+        left = call.t_decode + self.cfg.decode_ttfb_timeout - time.perf_counter()
+        if left <= 0:
+            return None
+        try:
+            async with asyncio.timeout(left):
+                return await self.selector.acquire("D", call.req, (d,))
+        except (TimeoutError, ProxyError):  # no room in time, or shed (429)
+            return None
+
+    async def _continue_alone(self, call: Call, d: Instance, cont: dict, failed: ProxyError) -> Answer:
+        log.warning("decode continuation failed before its first byte error=%s; D alone on instance=%s",
+                    failed.message, d.http_address)
+        self.metrics.dispatch(LOCAL_RESCUE)
+        left = call.t_decode + self.cfg.decode_ttfb_timeout - time.perf_counter()
+        plain = {**call.req.headers, "x-request-id": request_id.build_local()}
+        try:
+            if left <= 0:
+                raise ProxyError(504, "decode_ttfb_timeout spent", "decode_timeout")
+            return await self._first_bytes(d, self._open(call.req, d, plain, orjson.dumps(first_token.alone(cont))),
+                                           plain, left)
+        except (DecodeFailed, ProxyError) as e:
+            log.warning("decode continuation alone failed instance=%s error=%s; ending the stream with: %s",
+                        d.http_address, e, failed.message)
+            raise StreamFailed(sse_event_of(failed), failed.message) from None
 
     def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
         t_pre = time.perf_counter()

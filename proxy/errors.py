@@ -116,6 +116,18 @@ def sse_error_event(message: str, status: int, code: str) -> bytes:
     return b"data: " + error_body(message, status, code) + b"\n\n"
 
 
+def sse_event_of(error: ProxyError) -> bytes:
+    """``error`` as one SSE data event, for a failure after the response's status went out:
+    the instance's own error JSON when it is relayed (re-written on one line, as an event
+    needs), else ours."""
+    if error.raw is not None:
+        try:
+            return b"data: " + json.dumps(json.loads(error.raw), separators=(",", ":")).encode() + b"\n\n"
+        except ValueError:
+            pass
+    return b"data: " + error.body() + b"\n\n"
+
+
 # Client-visible words for UpstreamError kinds: the errors' own text names addresses.
 _KIND_TEXT = MappingProxyType(
     {

@@ -215,15 +215,22 @@ _HOLD_MAX = 64 * 1024
 _EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's end
 
 
+_EVENT_ID = re.compile(rb'"id":\s*"(?:[^"\\]|\\.)*"')  # an event's first "id" is its top-level one
+
+
 class ContinuationEvents:
     """D's events as the client's request counts them: usage with P's token as generated
     rather than prompt (every usage D reports: a server may force it), logprobs text
-    offsets after P's token. The stream arrives in arbitrary pieces: what precedes the
-    last event's start passes at once, that event waits for its end (bounded)."""
+    offsets after P's token, and P's event id (one stream, one id, also when D answered
+    under another request id: a rescue, or a server that adds a suffix). The stream
+    arrives in arbitrary pieces: what precedes the last event's start passes at once, that
+    event waits for its end (bounded)."""
 
-    def __init__(self, text_offset: int) -> None:
+    def __init__(self, text_offset: int, event_id: str) -> None:
         self._offset = text_offset
         self._held = b""
+        self._id = b'"id":' + orjson.dumps(event_id)
+        self._d_id: bytes | None = None  # D's "id": member as it writes it, once seen
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._held + chunk
@@ -234,6 +241,10 @@ class ContinuationEvents:
             if cut < 0:  # no event starts here, unless the buffer ends with the start of "data:"
                 cut = len(buf) - next((k for k in range(4, 0, -1) if buf.endswith(b"data:"[:k])), 0)
         self._held, done = buf[cut:], buf[:cut]
+        if self._d_id is None and (m := _EVENT_ID.search(done)) is not None:
+            self._d_id = m.group(0)
+        if self._d_id is not None and self._d_id != self._id:
+            done = done.replace(self._d_id, self._id)
         if b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
             return done
         parts = _EVENT_SPLIT.split(done)  # events and their ends, alternating

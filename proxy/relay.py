@@ -72,6 +72,15 @@ _CLIENT_ERROR_TYPES = frozenset(
 )  # fmt: skip
 
 
+class StreamFailed(Exception):
+    """Raised by an answer's chunks when the answer cannot go on and ``event`` (a complete
+    SSE error event, ready to send) says why to the client."""
+
+    def __init__(self, event: bytes, reason: str) -> None:
+        super().__init__(reason)
+        self.event = event
+
+
 @dataclass(frozen=True, slots=True)
 class StreamError:
     """A server error event that came before any generated content."""
@@ -259,6 +268,8 @@ class Relay:
                 504,
                 "decode_timeout",
             )
+        except StreamFailed as e:  # counted and logged where it was raised
+            error = e.event
         except UpstreamError as e:
             metrics.upstream_error("D", d.http_address, "midstream")
             log.warning("decode stream broke instance=%s error=%s", d.http_address, e)

@@ -698,8 +698,8 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                      f"{a * 1000:.1f} ms, {ab.removeprefix('disagg-')} {b * 1000:.1f} ms ({b / a:.2f}x); "
                      f"D's share {da:.1f} -> {db:.1f} ms")
     if FIRST_TOKEN_SETUP in tt:
-        ft = first_token_ab(tt, colos[0], dis)
-        lines.append(f"  first token A/B (same P and D, alternating): TTFT median decode (default) "
+        ft = first_token_ab(tt, colos[0], dis, args.first_token)
+        lines.append(f"  first token A/B (same P and D, alternating): TTFT median decode "
                      f"{ft['decode']['ttft_ms']:.1f} ms ({ft['decode']['ttft_vs_colocated']:.2f}x {colos[0]}), "
                      f"prefill {ft['prefill']['ttft_ms']:.1f} ms ({ft['prefill']['ttft_vs_colocated']:.2f}x); "
                      f"gap from token 1 to 2: {ft['decode']['first_gap_ms']:.1f} -> {ft['prefill']['first_gap_ms']:.1f} "
@@ -741,23 +741,31 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     return lines
 
 
-FIRST_TOKEN_SETUP = "disagg-first-token-prefill"
+FIRST_TOKEN_SETUP = "disagg-first-token-other"  # the proxy with the other --first-token mode
+FIRST_TOKEN_MODES = ("prefill", "decode")  # the shipped default first
 
 
-def first_token_ab(tt: dict, colo: str, dis: str) -> dict:
+def other_first_token(mode: str) -> str:
+    return next(m for m in FIRST_TOKEN_MODES if m != mode)
+
+
+def first_gap_ms(results: list) -> float:
+    """Median gap from the first token's chunk to the next (ms); NaN without two chunks."""
+    gaps = [r.gaps()[0] for r in results if r.gaps()]
+    return statistics.median(gaps) * 1000 if gaps else math.nan
+
+
+def first_token_ab(tt: dict, colo: str, dis: str, mode: str) -> dict:
     """TTFT and the first inter-token gap (P's token -> D's first), medians in ms, of the
-    default proxy and the --first-token prefill one, with their ratios to colocated."""
+    main proxy (--first-token ``mode``) and the one with the other mode, with their ratios
+    to colocated."""
     med = statistics.median
     base = med(r.ttft for r in tt[colo])
-
-    def gap(name: str) -> float:
-        return med(r.gaps()[0] for r in tt[name] if r.gaps()) * 1000
-
-    out = {mode: {"ttft_ms": med(r.ttft for r in tt[name]) * 1000, "first_gap_ms": gap(name)}
-           for mode, name in (("decode", dis), ("prefill", FIRST_TOKEN_SETUP))}
+    out = {m: {"ttft_ms": med(r.ttft for r in tt[name]) * 1000, "first_gap_ms": first_gap_ms(tt[name])}
+           for m, name in ((mode, dis), (other_first_token(mode), FIRST_TOKEN_SETUP))}
     for v in out.values():
         v["ttft_vs_colocated"] = v["ttft_ms"] / (base * 1000)
-    return {**out, "colocated_first_gap_ms": gap(colo)}
+    return {**out, "colocated_first_gap_ms": first_gap_ms(tt[colo])}
 
 
 def short_table(args, short: dict, colo: str, dis: str) -> list[str]:
@@ -781,6 +789,13 @@ def short_table(args, short: dict, colo: str, dis: str) -> list[str]:
     return lines
 
 
+def d_share_ms(results: list) -> float | None:
+    """Median of the proxy's x-xpyd-decode-ttfb-ms (None when no answer had it: the first
+    token came from P, so the headers went out before D answered)."""
+    shares = [float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in results if "x-xpyd-decode-ttfb-ms" in r.headers]
+    return statistics.median(shares) if shares else None
+
+
 def summary(args, res: dict, colo: str, dis: str) -> dict:
     """The shipped defaults' medians (ms) with their same-run colocated baselines, for --json."""
     med = statistics.median
@@ -788,10 +803,15 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
     out: dict = {
         "ttft_1k_ms": {"colocated": med(r.ttft for r in tt[colo]) * 1000,
                        "disaggregated": med(r.ttft for r in tt[dis]) * 1000},
-        "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[dis]),
+        # D's share of TTFT: P answered -> D's first byte. None with the first token from P
+        # (the default): D's share then falls between the first token and the second.
+        "d_share_ms": d_share_ms(tt[dis]),
         "d_share_parts_ms": d_share_parts(tt[dis]),
+        "first_gap_ms": {"colocated": first_gap_ms(tt[colo]), "disaggregated": first_gap_ms(tt[dis])},
         "ttft_tokens": sorted({r.prompt_tokens for r in tt[dis]}),
-        "defaults": {"dispatch": args.dispatch_default, "local_prefill_threshold": args.threshold_default},
+        "ttft_max_tokens": args.ttft_max_tokens,
+        "defaults": {"dispatch": args.dispatch_default, "local_prefill_threshold": args.threshold_default,
+                     "first_token": args.first_token},
     }
     short = res["short"]
     if short:
@@ -814,15 +834,15 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
         out["dispatch_ab"] = {
             args.dispatch_default: {"ttft_ms": out["ttft_1k_ms"]["disaggregated"], "d_share_ms": out["d_share_ms"]},
             ab.removeprefix("disagg-"): {"ttft_ms": med(r.ttft for r in tt[ab]) * 1000,
-                                         "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[ab]),
+                                         "d_share_ms": d_share_ms(tt[ab]),
                                          "d_share_parts_ms": d_share_parts(tt[ab])}}
     if FIRST_TOKEN_SETUP in tt:
-        out["first_token_ab"] = first_token_ab(tt, colo, dis)
+        out["first_token_ab"] = first_token_ab(tt, colo, dis, args.first_token)
     gab = [k for k in tt if k.startswith(tuple(f"disagg-{g}" for g in GRANULARITIES))]
     if gab:  # keyed "granularity" (sequential dispatch) or "granularity-dispatch"
         out["granularity_ab"] = {
             g: {"ttft_ms": med(r.ttft for r in tt[k]) * 1000, "kv_arrival_lag_ms": (parts or {}).get("kv_arrival_lag"),
-                "d_share_ms": med(float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in tt[k]), "d_share_parts_ms": parts}
+                "d_share_ms": d_share_ms(tt[k]), "d_share_parts_ms": parts}
             for g, k in [(args.granularity, dis)] + [(x.removeprefix("disagg-"), x) for x in gab]
             for parts in [d_share_parts(tt[k])]}
     return out
@@ -835,7 +855,9 @@ def main() -> int:
     ap.add_argument("--model", choices=("bench", "tiny"), default="bench")
     ap.add_argument("--ttft-n", type=int, default=16, help="TTFT prompts per setup")
     ap.add_argument("--ttft-tokens", type=int, default=1024)
-    ap.add_argument("--ttft-max-tokens", type=int, default=1)
+    ap.add_argument("--ttft-max-tokens", type=int, default=8,
+                    help="tokens per TTFT request (more than 1: with the first token from P, a 1-token "
+                         "answer is all P's and D is not asked)")
     ap.add_argument("--victims", type=int, default=4, help="victim requests per setup and condition")
     ap.add_argument("--victim-tokens", type=int, default=None,
                     help="default 256 (bench model), 1024 (tiny: decode steps are ~4x shorter); --quick halves it")
@@ -855,9 +877,11 @@ def main() -> int:
                          "after each step, which would steal CPU from the next setup measured")
     ap.add_argument("--dispatch-ab", action="store_true",
                     help="a second proxy with the other --dispatch mode on the same P and D: TTFT both ways")
+    ap.add_argument("--first-token", choices=FIRST_TOKEN_MODES, default=FIRST_TOKEN_MODES[0],
+                    help="the proxies' --first-token (default: the proxy's default); the dispatch and "
+                         "send-granularity A/Bs measure D's share, which is on TTFT only with 'decode'")
     ap.add_argument("--first-token-ab", action="store_true",
-                    help="a second proxy with --first-token prefill on the same P and D (use --ttft-max-tokens > 1: "
-                         "a one-token answer is all P's)")
+                    help="a second proxy with the other --first-token mode on the same P and D")
     ap.add_argument("--short-lengths", default="64",
                     help="short-prompt TTFT at these prompt lengths (tokens, comma-separated; '' skips)")
     ap.add_argument("--short-sweep", action="store_true",
@@ -921,19 +945,20 @@ def main() -> int:
         disc = cluster.free_port()
         # The main proxy runs the shipped defaults; the others (same P and D, registered
         # with every proxy) change one setting each.
-        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir)
+        mode = ["--first-token", args.first_token]  # every proxy but the first-token A/B's
+        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, mode)
         servers.append(proxy)
         proxies: list[cluster.Server] = [proxy]
         reg: dict[str, object] = {"proxies": []}
         others: dict[str, list[str]] = {}
         if args.dispatch_ab:
             other = next(m for m in DISPATCH_MODES if m != args.dispatch_default)
-            others[f"disagg-{other}"] = ["--dispatch", other]
+            others[f"disagg-{other}"] = ["--dispatch", other, *mode]
         if args.first_token_ab:
-            others[FIRST_TOKEN_SETUP] = ["--first-token", "prefill"]
+            others[FIRST_TOKEN_SETUP] = ["--first-token", other_first_token(args.first_token)]
         if args.short_lengths:
-            others[ALWAYS_P] = ["--local-prefill-threshold", "0"]
-            others[ALWAYS_LOCAL] = ["--local-prefill-threshold", str(10**9)]
+            others[ALWAYS_P] = ["--local-prefill-threshold", "0", *mode]
+            others[ALWAYS_LOCAL] = ["--local-prefill-threshold", str(10**9), *mode]
         for name, flags in others.items():
             d = cluster.free_port()
             proxies.append(cluster.start_proxy(cluster.free_port(), d, log_dir, flags, name=f"proxy-{name}"))
@@ -946,10 +971,10 @@ def main() -> int:
         gab: list[tuple[str, int, cluster.Server]] = []  # its proxies: (setup name, discovery port, proxy)
         if args.granularity_ab:
             gran = next(g for g in GRANULARITIES if g != args.granularity)
-            variants = {f"disagg-{gran}": []}
+            variants = {f"disagg-{gran}": mode}
             if args.dispatch_ab:
                 other = next(m for m in DISPATCH_MODES if m != args.dispatch_default)
-                variants[f"disagg-{gran}-{other}"] = ["--dispatch", other]
+                variants[f"disagg-{gran}-{other}"] = ["--dispatch", other, *mode]
             for name, flags in variants.items():
                 d = cluster.free_port()
                 gab.append((name, d, cluster.start_proxy(cluster.free_port(), d, log_dir, flags, name=f"proxy-{name}")))

@@ -117,6 +117,21 @@ def prompt_token_ids(prompt: Any) -> list[int]:
     return []
 
 
+def generated_before(body: dict) -> int:
+    """How many of this fake's own tokens the prompt ends with (ids >= FIRST_TOKEN_ID: a
+    continuation of an earlier answer, as the proxy's first-token mode sends D): the answer
+    goes on from there, as a model would, instead of starting again at t0."""
+    ids = body.get("prompt")
+    if not (isinstance(ids, list) and ids and type(ids[0]) is int):
+        return 0
+    k = 0
+    for t in reversed(ids):
+        if not isinstance(t, int) or t < FIRST_TOKEN_ID:
+            break
+        k += 1
+    return k
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -475,7 +490,8 @@ class FakeVLLM:
             self._send_json(conn, req, rec, 200, self._full(chat, rid, n_tokens, body))
 
     def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
-        text = "".join(f" t{i}" for i in range(n)) if self.first_text is None else self.first_text
+        start = generated_before(body)
+        text = "".join(f" t{start + i}" for i in range(n)) if self.first_text is None else self.first_text
         usage = {
             "prompt_tokens": 5,
             "total_tokens": 5 + n,
@@ -534,7 +550,7 @@ class FakeVLLM:
             }
             if body.get("return_token_ids"):  # as vLLM: the ids of the prompt and of each token
                 data["choices"][0]["prompt_token_ids"] = prompt_token_ids(body.get("prompt"))
-                data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + i for i in range(n)]
+                data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + start + i for i in range(n)]
         return json.dumps(data).encode()
 
     def stream_events(self, chat: bool, rid: str, n: int, body: dict) -> list[bytes]:
@@ -573,8 +589,9 @@ class FakeVLLM:
                 '{"index":0,"text":" t%d","logprobs":null,"finish_reason":"length",'
                 '"stop_reason":null}]}'
             )
+        start = generated_before(body)
         for i in range(n):
-            events.append(head + ((last if i == n - 1 else mid) % i))
+            events.append(head + ((last if i == n - 1 else mid) % (start + i)))
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
             events.append(

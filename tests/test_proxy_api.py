@@ -31,7 +31,7 @@ def _timing(headers) -> dict[str, float]:
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("expose", [False, True])
 async def test_two_phase_relay(path, body, stream, expose):
-    async with running_proxy(expose_routing_headers=expose) as px:
+    async with running_proxy(first_token="decode", expose_routing_headers=expose) as px:
         p, d = await px.pd()
         raw = json.dumps(
             {
@@ -105,7 +105,8 @@ async def test_stream_is_relayed_incrementally():
             "POST", "/v1/completions", json={**COMPLETION, "max_tokens": 6, "stream": True}
         ) as r:
             assert r.status_code == 200
-            assert "x-xpyd-decode-ttfb-ms" in r.headers  # headers before the stream
+            # Headers before the stream: P's token goes out first (the default for this request).
+            assert r.headers["x-xpyd-first-token"] == "prefill" and "x-xpyd-prefill-ms" in r.headers
             arrivals = []
             loop = asyncio.get_running_loop()
             async for line in r.aiter_lines():

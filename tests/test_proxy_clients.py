@@ -17,7 +17,7 @@ from proxy.upstream import UpstreamError, make_upstream
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
 async def test_alternative_upstream_client(client):
-    async with running_proxy(upstream_client=client, stream_idle_timeout=0.5) as px:
+    async with running_proxy(first_token="decode", upstream_client=client, stream_idle_timeout=0.5) as px:
         p, d = await px.pd()
         body = {"prompt": "x", "max_tokens": 3}
         ok = await px.client.post("/v1/completions", json=body)

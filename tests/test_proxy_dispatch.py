@@ -44,14 +44,14 @@ async def test_dead_decode_still_registered_costs_no_request():
 
 
 async def test_decode_5xx_before_first_byte_is_retried_4xx_is_not():
-    async with running_proxy(expose_routing_headers=True) as px:
+    async with running_proxy(first_token="decode", expose_routing_headers=True) as px:
         await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         d1.fault = Fault(status=503, times=1)  # round robin asks d1 first
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "data: [DONE]" in resp.text
         assert resp.headers["x-xpyd-decode-instance"] == d2.http_address
-    async with running_proxy(decode_retries=1) as px:
+    async with running_proxy(first_token="decode", decode_retries=1) as px:
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         d1.fault = Fault(status=503)
@@ -90,7 +90,7 @@ async def test_decode_retries_zero_relays_the_first_failure():
 
 
 async def test_concurrent_dispatch_overlaps_decode_with_prefill():
-    async with running_proxy(dispatch="concurrent") as px:
+    async with running_proxy(first_token="decode", dispatch="concurrent") as px:
         p, d = await px.pd()
         p.fault = Fault(delay=0.3)
         resp = await px.client.post("/v1/completions", json=STREAM)
@@ -254,7 +254,7 @@ def local_id(rid: str) -> bool:
     ids=["json", "stream", "stream-concurrent"],
 )
 async def test_rescue_decode_alone_after_failed_kv_load(path, body, dispatch):
-    async with running_proxy(dispatch=dispatch) as px:
+    async with running_proxy(first_token="decode", dispatch=dispatch) as px:
         p, d = await px.pd()
         d.fault = kv_load_fails(times=1)
         resp = await px.client.post(path, json=body)
@@ -283,7 +283,7 @@ async def test_rescue_decode_alone_after_failed_kv_load(path, body, dispatch):
 
 
 async def test_rescue_after_every_decode_retry_failed():
-    async with running_proxy(decode_retries=1) as px:
+    async with running_proxy(first_token="decode", decode_retries=1) as px:
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         d1.fault, d2.fault = kv_load_fails(), kv_load_fails()
@@ -300,7 +300,7 @@ async def test_rescue_after_every_decode_retry_failed():
 
 @pytest.mark.parametrize("body", [COMPLETION, STREAM], ids=["json", "stream"])
 async def test_rescue_failing_too_relays_the_original_error(body):
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "id_prefix": None})  # alone too
         resp = await px.client.post("/v1/completions", json=body)
@@ -340,7 +340,7 @@ async def test_rescue_keeps_to_the_failed_attempts_deadline():
 
 @pytest.mark.parametrize("status", [400, 413])
 async def test_decode_client_error_is_not_rescued(status):
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(status=status, id_prefix=DISAGGREGATED_ID)
         resp = await px.client.post("/v1/completions", json=STREAM)
@@ -392,7 +392,7 @@ def sse(text: str) -> list[dict]:
 
 @STREAMS
 async def test_stream_error_event_before_content_is_rescued(path, body):
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = stream_error(times=1)
         resp = await px.client.post(path, json=body)
@@ -421,7 +421,7 @@ async def test_stream_error_event_before_content_is_rescued(path, body):
 
 @STREAMS
 async def test_stream_error_event_is_retried_on_another_decode(path, body):
-    async with running_proxy(expose_routing_headers=True) as px:
+    async with running_proxy(first_token="decode", expose_routing_headers=True) as px:
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
         d1.fault = stream_error(503)  # round robin asks d1 first
@@ -439,7 +439,7 @@ async def test_stream_error_event_is_retried_on_another_decode(path, body):
 @STREAMS
 async def test_stream_client_error_event_is_relayed(path, body):
     """A 4xx error event is D's verdict on the request: relayed as it came, not retried."""
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         other = await px.fake("D")
         d.fault = other.fault = stream_error(400)
@@ -454,7 +454,7 @@ async def test_stream_client_error_event_is_relayed(path, body):
 
 @STREAMS
 async def test_stream_error_event_after_content_is_relayed(path, body):
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = stream_error(500, stream_error_after=2)
         resp = await px.client.post(path, json=body)
@@ -524,7 +524,7 @@ async def test_stream_broken_off_before_content_is_rescued():
 async def test_stream_error_event_when_the_rescue_fails_too(path, body):
     """D alone streams the error event too: the client gets the first failure as an error
     answer (vLLM's error, its status), never a 200 that hides it."""
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(stream_error=500)  # disaggregated and alone alike
         resp = await px.client.post(path, json=body)

@@ -216,7 +216,7 @@ async def test_prefill_timeout_retries_then_504():
 
 async def test_decode_error_before_first_byte_is_relayed():
     """D's 5xx, when D alone (the local rescue) fails as well: D's error is relayed."""
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(status=503)
         assert_error(await px.client.post("/v1/completions", json=STREAM), 503)
@@ -238,7 +238,7 @@ async def test_decode_unreachable_is_502():
 
 
 async def test_decode_first_byte_timeout_is_504():
-    async with running_proxy(decode_ttfb_timeout=0.3) as px:
+    async with running_proxy(first_token="decode", decode_ttfb_timeout=0.3) as px:
         p, d = await px.pd()
         d.fault = Fault(stall_after=0)  # headers, then nothing
         assert_error(await px.client.post("/v1/completions", json=STREAM), 504, "decode_timeout")
@@ -249,7 +249,7 @@ async def test_decode_first_byte_timeout_is_504():
 
 
 async def test_decode_fails_mid_stream_sends_error_event():
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(fail_after=3)
         resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})

@@ -1,5 +1,6 @@
-"""First token from P (--first-token prefill): which requests take the path, what P and D
-are asked, what the client gets and when, and D's failures after P's token went out.
+"""First token from P (the default; --first-token decode turns it off): which requests take
+the path, what P and D are asked, what the client gets and when, and D's failures after P's
+token went out.
 Real proxy, fake instances over real HTTP and ZMQ (tests/test_e2e_first_token.py checks
 the tokens against real vLLM)."""
 
@@ -11,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from fake_vllm import FIRST_TOKEN_ID, Fault, prompt_token_ids
+from fake_vllm import DISAGGREGATED_ID, FIRST_TOKEN_ID, Fault, prompt_token_ids
 from proxy_helpers import running_proxy
 
 from proxy import first_token
@@ -67,9 +68,10 @@ def test_continuation_events_count_p_token_across_any_split():
               b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":9,"total_tokens":13,'
               b'"completion_tokens":4}}\n\ndata: [DONE]\n\n')
     for cut in range(1, len(events)):
-        shift = first_token.ContinuationEvents(3)
+        shift = first_token.ContinuationEvents(3, "cmpl-p")
         out = shift.feed(events[:cut]) + shift.feed(events[cut:]) + shift.flush()
         first, usage_event, done = out.split(b"\n\n")[:3]
+        assert out.count(b'"id":"cmpl-p"') == 2 and b"cmpl-x" not in out, cut  # P's id, D's is gone
         assert json.loads(first[6:])["choices"][0]["logprobs"]["text_offset"] == [3], cut
         assert json.loads(usage_event[6:])["usage"] == {"prompt_tokens": 8, "total_tokens": 13,
                                                          "completion_tokens": 5}, cut
@@ -79,7 +81,7 @@ def test_continuation_events_count_p_token_across_any_split():
 def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
     """Events before the last one's start go out as they come, whatever their line ends
     (CRLF too); only the event still arriving waits."""
-    shift = first_token.ContinuationEvents(0)
+    shift = first_token.ContinuationEvents(0, "cmpl-p")
     assert shift.feed(b'data: {"a":1}\r\n\r\ndata: {"b"') == b'data: {"a":1}\r\n\r\n'
     assert shift.feed(b':2}\r\n\r\n') == b'data: {"b":2}\r\n\r\n'
     assert shift.feed(b": comment, no data\n") == b": comment, no data\n"  # no event start: nothing to hold
@@ -87,7 +89,7 @@ def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
     assert shift.feed(b'ta: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n') == \
         b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n'
     crlf_usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\n\r\n'
-    assert b'"prompt_tokens":2' in first_token.ContinuationEvents(0).feed(crlf_usage)
+    assert b'"prompt_tokens":2' in first_token.ContinuationEvents(0, "cmpl-p").feed(crlf_usage)
 
 
 def events(text: str) -> list[dict | str]:
@@ -101,7 +103,7 @@ def events(text: str) -> list[dict | str]:
 
 
 async def test_client_gets_p_token_then_d_continues_from_it():
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:  # the default
         p, d = await px.pd()
         d.fault = Fault(delay=0.6)  # D's answer comes late: P's token must not wait for it
         t0 = time.monotonic()
@@ -116,8 +118,8 @@ async def test_client_gets_p_token_then_d_continues_from_it():
         assert t_first < 0.5 <= t_all, (t_first, t_all)
         got = events(rest)
         assert got[0]["choices"][0]["text"] == " t0" and got[0]["choices"][0]["finish_reason"] is None
-        # D generated its own " t0".." t3": what P's token is followed by.
-        assert "".join(e["choices"][0]["text"] for e in got[1:-1]) == " t0 t1 t2 t3"
+        # D goes on from P's token (the fake continues its own tokens, as a model would).
+        assert "".join(e["choices"][0]["text"] for e in got[1:-1]) == " t1 t2 t3 t4"
         assert got[-2]["choices"][0]["finish_reason"] == "length" and got[-1] == "[DONE]"
         (pre,) = p.completions()
         assert pre.json["return_token_ids"] is True and pre.json["max_tokens"] == 1 and not pre.json["stream"]
@@ -128,10 +130,11 @@ async def test_client_gets_p_token_then_d_continues_from_it():
         assert cont.headers["x-request-id"] == pre.headers["x-request-id"]  # D loads P's KV
         # The client sees one id throughout, and not the internal one.
         assert {e["id"].split("-")[1] for e in got[:-1]} == {resp.headers["x-request-id"]}
+        assert len({e["id"] for e in got[:-1]}) == 1  # P's id, also on D's events
 
 
 async def test_one_token_is_all_from_p_and_d_is_not_asked():
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:
         p, d = await px.pd()
         body = {**STREAM, "max_tokens": 1, "stream_options": {"include_usage": True}}
         resp = await px.client.post("/v1/completions", json=body)
@@ -144,7 +147,7 @@ async def test_one_token_is_all_from_p_and_d_is_not_asked():
 
 
 async def test_usage_is_the_client_request_s():
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:
         await px.pd()
         body = {**STREAM, "stream_options": {"include_usage": True}}
         got = events((await px.client.post("/v1/completions", json=body)).text)
@@ -154,13 +157,14 @@ async def test_usage_is_the_client_request_s():
 
 async def test_d_failing_before_its_first_byte_continues_alone():
     """The client has P's token: D alone (a plain id, no KV) continues from it."""
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:
         p, d = await px.pd()
         d.fault = Fault(status=500, times=1)
         resp = await px.client.post("/v1/completions", json=STREAM)
         got = events(resp.text)
         assert resp.status_code == 200 and got[-1] == "[DONE]"
-        assert "".join(e["choices"][0]["text"] for e in got[:-1]) == " t0 t0 t1 t2 t3"
+        assert "".join(e["choices"][0]["text"] for e in got[:-1]) == " t0 t1 t2 t3 t4"
+        assert len({e["id"] for e in got[:-1]}) == 1  # D alone answered under another request id
         failed, alone = d.completions()
         assert alone.json["prompt"] == failed.json["prompt"] and "kv_transfer_params" not in alone.json
         assert not alone.headers["x-request-id"].startswith("___prefill_addr_")
@@ -168,26 +172,93 @@ async def test_d_failing_before_its_first_byte_continues_alone():
 
 
 async def test_d_failing_twice_ends_the_stream_with_an_error_event():
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:
         _, d = await px.pd()
         d.fault = Fault(status=500)
         resp = await px.client.post("/v1/completions", json=STREAM)
         got = events(resp.text)
         assert resp.status_code == 200  # the status went out with P's token
         assert got[0]["choices"][0]["text"] == " t0"
-        assert got[-1]["error"]["code"] == "decode_midstream"
-        assert got[-1]["error"]["message"] == "decode instance failed mid-stream: continuation failed"
+        # D's own error (the first failure's), as the stream's last event.
+        assert got[-1] == {"error": {"message": "fake D failure", "type": "BadRequestError", "param": None,
+                                     "code": 500}}
+        assert len(d.completions()) == 2
 
 
-async def test_ineligible_and_default_mode_keep_the_usual_path():
-    async with running_proxy(first_token="prefill") as px:
+async def test_d_failing_continues_alone_on_another_d():
+    """The KV went to the D that failed; another D (if any) continues alone from P's token."""
+    async with running_proxy() as px:
+        await px.fake("P")
+        ds = [await px.fake("D"), await px.fake("D")]
+        for d in ds:  # the D chosen fails its disaggregated request; any plain one succeeds
+            d.fault = Fault(status=500, id_prefix=DISAGGREGATED_ID)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = events(resp.text)
+        assert "".join(e["choices"][0]["text"] for e in got[:-1]) == " t0 t1 t2 t3 t4" and got[-1] == "[DONE]"
+        (failed,), (alone,) = sorted((d.completions() for d in ds), key=lambda c: c[0].request_id[0] != "_")
+        assert failed.headers["x-request-id"].startswith(DISAGGREGATED_ID)
+        assert not alone.headers["x-request-id"].startswith(DISAGGREGATED_ID)
+        assert alone.json["prompt"] == failed.json["prompt"] and "kv_transfer_params" not in alone.json
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+@pytest.mark.parametrize("status", [400, 413])
+async def test_d_refusing_the_continuation_ends_the_stream_with_its_error(status):
+    """D's 4xx is its verdict on the request (the same alone or on another D): not retried."""
+    async with running_proxy() as px:
+        _, d = await px.pd()
+        d.fault = Fault(status=status)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = events(resp.text)
+        assert resp.status_code == 200 and got[0]["choices"][0]["text"] == " t0"
+        assert got[-1]["error"]["code"] == status and got[-1]["error"]["message"] == "fake D failure"
+        assert len(d.completions()) == 1
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
+
+
+async def test_d_silent_ends_the_stream_at_the_deadline():
+    async with running_proxy(decode_ttfb_timeout=0.3) as px:
+        _, d = await px.pd()
+        d.fault = Fault(hang=True)
+        t0 = time.monotonic()
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = events(resp.text)
+        assert 0.3 <= time.monotonic() - t0 < 5
+        assert got[0]["choices"][0]["text"] == " t0" and got[-1]["error"]["code"] == "decode_timeout"
+        assert len(d.completions()) == 1  # the deadline is spent: no rescue
+
+
+async def test_d_breaking_mid_stream_ends_with_an_error_event():
+    async with running_proxy() as px:
+        _, d = await px.pd()
+        d.fault = Fault(fail_after=2)
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 8})
+        got = events(resp.text)
+        assert [e["choices"][0]["text"] for e in got[:3]] == [" t0", " t1", " t2"]
+        assert got[-1]["error"]["code"] == "decode_midstream" and len(got) == 4
+
+
+async def test_exposed_routing_headers_name_both_instances():
+    async with running_proxy(expose_routing_headers=True) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        rid = d.completions()[0].request_id
+        assert resp.headers["x-request-id"] == rid and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.headers["x-xpyd-prefill-instance"] == p.http_address
+        assert resp.headers["x-xpyd-decode-instance"] == d.http_address
+        (event_id,) = {e["id"] for e in events(resp.text)[:-1]}
+        assert event_id.startswith(f"cmpl-{rid}")
+
+
+async def test_ineligible_requests_and_decode_mode_keep_the_usual_path():
+    async with running_proxy() as px:
         p, d = await px.pd()
         body = {**STREAM, "stop": ["\n"]}
         resp = await px.client.post("/v1/completions", json=body)
         assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
         assert "return_token_ids" not in p.completions()[0].json
         assert d.completions()[0].json == body
-    async with running_proxy() as px:  # the default: D's first token
+    async with running_proxy(first_token="decode") as px:  # D's first token, for every request
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
@@ -195,7 +266,7 @@ async def test_ineligible_and_default_mode_keep_the_usual_path():
 
 
 async def test_client_leaving_after_p_token_aborts_d():
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:
         _, d = await px.pd()
         d.fault = Fault(token_delay=0.2)
         async with httpx.AsyncClient(base_url=px.url, timeout=10) as client:
@@ -225,7 +296,7 @@ def test_an_answer_this_mode_cannot_use_falls_back(choice):
 
 async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d():
     """The fallback: D gets the client's own request (and the KV of the prompt as usual)."""
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy() as px:
         p, d = await px.pd()
         p.first_text = "\ufffd"
         resp = await px.client.post("/v1/completions", json=STREAM)
