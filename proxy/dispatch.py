@@ -7,7 +7,10 @@ Failures are sorted by what can still be done about them:
   new P/D pair (bounded by decode_retries): nothing has reached the client yet; when no D
   is left (or every retry failed), D alone once (local_rescue): a lost KV transfer fails
   D's request, D prefilling itself does not need one;
-- an instance's own HTTP error (4xx, or P's 5xx): relayed as it is, never retried.
+- an instance's own HTTP error (4xx, or P's 5xx): relayed as it is, never retried;
+- with the first token from P (proxy/first_token.py) the client has a 200 and a token
+  before D is asked: D's failures end the stream with an error event, after one D-alone
+  continuation for the failures above that a rescue may mend.
 """
 
 from __future__ import annotations
