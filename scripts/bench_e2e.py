@@ -678,7 +678,9 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                          f"(D's share: HTTP + KV load + 1-token step), the rest (client<->proxy, relay) "
                          f"{total - q - pre - dttfb:.1f} ms")
         except (KeyError, ValueError, statistics.StatisticsError):
-            lines.append(f"  {name}: no proxy timing headers")
+            why = ("the first token came from P, so the headers went out before D answered"
+                   if any(r.headers.get("x-xpyd-first-token") == "prefill" for r in tt[name]) else "absent")
+            lines.append(f"  {name}: no split of D's share (x-xpyd-decode-ttfb-ms: {why})")
         parts = d_share_parts(tt[name])
         if parts:
             outside = (f"{parts['outside_vllm']:.1f}" if not math.isnan(parts["outside_vllm"])
