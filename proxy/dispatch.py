@@ -28,7 +28,7 @@ from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError, instance_text, sse_event_of, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
-from proxy.openai_api import prefill_body
+from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
 from proxy.registry import Instance
 from proxy.relay import Answer, Relay, StreamFailed, read_lead
 from proxy.request import RouteRequest
@@ -241,7 +241,7 @@ class Dispatcher:
         first_mode = self._first_token and first_token.eligible(req)
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
-            pre_raw = orjson.dumps(first_token.prefill_request(req.body, skip) if first_mode
+            pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if first_mode
                                    else prefill_body(req.path, req.body, skip))
         except orjson.JSONEncodeError:
             # orjson reads nesting up to 1024 levels but writes only up to 254.
@@ -288,7 +288,7 @@ class Dispatcher:
             call.decode_due = t_pre
             p.served += 1
             self.metrics.dispatch(DISAGGREGATED)
-            first = first_token.parse(pre_answer) if first_mode else None
+            first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
             if first is not None:
                 return self._first_token_answer(call, d, first, headers)
             try:
@@ -349,13 +349,14 @@ class Dispatcher:
             return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
                           rewrite)
         stitched = _Stitched()
-        events = first_token.ContinuationEvents(first_token.text_offset_after(first), first.id)
+        events = first_token.ContinuationEvents(first_token.text_offset_after(first), first.id, first.chat)
         stitched.gen = self._continue(call, d, first_token.continuation(body, first), headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
     async def _continue(self, call: Call, d: Instance, cont: dict, headers: dict[str, str], stitched: _Stitched,
                         events: first_token.ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
-        """D's continuation of P's token (``cont``: D's request), for the relay. The client
+        """D's continuation of P's token (``cont``: D's completions request, also for a chat
+        request: ContinuationEvents turns its chunks into chat chunks), for the relay. The client
         has P's token and the 200 already, so a failure can only reach it as an error event:
         - D's verdict on the request (4xx), an answer over the size limit, or D silent for
           decode_ttfb_timeout: D's error, as the stream's last event;
@@ -367,7 +368,8 @@ class Dispatcher:
         rescuer: Instance | None = None
         try:
             try:
-                answer = await self._first_bytes(d, self._open(req, d, headers, orjson.dumps(cont)), headers)
+                answer = await self._first_bytes(d, self._open(req, d, headers, orjson.dumps(cont), COMPLETIONS),
+                                                 headers)
             except ProxyError as e:
                 raise StreamFailed(sse_event_of(e), e.message) from None
             except DecodeFailed as e:
@@ -411,8 +413,8 @@ class Dispatcher:
         try:
             if left <= 0:
                 raise ProxyError(504, "decode_ttfb_timeout spent", "decode_timeout")
-            return await self._first_bytes(d, self._open(call.req, d, plain, orjson.dumps(first_token.alone(cont))),
-                                           plain, left)
+            alone = orjson.dumps(first_token.alone(cont))
+            return await self._first_bytes(d, self._open(call.req, d, plain, alone, COMPLETIONS), plain, left)
         except (DecodeFailed, ProxyError) as e:
             log.warning("decode continuation alone failed instance=%s error=%s; ending the stream with: %s",
                         d.http_address, e, failed.message)
@@ -541,11 +543,13 @@ class Dispatcher:
         return DecodeFailed(ProxyError(status, f"{where} failed before answering: {detail}", code))
 
     async def _open(self, req: RouteRequest, d: Instance, headers: dict[str, str],
-                    body: bytes | None = None) -> Answer:  # fmt: skip
-        """Send the client's request (or `body`) to D and wait for the first bytes of its answer."""
+                    body: bytes | None = None, path: str | None = None) -> Answer:  # fmt: skip
+        """Send the client's request (or `body`, to `path`) to D and wait for the first bytes
+        of its answer."""
         resp = None
         try:
-            resp = await self.upstream.request("POST", d.url + req.path, req.raw if body is None else body, headers)
+            resp = await self.upstream.request("POST", d.url + (path or req.path), req.raw if body is None else body,
+                                               headers)
             if not 200 <= resp.status < 300:
                 raise self._refused(d, resp.status, await resp.read(), headers)
             rewrite = None if self._expose else IdRewrite(headers["x-request-id"])

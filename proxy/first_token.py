@@ -16,6 +16,13 @@ streaming completions of one prompt (text or token ids) with n=1, without stop s
 generated tokens: D would count one fewer), echo, prompt logprobs, a seed (P's sampling
 runs without one) or structured output. Logprobs come from each side for its tokens (D's
 text offsets moved past P's token); usage counts P's token as generated.
+
+Streaming chat completions take it too when their messages are text, they say how many
+tokens to generate (D's completion must: the context left is not known here), and ask
+for no tools, chat logprobs or other chat-only output. P renders the chat template and
+returns the rendered prompt's ids; D continues from them with a completion, whose chunks
+become chat chunks (``ContinuationEvents(chat=True)``). When P's server parsed its token
+as reasoning or a tool call, D answers the client's own request instead.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from proxy.openai_api import COMPLETIONS, prefill_body
+from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
 from proxy.relay import EVENT_END, EVENT_ENDS
 from proxy.request import RouteRequest
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
@@ -60,23 +67,85 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Chat: the keys that only shape the prompt (P renders it; D gets its token ids), and the
+# chat-only keys that are neutral at these values. Any other chat-only key (tools, logprobs,
+# audio, ...) keeps the request on the usual path.
+_CHAT_PROMPT_ONLY = frozenset({"messages", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                               "continue_final_message", "add_special_tokens", "documents", "reasoning_effort",
+                               "max_completion_tokens"})
+_CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),  # without tools: nothing to call
+    "parallel_tool_calls": (None, True, False),
+    "include_reasoning": (None, True),
+    "return_prompt_text": (None, False),
+}
+# What D's completions request takes from a chat request (vLLM's CompletionRequest fields
+# that mean the same there); _NEUTRAL's keys are checked before, so they may pass too.
+_COMPLETION_KEYS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                              "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+                              "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+                              "allowed_token_ids", "logit_bias", "user", "stream", "stream_options", "priority",
+                              "cache_salt", "kv_transfer_params", "truncate_prompt_tokens", "request_id"})
+
+
+def _text_messages(messages: Any) -> bool:
+    """Chat messages of text only: D gets the prompt as token ids, which carry no images
+    or audio."""
+    if not isinstance(messages, list) or not messages:
+        return False
+    for m in messages:
+        if not isinstance(m, dict):
+            return False
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                return False
+        elif content is not None and not isinstance(content, str):
+            return False
+    return True
+
+
+def _chat_eligible(body: dict) -> bool:
+    if not _text_messages(body.get("messages")):
+        return False
+    if not any(isinstance(body.get(k), int) and not isinstance(body.get(k), bool)
+               for k in ("max_completion_tokens", "max_tokens")):
+        # D's completions request must say how many tokens: its default is 16, and a chat
+        # request's (the context left) is not known to the proxy.
+        return False
+    for key, value in body.items():
+        if key in _CHAT_PROMPT_ONLY or key in _COMPLETION_KEYS or key in _NEUTRAL:
+            continue
+        neutral = _CHAT_NEUTRAL.get(key)
+        if neutral is None or not (value is None or any(value == n and type(value) is type(n) for n in neutral)):
+            return False
+    return True
+
+
 def eligible(req: RouteRequest) -> bool:
     """Whether the request's answer may start with P's token (see the module's text)."""
-    if req.path != COMPLETIONS:
-        return False
     body = req.body
     if body.get("stream") is not True:
         return False  # a whole answer has no first token to hurry
-    prompt = body.get("prompt")
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and type(prompt[0]) is int)):
-        return False  # a batch of prompts
+    if req.path == CHAT:
+        if not _chat_eligible(body):
+            return False
+    elif req.path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and type(prompt[0]) is int)):
+            return False  # a batch of prompts
+        logprobs = body.get("logprobs")
+        if logprobs is not None and (type(logprobs) is not int or logprobs < 0):
+            return False
+    else:
+        return False
     for key, neutral in _NEUTRAL.items():
         value = body.get(key)
         if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
             return False
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (type(logprobs) is not int or logprobs < 0):
-        return False
     if not isinstance(body.get("kv_transfer_params", {}), dict):
         return False
     opts = body.get("stream_options")
@@ -93,10 +162,10 @@ def usage_wanted(body: dict) -> tuple[bool, bool]:
     return True, opts.get("continuous_usage_stats") is True
 
 
-def prefill_request(body: dict, skip_tokens: int = 0) -> dict:
+def prefill_request(path: str, body: dict, skip_tokens: int = 0) -> dict:
     """P's request: the prefill-only body, asking for the token ids and keeping min_tokens
     (up to the one token): P's token is the client's, so EOS must not come early."""
-    pre = prefill_body(COMPLETIONS, body, skip_tokens)
+    pre = prefill_body(path, body, skip_tokens)
     pre["return_token_ids"] = True
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
         pre["min_tokens"] = 1
@@ -105,8 +174,10 @@ def prefill_request(body: dict, skip_tokens: int = 0) -> dict:
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
-    """What P answered: its one token and the prompt's ids as P tokenized them."""
+    """What P answered: its one token and the prompt's ids as P tokenized them (for chat:
+    the rendered prompt's)."""
 
+    chat: bool
     id: str
     created: int
     model: str
@@ -119,24 +190,31 @@ class FirstToken:
     logprobs: dict | None  # P's for its token, when asked for
 
 
-def parse(data: bytes) -> FirstToken | None:
+def parse(data: bytes, chat: bool = False) -> FirstToken | None:
     """P's answer, or None when it lacks what this mode needs (a vLLM without
-    return_token_ids) or its token is part of a character: the request then goes on as in
-    the default mode (D gets the client's request and loads all but the last prompt token)."""
+    return_token_ids), its token is part of a character, or (chat) the server parsed it as
+    reasoning or a tool call: the request then goes on with D's first token (D gets the
+    client's request and loads all but the last prompt token)."""
     try:
         obj = orjson.loads(data)
         choice = obj["choices"][0]
-        tokens, prompt = choice["token_ids"], choice["prompt_token_ids"]
+        if chat:
+            message = choice["message"]
+            if message.get("tool_calls") or message.get("reasoning_content") is not None \
+                    or message.get("reasoning") is not None:
+                return None  # a server-side parser at work: its output is not plain text
+            tokens, prompt, text = choice["token_ids"], obj["prompt_token_ids"], message.get("content")
+        else:
+            tokens, prompt, text = choice["token_ids"], choice["prompt_token_ids"], choice.get("text")
         if not (isinstance(tokens, list) and len(tokens) == 1 and isinstance(prompt, list) and prompt
                 and all(type(t) is int for t in tokens + prompt)):
             return None
-        text = choice.get("text")
         if not isinstance(text, str) or "\ufffd" in text:
             # Part of a character: vLLM would have held it back until the next token, and
             # D cannot take the rest of it. D answers as in the default mode instead.
             return None
-        logprobs = choice.get("logprobs")
-        return FirstToken(str(obj.get("id", "")), int(obj.get("created", 0)), str(obj.get("model", "")), text,
+        logprobs = None if chat else choice.get("logprobs")
+        return FirstToken(chat, str(obj.get("id", "")), int(obj.get("created", 0)), str(obj.get("model", "")), text,
                           tokens, prompt, choice.get("finish_reason"), choice.get("stop_reason"),
                           obj.get("usage") if isinstance(obj.get("usage"), dict) else None,
                           logprobs if isinstance(logprobs, dict) else None)
@@ -144,18 +222,26 @@ def parse(data: bytes) -> FirstToken | None:
         return None
 
 
+def _max_tokens(body: dict) -> Any:
+    """The client's limit on generated tokens (chat: max_completion_tokens first)."""
+    limit = body.get("max_completion_tokens")
+    return limit if limit is not None else body.get("max_tokens")
+
+
 def complete_at_prefill(body: dict, first: FirstToken) -> bool:
     """P's token ends the answer: it stopped (EOS, a stop token) or one token was asked for."""
-    return first.finish_reason not in (None, "length") or body.get("max_tokens") == 1
+    return first.finish_reason not in (None, "length") or _max_tokens(body) == 1
 
 
 def continuation(body: dict, first: FirstToken) -> dict:
-    """D's request: the prompt as P's token ids plus P's token, one token fewer to generate,
-    and P's prompt length for D's connector."""
-    cont = dict(body)
+    """D's request, always a completion (POST it to COMPLETIONS): the prompt as P's token
+    ids plus P's token, one token fewer to generate, and P's prompt length for D's
+    connector. A chat request keeps only what a completion means the same way."""
+    cont = {k: v for k, v in body.items() if k in _COMPLETION_KEYS} if first.chat else dict(body)
     cont["prompt"] = first.prompt_ids + first.token_ids
-    if isinstance(body.get("max_tokens"), int):
-        cont["max_tokens"] = body["max_tokens"] - 1
+    limit = _max_tokens(body)
+    if isinstance(limit, int):
+        cont["max_tokens"] = limit - 1
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
         cont["min_tokens"] = body["min_tokens"] - 1
     cont.pop("truncate_prompt_tokens", None)  # P's ids are already cut to it
@@ -180,18 +266,29 @@ def _event(obj: dict) -> bytes:
 
 
 def first_events(first: FirstToken, final: bool, usage: tuple[bool, bool]) -> bytes:
-    """The stream's first event, as vLLM would have sent it (``usage``: ``usage_wanted``),
-    and, when P's token ends the answer, the rest of the stream: the usage event if asked
-    for, then [DONE]."""
+    """The stream's first events, as vLLM would have sent them (``usage``: ``usage_wanted``;
+    chat: the assistant's role chunk, then the token's), and, when P's token ends the
+    answer, the rest of the stream: the usage event if asked for, then [DONE]."""
     include_usage, continuous = usage
-    head = {"id": first.id, "object": "text_completion", "created": first.created, "model": first.model}
-    choice = {"index": 0, "text": first.text, "logprobs": first.logprobs,
-              "finish_reason": first.finish_reason if final else None,
-              "stop_reason": first.stop_reason if final else None}
+    kind = "chat.completion.chunk" if first.chat else "text_completion"
+    head = {"id": first.id, "object": kind, "created": first.created, "model": first.model}
+    end = {"finish_reason": first.finish_reason if final else None,
+           "stop_reason": first.stop_reason if final else None}
+    out = b""
+    if first.chat:
+        role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}
+        if continuous and first.usage is not None:
+            role["usage"] = {**first.usage, "completion_tokens": 0,
+                             "total_tokens": first.usage.get("prompt_tokens", 0)}
+        out = _event(role)
+        choice = {"index": 0, "delta": {"content": first.text}, "logprobs": None, **end}
+    else:
+        choice = {"index": 0, "text": first.text, "logprobs": first.logprobs, **end}
     event = {**head, "choices": [choice]}
     if continuous and first.usage is not None:
         event["usage"] = first.usage
-    out = _event(event)
+    out += _event(event)
     if final:
         if include_usage and first.usage is not None:
             out += _event({**head, "choices": [], "usage": first.usage})
@@ -226,7 +323,8 @@ class ContinuationEvents:
     arrives in arbitrary pieces: what precedes the last event's start passes at once, that
     event waits for its end (bounded)."""
 
-    def __init__(self, text_offset: int, event_id: str) -> None:
+    def __init__(self, text_offset: int, event_id: str, chat: bool = False) -> None:
+        self._chat = chat  # D's completion chunks become chat chunks (delta.content)
         self._offset = text_offset
         self._held = b""
         self._id = b'"id":' + orjson.dumps(event_id)
@@ -245,7 +343,7 @@ class ContinuationEvents:
             self._d_id = m.group(0)
         if self._d_id is not None and self._d_id != self._id:
             done = done.replace(self._d_id, self._id)
-        if b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
+        if not self._chat and b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
             return done
         parts = _EVENT_SPLIT.split(done)  # events and their ends, alternating
         return b"".join(self._event(p) if i % 2 == 0 else p for i, p in enumerate(parts))
@@ -257,7 +355,8 @@ class ContinuationEvents:
     def _event(self, event: bytes) -> bytes:
         usage = b'"usage"' in event
         offsets = self._offset and b'"text_offset"' in event
-        if not (usage or offsets) or not event.startswith(b"data: ") or b"\n" in event or b"\r" in event:
+        if not (usage or offsets or self._chat) or not event.startswith(b"data: ") or b"\n" in event \
+                or b"\r" in event or event == b"data: [DONE]":
             return event  # not vLLM's one-line event: as it is
         try:
             obj = orjson.loads(event[6:])
@@ -274,4 +373,17 @@ class ContinuationEvents:
                 lp = choice.get("logprobs") if isinstance(choice, dict) else None
                 if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
                     lp["text_offset"] = [o + self._offset if type(o) is int else o for o in lp["text_offset"]]
+        if self._chat and isinstance(obj.get("choices"), list) and "error" not in obj:
+            obj["object"] = "chat.completion.chunk"
+            obj["choices"] = [_chat_choice(c) for c in obj["choices"] if isinstance(c, dict)]
         return b"data: " + orjson.dumps(obj)
+
+
+def _chat_choice(choice: dict) -> dict:
+    """A completion chunk's choice as a chat chunk's (vLLM's fields: no logprobs here,
+    which chat requests on this path do not ask for)."""
+    out = {"index": choice.get("index", 0), "delta": {"content": choice.get("text") or ""}, "logprobs": None,
+           "finish_reason": choice.get("finish_reason")}
+    if out["finish_reason"] is not None:
+        out["stop_reason"] = choice.get("stop_reason")
+    return out

@@ -108,6 +108,25 @@ def assert_same_greedy(got: Answer, want: Answer) -> None:
     assert why is None, why
 
 
+def text_parting(got: str, want: Answer) -> tuple[int, bool]:
+    """For an answer without logprobs (``got``: its text) against one with them: the step
+    where got's text leaves want's tokens (len(want.tokens) when it never does), and
+    whether that step is a near tie in want's own logprobs (the only side that has them)."""
+    if got == str(want):
+        return len(want.tokens), False
+    # A token's logprob string may differ from what it adds to the text (part of a
+    # character: "" there, U+FFFD in the text), so find where the texts part and the
+    # token whose span holds that character.
+    c = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = 0
+    for i, (tok, top) in enumerate(zip(want.tokens, want.top)):
+        at += len(tok)
+        if at > c:
+            runner_up = max((lp for t, lp in top.items() if t != tok), default=float("-inf"))
+            return i, top[tok] - runner_up < NEAR_TIE
+    return len(want.tokens) - 1, False  # got's text is longer or shorter at the very end
+
+
 def assert_greedy_differs(got: Answer, want: Answer) -> None:
     """got departs from want at a step that is no near tie (power checks)."""
     step, why = parting_step(got, want)

@@ -117,6 +117,12 @@ def prompt_token_ids(prompt: Any) -> list[int]:
     return []
 
 
+def chat_prompt_token_ids(messages: Any) -> list[int]:
+    """The fake's chat template: each message as "<role>: content\n", tokenized as text."""
+    text = "".join(f"<{m.get('role')}>: {m.get('content')}\n" for m in messages or () if isinstance(m, dict))
+    return prompt_token_ids(text)
+
+
 def generated_before(body: dict) -> int:
     """How many of this fake's own tokens the prompt ends with (ids >= FIRST_TOKEN_ID: a
     continuation of an earlier answer, as the proxy's first-token mode sends D): the answer
@@ -234,6 +240,7 @@ class FakeVLLM:
         # Like vLLM's --api-key: every /v1/ route wants "Authorization: Bearer KEY" (401 else).
         self.api_key = api_key
         self.fault: Fault | None = None
+        self.chat_reasoning: str | None = None  # a chat answer's reasoning_content (a reasoning parser's)
         self.first_text: str | None = None  # the text of a whole (non-streamed) completion, instead of " t0 t1 ..."
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
@@ -516,7 +523,7 @@ class FakeVLLM:
                             "audio": None,
                             "function_call": None,
                             "tool_calls": [],
-                            "reasoning_content": None,
+                            "reasoning_content": self.chat_reasoning,
                         },
                         "logprobs": None,
                         "finish_reason": "length",
@@ -529,6 +536,9 @@ class FakeVLLM:
                 "prompt_logprobs": None,
                 "kv_transfer_params": None,
             }
+            if body.get("return_token_ids"):  # as vLLM: the rendered prompt's ids, each token's
+                data["prompt_token_ids"] = chat_prompt_token_ids(body.get("messages"))
+                data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + start + i for i in range(n)]
         else:
             data = {
                 "id": f"cmpl-{rid}-0-{os.urandom(4).hex()}",

@@ -21,7 +21,7 @@ import e2e_cluster
 import httpx
 import pytest
 from e2e_client import (BLOCK, MAX_TOKENS, MODEL_DIR, answer_of, assert_greedy_differs, assert_same_greedy, body_for,
-                        generate, make_prompt, metric, poll, with_logprobs)
+                        generate, make_prompt, metric, poll, text_parting, with_logprobs)
 from e2e_cluster import E2ECluster
 
 from connector.transport import TransportRefused
@@ -355,6 +355,47 @@ def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2EClu
     got, _ = generate(first_token_proxy.url, "completions", {**body, "kv_transfer_params": {"xpyd_debug_corrupt_kv": True}})
     assert got.tokens[:1] == want.tokens[:1]  # P's token: computed by P, not from the KV
     assert_greedy_differs(got, want)
+
+
+def chat_text(base_url: str, body: dict) -> tuple[str, list[dict]]:
+    """A streamed chat answer without logprobs (the first-token path takes no chat
+    logprobs): its text and its chunks."""
+    with httpx.Client(timeout=120) as client, client.stream("POST", base_url + "/v1/chat/completions",
+                                                            json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert not any("error" in c for c in chunks), chunks[-1]
+    return "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"]), chunks
+
+
+@pytest.mark.parametrize("n_tokens", CASES)
+def test_first_token_from_prefill_chat_equals_colocated(sys_: E2ECluster, first_token_proxy, tokenizer, n_tokens):
+    """Chat: P renders the template and answers the first token; D continues from the
+    rendered prompt's ids + that token as a completion; the client gets chat chunks whose
+    text is the colocated server's (up to a near tie, judged by its logprobs), and usage
+    as the client's request counts it."""
+    prompt = make_prompt(tokenizer, n_tokens, seed=n_tokens * 10 + 9)
+    body = {**body_for("chat", prompt, True), "stream_options": {"include_usage": True}}
+    want, want_last = generate(sys_.colocated.url, "chat", body)  # with logprobs: the near-tie judge
+    got, chunks = chat_text(first_token_proxy.url, body)
+    step, near_tie = text_parting(got, want)
+    assert step == len(want.tokens) or near_tie, f"step {step}: got {got!r}, want {str(want)!r}"
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    if step == len(want.tokens):
+        assert chunks[-1]["usage"] == want_last["usage"]
+
+
+def test_first_token_from_prefill_chat_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy,
+                                                                          tokenizer):
+    prompt = make_prompt(tokenizer, 3 * BLOCK, seed=4713)
+    body = body_for("chat", prompt, True)
+    want, _ = generate(sys_.colocated.url, "chat", body)
+    got, _ = chat_text(first_token_proxy.url, {**body, "kv_transfer_params": {"xpyd_debug_corrupt_kv": True}})
+    step, near_tie = text_parting(got, want)
+    assert 1 <= step < len(want.tokens) and not near_tie, f"step {step}: got {got!r}, want {str(want)!r}"
 
 
 def test_short_prompt_is_served_by_decode_alone(sys_: E2ECluster):

@@ -1,5 +1,7 @@
 """Dispatch: retries on another D before the first byte, concurrent dispatch, and D serving a
-request alone (short prompt, no P). Real proxy, fake instances over real HTTP and ZMQ."""
+request alone (short prompt, no P). Real proxy, fake instances over real HTTP and ZMQ. Tests
+of D's answer before its first byte name first_token="decode": with the first token from P
+(the default for streams), the client has a 200 before D answers (test_proxy_first_token.py)."""
 
 from __future__ import annotations
 
@@ -469,7 +471,7 @@ async def test_stream_error_event_after_content_is_relayed(path, body):
 async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
     """D sends the role chunk, then nothing: at the first-byte deadline what was held is
     relayed, and the stream goes on as without the hold (here: the idle deadline ends it)."""
-    async with running_proxy(decode_ttfb_timeout=0.5, stream_idle_timeout=0.4) as px:
+    async with running_proxy(first_token="decode", decode_ttfb_timeout=0.5, stream_idle_timeout=0.4) as px:
         p, d = await px.pd()
         d.fault = Fault(stall_after=1)  # the role chunk, then silence
         t0 = time.monotonic()
@@ -490,7 +492,7 @@ async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
 
 async def test_stream_first_token_is_not_delayed_by_the_hold():
     """The role chunk waits only for the first token, which is relayed the moment it comes."""
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(token_delay=0.3)
         t0 = time.monotonic()
@@ -509,7 +511,7 @@ async def test_stream_first_token_is_not_delayed_by_the_hold():
 async def test_stream_broken_off_before_content_is_rescued():
     """D drops the connection after the role chunk, before any token: a failure before its
     first byte too."""
-    async with running_proxy() as px:
+    async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         d.fault = Fault(fail_after=1, id_prefix=DISAGGREGATED_ID, times=1)
         resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)

@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from fake_vllm import DISAGGREGATED_ID, FIRST_TOKEN_ID, Fault, prompt_token_ids
+from fake_vllm import DISAGGREGATED_ID, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
 from proxy_helpers import running_proxy
 
 from proxy import first_token
@@ -56,9 +56,70 @@ def test_eligible(change, ok):
     assert first_token.eligible(route({**STREAM, **change})) is ok
 
 
-def test_chat_is_not_eligible():
-    assert not first_token.eligible(route({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                           "stream": True}, CHAT))
+CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 5,
+               "stream": True}
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({}, True),
+    ({"max_completion_tokens": None, "max_tokens": 5}, True),
+    ({"max_completion_tokens": None}, False),  # D's completion would stop at 16; the context left is unknown
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, False),
+    ({"messages": []}, False),
+    ({"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True}, True),
+    ({"temperature": 0.5, "top_k": 4, "ignore_eos": True, "stream_options": {"include_usage": True}}, True),
+    ({"logprobs": True, "top_logprobs": 2}, False),  # chat logprobs are not translated
+    ({"logprobs": False}, True),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, False),
+    ({"tool_choice": "required"}, False),
+    ({"response_format": {"type": "json_object"}}, False),
+    ({"stop": ["\n"]}, False),
+    ({"n": 2}, False),
+    ({"echo": True}, False),
+    ({"audio": {"voice": "x"}}, False),  # a key this mode does not know
+    ({"stream": False}, False),
+])
+def test_chat_eligible(change, ok):
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT)) is ok
+
+
+async def test_chat_gets_p_token_then_d_continues_as_chat_chunks():
+    """D continues with a completion from the rendered prompt's ids; the client sees chat
+    chunks throughout: the role chunk, P's token, D's tokens, usage, [DONE]."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        body = {**CHAT_STREAM, "stream_options": {"include_usage": True}, "temperature": 0}
+        resp = await px.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        got = events(resp.text)
+        assert got[-1] == "[DONE]"
+        chunks = got[:-1]
+        assert {e["object"] for e in chunks} == {"chat.completion.chunk"} and len({e["id"] for e in chunks}) == 1
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in chunks if e["choices"]) \
+            == " t0 t1 t2 t3 t4"
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        (pre,) = p.completions()
+        assert pre.path == "/v1/chat/completions" and pre.json["return_token_ids"] is True
+        (cont,) = d.completions()
+        assert cont.path == "/v1/completions"
+        assert cont.json["prompt"] == chat_prompt_token_ids(body["messages"]) + [FIRST_TOKEN_ID]
+        assert cont.json["max_tokens"] == 4 and cont.json["temperature"] == 0 and cont.json["stream"] is True
+        assert not {"messages", "max_completion_tokens"} & set(cont.json)
+        assert cont.headers["x-request-id"] == pre.headers["x-request-id"]
+
+
+async def test_chat_answer_parsed_by_the_server_stays_with_d():
+    """P's server parsed its token as reasoning (a reasoning parser): D answers the
+    client's own chat request, as with --first-token decode."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.chat_reasoning = ""
+        resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)
+        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert d.completions()[0].path == "/v1/chat/completions" and d.completions()[0].json == CHAT_STREAM
 
 
 def test_continuation_events_count_p_token_across_any_split():
