@@ -15,8 +15,8 @@ latency and the added latency p50/p99, and the proxy's CPU per request (from
 With --variants, one proxy per variant (each with its own fake P and D) runs side by side
 and --rounds interleaves the measurements (medians reported), so that load from other
 processes on a shared machine hits every variant alike. A variant may end in "+expose": that
-proxy runs with --expose-routing-headers (no neutral-id rewrite of the relayed bytes), or in
-"+first-token" (--first-token prefill):
+proxy runs with --expose-routing-headers (no neutral-id rewrite of the relayed bytes), in
+"+first-token" (--first-token prefill, the default) or in "+decode-first" (--first-token decode):
 
     .venv/bin/python scripts/bench_proxy.py --rounds 5 --concurrency 1 16 64 --variants \
         native/uvloop/httptools native/uvloop/httptools+expose
@@ -273,7 +273,8 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
         return _start_router(procs, router_bin)
     base, *flags = variant.split("+")
     client, loop, http = base.split("/")
-    extra = {"expose": ["--expose-routing-headers"], "first-token": ["--first-token", "prefill"]}
+    extra = {"expose": ["--expose-routing-headers"], "first-token": ["--first-token", "prefill"],
+             "decode-first": ["--first-token", "decode"]}
     if any(f not in extra for f in flags):
         raise SystemExit(f"unknown variant flag in {variant!r} (known: {', '.join(extra)})")
     py = sys.executable
