@@ -345,6 +345,8 @@ class ContinuationEvents:
             done = done.replace(self._d_id, self._id)
         if not self._chat and b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
             return done
+        if done.endswith(b"\n\n") and done.find(b"\n") == len(done) - 2:  # one event, as vLLM writes them
+            return self._event(done[:-2]) + b"\n\n"
         parts = _EVENT_SPLIT.split(done)  # events and their ends, alternating
         return b"".join(self._event(p) if i % 2 == 0 else p for i, p in enumerate(parts))
 

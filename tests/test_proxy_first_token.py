@@ -139,6 +139,29 @@ def test_continuation_events_count_p_token_across_any_split():
         assert done == b"data: [DONE]" and out.endswith(b"\n\n")
 
 
+def test_chat_continuation_events_are_chat_chunks_across_any_split():
+    events = (b'data: {"id":"cmpl-x","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
+              b'"text":" a\\"b","logprobs":null,"finish_reason":null,"stop_reason":null}]}\r\n\r\n'
+              b'data: {"id":"cmpl-x","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
+              b'"text":"","logprobs":null,"finish_reason":"stop","stop_reason":2}],'
+              b'"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+    want = [{"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 7, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": ' a"b'}, "logprobs": None, "finish_reason": None}]},
+            {"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 7, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "stop",
+                          "stop_reason": 2}],
+             "usage": {"prompt_tokens": 8, "total_tokens": 11, "completion_tokens": 3}}, "[DONE]"]
+    for cut in range(1, len(events)):
+        shift = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True)
+        out = shift.feed(events[:cut]) + shift.feed(events[cut:]) + shift.flush()
+        assert events_of(out.decode()) == want, cut
+
+
+def events_of(text: str) -> list:
+    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in (x.strip() for x in text.replace("\r\n", "\n")
+            .split("\n\n")) if b.startswith("data: ")]
+
+
 def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
     """Events before the last one's start go out as they come, whatever their line ends
     (CRLF too); only the event still arriving waits."""
