@@ -392,10 +392,14 @@ class Dispatcher:
             if rescuer is not None:
                 self.selector.release(rescuer, req)
 
+    def _continuation_left(self, call: Call) -> float:
+        """Seconds left of D's first-byte deadline for the continuation, from P's token."""
+        return call.t_decode + self.cfg.decode_ttfb_timeout - time.perf_counter()
+
     async def _continuation_rescuer(self, call: Call, d: Instance) -> Instance | None:
         """Another D for the continuation, taken (the caller releases it), or None: there is
         none, or none had room before the continuation's deadline."""
-        left = call.t_decode + self.cfg.decode_ttfb_timeout - time.perf_counter()
+        left = self._continuation_left(call)
         if left <= 0:
             return None
         try:
@@ -408,17 +412,19 @@ class Dispatcher:
         log.warning("decode continuation failed before its first byte error=%s; D alone on instance=%s",
                     failed.message, d.http_address)
         self.metrics.dispatch(LOCAL_RESCUE)
-        left = call.t_decode + self.cfg.decode_ttfb_timeout - time.perf_counter()
-        plain = {**call.req.headers, "x-request-id": request_id.build_local()}
-        try:
-            if left <= 0:
-                raise ProxyError(504, "decode_ttfb_timeout spent", "decode_timeout")
+        left = self._continuation_left(call)
+        if left > 0:
+            plain = {**call.req.headers, "x-request-id": request_id.build_local()}
             alone = orjson.dumps(first_token.alone(cont))
-            return await self._first_bytes(d, self._open(call.req, d, plain, alone, COMPLETIONS), plain, left)
-        except (DecodeFailed, ProxyError) as e:
-            log.warning("decode continuation alone failed instance=%s error=%s; ending the stream with: %s",
-                        d.http_address, e, failed.message)
-            raise StreamFailed(sse_event_of(failed), failed.message) from None
+            try:
+                return await self._first_bytes(d, self._open(call.req, d, plain, alone, COMPLETIONS), plain, left)
+            except (DecodeFailed, ProxyError) as e:
+                log.warning("decode continuation alone failed instance=%s error=%s; ending the stream with: %s",
+                            d.http_address, e, failed.message)
+        else:
+            log.warning("decode continuation alone skipped instance=%s reason=deadline_spent; ending the stream "
+                        "with: %s", d.http_address, failed.message)
+        raise StreamFailed(sse_event_of(failed), failed.message)
 
     def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
         t_pre = time.perf_counter()

@@ -91,6 +91,11 @@ _COMPLETION_KEYS = frozenset({"model", "max_tokens", "temperature", "top_p", "to
                               "cache_salt", "kv_transfer_params", "truncate_prompt_tokens", "request_id"})
 
 
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    """``value`` is absent (None) or one of ``allowed``, of the same type (True is not 1)."""
+    return value is None or any(value == n and type(value) is type(n) for n in allowed)
+
+
 def _text_messages(messages: Any) -> bool:
     """Chat messages of text only: D gets the prompt as token ids, which carry no images
     or audio."""
@@ -120,7 +125,7 @@ def _chat_eligible(body: dict) -> bool:
         if key in _CHAT_PROMPT_ONLY or key in _COMPLETION_KEYS or key in _NEUTRAL:
             continue
         neutral = _CHAT_NEUTRAL.get(key)
-        if neutral is None or not (value is None or any(value == n and type(value) is type(n) for n in neutral)):
+        if neutral is None or not _neutral(value, neutral):
             return False
     return True
 
@@ -142,10 +147,8 @@ def eligible(req: RouteRequest) -> bool:
             return False
     else:
         return False
-    for key, neutral in _NEUTRAL.items():
-        value = body.get(key)
-        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
-            return False
+    if not all(_neutral(body.get(key), neutral) for key, neutral in _NEUTRAL.items()):
+        return False
     if not isinstance(body.get("kv_transfer_params", {}), dict):
         return False
     opts = body.get("stream_options")

@@ -744,7 +744,7 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
 
 
 FIRST_TOKEN_SETUP = "disagg-first-token-other"  # the proxy with the other --first-token mode
-FIRST_TOKEN_MODES = ("prefill", "decode")  # the shipped default first
+FIRST_TOKEN_MODES = ("prefill", "decode")
 
 
 def other_first_token(mode: str) -> str:
@@ -879,7 +879,7 @@ def main() -> int:
                          "after each step, which would steal CPU from the next setup measured")
     ap.add_argument("--dispatch-ab", action="store_true",
                     help="a second proxy with the other --dispatch mode on the same P and D: TTFT both ways")
-    ap.add_argument("--first-token", choices=FIRST_TOKEN_MODES, default=FIRST_TOKEN_MODES[0],
+    ap.add_argument("--first-token", choices=FIRST_TOKEN_MODES, default=None,
                     help="the proxies' --first-token (default: the proxy's default); the dispatch and "
                          "send-granularity A/Bs measure D's share, which is on TTFT only with 'decode'")
     ap.add_argument("--first-token-ab", action="store_true",
@@ -923,6 +923,7 @@ def main() -> int:
     shipped = ProxyConfig()  # a slots dataclass: its class attributes are descriptors
     args.dispatch_default = shipped.dispatch
     args.threshold_default = shipped.local_prefill_threshold
+    args.first_token = args.first_token or shipped.first_token
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, ROOT)] + sys.argv)
 
     facts = machine_facts()
