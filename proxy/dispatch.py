@@ -26,6 +26,7 @@ import orjson
 from proxy import first_token
 from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
+from proxy.deadline import Deadline
 from proxy.errors import ProxyError, instance_text, sse_event_of, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
@@ -78,6 +79,7 @@ class Call:
     send: Send
     flight: Flight
     t0: float  # perf_counter() at arrival
+    loop: asyncio.AbstractEventLoop  # the request's (given, not looked up: see proxy/deadline.py)
     t_decode: float = 0.0  # when D's part began: P answered, or D was asked alone
     # When the current disaggregated attempt's D answer became due (P answered): a rescue
     # gets what is left of that attempt's decode_ttfb_timeout, never a new one.
@@ -231,7 +233,7 @@ class Dispatcher:
         call.flight.extra.append((b"x-xpyd-path", path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
-        answer = await self._first_bytes(d, self._open(call.req, d, headers), headers, limit)
+        answer = await self._first_bytes(call.loop, d, self._open(call.req, d, headers), headers, limit)
         self._observe_ttfb(call, t)
         return answer
 
@@ -266,7 +268,7 @@ class Dispatcher:
             else:
                 self.metrics.prefill_retries.inc()
             try:
-                opening, pre_answer = await self._prefill_then_open(p, d, pre_raw, headers, req,
+                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req,
                                                                     concurrent_ok=not first_mode)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
@@ -293,7 +295,7 @@ class Dispatcher:
                 return self._first_token_answer(call, d, first, headers)
             try:
                 answer = await self._first_bytes(
-                    d, opening if opening is not None else self._open(req, d, headers), headers
+                    call.loop, d, opening if opening is not None else self._open(req, d, headers), headers
                 )
             except BaseException:
                 await _discard(opening)
@@ -302,7 +304,7 @@ class Dispatcher:
             return answer
         raise _PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 
-    async def _prefill_then_open(self, p: Instance, d: Instance, pre_raw: bytes,
+    async def _prefill_then_open(self, loop: asyncio.AbstractEventLoop, p: Instance, d: Instance, pre_raw: bytes,
                                  headers: dict[str, str], req: RouteRequest, concurrent_ok: bool = True
                                  ) -> tuple[asyncio.Task[Answer] | None, bytes]:  # fmt: skip
         """Run P's prefill and return its answer; with concurrent dispatch, D's request goes
@@ -316,10 +318,9 @@ class Dispatcher:
         for the whole wait, for a saving of a few ms."""
         try:
             if not (self._concurrent and concurrent_ok and _idle(p)):
-                return None, await self._prefill(p, req.path, pre_raw, headers)
-            loop = asyncio.get_running_loop()
+                return None, await self._prefill(loop, p, req.path, pre_raw, headers)
             opening = loop.create_task(self._open(req, d, headers))
-            prefill = loop.create_task(self._prefill(p, req.path, pre_raw, headers))
+            prefill = loop.create_task(self._prefill(loop, p, req.path, pre_raw, headers))
             try:
                 await asyncio.wait((prefill, opening), return_when=asyncio.FIRST_COMPLETED)
                 if opening.done() and opening.exception() is not None and not prefill.done():
@@ -368,8 +369,8 @@ class Dispatcher:
         rescuer: Instance | None = None
         try:
             try:
-                answer = await self._first_bytes(d, self._open(req, d, headers, orjson.dumps(cont), COMPLETIONS),
-                                                 headers)
+                opening = self._open(req, d, headers, orjson.dumps(cont), COMPLETIONS)
+                answer = await self._first_bytes(call.loop, d, opening, headers)
             except ProxyError as e:
                 raise StreamFailed(sse_event_of(e), e.message) from None
             except DecodeFailed as e:
@@ -417,7 +418,8 @@ class Dispatcher:
             plain = {**call.req.headers, "x-request-id": request_id.build_local()}
             alone = orjson.dumps(first_token.alone(cont))
             try:
-                return await self._first_bytes(d, self._open(call.req, d, plain, alone, COMPLETIONS), plain, left)
+                opening = self._open(call.req, d, plain, alone, COMPLETIONS)
+                return await self._first_bytes(call.loop, d, opening, plain, left)
             except (DecodeFailed, ProxyError) as e:
                 log.warning("decode continuation alone failed instance=%s error=%s; ending the stream with: %s",
                             d.http_address, e, failed.message)
@@ -466,10 +468,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ upstream calls
 
-    async def _prefill(self, p: Instance, path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    async def _prefill(self, loop: asyncio.AbstractEventLoop, p: Instance, path: str, body: bytes,
+                       headers: dict[str, str]) -> bytes:  # fmt: skip
         """P computes the prompt's KV (and ships it, per the connector's send mode); its
         answer (one token) is returned."""
-        async with asyncio.timeout(self.cfg.prefill_timeout):
+        async with Deadline.after(loop, self.cfg.prefill_timeout):
             resp = await self.upstream.request("POST", p.url + path, body, headers)
             try:
                 data = await resp.read()
@@ -490,7 +493,7 @@ class Dispatcher:
             )
         return data
 
-    async def _first_bytes(self, d: Instance, opening: Awaitable[Answer],
+    async def _first_bytes(self, loop: asyncio.AbstractEventLoop, d: Instance, opening: Awaitable[Answer],
                            headers: dict[str, str], limit: float | None = None
                            ) -> Answer:  # fmt: skip
         """D's first bytes, under the deadline that starts when D's answer is due (a
@@ -498,9 +501,9 @@ class Dispatcher:
         byte (DecodeFailed: retried, then rescued) or the answer may be relayed."""
         if limit is None:
             limit = self.cfg.decode_ttfb_timeout
-        until = asyncio.get_running_loop().time() + limit
+        until = loop.time() + limit
         try:
-            async with asyncio.timeout_at(until):
+            async with Deadline(loop, until):
                 answer = await opening
         except TimeoutError:
             self.metrics.upstream_error("D", d.http_address, "timeout")

@@ -14,6 +14,7 @@ no cookies, no compression.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Mapping
 
 import httptools
@@ -32,13 +33,14 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; carries one request/response at a time."""
 
     __slots__ = (
-        "pool", "transport", "parser", "lost", "active", "idle_since", "status",
+        "pool", "loop", "transport", "parser", "lost", "active", "idle_since", "status",
         "content_type", "head_done", "complete", "keep_alive", "error", "buf", "buffered",
         "paused", "waiter", "sized", "got_data", "length", "head_bytes",
     )  # fmt: skip
 
-    def __init__(self, pool: _Pool) -> None:
+    def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.active = False
@@ -144,7 +146,7 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     async def wait(self) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
+        self.waiter = self.loop.create_future()
         try:
             await self.waiter
         finally:
@@ -254,7 +256,7 @@ class _Pool:
         return None
 
     def release(self, conn: _Conn) -> None:
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = time.monotonic()
         self.idle.append(conn)
 
     def forget(self, conn: _Conn) -> None:
@@ -289,7 +291,7 @@ class NativeUpstream:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(pool), pool.host, pool.port)
+                _, conn = await loop.create_connection(lambda: _Conn(pool, loop), pool.host, pool.port)
         except TimeoutError:
             raise UpstreamError(
                 "connect_timeout", f"connect to {pool.hostport} timed out"
@@ -309,7 +311,7 @@ class NativeUpstream:
         pool = self._pools.get(hostport)
         if pool is None:
             pool = self._pools[hostport] = _Pool(hostport)
-        conn = pool.acquire(asyncio.get_running_loop().time())
+        conn = pool.acquire(time.monotonic())
         if conn is None:
             try:
                 conn = await self._connect(pool)

@@ -12,6 +12,7 @@ from http import HTTPStatus
 import orjson
 
 from proxy.asgi import Flight, Send
+from proxy.deadline import Deadline
 from proxy.errors import instance_text, sse_error_event, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
@@ -242,10 +243,10 @@ class Relay:
             first = rw.feed(first)
         await send({"type": "http.response.body", "body": first, "more_body": True})
         assert answer.chunks is not None
-        loop = asyncio.get_running_loop()
+        loop = flight.task.get_loop() if flight.task is not None else asyncio.get_running_loop()
         last = first[-4:]  # the stream's last bytes sent: is an error event on a boundary?
         try:
-            async with asyncio.timeout(idle) as deadline:
+            async with Deadline.after(loop, idle) as deadline:
                 async for chunk in answer.chunks:
                     if rw is not None:
                         chunk = rw.feed(chunk)

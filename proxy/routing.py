@@ -125,15 +125,18 @@ class Router:
 
     async def handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
-        flight = Flight(asyncio.current_task())
+        task = asyncio.current_task()
+        assert task is not None  # the server runs each request in a task
+        flight = Flight(task)
         watcher: asyncio.Task | None = None
         status = 500
         try:
             req = await self._read(path, scope, receive)
             self.selector.check_model(req)
             # From here on the request waits on upstreams: watch for the client leaving.
-            watcher = asyncio.get_running_loop().create_task(_watch(receive, flight))
-            status = await self.dispatcher.run(Call(req, send, flight, t0))
+            loop = task.get_loop()
+            watcher = loop.create_task(_watch(receive, flight))
+            status = await self.dispatcher.run(Call(req, send, flight, t0, loop))
         except ProxyError as e:
             status = e.status
             if not flight.started:
@@ -144,7 +147,7 @@ class Router:
                 raise
             # Our watcher cancelled us: the client left. Upstream requests were closed by
             # the unwinding `finally` blocks, so vLLM aborts them.
-            asyncio.current_task().uncancel()
+            task.uncancel()
             status = 499
             self.metrics.disconnects.inc()
             log.info("client disconnected path=%s", path)

@@ -12,6 +12,7 @@ import uvicorn
 
 from proxy.app import ProxyState, create_app, fast_path
 from proxy.config import ProxyConfig
+from proxy.corked import corked_protocol
 
 log = logging.getLogger("xpyd.proxy")
 
@@ -29,7 +30,8 @@ class ProxyServer(uvicorn.Server):
             host=cfg.host,
             port=cfg.port,
             loop=cfg.loop,
-            http=cfg.http,
+            # One system call for what a response writes in one loop turn (proxy/corked.py).
+            http=corked_protocol(cfg.http),
             lifespan="on",
             log_level=cfg.log_level,
             access_log=False,  # per-request logging costs more than the proxying itself

@@ -1,0 +1,78 @@
+"""Client connections whose writes of one loop turn leave in one system call.
+
+uvicorn writes a response's status line and headers as soon as the app starts the response,
+then each body piece as it is sent: a streamed answer whose first piece is already in hand
+(the proxy's usual case: P's token, or D's first bytes) costs one ``send`` for the headers
+and one for the piece. On loopback a ``send`` is the largest single cost of a proxied
+request (profile in the README), so the client transport here holds what is written until
+the current loop turn ends and hands it over with one ``writelines`` (one ``writev``, no
+copy). Nothing waits longer than the turn that wrote it: the flush is the next ready
+callback, before the loop polls for I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
+
+
+class CorkedTransport:
+    """A transport whose ``write`` calls of one loop turn are sent together; everything
+    else is the wrapped transport's."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._held:
+            self._loop.call_soon(self._flush)
+        self._held.append(data)
+
+    def writelines(self, lines: Any) -> None:
+        for data in lines:
+            self.write(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, []
+        if not held or self._transport.is_closing():
+            return  # the client is gone: what it would have got goes nowhere, as before
+        if len(held) == 1:
+            self._transport.write(held[0])
+        else:
+            self._transport.writelines(held)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._held))
+
+    def close(self) -> None:
+        self._flush()  # what was written before close() is sent, as transports promise
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = []
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+def corked_protocol(http: str) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class ``http`` (auto, httptools, h11), whose connections
+    write through a CorkedTransport."""
+    base: Any = import_from_string(HTTP_PROTOCOLS[http])
+
+    class Corked(base):  # type: ignore[misc,valid-type]
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(CorkedTransport(transport, asyncio.get_running_loop()))
+
+    Corked.__name__ = Corked.__qualname__ = f"Corked{base.__name__}"
+    return Corked
