@@ -19,13 +19,14 @@ class Deadline:
     """``async with Deadline(loop, when):`` fails the block with TimeoutError at loop time
     ``when`` (None: no deadline until ``reschedule``)."""
 
-    __slots__ = ("_loop", "_when", "_task", "_handle", "_cancelling", "_expired")
+    __slots__ = ("_loop", "_when", "_armed", "_task", "_handle", "_cancelling", "_expired")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, when: float | None) -> None:
         self._loop = loop
         self._when = when
         self._task: asyncio.Task | None = None
         self._handle: asyncio.Handle | None = None
+        self._armed = 0.0  # the loop time the handle fires at
         self._cancelling = 0
         self._expired = False
 
@@ -45,16 +46,26 @@ class Deadline:
         if self._expired:
             raise RuntimeError("Deadline has expired")
         self._when = when
+        if when is not None and self._handle is not None and when >= self._armed:
+            # Later than the armed timer: it looks again when it fires. A relay pushes its
+            # idle deadline back on every chunk, and a new timer each time costs more.
+            return
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
         if when is not None:
-            loop = self._loop
-            self._handle = (loop.call_soon(self._expire) if when <= loop.time()
-                            else loop.call_at(when, self._expire))  # fmt: skip
+            self._arm(when)
+
+    def _arm(self, when: float) -> None:
+        loop = self._loop
+        self._armed = when
+        self._handle = loop.call_soon(self._expire) if when <= loop.time() else loop.call_at(when, self._expire)
 
     def _expire(self) -> None:
-        assert self._task is not None
+        assert self._task is not None and self._when is not None
+        if self._when > self._armed and self._when > self._loop.time():
+            self._arm(self._when)  # pushed back meanwhile
+            return
         self._task.cancel()
         self._expired = True
         self._handle = None

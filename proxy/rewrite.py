@@ -13,7 +13,7 @@ where nothing can be held: that is the fast path, one bytes.replace per chunk.
 
 from __future__ import annotations
 
-_HEX = frozenset(b"0123456789abcdef")
+_HEX = b"0123456789abcdef"
 
 
 def neutral_id(internal: str) -> str:
@@ -32,7 +32,7 @@ class IdRewrite:
         # The held tail can never overlap a replacement: `new` is hex only and `old` starts
         # with a non-hex byte, so a tail that is a prefix of `old` starts after any `new`.
         # A chunk ending in "\n" holds nothing back: the id has no newline.
-        if not (set(self.new) <= _HEX and self.old[0] not in _HEX) or b"\n" in self.old:
+        if self.new.translate(None, _HEX) or self.old[0] in _HEX or b"\n" in self.old:
             raise ValueError(f"cannot rewrite {internal!r} to {neutral!r}")
         self._lead = self.old[:1]
         self._held = b""

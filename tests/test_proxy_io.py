@@ -223,3 +223,18 @@ async def test_corked_protocol_serves_http(http):
 def test_corked_protocol_rejects_an_unknown_parser():
     with pytest.raises(KeyError):
         corked_protocol("nope")
+
+
+async def test_deadline_pushed_back_many_times_expires_at_the_last_time():
+    """A relay's idle deadline: pushed back on every chunk, it fires only once idle."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(TimeoutError):
+        async with Deadline.after(loop, 0.1) as d:
+            for _ in range(10):  # 0.3 s of activity, each gap shorter than the deadline
+                await asyncio.sleep(0.03)
+                d.reschedule(loop.time() + 0.1)
+            assert not d.expired()
+            await asyncio.sleep(5)
+    waited = loop.time() - t0
+    assert 0.35 <= waited < 2.0, waited
