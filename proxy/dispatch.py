@@ -350,7 +350,9 @@ class Dispatcher:
             return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
                           rewrite)
         stitched = _Stitched()
-        events = first_token.ContinuationEvents(first_token.text_offset_after(first), first.id, first.chat)
+        # D's events get the id the client sees: the rewrite then finds nothing left to do.
+        event_id = first.id if rewrite is None else rewrite.whole(first.id.encode()).decode()
+        events = first_token.ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat)
         stitched.gen = self._continue(call, d, first_token.continuation(body, first), headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
