@@ -320,6 +320,30 @@ _EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's
 _EVENT_ID = re.compile(rb'"id":\s*"(?:[^"\\]|\\.)*"')  # an event's first "id" is its top-level one
 
 
+_STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string
+# vLLM's usual completion chunk, one per line: one choice, no logprobs, no usage, token-id
+# fields null, the last one with system_fingerprint (its serving code: pydantic,
+# exclude_unset).
+_MID_CHUNK = re.compile(
+    rb'(?m)^data: \{"id":(' + _STR + rb'),"object":"text_completion","created":(\d+),"model":(' + _STR
+    + rb'),"choices":\[\{"index":(\d+),"text":(' + _STR + rb'),"logprobs":null,"finish_reason":('
+    # null: the chat chunk has no stop_reason; the last chunk's reason keeps it
+    rb'null(?=,"stop_reason":null)|' + _STR + rb',"stop_reason":(?:null|-?\d+|' + _STR + rb'))'
+    rb'(?:,"stop_reason":null)?(?:,"[a-z_]+":null)*\}\]((?:,"system_fingerprint":' + _STR + rb')?)\}$'
+)
+
+
+def _mid_chat(m: re.Match[bytes]) -> bytes:
+    """A _MID_CHUNK match as the JSON path below makes it a chat chunk."""
+    ident, created, model, index, text, finish, fingerprint = m.groups()
+    return (b'data: {"id":' + ident + b',"object":"chat.completion.chunk","created":' + created + b',"model":'
+            + model + b',"choices":[{"index":' + index + b',"delta":{"content":' + text
+            + b'},"logprobs":null,"finish_reason":' + finish + b"}]" + fingerprint + b"}")  # fmt: skip
+
+
+_TRANSLATED = b'"object":"chat.completion.chunk"'  # a completions server never writes it
+
+
 class ContinuationEvents:
     """D's events as the client's request counts them: usage with P's token as generated
     rather than prompt (every usage D reports: a server may force it), logprobs text
@@ -348,7 +372,13 @@ class ContinuationEvents:
             self._d_id = m.group(0)
         if self._d_id is not None and self._d_id != self._id:
             done = done.replace(self._d_id, self._id)
-        if not self._chat and b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
+        if self._chat:
+            # The usual chunks in one pass in C: per event in Python, this cost more than all
+            # the rest of a proxied chat stream. What is left goes through the JSON path.
+            done = _MID_CHUNK.sub(_mid_chat, done)
+            if b'"text_completion"' not in done and b'"usage"' not in done:
+                return done
+        elif b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
             return done
         if done.endswith(b"\n\n") and done.find(b"\n") == len(done) - 2:  # one event, as vLLM writes them
             return self._event(done[:-2]) + b"\n\n"
@@ -363,8 +393,8 @@ class ContinuationEvents:
         usage = b'"usage"' in event
         offsets = self._offset and b'"text_offset"' in event
         if not (usage or offsets or self._chat) or not event.startswith(b"data: ") or b"\n" in event \
-                or b"\r" in event or event == b"data: [DONE]":
-            return event  # not vLLM's one-line event: as it is
+                or b"\r" in event or event == b"data: [DONE]" or _TRANSLATED in event:
+            return event  # not vLLM's one-line event (or made a chat chunk above): as it is
         try:
             obj = orjson.loads(event[6:])
         except orjson.JSONDecodeError:

@@ -157,6 +157,57 @@ def test_chat_continuation_events_are_chat_chunks_across_any_split():
         assert events_of(out.decode()) == want, cut
 
 
+def _completion_chunk(text: str, finish: str | None, stop, tail: str = "", extra: str = "") -> bytes:
+    """A completion chunk written as vLLM's serving code does (the text with \\u escapes,
+    as a JSON writer other than orjson may make them)."""
+    choice = (f'{{"index":0,"text":{json.dumps(text)},"logprobs":null,"finish_reason":{json.dumps(finish)},'
+              f'"stop_reason":{json.dumps(stop)}{tail}}}')
+    return (f'data: {{"id":"cmpl-x","object":"text_completion","created":7,"model":"m/x","choices":[{choice}]'
+            f'{extra}}}\n\n').encode()
+
+
+@pytest.mark.parametrize("text", [" a", "", 'say "hi"', "back\\slash\\", "caf\u00e9 \U0001f600", "line\nbreak\t",
+                                  '","logprobs":null,"finish_reason":"stop', '"}]}\n\ndata: {"x":1}'])
+def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
+    """The usual chunks (one choice, no usage or logprobs, null token-id fields) become
+    chat chunks in one regex pass; the result is the JSON path's, event for event, with D's
+    own string escapes kept (which shows the pass did the work). Other shapes (usage,
+    a non-null extra field) still go through the JSON path."""
+    usual = [_completion_chunk(text, None, None),
+             _completion_chunk(text, None, None, ',"prompt_token_ids":null,"token_ids":null'),
+             _completion_chunk(text, "length", None), _completion_chunk(text, "stop", 13),
+             _completion_chunk(text, "stop", "</s>", ',"token_ids":null'),
+             _completion_chunk(text, "length", None, ',"prompt_token_ids":null,"token_ids":null',
+                               ',"system_fingerprint":"vllm-0.32.0-47e27ba1"')]  # vLLM 0.32's last chunk
+    other = [_completion_chunk(text, None, None, ',"token_ids":[5]'),
+             _completion_chunk(text, "stop", None, extra=',"usage":{"prompt_tokens":4,"completion_tokens":2,'
+                                                          '"total_tokens":6}')]
+    for chunk in usual + other:
+        src = json.loads(chunk[6:])
+        c = src["choices"][0]
+        want_choice = {"index": 0, "delta": {"content": c["text"]}, "logprobs": None,
+                       "finish_reason": c["finish_reason"]}
+        if c["finish_reason"] is not None:
+            want_choice["stop_reason"] = c["stop_reason"]
+        want = {"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 7, "model": "m/x",
+                "choices": [want_choice]}
+        if "system_fingerprint" in src:
+            want["system_fingerprint"] = src["system_fingerprint"]
+        if "usage" in src:
+            want["usage"] = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk + b"data: [DONE]\n\n")
+        assert events_of(out.decode()) == [want, "[DONE]"], chunk
+        if not text.isascii():  # \\u escapes, which orjson would write as UTF-8: kept by the regex pass only
+            raw_text = chunk.split(b'"text":', 1)[1].split(b',"logprobs"', 1)[0]
+            assert (b'"content":' + raw_text + b"}" in out) == (chunk in usual), chunk
+    # All of them in one piece, as D's answer often arrives.
+    stream = b"".join(usual + other) + b"data: [DONE]\n\n"
+    out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(stream)
+    got = events_of(out.decode())
+    assert len(got) == len(usual) + len(other) + 1 and got[-1] == "[DONE]"
+    assert all(e["object"] == "chat.completion.chunk" and "text" not in e["choices"][0] for e in got[:-1])
+
+
 def events_of(text: str) -> list:
     return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in (x.strip() for x in text.replace("\r\n", "\n")
             .split("\n\n")) if b.startswith("data: ")]
