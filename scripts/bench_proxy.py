@@ -21,6 +21,11 @@ proxy runs with --expose-routing-headers (no neutral-id rewrite of the relayed b
     .venv/bin/python scripts/bench_proxy.py --rounds 5 --concurrency 1 16 64 --variants \
         native/uvloop/httptools native/uvloop/httptools+expose
 
+--profile SECONDS samples each xPyD proxy with py-spy afterwards (pip install py-spy) and
+prints its functions by share of the samples, as the README's proxy-CPU figures were found:
+
+    .venv/bin/python scripts/bench_proxy.py --concurrency 64 --rounds 1 --profile 10
+
 Loopback only; every process it starts is stopped by PID at the end.
 """
 
@@ -30,6 +35,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import statistics
@@ -335,6 +342,44 @@ def _wait_routed(s: Setup, timeout: float = 30.0) -> None:
     raise RuntimeError(f"{s.variant} routes no completion after {timeout}s")
 
 
+def profile(s: Setup, args: argparse.Namespace) -> None:
+    """Sample the proxy of ``s`` with py-spy (Python stacks, 500 Hz, the proxy not paused)
+    while the load generator runs at the largest concurrency; print where its time goes
+    (functions by own and inclusive share of the samples) and keep the raw stacks."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        raise SystemExit("--profile needs py-spy (pip install py-spy)")
+    out = f"{args.profile_out}.{s.variant.replace('/', '-')}.txt"
+    seconds = max(1, int(args.profile))
+    sampler = subprocess.Popen(
+        [spy, "record", "--format", "raw", "--rate", "500", "--nonblocking", "--duration", str(seconds),
+         "--pid", str(s.proxy_proc.pid), "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_args = argparse.Namespace(**{**vars(args), "duration": seconds + 1.0, "warmup": 0.5})
+    measure(s.proxy_port, s.proxy_proc.pid, max(args.concurrency), run_args)
+    if sampler.wait(timeout=60) != 0:
+        raise SystemExit(f"py-spy failed: {sampler.stderr.read()[-1000:]}")
+    own: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    with open(out) as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            if not n.isdigit():
+                continue
+            total += int(n)
+            frames = [re.sub(r":\d+\)$", ")", fr) for fr in stack.split(";")]  # by function, not line
+            own[frames[-1]] = own.get(frames[-1], 0) + int(n)
+            for fr in set(frames):
+                incl[fr] = incl.get(fr, 0) + int(n)
+    print(f"\nprofile of {s.variant} at c={max(args.concurrency)}: {total} samples over {seconds}s "
+          f"(raw stacks: {out}; C time shows as the Python line that called it)")  # fmt: skip
+    top = sorted(own.items(), key=lambda kv: -kv[1])[:25]
+    top_incl = sorted(incl.items(), key=lambda kv: -kv[1])[:25]
+    print(f"{'own':>6}  {'function':<70} {'incl':>6}  function")
+    for (f1, n1), (f2, n2) in zip(top, top_incl):
+        print(f"{100 * n1 / total:>5.1f}%  {f1[:70]:<70} {100 * n2 / total:>5.1f}%  {f2[:70]}")
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         if p.poll() is None:
@@ -372,11 +417,6 @@ def bench(args: argparse.Namespace) -> int:
                 print(f"  round {r + 1}/{args.rounds} c={c}: direct {direct[c][-1].rps:.0f} req/s, "
                       + ", ".join(f"{s.variant} {via[(s.variant, c)][-1].rps:.0f}" for s in setups),
                       file=sys.stderr, flush=True)  # fmt: skip
-        for s in setups:
-            s.proxy_proc.send_signal(signal.SIGTERM)
-            if s.proxy_proc.wait(timeout=30) != 0:
-                print(f"proxy {s.variant} exited {s.proxy_proc.returncode}: "
-                      f"{s.proxy_proc.stderr.read()[-2000:]}", file=sys.stderr)  # fmt: skip
         results = {
             s.variant: {
                 c: (median_run(direct[c]), median_run(via[(s.variant, c)]))
@@ -385,6 +425,15 @@ def bench(args: argparse.Namespace) -> int:
             for s in setups
         }
         report(results, args)
+        if args.profile:
+            for s in setups:
+                if s.variant != "vllm-router":
+                    profile(s, args)
+        for s in setups:
+            s.proxy_proc.send_signal(signal.SIGTERM)
+            if s.proxy_proc.wait(timeout=30) != 0:
+                print(f"proxy {s.variant} exited {s.proxy_proc.returncode}: "
+                      f"{s.proxy_proc.stderr.read()[-2000:]}", file=sys.stderr)  # fmt: skip
     finally:
         stop_all(procs)
     return 0
@@ -433,6 +482,11 @@ def main() -> int:
                     help="client/loop/http[+expose] combinations to compare, or vllm-router")  # fmt: skip
     ap.add_argument("--router-bin", default="vllm-router",
                     help="vllm-router executable for the vllm-router variant (pip install vllm-router==0.1.17)")
+    ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                    help="after the measurements, sample each xPyD proxy with py-spy for SECONDS at the "
+                         "largest concurrency and print where its CPU goes")
+    ap.add_argument("--profile-out", default="/tmp/xpyd-proxy-profile",
+                    help="prefix of the raw py-spy stack files (one per variant)")
     # internal: load generator mode
     ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
