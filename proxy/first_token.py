@@ -322,7 +322,7 @@ _EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's
 _EVENT_ID = re.compile(rb'"id":\s*"(?:[^"\\]|\\.)*"')  # an event's first "id" is its top-level one
 
 
-_STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string
+_STR = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a JSON string (on one line, as JSON writes it)
 # vLLM's usual completion chunk, one per line: one choice, no logprobs, no usage, token-id
 # fields null, the last one with system_fingerprint (its serving code: pydantic,
 # exclude_unset).
