@@ -11,7 +11,8 @@ waits for the KV transfer and D's first step: TTFT is P's.
 Greedy output is the same token for token: D sees the same token sequence as a colocated
 server would after its first step. Only requests where the split cannot change the answer
 take this path; every other request is dispatched as before (``eligible``):
-streaming completions of one prompt (text or token ids) with n=1, without stop strings
+streaming completions of one prompt (text or token ids) with n=1, a max_tokens or none
+(vLLM's 16; null, the server's own limit, is not known here), without stop strings
 (one could span P's token and D's first), presence or frequency penalties (they count
 generated tokens: D would count one fewer), echo, prompt logprobs, a seed (P's sampling
 runs without one) or structured output. Logprobs come from each side for its tokens (D's
@@ -145,6 +146,10 @@ def eligible(req: RouteRequest) -> bool:
         logprobs = body.get("logprobs")
         if logprobs is not None and (type(logprobs) is not int or logprobs < 0):
             return False
+        if "max_tokens" in body and type(body["max_tokens"]) is not int:
+            # null: the server's own default limit, which may come from the model's
+            # generation config and is not known here (D would generate one token more)
+            return False
     else:
         return False
     for key, value in body.items():  # a handful of keys, against _NEUTRAL's thirty
@@ -229,10 +234,19 @@ def parse(data: bytes, chat: bool = False) -> FirstToken | None:
         return None
 
 
+# vLLM's CompletionRequest.max_tokens when the request leaves it out (0.32 and 0.33).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 def _max_tokens(body: dict) -> Any:
-    """The client's limit on generated tokens (chat: max_completion_tokens first)."""
+    """The client's limit on generated tokens (chat: max_completion_tokens first; a
+    completion without one: vLLM's default)."""
     limit = body.get("max_completion_tokens")
-    return limit if limit is not None else body.get("max_tokens")
+    if limit is not None:
+        return limit
+    if "max_tokens" not in body and "messages" not in body:
+        return COMPLETION_DEFAULT_MAX_TOKENS
+    return body.get("max_tokens")
 
 
 def complete_at_prefill(body: dict, first: FirstToken) -> bool:

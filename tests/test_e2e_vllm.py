@@ -347,6 +347,20 @@ def test_first_token_from_prefill_equals_colocated(sys_: E2ECluster, first_token
                                {"source": "p2p"}) - before == n, timeout=10), "D did not load all of P's prompt"
 
 
+def test_first_token_from_prefill_without_max_tokens_equals_colocated(sys_: E2ECluster, first_token_proxy,
+                                                                      tokenizer):
+    """A completion that names no limit gets vLLM's default count (16) from P and D
+    together, as from a colocated server."""
+    prompt = make_prompt(tokenizer, 2 * BLOCK, seed=29)
+    body = {k: v for k, v in body_for("completions", prompt, True).items() if k != "max_tokens"}
+    body["stream_options"] = {"include_usage": True}
+    want, want_last = generate(sys_.colocated.url, "completions", body)
+    got, last = generate(first_token_proxy.url, "completions", body)
+    assert want_last["usage"]["completion_tokens"] == 16
+    assert_same_greedy(got, want)
+    assert last["usage"] == want_last["usage"]
+
+
 def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy, tokenizer):
     """Proof the test above can fail: D's continuation with zeroed KV departs."""
     prompt = make_prompt(tokenizer, 3 * BLOCK, seed=4711)

@@ -290,6 +290,23 @@ async def test_usage_is_the_client_request_s():
         assert got[-2]["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5}
 
 
+async def test_completion_without_max_tokens_gets_vllms_default_count():
+    """vLLM generates 16 tokens for a completion that names no limit: P's one and D's 15,
+    not D's own 16 on top. An explicit null (the server's default limit, which may come
+    from the model's generation config) keeps D's first token."""
+    body = {k: v for k, v in STREAM.items() if k != "max_tokens"}
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        got = events(resp.text)
+        assert len(got) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS  # events with a token, then [DONE]
+        assert d.completions()[0].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
+        resp = await px.client.post("/v1/completions", json={**body, "max_tokens": None})
+        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert d.completions()[-1].json["max_tokens"] is None  # the client's own request
+
+
 async def test_d_failing_before_its_first_byte_continues_alone():
     """The client has P's token: D alone (a plain id, no KV) continues from it."""
     async with running_proxy() as px:
