@@ -140,7 +140,7 @@ def test_continuation_events_count_p_token_across_any_split():
 
 
 def test_chat_continuation_events_are_chat_chunks_across_any_split():
-    events = (b'data: {"id":"cmpl-x","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
+    stream = (b'data: {"id":"cmpl-x","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
               b'"text":" a\\"b","logprobs":null,"finish_reason":null,"stop_reason":null}]}\r\n\r\n'
               b'data: {"id":"cmpl-x","object":"text_completion","created":7,"model":"m","choices":[{"index":0,'
               b'"text":"","logprobs":null,"finish_reason":"stop","stop_reason":2}],'
@@ -151,10 +151,10 @@ def test_chat_continuation_events_are_chat_chunks_across_any_split():
              "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "stop",
                           "stop_reason": 2}],
              "usage": {"prompt_tokens": 8, "total_tokens": 11, "completion_tokens": 3}}, "[DONE]"]
-    for cut in range(1, len(events)):
+    for cut in range(1, len(stream)):
         shift = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True)
-        out = shift.feed(events[:cut]) + shift.feed(events[cut:]) + shift.flush()
-        assert events_of(out.decode()) == want, cut
+        out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
+        assert events(out.decode()) == want, cut
 
 
 def _completion_chunk(text: str, finish: str | None, stop, tail: str = "", extra: str = "") -> bytes:
@@ -196,21 +196,16 @@ def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
         if "usage" in src:
             want["usage"] = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
         out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk + b"data: [DONE]\n\n")
-        assert events_of(out.decode()) == [want, "[DONE]"], chunk
+        assert events(out.decode()) == [want, "[DONE]"], chunk
         if not text.isascii():  # \\u escapes, which orjson would write as UTF-8: kept by the regex pass only
             raw_text = chunk.split(b'"text":', 1)[1].split(b',"logprobs"', 1)[0]
             assert (b'"content":' + raw_text + b"}" in out) == (chunk in usual), chunk
     # All of them in one piece, as D's answer often arrives.
     stream = b"".join(usual + other) + b"data: [DONE]\n\n"
     out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(stream)
-    got = events_of(out.decode())
+    got = events(out.decode())
     assert len(got) == len(usual) + len(other) + 1 and got[-1] == "[DONE]"
     assert all(e["object"] == "chat.completion.chunk" and "text" not in e["choices"][0] for e in got[:-1])
-
-
-def events_of(text: str) -> list:
-    return [b[6:] if b[6:] == "[DONE]" else json.loads(b[6:]) for b in (x.strip() for x in text.replace("\r\n", "\n")
-            .split("\n\n")) if b.startswith("data: ")]
 
 
 def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
@@ -228,8 +223,9 @@ def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
 
 
 def events(text: str) -> list[dict | str]:
+    """The stream's data events, parsed ([DONE] as it is); CRLF line ends too."""
     out: list[dict | str] = []
-    for block in text.split("\n\n"):
+    for block in text.replace("\r\n", "\n").split("\n\n"):
         block = block.strip()
         if block.startswith("data: "):
             data = block[6:]
