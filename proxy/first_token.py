@@ -238,20 +238,18 @@ def parse(data: bytes, chat: bool = False) -> FirstToken | None:
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def _max_tokens(body: dict) -> Any:
+def _max_tokens(body: dict, chat: bool) -> Any:
     """The client's limit on generated tokens (chat: max_completion_tokens first; a
     completion without one: vLLM's default)."""
-    limit = body.get("max_completion_tokens")
-    if limit is not None:
-        return limit
-    if "max_tokens" not in body and "messages" not in body:
-        return COMPLETION_DEFAULT_MAX_TOKENS
-    return body.get("max_tokens")
+    if chat:
+        limit = body.get("max_completion_tokens")
+        return limit if limit is not None else body.get("max_tokens")
+    return body.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
 
 
 def complete_at_prefill(body: dict, first: FirstToken) -> bool:
     """P's token ends the answer: it stopped (EOS, a stop token) or one token was asked for."""
-    return first.finish_reason not in (None, "length") or _max_tokens(body) == 1
+    return first.finish_reason not in (None, "length") or _max_tokens(body, first.chat) == 1
 
 
 def continuation(body: dict, first: FirstToken) -> dict:
@@ -260,7 +258,7 @@ def continuation(body: dict, first: FirstToken) -> dict:
     connector. A chat request keeps only what a completion means the same way."""
     cont = {k: v for k, v in body.items() if k in _COMPLETION_KEYS} if first.chat else dict(body)
     cont["prompt"] = first.prompt_ids + first.token_ids
-    limit = _max_tokens(body)
+    limit = _max_tokens(body, first.chat)
     if isinstance(limit, int):
         cont["max_tokens"] = limit - 1
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:

@@ -298,6 +298,10 @@ async def test_completion_without_max_tokens_gets_vllms_default_count():
         got = events(resp.text)
         assert len(got) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS  # events with a token, then [DONE]
         assert d.completions()[0].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
+        # max_completion_tokens is chat's: vLLM's completions ignore it, and so does the count.
+        resp = await px.client.post("/v1/completions", json={**body, "max_completion_tokens": 5})
+        assert len(events(resp.text)) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS
+        assert d.completions()[-1].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
         resp = await px.client.post("/v1/completions", json={**body, "max_tokens": None})
         assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
         assert d.completions()[-1].json["max_tokens"] is None  # the client's own request
