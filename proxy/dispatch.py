@@ -369,6 +369,9 @@ class Dispatcher:
           the first failure's error ends the stream."""
         req = call.req
         rescuer: Instance | None = None
+        # The relay has just written P's token, which the transport holds until this loop
+        # turn ends (proxy/corked.py): let it go out before D's request is built and sent.
+        await asyncio.sleep(0)
         try:
             try:
                 opening = self._open(req, d, headers, orjson.dumps(cont), COMPLETIONS)
