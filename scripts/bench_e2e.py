@@ -29,6 +29,7 @@ the same rate for every setup (auto: the slowest setup busy ~60%).
     .venv/bin/python scripts/bench_e2e.py --quick    # fewer samples (~4 min)
     .venv/bin/python scripts/bench_e2e.py --model tiny
     .venv/bin/python scripts/bench_e2e.py --quick --dispatch-ab --json out.json
+    .venv/bin/python scripts/bench_e2e.py --quick --runs 5 --ttft-tokens 4000 --json out.json
 
 The disaggregated setup runs the proxy's shipped defaults (dispatch mode, local-prefill
 threshold); --dispatch-ab adds a second proxy on the same P and D with the other dispatch
@@ -38,6 +39,12 @@ that always disaggregate (threshold 0) or always prefill on D (--local-prefill-t
 huge). --json FILE writes the medians: ttft_1k_ms {colocated, disaggregated},
 ttft_short_ms {colocated, disaggregated, tokens}, d_share_ms, d_share_parts_ms, itl_p99_*_ms,
 the shipped defaults, the machine and the command.
+
+--runs N repeats the whole benchmark N times, each time on freshly started servers, and
+prints each ratio's median and range over the runs (TTFT disaggregated / colocated, / P alone,
+P alone / colocated, short prompts, ITL p99 under load); with --json the file holds the
+medians over the runs, the ratios and every run's own figures. Use it for a claim about a few
+per cent: two vLLM servers started alike can differ by that much for as long as they live.
 
 --granularity-ab starts a second P (core 0 too) with the other connector send_granularity
 than the first one's (with the default, auto, that is request), behind a proxy of its own (two
@@ -73,6 +80,7 @@ import shlex
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -678,9 +686,10 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                          f"(D's share: HTTP + KV load + 1-token step), the rest (client<->proxy, relay) "
                          f"{total - q - pre - dttfb:.1f} ms")
         except (KeyError, ValueError, statistics.StatisticsError):
-            why = ("the first token came from P, so the headers went out before D answered"
-                   if any(r.headers.get("x-xpyd-first-token") == "prefill" for r in tt[name]) else "absent")
-            lines.append(f"  {name}: no split of D's share (x-xpyd-decode-ttfb-ms: {why})")
+            if all(r.headers.get("x-xpyd-first-token") == "prefill" for r in tt[name]):
+                lines.append(first_token_split(name, tt[name], statistics.median(t[p_ref.name]) * 1000))
+            else:
+                lines.append(f"  {name}: no split of D's share (x-xpyd-decode-ttfb-ms absent)")
         parts = d_share_parts(tt[name])
         if parts:
             outside = (f"{parts['outside_vllm']:.1f}" if not math.isnan(parts["outside_vllm"])
@@ -747,6 +756,21 @@ FIRST_TOKEN_SETUP = "disagg-first-token-other"  # the proxy with the other --fir
 FIRST_TOKEN_MODES = ("prefill", "decode")
 
 
+def first_token_split(name: str, results: list[StreamResult], p_alone_ms: float) -> str:
+    """TTFT with the first token from P: the proxy's queue, P's answer as the proxy saw it
+    (against P hit straight), and the rest (client <-> proxy, the first event)."""
+    med = statistics.median
+    try:
+        q = med(float(r.headers["x-xpyd-queue-ms"]) for r in results)
+        pre = med(float(r.headers["x-xpyd-prefill-ms"]) for r in results)
+    except (KeyError, ValueError):
+        return f"  {name}: no split (proxy timing headers absent)"
+    total = med(r.ttft for r in results) * 1000
+    return (f"  {name} TTFT {total:.1f} ms, first token from P (D's share falls after it), split (medians): "
+            f"proxy queue {q:.1f} ms, P answers the prefill {pre:.1f} ms (P alone, hit straight: "
+            f"{p_alone_ms:.1f} ms), the rest (client<->proxy, first event) {total - q - pre:.1f} ms")
+
+
 def other_first_token(mode: str) -> str:
     return next(m for m in FIRST_TOKEN_MODES if m != mode)
 
@@ -798,16 +822,25 @@ def d_share_ms(results: list) -> float | None:
     return statistics.median(shares) if shares else None
 
 
-def summary(args, res: dict, colo: str, dis: str) -> dict:
+def _header_median(results: list[StreamResult], header: str) -> float | None:
+    vals = [float(r.headers[header]) for r in results if header in r.headers]
+    return statistics.median(vals) if vals else None
+
+
+def summary(args, res: dict, colo: str, dis: str, p_alone: str) -> dict:
     """The shipped defaults' medians (ms) with their same-run colocated baselines, for --json."""
     med = statistics.median
     tt = res["ttft"]
     out: dict = {
+        # p_alone: P hit straight (no proxy, no transfer), the disaggregated TTFT's floor.
         "ttft_1k_ms": {"colocated": med(r.ttft for r in tt[colo]) * 1000,
-                       "disaggregated": med(r.ttft for r in tt[dis]) * 1000},
+                       "disaggregated": med(r.ttft for r in tt[dis]) * 1000,
+                       "p_alone": med(r.ttft for r in tt[p_alone]) * 1000},
         # D's share of TTFT: P answered -> D's first byte. None with the first token from P
         # (the default): D's share then falls between the first token and the second.
         "d_share_ms": d_share_ms(tt[dis]),
+        # P's answer to the prefill request as the proxy timed it (x-xpyd-prefill-ms).
+        "prefill_answer_ms": _header_median(tt[dis], "x-xpyd-prefill-ms"),
         "d_share_parts_ms": d_share_parts(tt[dis]),
         "first_gap_ms": {"colocated": first_gap_ms(tt[colo]), "disaggregated": first_gap_ms(tt[dis])},
         "ttft_tokens": sorted({r.prompt_tokens for r in tt[dis]}),
@@ -848,6 +881,96 @@ def summary(args, res: dict, colo: str, dis: str) -> dict:
             for g, k in [(args.granularity, dis)] + [(x.removeprefix("disagg-"), x) for x in gab]
             for parts in [d_share_parts(tt[k])]}
     return out
+
+
+# What --runs compares run by run: (label, numerator, denominator), paths into each run's --json.
+RUN_RATIOS = (
+    ("TTFT, disaggregated / colocated", ("ttft_1k_ms", "disaggregated"), ("ttft_1k_ms", "colocated")),
+    ("TTFT, disaggregated / P alone", ("ttft_1k_ms", "disaggregated"), ("ttft_1k_ms", "p_alone")),
+    ("TTFT, P alone / colocated", ("ttft_1k_ms", "p_alone"), ("ttft_1k_ms", "colocated")),
+    ("short-prompt TTFT, disaggregated / colocated", ("ttft_short_ms", "disaggregated"),
+     ("ttft_short_ms", "colocated")),
+    ("ITL p99 under long prompts, disaggregated / colocated", ("itl_p99_loaded_ms", "disaggregated"),
+     ("itl_p99_loaded_ms", "colocated")),
+)
+
+
+def _at(data: dict, path: tuple[str, ...]) -> float | None:
+    for key in path:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data if isinstance(data, int | float) else None
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without ``flags`` and their values (``--f v`` or ``--f=v``)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in flags)):
+            out.append(a)
+    return out
+
+
+def _medians(runs: list[dict]) -> dict:
+    """Each number of the runs' JSON (nested dicts) as its median over the runs that have it."""
+    out: dict = {}
+    for key in dict.fromkeys(k for r in runs for k in r):
+        vals = [r[key] for r in runs if key in r]
+        if all(isinstance(v, dict) for v in vals):
+            out[key] = _medians(vals)
+        elif all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+            out[key] = statistics.median(vals)
+    return out
+
+
+def run_many(args, argv: list[str]) -> int:
+    """--runs N: this benchmark N times, each on freshly started servers, then each ratio's
+    median and range over the runs. Two vLLM servers started alike can differ by several
+    per cent for as long as they live (measured: 0.91-1.01x between twins on one core, one
+    request each in turn), so one run's ratio carries its instances' luck."""
+    child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, ("--runs", "--json"))]
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="xpyd-bench-runs-") as tmp:
+        for i in range(args.runs):
+            out = Path(tmp) / f"run{i}.json"
+            print(f"=== run {i + 1} of {args.runs} (fresh servers)", flush=True)
+            proc = subprocess.Popen([*child, "--json", str(out)])
+            try:
+                rc = proc.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached the child too; SIGTERM (below) did not
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.terminate()  # it stops its servers on SIGTERM
+                    proc.wait(120)
+                return 130
+            if rc != 0:
+                print(f"run {i + 1} failed (exit {rc})", file=sys.stderr)
+                return rc
+            runs.append(json.loads(out.read_text()))
+    ratios: dict[str, dict] = {}
+    print(f"\n=== {args.runs} runs, each ratio from one run's medians", flush=True)
+    for label, num, den in RUN_RATIOS:
+        per_run = [a / b for r in runs for a, b in [(_at(r, num), _at(r, den))] if a is not None and b]
+        if not per_run:
+            continue
+        ratios[label] = {"per_run": per_run, "median": statistics.median(per_run)}
+        print(f"  {label}: median {statistics.median(per_run):.3f}x, range {min(per_run):.3f}-"
+              f"{max(per_run):.3f}x ({', '.join(f'{x:.3f}' for x in per_run)})", flush=True)
+    if args.json:
+        data = {**_medians(runs), "ratios": ratios, "runs": runs}
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+        print(f"wrote {args.json} (medians over the runs; each run's own figures under 'runs')", flush=True)
+    return 0
 
 
 def main() -> int:
@@ -908,7 +1031,12 @@ def main() -> int:
     ap.add_argument("--startup-timeout", type=float, default=480)
     ap.add_argument("--log-dir", default=None, help="default: a temp dir, removed after a clean run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, default=1,
+                    help="repeat the whole benchmark on freshly started servers and report each ratio's "
+                         "median and range over the runs (--json then holds the medians and every run)")
     args = ap.parse_args()
+    if args.runs > 1:
+        return run_many(args, sys.argv[1:])
     from connector.config import DEFAULT_SEND_GRANULARITY
 
     args.granularity = args.send_granularity or DEFAULT_SEND_GRANULARITY  # the main P's
@@ -1075,7 +1203,7 @@ def main() -> int:
         for line in report(args, res, setups, p_ref, d_ref, decode.log(), notes):
             print(line, flush=True)
         if args.json:
-            data = summary(args, res, setups[0].name, setups[-1].name)
+            data = summary(args, res, setups[0].name, setups[-1].name, p_ref.name)
             data["machine"] = facts[0]
             data["command"] = cmd
             Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
