@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from connector.log import get_logger
+from xpyd_wire.discovery import MAX_OUTPUT_TOKENS, OutputLimits
 from xpyd_wire.kv_events import EventError, EventsEndpoint, advertised
 
 logger = get_logger(__name__)
@@ -185,6 +186,9 @@ class ConnectorConfig:
     # Where vLLM publishes this instance's KV events (from --kv-events-config), advertised to
     # the proxy in the heartbeat; None: events off or not reachable over tcp.
     kv_events: EventsEndpoint | None = None
+    # How this instance's vLLM caps generated tokens, advertised to the proxy (which then
+    # knows the limit of a request that sets none); None: not known.
+    output_limits: OutputLimits | None = None
     # D: when a prompt's KV is already here as the scheduler plans its load, load it
     # synchronously (before the forward pass of the step that schedules the request) instead
     # of one engine step later; False: always asynchronously.
@@ -233,7 +237,7 @@ class ConnectorConfig:
 
     @staticmethod
     def from_vllm(kv_transfer_config: Any, kv_events_config: Any = None,
-                  kv_blocks: int | None = None) -> "ConnectorConfig":
+                  kv_blocks: int | None = None, model_config: Any = None) -> "ConnectorConfig":
         extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
         send_type = str(extra.get("send_type", "PUT_ASYNC")).upper()
         if send_type not in SEND_TYPES:
@@ -272,11 +276,41 @@ class ConnectorConfig:
             mem_pool_size_gb=_pool_gb(extra, role),
             proxy_resolve_interval_s=_positive_seconds(extra, "proxy_resolve_interval_s", 10.0),
             kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
+            output_limits=output_limits(model_config),
             sync_load=_flag(extra.get("sync_load", True)),
             idle_wait_ms=_idle_wait_ms(extra),
             send_granularity=granularity,
             byte_stream=_flag(extra.get("byte_stream", True)),
         )
+
+
+def output_limits(model_config: Any) -> OutputLimits | None:
+    """How vLLM's OpenAI server caps generated tokens, worked out as vLLM 0.32's serving
+    classes do (chat and completions alike): a request without a limit gets the generation
+    config's max_new_tokens (``get_diff_sampling_param``'s max_tokens), every request is
+    capped by that same value when --generation-config names a path, else by
+    --override-generation-config's max_new_tokens, and by the context left (max_model_len
+    less the prompt). None where the model config does not say (an older or newer vLLM):
+    the proxy then treats the limits as unknown."""
+    if model_config is None:
+        return None
+    try:
+        default = model_config.get_diff_sampling_param().get("max_tokens")
+        if model_config.generation_config not in ("auto", "vllm"):
+            override = default
+        else:
+            override = (getattr(model_config, "override_generation_config", None) or {}).get("max_new_tokens")
+    except Exception as e:  # noqa: BLE001 - reading a generation config can fail many ways
+        logger.warning("output limits not known (%s: %s): the proxy keeps requests without a token "
+                       "limit on D's first token", type(e).__name__, e)
+        return None
+    context = getattr(model_config, "max_model_len", None)
+    values = (default, override, context)
+    if any(v is not None and (type(v) is not int or not 1 <= v <= MAX_OUTPUT_TOKENS) for v in values):
+        logger.warning("output limits not advertised: max_new_tokens %r / %r or max_model_len %r out of range",
+                       *values)
+        return None
+    return OutputLimits(default, override, context)
 
 
 def _bound_by_vllm(endpoint: str) -> bool:

@@ -54,7 +54,8 @@ class P2pNcclConnector(XpydConnectorBase):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config, vllm_config.kv_events_config,
-                                       vllm_config.cache_config.num_gpu_blocks)
+                                       vllm_config.cache_config.num_gpu_blocks,
+                                       vllm_config.model_config if role == KVConnectorRole.SCHEDULER else None)
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

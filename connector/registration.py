@@ -176,6 +176,7 @@ class Registrar:
             leave=leave,
             kv_transport_fallbacks=min(self._fallbacks_report(), MAX_LOAD_COUNT) if self._fallbacks_report else 0,
             kv_events=self._cfg.kv_events,
+            output_limits=self._cfg.output_limits,
         )
 
     def _healthy(self) -> bool:

@@ -72,7 +72,7 @@ class ProxyState:
         label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
         keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
                 "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load",
-                "kv_transport_fallbacks", "kv_events")  # fmt: skip
+                "kv_transport_fallbacks", "kv_events", "output_limits")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 
     async def start(self) -> None:

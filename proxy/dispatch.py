@@ -240,7 +240,7 @@ class Dispatcher:
     async def _disaggregated(self, call: Call, d: Instance) -> Answer:
         cfg = self.cfg
         req = call.req
-        first_mode = self._first_token and first_token.eligible(req)
+        first_mode = self._first_token and first_token.eligible(req, d.output_limits)
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
             pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if first_mode
@@ -346,14 +346,15 @@ class Dispatcher:
         rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
         call.flight.extra.append((b"x-xpyd-first-token", b"prefill"))
         call.t_decode = time.perf_counter()
-        if first_token.complete_at_prefill(body, first):  # D has nothing to add
+        if first_token.complete_at_prefill(body, first, d.output_limits):  # D has nothing to add
             return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
                           rewrite)
         stitched = _Stitched()
         # D's events get the id the client sees: the rewrite then finds nothing left to do.
         event_id = first.id if rewrite is None else rewrite.whole(first.id.encode()).decode()
         events = first_token.ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat)
-        stitched.gen = self._continue(call, d, first_token.continuation(body, first), headers, stitched, events)
+        cont = first_token.continuation(body, first, d.output_limits)
+        stitched.gen = self._continue(call, d, cont, headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
     async def _continue(self, call: Call, d: Instance, cont: dict, headers: dict[str, str], stitched: _Stitched,

@@ -12,15 +12,18 @@ Greedy output is the same token for token: D sees the same token sequence as a c
 server would after its first step. Only requests where the split cannot change the answer
 take this path; every other request is dispatched as before (``eligible``):
 streaming completions of one prompt (text or token ids) with n=1, a max_tokens or none
-(vLLM's 16; null, the server's own limit, is not known here), without stop strings
+(vLLM's 16, also for null; capped by the override D advertises, ``OutputLimits``), without
+stop strings
 (one could span P's token and D's first), presence or frequency penalties (they count
 generated tokens: D would count one fewer), echo, prompt logprobs, a seed (P's sampling
 runs without one) or structured output. Logprobs come from each side for its tokens (D's
 text offsets moved past P's token); usage counts P's token as generated.
 
 Streaming chat completions take it too when their messages are text, they say how many
-tokens to generate (D's completion must: the context left is not known here), and ask
-for no tools, chat logprobs or other chat-only output. P renders the chat template and
+tokens to generate or D advertises its output limits (D's completion then gets the
+server's limit less P's token: the generation config's max_new_tokens, or the context
+left), and ask for no tools, chat logprobs or other chat-only output. Every limit is
+capped by D's override where D advertises one, as vLLM caps it. P renders the chat template and
 returns the rendered prompt's ids; D continues from them with a completion, whose chunks
 become chat chunks (``ContinuationEvents(chat=True)``). When P's server parsed its token
 as reasoning or a tool call, D answers the client's own request instead.
@@ -37,6 +40,7 @@ import orjson
 from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
 from proxy.relay import EVENT_END, EVENT_ENDS
 from proxy.request import RouteRequest
+from xpyd_wire.discovery import OutputLimits
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
 
 _OURS = (PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM)  # set by the proxy, never by a client
@@ -114,13 +118,23 @@ def _text_messages(messages: Any) -> bool:
     return True
 
 
-def _chat_eligible(body: dict) -> bool:
+def _within(limit: Any, limits: OutputLimits | None) -> bool:
+    """A limit vLLM takes: none, or a positive int, and no more than the context where D
+    says it (beyond it vLLM answers 400, a status only D's first token can still give)."""
+    if limit is None:
+        return True
+    return type(limit) is int and limit >= 1 and (limits is None or limits.context is None or limit <= limits.context)
+
+
+def _chat_eligible(body: dict, limits: OutputLimits | None) -> bool:
     if not _text_messages(body.get("messages")):
         return False
-    if not any(isinstance(body.get(k), int) and not isinstance(body.get(k), bool)
-               for k in ("max_completion_tokens", "max_tokens")):
-        # D's completions request must say how many tokens: its default is 16, and a chat
-        # request's (the context left) is not known to the proxy.
+    given = (body.get("max_completion_tokens"), body.get("max_tokens"))
+    if not all(_within(v, limits) for v in given):
+        return False
+    if given == (None, None) and (limits is None or (limits.limit(None) is None and limits.context is None)):
+        # The limit of a chat request that sets none (the generation config's, or the
+        # context left) is known here only from D's output limits (its registration's).
         return False
     for key, value in body.items():
         if key in _CHAT_PROMPT_ONLY or key in _COMPLETION_KEYS or key in _NEUTRAL:
@@ -131,13 +145,14 @@ def _chat_eligible(body: dict) -> bool:
     return True
 
 
-def eligible(req: RouteRequest) -> bool:
-    """Whether the request's answer may start with P's token (see the module's text)."""
+def eligible(req: RouteRequest, limits: OutputLimits | None) -> bool:
+    """Whether the request's answer may start with P's token (see the module's text);
+    ``limits``: D's output limits, None where D did not advertise them."""
     body = req.body
     if body.get("stream") is not True:
         return False  # a whole answer has no first token to hurry
     if req.path == CHAT:
-        if not _chat_eligible(body):
+        if not _chat_eligible(body, limits):
             return False
     elif req.path == COMPLETIONS:
         prompt = body.get("prompt")
@@ -146,9 +161,7 @@ def eligible(req: RouteRequest) -> bool:
         logprobs = body.get("logprobs")
         if logprobs is not None and (type(logprobs) is not int or logprobs < 0):
             return False
-        if "max_tokens" in body and type(body["max_tokens"]) is not int:
-            # null: the server's own default limit, which may come from the model's
-            # generation config and is not known here (D would generate one token more)
+        if not _within(body.get("max_tokens"), limits):  # null: vLLM 0.32's 16, as when absent
             return False
     else:
         return False
@@ -238,29 +251,48 @@ def parse(data: bytes, chat: bool = False) -> FirstToken | None:
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
-def _max_tokens(body: dict, chat: bool) -> Any:
-    """The client's limit on generated tokens (chat: max_completion_tokens first; a
-    completion without one: vLLM's default)."""
+def max_tokens(body: dict, chat: bool, limits: OutputLimits | None) -> int | None:
+    """How many tokens the server lets the answer have, before the context left (None: only
+    that): the client's limit (chat: max_completion_tokens first; a completion without
+    max_tokens, or with null, which vLLM 0.32 reads alike: its default), or without one
+    the server's default, then capped by its override. ``limits`` None (not known): the
+    client's limit as it stands."""
     if chat:
-        limit = body.get("max_completion_tokens")
-        return limit if limit is not None else body.get("max_tokens")
-    return body.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+        requested = body.get("max_completion_tokens")
+        if requested is None:
+            requested = body.get("max_tokens")
+    else:
+        requested = body.get("max_tokens")
+        if requested is None:
+            requested = COMPLETION_DEFAULT_MAX_TOKENS
+    return requested if limits is None else limits.limit(requested)
 
 
-def complete_at_prefill(body: dict, first: FirstToken) -> bool:
-    """P's token ends the answer: it stopped (EOS, a stop token) or one token was asked for."""
-    return first.finish_reason not in (None, "length") or _max_tokens(body, first.chat) == 1
+def _d_tokens(body: dict, first: FirstToken, limits: OutputLimits | None) -> int:
+    """How many tokens D is to add after P's: the limit less P's token, or without a limit
+    the context left after P's prompt and token (``eligible`` let such a request through
+    only with the context known)."""
+    limit = max_tokens(body, first.chat, limits)
+    if limit is not None:
+        return limit - 1
+    assert limits is not None and limits.context is not None
+    return limits.context - len(first.prompt_ids) - 1
 
 
-def continuation(body: dict, first: FirstToken) -> dict:
+def complete_at_prefill(body: dict, first: FirstToken, limits: OutputLimits | None) -> bool:
+    """P's token ends the answer: it stopped (EOS, a stop token), one token was asked for,
+    or it filled the context."""
+    return first.finish_reason not in (None, "length") or _d_tokens(body, first, limits) <= 0
+
+
+def continuation(body: dict, first: FirstToken, limits: OutputLimits | None) -> dict:
     """D's request, always a completion (POST it to COMPLETIONS): the prompt as P's token
     ids plus P's token, one token fewer to generate, and P's prompt length for D's
     connector. A chat request keeps only what a completion means the same way."""
     cont = {k: v for k, v in body.items() if k in _COMPLETION_KEYS} if first.chat else dict(body)
     cont["prompt"] = first.prompt_ids + first.token_ids
-    limit = _max_tokens(body, first.chat)
-    if isinstance(limit, int):
-        cont["max_tokens"] = limit - 1
+    # A number, always: vLLM 0.32 reads a completion's null as its default, 16.
+    cont["max_tokens"] = _d_tokens(body, first, limits)
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
         cont["min_tokens"] = body["min_tokens"] - 1
     cont.pop("truncate_prompt_tokens", None)  # P's ids are already cut to it

@@ -11,9 +11,10 @@ import logging
 import math
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
-from xpyd_wire.discovery import Load, Registration
+from xpyd_wire.discovery import Load, OutputLimits, Registration
 from xpyd_wire.kv_events import EventsEndpoint
 
 log = logging.getLogger("xpyd.proxy.registry")
@@ -58,6 +59,8 @@ class Instance:
     source: str | None = None
     # Where it publishes vLLM's KV events (from its registration, or the static option).
     kv_events: EventsEndpoint | None = None
+    # How its vLLM caps generated tokens (from its registration); None: not known.
+    output_limits: OutputLimits | None = None
 
     def to_json(self, now_wall: float) -> dict:
         load = self.load
@@ -79,6 +82,7 @@ class Instance:
             "pending": self.pending,
             "probe_error": self.probe_error,
             "source": self.source,
+            "output_limits": None if self.output_limits is None else dataclasses.asdict(self.output_limits),
             "load": None
             if load is None
             else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
@@ -149,6 +153,7 @@ class Registry:
                 load=reg.load,
                 kv_transport_fallbacks=reg.kv_transport_fallbacks,
                 kv_events=reg.kv_events,
+                output_limits=reg.output_limits,
                 pending=True,
                 source=source,
             )
@@ -183,6 +188,7 @@ class Registry:
             inst.load = reg.load
         inst.kv_transport_fallbacks = reg.kv_transport_fallbacks
         inst.kv_events = reg.kv_events
+        inst.output_limits = reg.output_limits
         return inst
 
     def add_static(self, role: str, http_address: str, zmq_address: str,

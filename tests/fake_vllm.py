@@ -27,10 +27,10 @@ import zmq
 import zmq.asyncio
 
 try:
-    from xpyd_wire.discovery import Load, Registration, encode
+    from xpyd_wire.discovery import Load, OutputLimits, Registration, encode
 except ImportError:  # run as a script from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from xpyd_wire.discovery import Load, Registration, encode
+    from xpyd_wire.discovery import Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
 
 
@@ -222,8 +222,10 @@ class FakeVLLM:
         register: bool = True,
         api_key: str | None = None,
         kv_events: EventsEndpoint | None = None,
+        output_limits: OutputLimits | None = None,
     ) -> None:
         self.role = role
+        self.output_limits = output_limits
         # Advertised in the registration like the connector advertises vLLM's publisher.
         self.kv_events = kv_events
         self.proxy = proxy
@@ -324,6 +326,7 @@ class FakeVLLM:
             load=self.load,
             leave=leave,
             kv_events=self.kv_events,
+            output_limits=self.output_limits,
         )
 
     async def send_registration(self, leave: bool = False) -> None:

@@ -4,6 +4,7 @@ KV buffer, and the facade vLLM loads."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 
 from connector import layout as kvlayout
 from xpyd_wire import request_id
+from xpyd_wire.discovery import OutputLimits
 from connector.buffer import KVBuffer, Payload
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, output_limits
 
 KEY = "0123456789abcdef0123456789abcdef"
 P_ADDR = "127.0.0.1:21001"
@@ -92,6 +94,40 @@ def test_config_defaults():
     assert cfg.thread_affinity == "auto"
     assert cfg.allow_debug_corruption is False
     assert cfg.kv_load_timeout_s > 0 and cfg.send_timeout_s > 0 and cfg.buffer_ttl_s > 0
+
+
+TINY_MODEL = Path(__file__).resolve().parent.parent / ".models" / "tiny-llama"
+
+
+def test_output_limits_as_vllm_serves_them(tmp_path):
+    """The limits the heartbeat advertises, from vLLM's own ModelConfig, and OutputLimits'
+    arithmetic against vLLM's get_max_tokens (what its chat and completions servers call)."""
+    pytest.importorskip("vllm")
+    if not (TINY_MODEL / "config.json").exists():
+        pytest.skip("the tiny model is made by scripts/setup.sh")
+    from vllm.config import ModelConfig
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text('{"max_new_tokens": 5}')
+    cases = [
+        ({}, OutputLimits(context=4096)),  # the tiny model's generation config caps nothing
+        ({"generation_config": "vllm"}, OutputLimits(context=4096)),
+        ({"override_generation_config": {"max_new_tokens": 7}}, OutputLimits(7, 7, 4096)),
+        ({"generation_config": str(gen)}, OutputLimits(5, 5, 4096)),  # a path: it caps every request
+    ]
+    for kwargs, want in cases:
+        mc = ModelConfig(model=str(TINY_MODEL), max_model_len=4096, **kwargs)
+        limits = output_limits(mc)
+        assert limits == want, kwargs
+        for requested in (None, 1, 3, 6, 100):
+            for prompt in (10, 4090):
+                vllm_says = get_max_tokens(4096, requested, prompt, mc.get_diff_sampling_param(), limits.override)
+                ours = limits.limit(requested)
+                assert vllm_says == min(4096 - prompt, ours if ours is not None else 4096), (kwargs, requested)
+    assert output_limits(None) is None
+    assert output_limits(SimpleNamespace()) is None  # not a ModelConfig vLLM would pass: unknown, not a crash
 
 
 def test_config_from_extra(monkeypatch):

@@ -355,10 +355,11 @@ def test_first_token_from_prefill_without_max_tokens_equals_colocated(sys_: E2EC
     body = {k: v for k, v in body_for("completions", prompt, True).items() if k != "max_tokens"}
     body["stream_options"] = {"include_usage": True}
     want, want_last = generate(sys_.colocated.url, "completions", body)
-    got, last = generate(first_token_proxy.url, "completions", body)
     assert want_last["usage"]["completion_tokens"] == 16
-    assert_same_greedy(got, want)
-    assert last["usage"] == want_last["usage"]
+    for limit in ({}, {"max_tokens": None}):  # vLLM 0.32 reads null as its default too
+        got, last = generate(first_token_proxy.url, "completions", {**body, **limit})
+        assert_same_greedy(got, want)
+        assert last["usage"] == want_last["usage"]
 
 
 def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy, tokenizer):
@@ -371,12 +372,14 @@ def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2EClu
     assert_greedy_differs(got, want)
 
 
-def chat_text(base_url: str, body: dict) -> tuple[str, list[dict]]:
+def chat_text(base_url: str, body: dict, headers: dict | None = None) -> tuple[str, list[dict]]:
     """A streamed chat answer without logprobs (the first-token path takes no chat
-    logprobs): its text and its chunks."""
+    logprobs): its text and its chunks (and its response headers into ``headers``)."""
     with httpx.Client(timeout=120) as client, client.stream("POST", base_url + "/v1/chat/completions",
                                                             json=body) as r:
         assert r.status_code == 200, r.read()
+        if headers is not None:
+            headers.update(r.headers)
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]", lines[-3:]
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
@@ -398,6 +401,42 @@ def test_first_token_from_prefill_chat_equals_colocated(sys_: E2ECluster, first_
     assert step == len(want.tokens) or near_tie, f"step {step}: got {got!r}, want {str(want)!r}"
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    if step == len(want.tokens):
+        assert chunks[-1]["usage"] == want_last["usage"]
+
+
+MAX_MODEL_LEN = 4096  # scripts/cluster.py's --max-model-len
+
+
+def test_first_token_from_prefill_chat_without_a_limit_equals_colocated(sys_: E2ECluster, tokenizer):
+    """A chat request that sets no token limit: D's heartbeat says its vLLM caps nothing
+    but the context (and how long that is), so the proxy (the discovering one) takes P's
+    token and D continues with what is left of the context after P's prompt and token. The
+    prompt leaves ~20 tokens, so both answers run to the context's end: same text, same usage."""
+    with httpx.Client(timeout=30) as client:
+        ds = [i for i in client.get(sys_.proxy.url + "/instances").json() if i["role"] == "D"]
+        assert [d["output_limits"] for d in ds] == [{"default": None, "override": None, "context": MAX_MODEL_LEN}]
+
+        def prompt_tokens(content: str) -> int:
+            body = {**body_for("chat", content, False, max_tokens=1)}
+            r = client.post(sys_.colocated.url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens"]
+
+        short = make_prompt(tokenizer, 20, seed=6007)
+        template = prompt_tokens(short) - len(tokenizer(short)["input_ids"])
+        content = make_prompt(tokenizer, MAX_MODEL_LEN - 20 - template, seed=6011)
+        left = MAX_MODEL_LEN - prompt_tokens(content)
+    assert 4 <= left <= 40, left
+    body = {k: v for k, v in body_for("chat", content, True).items() if k != "max_tokens"}
+    body["stream_options"] = {"include_usage": True}
+    want, want_last = generate(sys_.colocated.url, "chat", body)
+    assert want_last["usage"]["completion_tokens"] == left  # the context's end, not EOS: the limit is tested
+    headers: dict = {}
+    got, chunks = chat_text(sys_.proxy.url, body, headers)
+    assert headers.get("x-xpyd-first-token") == "prefill", headers
+    step, near_tie = text_parting(got, want)
+    assert step == len(want.tokens) or near_tie, f"step {step}: got {got!r}, want {str(want)!r}"
     if step == len(want.tokens):
         assert chunks[-1]["usage"] == want_last["usage"]
 

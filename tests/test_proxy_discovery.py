@@ -320,6 +320,9 @@ def test_invalid_addresses_are_protocol_errors(address):
     {"type": msgpack.ExtType(1, b"P")},
     {"kv_transport_fallbacks": -1}, {"kv_transport_fallbacks": 1.5}, {"kv_transport_fallbacks": True},
     {"kv_transport_fallbacks": 10**8},
+    {"output_limits": [1]}, {"output_limits": {"default": 0}}, {"output_limits": {"override": -3}},
+    {"output_limits": {"default": 1.5}}, {"output_limits": {"default": True}}, {"output_limits": {"default": 2**31}},
+    {"output_limits": {"default": "16"}}, {"output_limits": {"other": 1}}, {"output_limits": {"context": 0}},
 ])  # fmt: skip
 def test_invalid_fields_are_protocol_errors(fields):
     from xpyd_wire.discovery import INVALID_FIELD, ProtocolError, decode
@@ -467,6 +470,19 @@ def test_handle_message_counts_each_drop_reason_once():
     assert counts == {"accepted": 1, "left": 0, "refused": 0, "malformed": 1,
                       "invalid_field": 0, "unauthorized": 2, "replayed": 1}  # fmt: skip
     assert registry.count_pending("P") == 1  # a candidate once it answers (no prober here)
+
+
+def test_output_limits_round_trip():
+    """Absent: not known (the upstream format); an empty map: no cap but the context."""
+    from xpyd_wire.discovery import OutputLimits, decode
+
+    base = Registration("D", "127.0.0.1:1", "127.0.0.1:2")
+    assert "output_limits" not in msgpack.unpackb(encode(base)) and decode(encode(base)).output_limits is None
+    for limits in (OutputLimits(), OutputLimits(default=512), OutputLimits(override=7), OutputLimits(64, 32, 8192)):
+        wire = encode(Registration("D", "127.0.0.1:1", "127.0.0.1:2", output_limits=limits))
+        assert decode(wire).output_limits == limits
+        assert None not in msgpack.unpackb(wire)["output_limits"].values()
+    assert decode(_msg(output_limits={"default": None})).output_limits == OutputLimits()
 
 
 async def test_transport_fallbacks_reach_instances():

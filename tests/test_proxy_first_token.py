@@ -13,11 +13,12 @@ import time
 import httpx
 import pytest
 from fake_vllm import DISAGGREGATED_ID, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
-from proxy_helpers import running_proxy
+from proxy_helpers import running_proxy, wait_until
 
 from proxy import first_token
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.request import RouteRequest
+from xpyd_wire.discovery import OutputLimits
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM
 
 PROMPT = "Tell me about the sea"
@@ -51,9 +52,24 @@ def route(body: dict, path: str = COMPLETIONS) -> RouteRequest:
     ({"stream_options": {"include_usage": True, "other": 1}}, False),
     ({"n": True}, False),  # not the integer 1
     ({"use_beam_search": True}, False),
+    ({"max_tokens": None}, True),  # vLLM 0.32 reads null as its default, 16
+    ({"max_tokens": 0}, False),  # vLLM's 400 goes out as a status on D's first token
+    ({"max_tokens": 2.0}, False),
 ])
 def test_eligible(change, ok):
-    assert first_token.eligible(route({**STREAM, **change})) is ok
+    assert first_token.eligible(route({**STREAM, **change}), None) is ok
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({}, True),
+    ({"max_tokens": None}, True),
+    ({"max_tokens": 0}, False),
+    ({"max_tokens": True}, False),
+    ({"max_tokens": 4096}, True),
+    ({"max_tokens": 4097}, False),  # over the context: vLLM's 400, from D as the client's own request
+])
+def test_eligible_with_ds_output_limits(change, ok):
+    assert first_token.eligible(route({**STREAM, **change}), OutputLimits(default=7, context=4096)) is ok
 
 
 CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 5,
@@ -79,9 +95,45 @@ CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": P
     ({"echo": True}, False),
     ({"audio": {"voice": "x"}}, False),  # a key this mode does not know
     ({"stream": False}, False),
+    ({"max_completion_tokens": -1}, False),
+    ({"max_completion_tokens": None, "max_tokens": "5"}, False),
 ])
 def test_chat_eligible(change, ok):
-    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT)) is ok
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), None) is ok
+
+
+@pytest.mark.parametrize("limits, ok", [
+    (OutputLimits(context=4096), True),
+    (OutputLimits(default=9), True),
+    (OutputLimits(override=3), True),
+    (OutputLimits(), False),  # neither a cap nor the context: the answer's length is not known
+    (None, False),
+])
+def test_chat_without_a_limit_is_eligible_where_d_says_its_limits(limits, ok):
+    body = {**CHAT_STREAM, "max_completion_tokens": None}
+    assert first_token.eligible(route(body, CHAT), limits) is ok
+    assert first_token.eligible(route({**body, "max_tokens": None}, CHAT), limits) is ok
+
+
+@pytest.mark.parametrize("body, chat, limits, want", [
+    ({"max_tokens": 5}, False, None, 5),
+    ({}, False, None, 16),  # vLLM's completions default
+    ({}, False, OutputLimits(default=40), 16),  # a completion's 16 is its own limit: no default applies
+    ({}, False, OutputLimits(override=8), 8),
+    ({"max_tokens": None}, False, OutputLimits(default=40), 16),  # vLLM 0.32: null is the default, 16
+    ({"max_tokens": None}, False, None, 16),
+    ({"max_tokens": 50}, False, OutputLimits(default=7, override=20), 20),
+    ({"max_completion_tokens": 5, "max_tokens": 9}, True, None, 5),
+    ({"max_tokens": 9}, True, None, 9),
+    ({}, True, OutputLimits(default=12), 12),
+    ({}, True, OutputLimits(default=12, override=10), 10),
+    ({"max_completion_tokens": 30}, True, OutputLimits(default=12, override=25), 25),
+    ({}, True, OutputLimits(), None),
+])
+def test_max_tokens_as_vllm_caps_them(body, chat, limits, want):
+    """vLLM 0.32's get_max_tokens, before the context left: the request's limit, else the
+    server's default, then the override."""
+    assert first_token.max_tokens(body, chat, limits) == want
 
 
 async def test_chat_gets_p_token_then_d_continues_as_chat_chunks():
@@ -287,9 +339,8 @@ async def test_usage_is_the_client_request_s():
 
 
 async def test_completion_without_max_tokens_gets_vllms_default_count():
-    """vLLM generates 16 tokens for a completion that names no limit: P's one and D's 15,
-    not D's own 16 on top. An explicit null (the server's default limit, which may come
-    from the model's generation config) keeps D's first token."""
+    """vLLM generates 16 tokens for a completion that names no limit (or null): P's one and
+    D's 15, not D's own 16 on top."""
     body = {k: v for k, v in STREAM.items() if k != "max_tokens"}
     async with running_proxy() as px:
         p, d = await px.pd()
@@ -302,9 +353,68 @@ async def test_completion_without_max_tokens_gets_vllms_default_count():
         resp = await px.client.post("/v1/completions", json={**body, "max_completion_tokens": 5})
         assert len(events(resp.text)) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS
         assert d.completions()[-1].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
+        # null: vLLM 0.32 reads it as its default too (CompletionRequest.normalize_null_max_tokens).
         resp = await px.client.post("/v1/completions", json={**body, "max_tokens": None})
-        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
-        assert d.completions()[-1].json["max_tokens"] is None  # the client's own request
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert d.completions()[-1].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
+
+
+@pytest.mark.parametrize("limits, want", [
+    (OutputLimits(default=6, context=4096), 5),  # the generation config's max_new_tokens: P's token and D's 5
+    (OutputLimits(context=4096), None),  # no cap: the context left after P's prompt and token
+    (OutputLimits(default=6, override=4), 3),
+])
+async def test_chat_without_a_limit_uses_ds_advertised_limits(limits, want):
+    """D's registration says how its vLLM caps an answer: a chat request that sets no limit
+    then takes P's token too, and D's continuation gets the server's limit less P's token."""
+    body = {**CHAT_STREAM, "stream_options": {"include_usage": True}}
+    del body["max_completion_tokens"]
+    async with running_proxy() as px:
+        await px.fake("P")
+        d = await px.fake("D", output_limits=limits)
+        resp = await px.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        cont = d.completions()[-1].json
+        assert cont["max_tokens"] == (want if want is not None else limits.context - len(cont["prompt"]))
+        [ds] = [i for i in (await px.client.get("/instances")).json() if i["role"] == "D"]
+        assert ds["output_limits"] == {"default": limits.default, "override": limits.override,
+                                       "context": limits.context}
+
+
+async def test_chat_whose_prompt_fills_the_context_but_one_ends_at_p():
+    """Without a limit the answer ends at the context: when P's token fills it, D is not asked."""
+    body = {**CHAT_STREAM}
+    del body["max_completion_tokens"]
+    async with running_proxy() as px:
+        await px.fake("P")
+        n_prompt = len(chat_prompt_token_ids(body["messages"]))
+        d = await px.fake("D", output_limits=OutputLimits(context=n_prompt + 1))
+        resp = await px.client.post("/v1/chat/completions", json=body)
+        got = events(resp.text)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill" and got[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["delta"].get("content", "") for e in got[:-1] if e["choices"]) == " t0"
+        assert d.completions() == []
+
+
+async def test_override_caps_an_explicit_limit_and_one_token_answers_end_at_p():
+    """vLLM caps even an explicit max_tokens by its override: D gets that cap less one, not the
+    client's number less one (which would give one token more than colocated). A cap of one
+    token is all P's: D is not asked."""
+    async with running_proxy() as px:
+        await px.fake("P")
+        d = await px.fake("D", output_limits=OutputLimits(override=3))
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert d.completions()[-1].json["max_tokens"] == 2
+        d.output_limits = OutputLimits(override=1)
+        await d.send_registration()
+        await wait_until(lambda: px.registry.live("D")[0].output_limits == OutputLimits(override=1),
+                         what="D's new limits")
+        asked = len(d.completions())
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})
+        got = events(resp.text)
+        assert resp.status_code == 200 and got[-1] == "[DONE]" and len(got) == 2  # P's token only
+        assert len(d.completions()) == asked
 
 
 async def test_d_failing_before_its_first_byte_continues_alone():

@@ -8,6 +8,11 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
 - ``kv_transport_fallbacks``: int 0..MAX_LOAD_COUNT, times the instance's KV transport left
   NCCL for the host-staged tcp path with a peer since it started (0 and absent alike)
 - ``leave``: ``True`` to deregister gracefully
+- ``output_limits``: ``{"default": int?, "override": int?, "context": int?}`` (each
+  1..MAX_OUTPUT_TOKENS), how the instance's vLLM caps generated tokens: ``default`` where a
+  request sets no limit (the generation config's ``max_new_tokens``), ``override`` whatever
+  the request says, and the context (``max_model_len``) every answer ends at. Absent: not
+  known
 - ``kv_events``: where the instance publishes vLLM's KV events, ``{"endpoint": "tcp://host:port",
   "replay_endpoint": "tcp://host:port"?, "topic": str?, "blocks": int?}`` (xpyd_wire.kv_events);
   both hosts must be the host of ``zmq_address``, so a registration can only point the proxy
@@ -49,7 +54,7 @@ ROLES = ("P", "D")
 MAX_CLOCK_SKEW_S = 30.0
 # Registrations are a few hundred bytes; refuse anything absurd before it is parsed.
 MAX_MESSAGE_BYTES = 64 * 1024
-# Known fields are 8; a few unknown ones are tolerated (and ignored) for compatibility.
+# Known fields are 11; a few unknown ones are tolerated (and ignored) for compatibility.
 MAX_FIELDS = 24
 MAX_KEY_LEN = 64
 MAX_HOST_LEN = 253  # RFC 1035 limit on a DNS name's text form
@@ -72,7 +77,10 @@ _PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
 _HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
 _KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac",
-                    "kv_transport_fallbacks", "kv_events"})
+                    "kv_transport_fallbacks", "kv_events", "output_limits"})
+# A token limit beyond any context length vLLM runs with.
+MAX_OUTPUT_TOKENS = 2**31 - 1
+_LIMIT_KEYS = ("default", "override", "context")
 _LOAD_COUNTS = ("running", "waiting")
 _LOAD_USAGES = ("kv_usage", "kv_buffer_usage")
 
@@ -94,6 +102,25 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputLimits:
+    """How an instance's vLLM caps generated tokens (vLLM 0.32's serving layer: the least of
+    the request's limit, else ``default``; ``override``; and the context left). ``default``:
+    the generation config's ``max_new_tokens``; ``override``: the same when
+    ``--generation-config`` names a path, else ``--override-generation-config``'s. None: no
+    such cap."""
+
+    default: int | None = None
+    override: int | None = None
+    context: int | None = None  # max_model_len: prompt and answer together end there
+
+    def limit(self, requested: int | None) -> int | None:
+        """What the server allows a request that asks for ``requested`` tokens (None: sets no
+        limit), before the context left; None: only the context limits it."""
+        caps = [x for x in (requested if requested is not None else self.default, self.override) if x is not None]
+        return min(caps) if caps else None
+
+
+@dataclass(frozen=True, slots=True)
 class Registration:
     role: str
     http_address: str
@@ -105,6 +132,7 @@ class Registration:
     nonce: str | None = None
     kv_transport_fallbacks: int = 0
     kv_events: EventsEndpoint | None = None
+    output_limits: OutputLimits | None = None
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -140,6 +168,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
         fields["kv_transport_fallbacks"] = reg.kv_transport_fallbacks
     if reg.kv_events is not None:
         fields["kv_events"] = reg.kv_events.to_wire()
+    if reg.output_limits is not None:
+        fields["output_limits"] = {k: v for k in _LIMIT_KEYS if (v := getattr(reg.output_limits, k)) is not None}
     if reg.leave:
         fields["leave"] = True
     ts = reg.ts
@@ -215,6 +245,18 @@ def _check_load(value: Any) -> Load:
             raise ProtocolError(f"load.{key} must be a number 0..1, got {_show(u)}")
         usages.append(float(u))
     return Load(counts[0], counts[1], usages[0], usages[1])
+
+
+def _check_output_limits(value: Any) -> OutputLimits:
+    if not isinstance(value, dict) or set(value) - set(_LIMIT_KEYS):
+        raise ProtocolError(f"output_limits must be a map of {', '.join(_LIMIT_KEYS)}")
+    got: list[int | None] = []
+    for key in _LIMIT_KEYS:
+        n = value.get(key)
+        if n is not None and (type(n) is not int or not 1 <= n <= MAX_OUTPUT_TOKENS):
+            raise ProtocolError(f"output_limits.{key} must be an int 1..{MAX_OUTPUT_TOKENS}, got {_show(n)}")
+        got.append(n)
+    return OutputLimits(*got)
 
 
 def _check_ts(ts: Any) -> float | None:
@@ -293,6 +335,7 @@ def decode(
     if type(fallbacks) is not int or not 0 <= fallbacks <= MAX_LOAD_COUNT:
         raise ProtocolError(f"kv_transport_fallbacks must be an int 0..{MAX_LOAD_COUNT}, got {_show(fallbacks)}")
     kv_events = _check_kv_events(fields["kv_events"], zmq_address) if "kv_events" in fields else None
+    limits = _check_output_limits(fields["output_limits"]) if "output_limits" in fields else None
     return Registration(
         role=role,
         http_address=http_address,
@@ -304,6 +347,7 @@ def decode(
         nonce=nonce,
         kv_transport_fallbacks=fallbacks,
         kv_events=kv_events,
+        output_limits=limits,
     )
 
 

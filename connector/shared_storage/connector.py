@@ -48,7 +48,8 @@ class SharedStorageConnector(XpydConnectorBase):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = SharedStorageConfig.from_vllm(vllm_config.kv_transfer_config, vllm_config.kv_events_config,
-                                           vllm_config.cache_config.num_gpu_blocks)
+                                           vllm_config.cache_config.num_gpu_blocks,
+                                           vllm_config.model_config if role == KVConnectorRole.SCHEDULER else None)
         model_id = model_identity(cfg, vllm_config)
         world = vllm_config.parallel_config.world_size
         self._scheduler: SharedStorageScheduler | None = None
