@@ -36,9 +36,10 @@ threshold); --dispatch-ab adds a second proxy on the same P and D with the other
 mode. Short prompts (--short-lengths, default 64 tokens; --short-sweep for 16..512) are
 measured idle and while long prompts arrive, colocated vs the default proxy vs proxies
 that always disaggregate (threshold 0) or always prefill on D (--local-prefill-threshold
-huge). --json FILE writes the medians: ttft_1k_ms {colocated, disaggregated},
-ttft_short_ms {colocated, disaggregated, tokens}, d_share_ms, d_share_parts_ms, itl_p99_*_ms,
-the shipped defaults, the machine and the command.
+huge). --json FILE writes the medians: ttft_1k_ms {colocated, disaggregated, p_alone} (at
+--ttft-tokens, whatever its value), ttft_short_ms {colocated, disaggregated, tokens},
+d_share_ms, d_share_parts_ms, prefill_answer_ms (P's answer as the proxy timed it),
+itl_p99_*_ms, the shipped defaults, the machine and the command.
 
 --runs N repeats the whole benchmark N times, each time on freshly started servers, and
 prints each ratio's median and range over the runs (TTFT disaggregated / colocated, / P alone,
