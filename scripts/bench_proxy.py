@@ -269,16 +269,21 @@ class Setup:
 
 
 
-def _spawn(procs: list[subprocess.Popen], cmd: list[str]) -> subprocess.Popen:
+def _spawn(procs: list[subprocess.Popen], cmd: list[str], cwd: str | None = None) -> subprocess.Popen:
     """Start a process of this run (stderr kept for its error message); stopped at the end."""
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
     procs.append(p)
     return p
 
 def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router") -> Setup:
     if variant == "vllm-router":
         return _start_router(procs, router_bin)
-    base, *flags = variant.split("+")
+    # "...@DIR": the proxy of another checkout (e.g. a git worktree of an older commit), for
+    # an A/B of two versions in one run; `python -m proxy` imports from its working directory.
+    variant_spec, _, checkout = variant.partition("@")
+    if checkout and not os.path.isdir(os.path.join(checkout, "proxy")):
+        raise SystemExit(f"{checkout!r} has no proxy/ package (variant {variant!r})")
+    base, *flags = variant_spec.split("+")
     client, loop, http = base.split("/")
     extra = {"expose": ["--expose-routing-headers"], "first-token": ["--first-token", "prefill"],
              "decode-first": ["--first-token", "decode"]}
@@ -287,8 +292,8 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
     py = sys.executable
     disc, p_port, d_port, proxy_port = free_port(), free_port(), free_port(), free_port()
 
-    def spawn(cmd: list[str]) -> subprocess.Popen:
-        return _spawn(procs, cmd)
+    def spawn(cmd: list[str], cwd: str | None = None) -> subprocess.Popen:
+        return _spawn(procs, cmd, cwd)
 
     fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
@@ -299,7 +304,8 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
                    "--http", http,
                    # Every request P then D, as vllm-router does: the short prompts here would
                    # otherwise go to D alone (the shipped local_prefill_threshold).
-                   "--local-prefill-threshold", "0", *(a for f in flags for a in extra[f])])  # fmt: skip
+                   "--local-prefill-threshold", "0", *(a for f in flags for a in extra[f])],
+                  cwd=checkout or None)  # fmt: skip
     return Setup(variant, d_port, d_proc, proxy_port, proxy)
 
 
@@ -479,7 +485,9 @@ def main() -> int:
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     ap.add_argument("--http", default="httptools", choices=("httptools", "h11"))
     ap.add_argument("--variants", nargs="*",
-                    help="client/loop/http[+expose] combinations to compare, or vllm-router")  # fmt: skip
+                    help="client/loop/http[+expose|+first-token|+decode-first][@DIR] combinations to compare "
+                         "(@DIR: the proxy of another checkout, e.g. a git worktree of an older commit), "
+                         "or vllm-router")  # fmt: skip
     ap.add_argument("--router-bin", default="vllm-router",
                     help="vllm-router executable for the vllm-router variant (pip install vllm-router==0.1.17)")
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
