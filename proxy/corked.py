@@ -7,7 +7,9 @@ and one for the piece. On loopback a ``send`` is the largest single cost of a pr
 request (profile in the README), so the client transport here holds what is written until
 the current loop turn ends and hands it over with one ``writelines`` (one ``writev``, no
 copy). Nothing waits longer than the turn that wrote it: the flush is the next ready
-callback, before the loop polls for I/O.
+callback, before the loop polls for I/O. An app that is about to spend the rest of the
+turn on other work (the proxy building D's request after P's token) can send what is held
+now: each request's ``scope["state"][FLUSH]`` (ASGI has no message for it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
+
+FLUSH = "xpyd.flush"  # scope["state"] key: a callable that sends what the connection holds
 
 
 class CorkedTransport:
@@ -34,14 +38,15 @@ class CorkedTransport:
         if not data:
             return
         if not self._held:
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self.flush)
         self._held.append(data)
 
     def writelines(self, lines: Any) -> None:
         for data in lines:
             self.write(data)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send what is held now (also the turn's end callback: then often nothing)."""
         held, self._held = self._held, []
         if not held or self._transport.is_closing():
             return  # the client is gone: what it would have got goes nowhere, as before
@@ -54,7 +59,7 @@ class CorkedTransport:
         return self._transport.get_write_buffer_size() + sum(map(len, self._held))
 
     def close(self) -> None:
-        self._flush()  # what was written before close() is sent, as transports promise
+        self.flush()  # what was written before close() is sent, as transports promise
         self._transport.close()
 
     def abort(self) -> None:
@@ -72,7 +77,11 @@ def corked_protocol(http: str) -> type[asyncio.Protocol]:
 
     class Corked(base):  # type: ignore[misc,valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:
-            super().connection_made(CorkedTransport(transport, asyncio.get_running_loop()))
+            corked = CorkedTransport(transport, asyncio.get_running_loop())
+            super().connection_made(corked)
+            # Every request's scope["state"] is a copy of app_state (both parsers): this
+            # connection's requests find its flush there.
+            self.app_state = {**self.app_state, FLUSH: corked.flush}
 
     Corked.__name__ = Corked.__qualname__ = f"Corked{base.__name__}"
     return Corked

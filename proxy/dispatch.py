@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -85,6 +85,8 @@ class Call:
     # gets what is left of that attempt's decode_ttfb_timeout, never a new one.
     decode_due: float | None = None
     went_local: bool = False  # D was asked alone: a rescue would be a second try of that
+    # Sends what the client connection holds now (proxy/corked.py); None: not corked.
+    flush: Callable[[], None] | None = None
 
 
 class Dispatcher:
@@ -370,9 +372,10 @@ class Dispatcher:
           the first failure's error ends the stream."""
         req = call.req
         rescuer: Instance | None = None
-        # The relay has just written P's token, which the transport holds until this loop
-        # turn ends (proxy/corked.py): let it go out before D's request is built and sent.
-        await asyncio.sleep(0)
+        if call.flush is not None:
+            # The relay has just written P's token, which the transport would hold until
+            # this loop turn ends (proxy/corked.py): send it before D's request is built.
+            call.flush()
         try:
             try:
                 opening = self._open(req, d, headers, orjson.dumps(cont), COMPLETIONS)

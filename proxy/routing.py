@@ -14,6 +14,7 @@ import orjson
 from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
 from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
+from proxy.corked import FLUSH
 from proxy.credentials import forwards_client_auth, upstream_key_header
 from proxy.dispatch import Call, Dispatcher
 from proxy.errors import ProxyError
@@ -136,7 +137,9 @@ class Router:
             # From here on the request waits on upstreams: watch for the client leaving.
             loop = task.get_loop()
             watcher = loop.create_task(_watch(receive, flight))
-            status = await self.dispatcher.run(Call(req, send, flight, t0, loop))
+            state = scope.get("state")
+            status = await self.dispatcher.run(Call(req, send, flight, t0, loop,
+                                                    flush=state.get(FLUSH) if state else None))
         except ProxyError as e:
             status = e.status
             if not flight.started:

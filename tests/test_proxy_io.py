@@ -4,6 +4,8 @@ client transport (one system call for what one loop turn writes)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import pytest
 
@@ -204,6 +206,53 @@ async def test_corked_protocol_serves_http(http):
             body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
             assert body == b"5\r\npart1\r\n5\r\npart2\r\n0\r\n\r\n"
         writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_corked_flush_sends_what_is_held_before_the_turn_ends(http):
+    """scope["state"][FLUSH] sends the response's held start at once: the client has it
+    while the app still holds the loop (blocking here for 0.5 s), not after."""
+    import uvicorn
+
+    from proxy.corked import FLUSH
+
+    flushed_at: list[float] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        scope["state"][FLUSH]()
+        flushed_at.append(time.monotonic())
+        time.sleep(0.5)  # the rest of the turn: nothing else on the loop runs meanwhile
+        await send({"type": "http.response.body", "body": b"rest"})
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=corked_protocol(http), lifespan="off",
+                            log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.get_running_loop().create_task(server.serve())
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+
+        def client() -> tuple[bytes, float]:  # a thread: the loop is blocked while it reads
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                data = b""
+                while b"first" not in data:
+                    data += c.recv(65536)
+                return data, time.monotonic()
+
+        data, got_at = await asyncio.to_thread(client)
+        assert data.startswith(b"HTTP/1.1 200") and b"rest" not in data
+        assert got_at - flushed_at[0] < 0.3, "the held start waited for the turn's end"
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
