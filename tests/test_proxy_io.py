@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -174,18 +176,10 @@ async def test_corked_connection_end(ending, received):
         server.close()
 
 
-@pytest.mark.parametrize("http", ["auto", "httptools", "h11"])
-async def test_corked_protocol_serves_http(http):
-    """uvicorn's protocol with the corked transport answers a keep-alive client: the
-    headers and body of a response, then a second request on the same connection."""
+@asynccontextmanager
+async def serving(app, http: str) -> AsyncIterator[int]:
+    """``app`` behind uvicorn with the corked protocol ``http`` on loopback; yields the port."""
     import uvicorn
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"part1", "more_body": True})
-        await send({"type": "http.response.body", "body": b"part2"})
 
     protocol = corked_protocol(http)
     assert protocol.__name__.startswith("Corked")
@@ -197,7 +191,25 @@ async def test_corked_protocol_serves_http(http):
             if server.started:
                 break
             await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize("http", ["auto", "httptools", "h11"])
+async def test_corked_protocol_serves_http(http):
+    """uvicorn's protocol with the corked transport answers a keep-alive client: the
+    headers and body of a response, then a second request on the same connection."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"part1", "more_body": True})
+        await send({"type": "http.response.body", "body": b"part2"})
+
+    async with serving(app, http) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         for _ in range(2):
             writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -206,17 +218,12 @@ async def test_corked_protocol_serves_http(http):
             body = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
             assert body == b"5\r\npart1\r\n5\r\npart2\r\n0\r\n\r\n"
         writer.close()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 async def test_corked_flush_sends_what_is_held_before_the_turn_ends(http):
     """scope["state"][FLUSH] sends the response's held start at once: the client has it
     while the app still holds the loop (blocking here for 0.5 s), not after."""
-    import uvicorn
-
     from proxy.corked import FLUSH
 
     flushed_at: list[float] = []
@@ -231,16 +238,7 @@ async def test_corked_flush_sends_what_is_held_before_the_turn_ends(http):
         time.sleep(0.5)  # the rest of the turn: nothing else on the loop runs meanwhile
         await send({"type": "http.response.body", "body": b"rest"})
 
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, http=corked_protocol(http), lifespan="off",
-                            log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.get_running_loop().create_task(server.serve())
-    try:
-        for _ in range(100):
-            if server.started:
-                break
-            await asyncio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
+    async with serving(app, http) as port:
 
         def client() -> tuple[bytes, float]:  # a thread: the loop is blocked while it reads
             with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
@@ -253,9 +251,6 @@ async def test_corked_flush_sends_what_is_held_before_the_turn_ends(http):
         data, got_at = await asyncio.to_thread(client)
         assert data.startswith(b"HTTP/1.1 200") and b"rest" not in data
         assert got_at - flushed_at[0] < 0.3, "the held start waited for the turn's end"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 def test_corked_protocol_rejects_an_unknown_parser():
