@@ -933,7 +933,7 @@ def run_many(args, argv: list[str]) -> int:
     median and range over the runs. Two vLLM servers started alike can differ by several
     per cent for as long as they live (measured: 0.91-1.01x between twins on one core, one
     request each in turn), so one run's ratio carries its instances' luck."""
-    child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, ("--runs", "--json"))]
+    child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, ("--runs", "--json", "--log-dir"))]
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -944,7 +944,8 @@ def run_many(args, argv: list[str]) -> int:
         for i in range(args.runs):
             out = Path(tmp) / f"run{i}.json"
             print(f"=== run {i + 1} of {args.runs} (fresh servers)", flush=True)
-            proc = subprocess.Popen([*child, "--json", str(out)])
+            logs = ["--log-dir", str(Path(args.log_dir) / f"run{i + 1}")] if args.log_dir else []
+            proc = subprocess.Popen([*child, "--json", str(out), *logs])
             try:
                 rc = proc.wait()
             except KeyboardInterrupt:  # Ctrl-C reached the child too; SIGTERM (below) did not
