@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from connector.log import get_logger
-from xpyd_wire.discovery import MAX_OUTPUT_TOKENS, OutputLimits
+from xpyd_wire.discovery import OutputLimits, ProtocolError, check_output_limits
 from xpyd_wire.kv_events import EventError, EventsEndpoint, advertised
 
 logger = get_logger(__name__)
@@ -304,13 +304,12 @@ def output_limits(model_config: Any) -> OutputLimits | None:
         logger.warning("output limits not known (%s: %s): the proxy keeps requests without a token "
                        "limit on D's first token", type(e).__name__, e)
         return None
-    context = getattr(model_config, "max_model_len", None)
-    values = (default, override, context)
-    if any(v is not None and (type(v) is not int or not 1 <= v <= MAX_OUTPUT_TOKENS) for v in values):
-        logger.warning("output limits not advertised: max_new_tokens %r / %r or max_model_len %r out of range",
-                       *values)
+    try:
+        return check_output_limits({"default": default, "override": override,
+                                    "context": getattr(model_config, "max_model_len", None)})
+    except ProtocolError as e:
+        logger.warning("output limits not advertised: %s", e)
         return None
-    return OutputLimits(default, override, context)
 
 
 def _bound_by_vllm(endpoint: str) -> bool:

@@ -128,6 +128,10 @@ def test_output_limits_as_vllm_serves_them(tmp_path):
                 assert vllm_says == min(4096 - prompt, ours if ours is not None else 4096), (kwargs, requested)
     assert output_limits(None) is None
     assert output_limits(SimpleNamespace()) is None  # not a ModelConfig vLLM would pass: unknown, not a crash
+    # A value the proxy would refuse (and drop the whole heartbeat for) is not advertised.
+    bad = SimpleNamespace(get_diff_sampling_param=lambda: {"max_tokens": 0}, generation_config="auto",
+                          override_generation_config={}, max_model_len=4096)
+    assert output_limits(bad) is None
 
 
 def test_config_from_extra(monkeypatch):

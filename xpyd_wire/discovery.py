@@ -247,7 +247,10 @@ def _check_load(value: Any) -> Load:
     return Load(counts[0], counts[1], usages[0], usages[1])
 
 
-def _check_output_limits(value: Any) -> OutputLimits:
+def check_output_limits(value: Any) -> OutputLimits:
+    """The wire's ``output_limits`` map as OutputLimits (None values: absent), or ProtocolError.
+    The connector checks its own with it too: an advertised limit the proxy would refuse
+    would get the whole heartbeat dropped."""
     if not isinstance(value, dict) or set(value) - set(_LIMIT_KEYS):
         raise ProtocolError(f"output_limits must be a map of {', '.join(_LIMIT_KEYS)}")
     got: list[int | None] = []
@@ -335,7 +338,7 @@ def decode(
     if type(fallbacks) is not int or not 0 <= fallbacks <= MAX_LOAD_COUNT:
         raise ProtocolError(f"kv_transport_fallbacks must be an int 0..{MAX_LOAD_COUNT}, got {_show(fallbacks)}")
     kv_events = _check_kv_events(fields["kv_events"], zmq_address) if "kv_events" in fields else None
-    limits = _check_output_limits(fields["output_limits"]) if "output_limits" in fields else None
+    limits = check_output_limits(fields["output_limits"]) if "output_limits" in fields else None
     return Registration(
         role=role,
         http_address=http_address,
