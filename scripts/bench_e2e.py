@@ -621,6 +621,20 @@ def d_share_parts(results: list[StreamResult]) -> dict[str, float] | None:
     return out
 
 
+def arrival_lag_ms(results: list[StreamResult]) -> float:
+    """Median KV arrival lag (P's forward end -> D acknowledged the last byte) of these
+    requests, from P's 'kv sent' lines: whether or not D's share is on TTFT (with the first
+    token from P there is no D's-share header, but P still ships the KV)."""
+    lags = [r.decode["arrival_lag"] for r in results
+            if r.decode is not None and not math.isnan(r.decode["arrival_lag"])]
+    return statistics.median(lags) if lags else math.nan
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN: a figure that could not be measured is null."""
+    return None if math.isnan(x) else x
+
+
 def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
            decode_log: str, notes: list[str]) -> list[str]:
     colos, dis = [s.name for s in setups[:-1]], setups[-1].name
@@ -718,7 +732,7 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                      f"ms ({ft['colocated_first_gap_ms']:.1f} colocated)")
     for k in gab:
         a, b = (statistics.median(r.ttft for r in tt[x]) for x in (dis, k))
-        la, lb = ((d_share_parts(tt[x]) or {}).get("kv_arrival_lag", math.nan) for x in (dis, k))
+        la, lb = (arrival_lag_ms(tt[x]) for x in (dis, k))
         lines.append(f"  send granularity A/B (two P on core 0, alternating, one D): TTFT median {args.granularity} "
                      f"{args.dispatch_default} (default) {a * 1000:.1f} ms, {k.removeprefix('disagg-')} {b * 1000:.1f} "
                      f"ms ({b / a:.2f}x); KV arrival lag {la:.1f} -> {lb:.1f} ms")
@@ -877,7 +891,7 @@ def summary(args, res: dict, colo: str, dis: str, p_alone: str) -> dict:
     gab = [k for k in tt if k.startswith(tuple(f"disagg-{g}" for g in GRANULARITIES))]
     if gab:  # keyed "granularity" (sequential dispatch) or "granularity-dispatch"
         out["granularity_ab"] = {
-            g: {"ttft_ms": med(r.ttft for r in tt[k]) * 1000, "kv_arrival_lag_ms": (parts or {}).get("kv_arrival_lag"),
+            g: {"ttft_ms": med(r.ttft for r in tt[k]) * 1000, "kv_arrival_lag_ms": _finite(arrival_lag_ms(tt[k])),
                 "d_share_ms": d_share_ms(tt[k]), "d_share_parts_ms": parts}
             for g, k in [(args.granularity, dis)] + [(x.removeprefix("disagg-"), x) for x in gab]
             for parts in [d_share_parts(tt[k])]}
