@@ -154,6 +154,13 @@ async def _loadgen(
     return {"n": n, "errors": errors, "rps": n / duration, "p50": pct(0.5), "p99": pct(0.99)}
 
 
+def prompt_text(chars: int) -> str:
+    """The prompt: the fake tokenizer makes one token of each character, so ``chars`` is
+    the prompt's length in tokens as P returns it (and D's continuation carries it)."""
+    words = "Hello, my name is "
+    return (words * (chars // len(words) + 1))[:chars] if chars > 0 else words.strip()
+
+
 def loadgen_main(args: argparse.Namespace) -> None:
     try:
         import uvloop
@@ -162,10 +169,11 @@ def loadgen_main(args: argparse.Namespace) -> None:
     except ImportError:
         run = asyncio.run
     body: dict = {"model": "fake-model", "max_tokens": args.tokens, "stream": True}
+    text = prompt_text(args.prompt_chars)
     if args.chat:
-        body["messages"] = [{"role": "user", "content": "Hello, my name is"}]
+        body["messages"] = [{"role": "user", "content": text}]
     else:
-        body["prompt"] = "Hello, my name is"
+        body["prompt"] = text
     result = run(
         _loadgen(
             args.host,
@@ -243,8 +251,8 @@ def wait_http(port: int, path: str, timeout: float = 30.0) -> None:
 def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
     cmd = [sys.executable, os.path.abspath(__file__), "--loadgen", "--port", str(port),
            "--concurrency", str(c), "--duration", str(args.duration), "--warmup",
-           str(args.warmup), "--tokens", str(args.tokens), *(["--chat"] if args.chat else [])
-           ]  # fmt: skip
+           str(args.warmup), "--tokens", str(args.tokens), "--prompt-chars", str(args.prompt_chars),
+           *(["--chat"] if args.chat else [])]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     # CPU is sampled around the measured window only (the load generator reports the same).
     time.sleep(args.warmup)
@@ -448,7 +456,8 @@ def bench(args: argparse.Namespace) -> int:
 def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namespace) -> None:
     rounds = f", median of {args.rounds} interleaved rounds" if args.rounds > 1 else ""
     kind = "chat completions" if args.chat else "completions"
-    print(f"\nxPyD proxy benchmark: streaming {kind}, {args.tokens} tokens, fake P/D "
+    print(f"\nxPyD proxy benchmark: streaming {kind}, {args.tokens} tokens, "
+          f"{len(prompt_text(args.prompt_chars))}-token prompt, fake P/D "
           f"instances, {os.cpu_count()} CPUs, {args.duration:g}s per point{rounds}")  # fmt: skip
     print("direct = load generator -> D;  proxy = load generator -> proxy -> P then D")
     hdr = (f"{'variant':<31} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
@@ -479,6 +488,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompt-chars", type=int, default=0,
+                    help="prompt length in characters, which the fake P counts as tokens (default: a "
+                         "17-token prompt); e.g. 1000 for a 1k-token prompt")
     ap.add_argument("--chat", action="store_true",
                     help="stream chat completions (a role chunk first) instead of completions")
     ap.add_argument("--upstream-client", default="native", choices=("native", "aiohttp", "httpx"))

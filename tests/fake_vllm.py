@@ -117,6 +117,13 @@ def prompt_token_ids(prompt: Any) -> list[int]:
     return []
 
 
+def prompt_tokens(chat: bool, body: dict) -> int:
+    """The prompt's length in the fake's usage, as vLLM counts it (a batch, which the fake
+    does not tokenize: 5)."""
+    ids = chat_prompt_token_ids(body.get("messages")) if chat else prompt_token_ids(body.get("prompt"))
+    return len(ids) or 5
+
+
 def chat_prompt_token_ids(messages: Any) -> list[int]:
     """The fake's chat template: each message as "<role>: content\n", tokenized as text."""
     text = "".join(f"<{m.get('role')}>: {m.get('content')}\n" for m in messages or () if isinstance(m, dict))
@@ -502,9 +509,10 @@ class FakeVLLM:
     def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
         start = generated_before(body)
         text = "".join(f" t{start + i}" for i in range(n)) if self.first_text is None else self.first_text
+        prompt = prompt_tokens(chat, body)
         usage = {
-            "prompt_tokens": 5,
-            "total_tokens": 5 + n,
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + n,
             "completion_tokens": n,
             "prompt_tokens_details": None,
         }
@@ -564,7 +572,8 @@ class FakeVLLM:
             if body.get("return_token_ids"):  # as vLLM: the ids of the prompt and of each token
                 data["choices"][0]["prompt_token_ids"] = prompt_token_ids(body.get("prompt"))
                 data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + start + i for i in range(n)]
-        return json.dumps(data).encode()
+        # As vLLM's JSONResponse (Starlette's) writes it: compact, not ASCII-escaped.
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
     def stream_events(self, chat: bool, rid: str, n: int, body: dict) -> list[bytes]:
         """The SSE events vLLM sends for this request, [DONE] included."""
@@ -608,8 +617,8 @@ class FakeVLLM:
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
             events.append(
-                head + '],"usage":{"prompt_tokens":5,"total_tokens":%d,'
-                '"completion_tokens":%d}}' % (5 + n, n)
+                head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,'
+                '"completion_tokens":%d}}' % (prompt_tokens(chat, body), prompt_tokens(chat, body) + n, n)
             )
         out = [b"data: " + e.encode() + b"\n\n" for e in events]
         out.append(b"data: [DONE]\n\n")

@@ -11,11 +11,13 @@ import json
 import time
 
 import httpx
+import orjson
 import pytest
 from fake_vllm import DISAGGREGATED_ID, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
 from proxy_helpers import running_proxy, wait_until
 
 from proxy import first_token
+from proxy.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.request import RouteRequest
 from xpyd_wire.discovery import OutputLimits
@@ -334,8 +336,10 @@ async def test_usage_is_the_client_request_s():
         await px.pd()
         body = {**STREAM, "stream_options": {"include_usage": True}}
         got = events((await px.client.post("/v1/completions", json=body)).text)
-        # D counted P's token in its prompt (the fake's prompt is 5): the client's answer has 5 tokens.
-        assert got[-2]["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5}
+        # D counted P's token in its prompt: the client's usage has the prompt P counted, and
+        # 5 tokens (P's and D's 4).
+        prompt = len(prompt_token_ids(STREAM["prompt"]))
+        assert got[-2]["usage"] == {"prompt_tokens": prompt, "total_tokens": prompt + 5, "completion_tokens": 5}
 
 
 async def test_completion_without_max_tokens_gets_vllms_default_count():
@@ -553,7 +557,67 @@ def test_an_answer_this_mode_cannot_use_falls_back(choice):
     assert first_token.parse(json.dumps({"id": "x", "choices": [choice]}).encode()) is None
     assert first_token.parse(b"not json") is None
     ok = {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2]}
-    assert first_token.parse(json.dumps({"id": "x", "choices": [ok]}).encode()).prompt_ids == [1, 2]
+    assert first_token.parse(json.dumps({"id": "x", "choices": [ok]}).encode()).prompt_ids == PromptIds(b"[1,2]", 2)
+
+
+def _p_answer(ids: list[int], chat: bool = False, text: str = " a", **extra) -> dict:
+    """P's answer as vLLM 0.32 shapes it (return_token_ids: the prompt's ids in the choice,
+    or at the top for chat)."""
+    choice = {"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": [7]}
+    obj = {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
+           "model": "m", "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": 1,
+                                                         "total_tokens": len(ids) + 1}, **extra}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+        obj["prompt_token_ids"] = ids
+    else:
+        choice |= {"text": text, "prompt_logprobs": None, "prompt_token_ids": ids}
+    return obj
+
+
+def _compact(obj: dict) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("ids", [[0], [5, 0, 123456], list(range(3000, 7000))])
+def test_prompt_ids_go_to_d_as_p_wrote_them(chat, ids):
+    """The ids are never parsed into ints: D's request carries P's bytes, followed by P's
+    token, and counts them; the same answer written with spaces (parsed whole) gives the
+    same FirstToken."""
+    obj = _p_answer(ids, chat)
+    first = first_token.parse(_compact(obj), chat)
+    assert first is not None and first.prompt_ids.count == len(ids) == len(first.prompt_ids)
+    assert first.prompt_ids.raw == _compact(ids)
+    assert first_token._loads(_compact(obj), chat)[2] == first.prompt_ids  # cut out, not parsed
+    spaced = json.dumps(obj, indent=1).encode()
+    assert first_token._loads(spaced, chat)[2] is None
+    assert first_token.parse(spaced, chat) == first
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if chat else {"model": "m", "prompt": "x"}
+    cont = orjson.loads(orjson.dumps(first_token.continuation({**body, "max_tokens": 9, "stream": True}, first, None)))
+    assert cont["prompt"] == [*ids, 7]
+    assert cont["kv_transfer_params"] == {PREFILL_PROMPT_TOKENS_PARAM: len(ids)}
+    assert orjson.loads(orjson.dumps(first_token.alone(cont)))["prompt"] == [*ids, 7]
+
+
+@pytest.mark.parametrize("answer", [
+    # The text holds what looks like the key: JSON escapes its quotes, so it is not found there.
+    _compact(_p_answer([4, 5, 6], text='"prompt_token_ids":[9]')),
+    # Another array of that name comes first (not vLLM's JSON): the placeholder is not where
+    # the prompt's ids belong, so the whole answer is parsed.
+    _compact({"kv_transfer_params": {"prompt_token_ids": [9, 9]}, **_p_answer([4, 5, 6])}),
+    # An empty element: usage does not count what the commas do, so the whole answer is
+    # parsed (and is not JSON).
+    _compact(_p_answer([4, 5, 6])).replace(b"[4,5,6]", b"[4,,5,6]"),
+])
+def test_prompt_ids_that_are_not_plainly_the_prompts_are_parsed(answer):
+    first = first_token.parse(answer)
+    if b",," in answer:
+        assert first is None
+        return
+    assert first is not None and first.prompt_ids == PromptIds(b"[4,5,6]", 3)
+    if b"[9,9]" in answer:
+        assert first_token._loads(answer, False)[2] is None  # parsed whole
 
 
 async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d():

@@ -77,7 +77,7 @@ async def test_keep_alive_reuse_and_wire_format(client):
                 {"content-type": "application/json", "x-request-id": f"r{i}"},
             )  # fmt: skip
             assert resp.status == 200 and resp.content_type == "application/json"
-            assert b'"text": " t0 t1"' in await resp.read()
+            assert b'"text":" t0 t1"' in await resp.read()
             await resp.aclose()
         assert fake.accepted == 1  # one pooled connection for all five
         rec = fake.requests[-1]
