@@ -15,7 +15,9 @@ requested size. For each size it times (median of ``--repeats``):
 * copy_ - ``dst.copy_(src)`` into preallocated tensors in this process (the memcpy bar);
 * clone - ``src.clone()`` (allocates, so includes page faults like a fresh receive buffer);
 * raw   - the same bytes over a plain TCP socket (``sendall`` -> ``recv_into`` a reused
-          buffer) between the same two processes: the kernel's loopback ceiling.
+          buffer) between the same two processes: the kernel's loopback ceiling, in PUT's
+          direction (client to server); rawG the same in GET's (server to client, asked for
+          by an 8-byte request), the like-for-like ceiling of GET.
 
 Copies per byte, each side: one by the kernel on each side in every column. PUT/GET receive
 into memory reused across messages; zmq receives each message into a fresh allocation
@@ -80,8 +82,12 @@ def _kv_tensors(size_mib: int, args, seed: int) -> list[torch.Tensor]:
 # ---------------------------------------------------------------------------- server process
 
 
+RAW_SEND_BACK = 1 << 63  # in the raw baseline's length: send that many bytes back instead
+
+
 def _raw_sink(lsock: socket.socket, stop: threading.Event) -> None:
-    """Plain-TCP baseline: read a length-prefixed payload into a reused buffer, ack 1 byte."""
+    """Plain-TCP baseline: read a length-prefixed payload into a reused buffer, ack 1 byte;
+    or (RAW_SEND_BACK) send that many bytes from a reused buffer."""
     conn, _ = lsock.accept()
     buf = bytearray()
     with conn:
@@ -90,6 +96,12 @@ def _raw_sink(lsock: socket.socket, stop: threading.Event) -> None:
             if len(head) < 8:
                 return
             n = struct.unpack("<Q", head)[0]
+            if n & RAW_SEND_BACK:
+                n &= ~RAW_SEND_BACK
+                if len(buf) < n:
+                    buf = bytearray(n)
+                conn.sendall(memoryview(buf)[:n])
+                continue
             if len(buf) < n:
                 buf = bytearray(n)
             view, got = memoryview(buf), 0
@@ -163,9 +175,9 @@ def run(args) -> int:
             f"auth={base}"
         )
         hdr = (
-            f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'zPUT':>6} {'zGET':>6} {'raw':>6} {'copy_':>6}"
-            f" {'clone':>6} {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7} {'GET/raw':>7} {'zPUT/raw':>8}"
-            f" {'zGET/raw':>8}"
+            f"{'MiB':>4} {'tensors (bf16)':>20} {'PUT':>6} {'GET':>6} {'zPUT':>6} {'zGET':>6} {'raw':>6} {'rawG':>6}"
+            f" {'copy_':>6} {'clone':>6} {'PUT/copy_':>9} {'GET/copy_':>9} {'PUT/raw':>7} {'GET/raw':>7}"
+            f" {'GET/rawG':>8} {'zPUT/raw':>8} {'zGET/raw':>8}"
         )
         print(hdr)
         print("-" * len(hdr))
@@ -219,6 +231,17 @@ def run(args) -> int:
                     raw.sendall(v)
                 assert raw.recv(1) == b"k"
 
+            back = bytearray(nbytes)
+
+            def raw_get():
+                raw.sendall(struct.pack("<Q", nbytes | RAW_SEND_BACK))
+                view, got = memoryview(back), 0
+                while got < nbytes:
+                    k = raw.recv_into(view[got:])
+                    if not k:
+                        raise ConnectionError("raw baseline closed")
+                    got += k
+
             def copy_():
                 for d, s in zip(dst, src):
                     d.copy_(s)
@@ -227,7 +250,7 @@ def run(args) -> int:
                 return [s.clone() for s in src]
 
             others = [m for m in args.auth if m != base]
-            fns = (put, get, raw_tcp, copy_, clone, zput, zget,
+            fns = (put, get, raw_tcp, copy_, clone, zput, zget, raw_get,
                    *(fn for m in others for fn in (lambda m=m: put(m), lambda m=m: get(m))))
             for fn in fns:  # warm-up
                 fn()
@@ -243,19 +266,20 @@ def run(args) -> int:
                     fns[i]()
                     times[i].append(time.perf_counter() - t0)
             rates = [nbytes / statistics.median(ts) / 1e9 for ts in times]
-            put_g, get_g, raw_g, copy_g, clone_g, zput_g, zget_g = rates[:7]
+            put_g, get_g, raw_g, copy_g, clone_g, zput_g, zget_g, rawg_g = rates[:8]
             by_auth.append((nbytes / MiB, {base: (put_g, get_g),
-                                           **{m: (rates[7 + 2 * i], rates[8 + 2 * i]) for i, m in enumerate(others)}}))
+                                           **{m: (rates[8 + 2 * i], rates[9 + 2 * i]) for i, m in enumerate(others)}}))
             shape = f"{len(src)}x{list(src[0].shape)}"
             flag = "" if put_ok and get_ok else "  MISMATCH"
             print(
                 f"{nbytes / MiB:4.0f} {shape:>20} {put_g:6.2f} {get_g:6.2f} {zput_g:6.2f} {zget_g:6.2f} {raw_g:6.2f}"
-                f" {copy_g:6.2f} {clone_g:6.2f} {put_g / copy_g:9.0%} {get_g / copy_g:9.0%} {put_g / raw_g:7.0%}"
-                f" {get_g / raw_g:7.0%} {zput_g / raw_g:8.0%} {zget_g / raw_g:8.0%}{flag}",
+                f" {rawg_g:6.2f} {copy_g:6.2f} {clone_g:6.2f} {put_g / copy_g:9.0%} {get_g / copy_g:9.0%}"
+                f" {put_g / raw_g:7.0%} {get_g / raw_g:7.0%} {get_g / rawg_g:8.0%} {zput_g / raw_g:8.0%}"
+                f" {zget_g / raw_g:8.0%}{flag}",
                 flush=True,
             )
             # Release this size's buffers before allocating the next one.
-            src = dst = views = None  # noqa: F841
+            src = dst = views = back = None  # noqa: F841
         if len(args.auth) > 1:
             print(f"\nauthentication: PUT and GET GB/s per mechanism, and the ratio to {base} (same run)")
             head = f"{'MiB':>4}" + "".join(f" {m + ' PUT':>9} {m + ' GET':>9}" for m in args.auth) + "".join(
