@@ -251,9 +251,11 @@ def _cut_prompt_ids(data: bytes) -> tuple[bytes, PromptIds] | None:
         return None
     start += len(_PROMPT_IDS_KEY) - 1  # at "["
     end = data.find(b"]", start)
+    if end < 0:
+        return None
     inner = data[start + 1:end]
     # Digits and commas only: translate deletes everything else.
-    if end < 0 or not inner or inner.translate(None, _NOT_DIGITS) != inner:
+    if not inner or inner.translate(None, _NOT_DIGITS) != inner:
         return None
     rest = data[:start] + b"[" + str(_PLACEHOLDER).encode() + data[end:]
     return rest, PromptIds(data[start:end + 1], inner.count(b",") + 1)

@@ -616,9 +616,10 @@ class FakeVLLM:
             events.append(head + ((last if i == n - 1 else mid) % (start + i)))
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
+            prompt = prompt_tokens(chat, body)
             events.append(
                 head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,'
-                '"completion_tokens":%d}}' % (prompt_tokens(chat, body), prompt_tokens(chat, body) + n, n)
+                '"completion_tokens":%d}}' % (prompt, prompt + n, n)
             )
         out = [b"data: " + e.encode() + b"\n\n" for e in events]
         out.append(b"data: [DONE]\n\n")
