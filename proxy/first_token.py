@@ -261,20 +261,27 @@ def _cut_prompt_ids(data: bytes) -> tuple[bytes, PromptIds] | None:
     return rest, PromptIds(data[start:end + 1], inner.count(b",") + 1)
 
 
-def _loads(data: bytes, chat: bool) -> tuple[dict, Any, PromptIds | None]:
-    """P's answer as an object, the prompt's ids where it holds them (the placeholder's
-    place when they were cut out), and the ids cut out of the bytes, if they were."""
+def _prompt_ids(data: bytes, chat: bool) -> tuple[dict, PromptIds | None]:
+    """P's answer as an object and the prompt's ids it holds (None: not usable), cut out of
+    the bytes when they are where the prompt's ids belong (the placeholder's place) and P's
+    usage counts them (vLLM: prompt_tokens is their number); else the answer is parsed whole
+    and its ids are checked for presence and kind, not each of a long prompt's (70 us at 4k
+    tokens): the JSON is vLLM's, and D validates the ids it gets like any prompt."""
+    def held(obj: dict) -> Any:
+        return obj["prompt_token_ids"] if chat else obj["choices"][0]["prompt_token_ids"]
+
     cut = _cut_prompt_ids(data)
     if cut is not None:
         obj = orjson.loads(cut[0])
-        held = obj["prompt_token_ids"] if chat else obj["choices"][0]["prompt_token_ids"]
         usage = obj.get("usage")
-        # The array P's usage counts (vLLM: prompt_tokens is its length), where the prompt's
-        # ids belong: an empty element ("1,,2") or another such array first misses one of these.
-        if held == [_PLACEHOLDER] and isinstance(usage, dict) and usage.get("prompt_tokens") == cut[1].count:
-            return obj, held, cut[1]
+        # An empty element ("1,,2") or another such array first misses one of these.
+        if held(obj) == [_PLACEHOLDER] and isinstance(usage, dict) and usage.get("prompt_tokens") == cut[1].count:
+            return obj, cut[1]
     obj = orjson.loads(data)
-    return obj, obj["prompt_token_ids"] if chat else obj["choices"][0]["prompt_token_ids"], None
+    prompt = held(obj)
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int and type(prompt[-1]) is int:
+        return obj, PromptIds.of(prompt)
+    return obj, None
 
 
 def parse(data: bytes, chat: bool = False) -> FirstToken | None:
@@ -283,7 +290,9 @@ def parse(data: bytes, chat: bool = False) -> FirstToken | None:
     reasoning or a tool call: the request then goes on with D's first token (D gets the
     client's request and loads all but the last prompt token)."""
     try:
-        obj, prompt, ids = _loads(data, chat)
+        obj, ids = _prompt_ids(data, chat)
+        if ids is None:
+            return None
         choice = obj["choices"][0]
         if chat:
             message = choice["message"]
@@ -293,12 +302,6 @@ def parse(data: bytes, chat: bool = False) -> FirstToken | None:
             tokens, text = choice["token_ids"], message.get("content")
         else:
             tokens, text = choice["token_ids"], choice.get("text")
-        if ids is None:
-            # The ids' presence and kind, not each of a long prompt's (70 us at 4k tokens):
-            # the JSON is vLLM's, and D validates the ids it gets like any prompt.
-            if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int and type(prompt[-1]) is int):
-                return None
-            ids = PromptIds.of(prompt)
         if not (isinstance(tokens, list) and len(tokens) == 1 and type(tokens[0]) is int):
             return None
         if not isinstance(text, str) or "\ufffd" in text:

@@ -579,9 +579,19 @@ def _compact(obj: dict) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+@pytest.fixture
+def parsed_whole(monkeypatch) -> list[list[int]]:
+    """The id lists parse turned into PromptIds after parsing the whole answer (the cut
+    path never calls PromptIds.of)."""
+    calls: list[list[int]] = []
+    of = PromptIds.of
+    monkeypatch.setattr(PromptIds, "of", classmethod(lambda cls, ids: calls.append(ids) or of(ids)))
+    return calls
+
+
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("ids", [[0], [5, 0, 123456], list(range(3000, 7000))])
-def test_prompt_ids_go_to_d_as_p_wrote_them(chat, ids):
+def test_prompt_ids_go_to_d_as_p_wrote_them(chat, ids, parsed_whole):
     """The ids are never parsed into ints: D's request carries P's bytes, followed by P's
     token, and counts them; the same answer written with spaces (parsed whole) gives the
     same FirstToken."""
@@ -589,10 +599,10 @@ def test_prompt_ids_go_to_d_as_p_wrote_them(chat, ids):
     first = first_token.parse(_compact(obj), chat)
     assert first is not None and first.prompt_ids.count == len(ids) == len(first.prompt_ids)
     assert first.prompt_ids.raw == _compact(ids)
-    assert first_token._loads(_compact(obj), chat)[2] == first.prompt_ids  # cut out, not parsed
+    assert parsed_whole == []  # cut out, not parsed
     spaced = json.dumps(obj, indent=1).encode()
-    assert first_token._loads(spaced, chat)[2] is None
     assert first_token.parse(spaced, chat) == first
+    assert parsed_whole == [ids]
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if chat else {"model": "m", "prompt": "x"}
     cont = orjson.loads(orjson.dumps(first_token.continuation({**body, "max_tokens": 9, "stream": True}, first, None)))
     assert cont["prompt"] == [*ids, 7]
@@ -610,14 +620,14 @@ def test_prompt_ids_go_to_d_as_p_wrote_them(chat, ids):
     # parsed (and is not JSON).
     _compact(_p_answer([4, 5, 6])).replace(b"[4,5,6]", b"[4,,5,6]"),
 ])
-def test_prompt_ids_that_are_not_plainly_the_prompts_are_parsed(answer):
+def test_prompt_ids_that_are_not_plainly_the_prompts_are_parsed(answer, parsed_whole):
     first = first_token.parse(answer)
     if b",," in answer:
         assert first is None
         return
     assert first is not None and first.prompt_ids == PromptIds(b"[4,5,6]", 3)
     if b"[9,9]" in answer:
-        assert first_token._loads(answer, False)[2] is None  # parsed whole
+        assert parsed_whole == [[4, 5, 6]]
 
 
 async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d():
