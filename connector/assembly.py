@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from connector.buffer import KVBuffer, Payload, tensor_bytes
+from connector.buffer import GONE, KVBuffer, Payload, tensor_bytes
 
 # Header fields that differ between the parts of one payload.
 _PART_FIELDS = ("part",)
@@ -67,7 +67,8 @@ class PartAssembler:
         why = self._take(key, header, tensors)
         if why is not None:
             self.drop(key)
-            self._recv.fail(key, why)
+            if why != GONE:
+                self._recv.fail(key, why)
             return None, why
         with self._lock:
             p = self._partial.get(key)
@@ -89,7 +90,8 @@ class PartAssembler:
             return "part tensor count does not match its header"
         reserved = self._recv.extend(key)  # also keeps the reservation alive while parts come
         if reserved is None:
-            return "part without a reservation (expired, failed or never made)"
+            # Released mid-send (its requests are gone): unneeded; otherwise a lost reservation.
+            return GONE if self._recv.gone(key) else "part without a reservation (expired, failed or never made)"
         nbytes = tensor_bytes(tensors)
         base = {k: v for k, v in header.items() if k not in _PART_FIELDS}
         with self._lock:

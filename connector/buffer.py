@@ -28,6 +28,12 @@ from connector.log import get_logger
 logger = get_logger(__name__)
 
 
+# Why a payload is refused once every request that could load it is gone here (finished,
+# aborted, or served from this instance's own prefix cache): nobody needed it, so the
+# sender counts it as unneeded, not failed.
+GONE = "request already gone"
+
+
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -148,7 +154,7 @@ class KVBuffer:
         """Why a new payload of nbytes for key cannot be taken, or None. A refusal
         for room is recorded as a failure: a load must not wait for that payload."""
         if key in self._tombstones:
-            return "request already gone"
+            return GONE
         if key in self._items or key in self._reserved:
             return "duplicate transfer"
         if key in self._failures:
@@ -251,6 +257,11 @@ class KVBuffer:
         with self._lock:
             f = self._failures.get(key)
             return f[0] if f else None
+
+    def gone(self, key: str) -> bool:
+        """Whether every request that could load key is gone (a late payload is refused)."""
+        with self._lock:
+            return key in self._tombstones
 
     def discard(self, key: str) -> None:
         """Drop a payload (or its reservation) and refuse later ones for the same key."""

@@ -36,7 +36,7 @@ import torch
 from connector import affinity, tp
 from connector import layout as kvlayout
 from connector.assembly import PartAssembler, is_part
-from connector.buffer import KVBuffer, Payload
+from connector.buffer import GONE, KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.consumer import Consumer
 from connector.log import get_logger
@@ -82,6 +82,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a name: it may resolve to anything
+
+
+def _refusal(key: str, why: str, part: object = None) -> dict[str, Any]:
+    """The reply to a payload (or part) this buffer will not take. One whose requests are all
+    gone here is no failure: nobody would load it, and the sender is told so (``gone``)."""
+    at = "" if part is None else f" part={part}"
+    if why == GONE:
+        logger.info("kv transfer=%s%s not taken: no request here needs it any more (finished, aborted, "
+                    "or served from this instance's prefix cache)", key, at)
+        return {"ok": False, "error": why, "gone": True}
+    logger.warning("refused kv transfer=%s%s reason=%s", key, at, why)
+    return {"ok": False, "error": why}
 
 
 class KVEngine:
@@ -200,23 +212,20 @@ class KVEngine:
                 return {"ok": False, "error": "reserve needs nbytes"}, []
             refused = self._recv.reserve(key, nbytes)
             if refused:
-                logger.warning("refused kv transfer=%s reason=%s", key, refused)
-                return {"ok": False, "error": refused}, []
+                return _refusal(key, refused), []
             return {"ok": True}, []
         if op == "put":
             if is_part(header):  # a layer-wise sender: the payload comes a run of layers at a time
                 payload, refused = self._parts.add(key, header, tensors)
                 if refused:
-                    logger.warning("refused kv transfer=%s part=%s reason=%s", key, header.get("part"), refused)
-                    return {"ok": False, "error": refused}, []
+                    return _refusal(key, refused, header.get("part")), []
                 if payload is None:
                     return {"ok": True}, []
             else:
                 payload = Payload.of(header, tensors)
             refused = store_received(self._recv, self._stager, key, payload)
             if refused:
-                logger.warning("refused kv transfer=%s reason=%s", key, refused)
-                return {"ok": False, "error": refused}, []
+                return _refusal(key, refused), []
             self.xfer_stats.moved("received", payload.nbytes)
             return {"ok": True}, []
         if op == "abort":

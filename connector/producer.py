@@ -453,6 +453,13 @@ class PeerSender:
             phases.add("put", t)
         if reply.get("ok"):
             return nbytes
+        if reply.get("gone"):
+            # D finished or aborted every request for this KV, or served it from its own prefix
+            # cache: nothing is lost and nobody waits for it (counted per rank, as refusals are).
+            logger.info("kv send not needed req=%s transfer=%s peer=%s: D's requests for it are gone",
+                        spec.req_id, header["key"], addr)
+            self._stats.transfer("send", "unneeded")
+            return None
         logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
                        spec.req_id, header["key"], addr, reply.get("error"))
         self._stats.failure("send", "refused")

@@ -141,6 +141,7 @@ class P2pScheduler:
         self._new_loads: list[LoadSpec] = []
         self._loaded: dict[str, LoadSpec] = {}
         self._failed_loads: set[str] = set()  # from the workers' failed_recving
+        self._covered: dict[str, int] = {}  # requests whose own prefix hit covers the prompt -> the hit
         self._contacts: dict[str, None] = {}  # producer: decode addresses to announce (ordered set)
         # Consumer: per key, the live requests that may still plan a load of it.
         self._unplanned: dict[str, set[str]] = {}
@@ -234,6 +235,7 @@ class P2pScheduler:
         # produce logits for the first output token.
         n = request.num_tokens - 1 - num_computed_tokens
         if n <= 0:
+            self._covered[rid] = num_computed_tokens
             return 0, False
         self._sync.discard(rid)
         if self._probe is not None and self._probe.arrived(tid.key):
@@ -250,6 +252,11 @@ class P2pScheduler:
         self._sync.discard(request.request_id)
         if num_external_tokens > 0:
             self._plan_load(request, tid, blocks, num_external_tokens, sync)
+        covered = self._covered.pop(request.request_id, None)
+        if covered is not None and num_external_tokens == 0:
+            # P's KV is on its way (or here) for nothing: a late one is refused as unneeded.
+            logger.info("kv load not needed req=%s transfer=%s local_hit=%d: this instance's prefix cache "
+                        "holds the prompt", request.request_id, tid.key, covered)
         self._planned(request.request_id, tid.key)
 
     def _plan_load(self, request: "Request", tid: request_id.TransferId, blocks: "KVCacheBlocks",
@@ -358,6 +365,7 @@ class P2pScheduler:
         rid = request.request_id
         self._live.discard(rid)
         self._sync.discard(rid)  # told "synchronous", then aborted before its blocks came
+        self._covered.pop(rid, None)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
         tid = request_id.parse(rid)
         if tid is not None:

@@ -44,9 +44,11 @@ from connector.transport.base import FALLBACK_REASONS, REFUSAL_REASONS
 Role = Literal["send", "load"]  # P ships KV (or stores it) / D takes KV in
 ROLES: tuple[Role, ...] = ("send", "load")
 # missed: shared storage found no (or only part of the) stored KV: recomputed.
-Result = Literal["ok", "failed", "cancelled", "missed"]
-RESULTS: tuple[Result, ...] = ("ok", "failed", "cancelled", "missed")
-# refused: the receiving buffer said no (full, duplicate, request gone);
+# unneeded: D refused P's KV because no request there needed it any more (finished,
+# aborted, or served from D's own prefix cache): not a failure.
+Result = Literal["ok", "failed", "cancelled", "missed", "unneeded"]
+RESULTS: tuple[Result, ...] = ("ok", "failed", "cancelled", "missed", "unneeded")
+# refused: the receiving buffer said no (full, duplicate, already failed);
 # unreachable: the peer was marked dead; transport: a call failed or timed out;
 # timeout: D's load deadline passed; aborted: D learnt the KV will not come
 # (P gave up, the payload expired or was refused); invalid: a payload that does
@@ -281,7 +283,7 @@ class XpydPromMetrics(KVConnectorPromMetrics):
         transfers = self._counter_cls(
             name="vllm:xpyd_kv_transfers",
             documentation="xPyD KV transfers ended, by role (send: P shipped/stored a prompt's KV; "
-                          "load: D took it in) and result (ok, failed, cancelled, missed).",
+                          "load: D took it in) and result (ok, failed, cancelled, missed, unneeded).",
             labelnames=[*labelnames, "role", "result"])
         self.transfers = {i: {(ro, re): transfers.labels(*lv, ro, re) for ro in ROLES for re in RESULTS}
                           for i, lv in engines.items()}

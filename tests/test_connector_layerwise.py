@@ -15,7 +15,7 @@ from test_connector_engine import (KEY, SRC_IDS, ZERO, assert_loaded, load_spec,
 from test_connector_first_contact import producer_log
 
 from connector.assembly import PartAssembler
-from connector.buffer import KVBuffer, tensor_bytes
+from connector.buffer import GONE, KVBuffer, tensor_bytes
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
@@ -262,6 +262,19 @@ def test_a_part_without_its_reservation_is_refused():
     recv.reserve(other, 10**3)
     payload, why = asm.add(other, *parts[1])  # not layer 0
     assert payload is None and "before layer 0" in why
+
+
+def test_a_part_for_a_key_released_mid_send_is_unneeded_not_a_failure():
+    """D released the key between two parts (its request finished or found the prompt in its
+    own cache): the rest is refused as GONE, the parts go, and no failure is recorded."""
+    recv = KVBuffer("recv", 10**6, 60.0)
+    asm = PartAssembler(recv)
+    _, whole, parts = _parts()
+    recv.reserve(KEY, tensor_bytes(whole))
+    assert asm.add(KEY, *parts[0]) == (None, None)
+    recv.discard(KEY)
+    assert asm.add(KEY, *parts[1]) == (None, GONE)
+    assert len(asm) == 0 and recv.failure(KEY) is None and recv.gone(KEY)
 
 
 def test_each_part_keeps_the_reservation_alive_and_a_gap_longer_than_it_drops_the_parts():

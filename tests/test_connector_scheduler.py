@@ -7,6 +7,7 @@ only the KV cache manager is a double (``get_block_ids(req_id)`` and ``usage``).
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass, field
 
@@ -648,6 +649,35 @@ def test_consumer_pd_request_that_loaded_nothing_releases_its_transfer():
     s.request_finished(plain, [])
     assert s.build_connector_meta(sched_out()).release == [TK, f"{other}-0"]
     assert s.build_connector_meta(sched_out()).release == []  # announced once
+
+
+def test_consumer_full_local_hit_says_the_kv_is_not_needed():
+    """A transfer's request whose own prefix hit covers the prompt: D says at INFO that P's KV
+    is not needed (P then hears "gone" for it), once, and releases the key."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("vllm.xpyd.connector.scheduler")
+    log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)  # (setLevel, not .level: it clears the logger's enabled-for cache)
+    try:
+        s = consumer()
+        full_hit = make_req(pd_id(), 129)
+        s.on_new_request(full_hit)
+        assert s.get_num_new_matched_tokens(full_hit, 128) == (0, False)
+        assert s.get_num_new_matched_tokens(full_hit, 128) == (0, False)  # asked again: said once
+        s.update_state_after_alloc(full_hit, kv_blocks([5, 6]), 0)
+        partial = make_req(pd_id(key="f" * 32), 300)
+        s.on_new_request(partial)
+        assert admit(s, partial, 128, [7, 8, 9]) == (171, True)  # loads the rest: nothing to say
+        assert s.build_connector_meta(sched_out()).release == [TK, f"{'f' * 32}-0"]
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    said = [ln for ln in lines if "not needed" in ln]
+    assert said == [f"kv load not needed req={full_hit.request_id} transfer={TK} local_hit=128: "
+                    "this instance's prefix cache holds the prompt"]
 
 
 def test_consumer_release_comes_with_the_last_planned_load():

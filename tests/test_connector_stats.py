@@ -183,6 +183,32 @@ def test_p2p_refused_send_counts_on_p_and_aborts_on_d(engines):
     assert d.data["failures"] == {"load/aborted": 1} and d.nbytes("received") == 0
 
 
+@pytest.mark.parametrize("granularity", ["request", "layer"])
+def test_p2p_send_nobody_needs_any_more_is_unneeded_not_failed(engines, granularity):
+    """D released the key before P's KV came (its request found the whole prompt in its own
+    prefix cache, finished or was aborted): P's send is refused as unneeded, neither side
+    counts a failure, and P says so at INFO, not as a refused send."""
+    from test_connector_first_contact import producer_log
+    from test_connector_layerwise import LAYERS
+
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity=granularity)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    cons.release([te.KEY])
+    cons.poll(set())
+    spec = te.save_spec(prod, te.rank0(cons))
+    with producer_log() as log:
+        if granularity == "layer":
+            for name in LAYERS:
+                prod.save_layer(spec, name)
+        prod.save(spec)
+        te.wait_for(lambda: prod.xfer_stats.peek().transfers("send", "unneeded") == 1)
+    p, d = prod.xfer_stats.peek(), cons.xfer_stats.peek()
+    assert p.data["transfers"] == {"send/unneeded": 1} and p.data["failures"] == {}
+    assert d.data["failures"] == {} and d.nbytes("received") == 0
+    assert [ln for ln in log.lines if "kv send" in ln and te.KEY in ln][0].startswith("kv send not needed")
+    assert not [ln for ln in log.lines if "refused" in ln or "failed" in ln]
+
+
 def test_p2p_unreachable_decode_counts_a_transport_failure(engines):
     prod = engines("kv_producer", send_timeout_s=0.5)
     prod.save(te.save_spec(prod, f"127.0.0.1:{te.free_port()}"))  # nobody listens there

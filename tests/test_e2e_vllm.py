@@ -465,6 +465,25 @@ def test_short_prompt_is_served_by_decode_alone(sys_: E2ECluster):
     assert not (r.json().get("kv_transfer_params") or {}).get("xpyd")  # nothing was loaded
 
 
+def test_kv_that_decode_no_longer_needs_is_refused_as_unneeded(sys_: E2ECluster, tokenizer):
+    """D served the request before P's KV came (its own prefix cache held the whole prompt: a
+    prompt of 2 blocks + 1 token seen before): P's late send is refused as unneeded, counted so,
+    and neither side logs a failure (CI once failed on this race in the first-token tests)."""
+    ids = tokenizer(make_prompt(tokenizer, 3 * BLOCK, seed=9901))["input_ids"][:2 * BLOCK + 1]
+    body = {"model": "tiny-llama", "prompt": ids, "max_tokens": 2, "temperature": 0}
+    generate(sys_.decode.url, "completions", body)  # D computes it; its 2 full blocks stay cached
+    rid = pd_request_id(sys_)
+    key = rid.rsplit("_", 1)[1] + "-0"
+    generate(sys_.decode.url, "completions", body, {"X-Request-Id": rid})  # needs nothing from P
+    assert re.search(rf"kv load not needed req=\S+ transfer={key} local_hit={2 * BLOCK}", sys_.decode.log())
+    before = metric(sys_.prefill.url, "vllm:xpyd_kv_transfers_total", {"role": "send", "result": "unneeded"})
+    generate(sys_.prefill.url, "completions", {**body, "max_tokens": 1}, {"X-Request-Id": rid})
+    assert poll(lambda: re.search(rf"kv send not needed req=\S+ transfer={key} ", sys_.prefill.log()), timeout=10)
+    assert poll(lambda: metric(sys_.prefill.url, "vllm:xpyd_kv_transfers_total",
+                               {"role": "send", "result": "unneeded"}) == before + 1, timeout=10)
+    assert re.search(rf"kv transfer={key} not taken: no request here needs it", sys_.decode.log())
+
+
 def test_no_transfer_was_lost_under_this_binding(sys_: E2ECluster):
     """Everything above ran without a failed send or load (the fault tests below
     cause some on purpose). Under vLLM's default binding transfers used to stall
