@@ -46,6 +46,7 @@ LOCAL_SHORT = "local_short"  # prompt below local_prefill_threshold
 LOCAL_CACHED = "local_cached"  # D holds all but a short tail of the prompt
 LOCAL_NO_PREFILL = "local_no_prefill"  # no P live or reachable
 LOCAL_RESCUE = "local_rescue"  # D failed disaggregated attempts before its first byte
+PREFILL_ALONE = "prefill_alone"  # first-token mode, one token asked for: P's answer is all of it
 
 
 class DecodeFailed(Exception):
@@ -243,6 +244,9 @@ class Dispatcher:
         cfg = self.cfg
         req = call.req
         first_mode = self._first_token and first_token.eligible(req, d.output_limits)
+        # P's one token is the whole answer: a plain request id, so P ships no KV that D would
+        # never claim (it would hold D's receive buffer until buffer_ttl_s).
+        alone = first_mode and first_token.max_tokens(req.body, req.path == CHAT, d.output_limits) == 1
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
             pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if first_mode
@@ -261,7 +265,7 @@ class Dispatcher:
                  or await self.selector.acquire("P", req, slow))  # fmt: skip
             if p is None:
                 break
-            rid = request_id.build(p.zmq_address, d.zmq_address)
+            rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
             headers = {**req.headers, "x-request-id": rid}
             t_start = time.perf_counter()
             if attempt == 0:
@@ -291,7 +295,9 @@ class Dispatcher:
             t_pre = self._prefill_done(call, p, rid, t_start)
             call.decode_due = t_pre
             p.served += 1
-            self.metrics.dispatch(DISAGGREGATED)
+            self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
+            if alone:
+                call.flight.extra.append((b"x-xpyd-path", PREFILL_ALONE.encode()))
             first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
             if first is not None:
                 return self._first_token_answer(call, d, first, headers)

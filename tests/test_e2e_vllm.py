@@ -362,6 +362,26 @@ def test_first_token_from_prefill_without_max_tokens_equals_colocated(sys_: E2EC
         assert last["usage"] == want_last["usage"]
 
 
+def test_one_token_in_first_token_mode_is_p_alone_and_moves_no_kv(sys_: E2ECluster, first_token_proxy, tokenizer):
+    """A stream that asks for one token: P's answer is all of it, so P gets a plain request id
+    and ships nothing (D never claims KV for such a request: it used to sit in D's buffer for
+    buffer_ttl_s). The token is the colocated server's."""
+    prompt = make_prompt(tokenizer, 2 * BLOCK + 11, seed=4243)
+    body = {**body_for("completions", prompt, True), "max_tokens": 1}
+    want, _ = generate(sys_.colocated.url, "completions", body)
+    sends = sys_.prefill.log().count("kv send planned")
+    headers: dict = {}
+    with httpx.Client(timeout=60) as client, client.stream("POST", first_token_proxy.url + "/v1/completions",
+                                                           json=with_logprobs("completions", body)) as r:
+        assert r.status_code == 200
+        headers.update(r.headers)
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    assert headers["x-xpyd-path"] == "prefill_alone" and headers["x-xpyd-first-token"] == "prefill"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == str(want)
+    assert sys_.prefill.log().count("kv send planned") == sends
+    assert sys_.engine_stats(sys_.decode)["recv_items"] == 0
+
+
 def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy, tokenizer):
     """Proof the test above can fail: D's continuation with zeroed KV departs."""
     prompt = make_prompt(tokenizer, 3 * BLOCK, seed=4711)

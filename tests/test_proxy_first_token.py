@@ -329,6 +329,39 @@ async def test_one_token_is_all_from_p_and_d_is_not_asked():
                                         "stop_reason": None}
         assert got[1]["usage"]["completion_tokens"] == 1
         assert len(p.completions()) == 1 and d.completions() == []
+        # Known before P is asked: a plain id, so P's connector ships no KV D would never claim.
+        (pre,) = p.completions()
+        assert pre.headers["x-request-id"].startswith("xpyd-local-")
+        assert resp.headers["x-xpyd-path"] == "prefill_alone"
+        assert 'xpyd_dispatch_total{path="prefill_alone"} 1.0' in (await px.client.get("/metrics")).text
+
+
+@pytest.mark.parametrize("limit", ["max_completion_tokens", "max_tokens"])
+async def test_one_token_chat_is_all_from_p_without_a_transfer(limit):
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        body = {**{k: v for k, v in CHAT_STREAM.items() if k != "max_completion_tokens"}, limit: 1}
+        resp = await px.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "prefill_alone"
+        (pre,) = p.completions()
+        assert pre.headers["x-request-id"].startswith("xpyd-local-") and d.completions() == []
+        assert events(resp.text)[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_more_than_one_token_keeps_the_transfer(chat):
+    """The control: with two tokens asked for, P's request carries the P/D id and D goes on."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        if chat:
+            resp = await px.client.post("/v1/chat/completions", json={**CHAT_STREAM, "max_completion_tokens": 2})
+        else:
+            resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 2})
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert "x-xpyd-path" not in resp.headers
+        (pre,) = p.completions()
+        assert pre.headers["x-request-id"].startswith("___prefill_addr_")
+        assert len(d.completions()) == 1
 
 
 async def test_usage_is_the_client_request_s():
