@@ -85,6 +85,17 @@ def _kv_tensors(size_mib: int, args, seed: int) -> list[torch.Tensor]:
 RAW_SEND_BACK = 1 << 63  # in the raw baseline's length: send that many bytes back instead
 
 
+def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from the socket (``recv_into``, no copy of ours); False if it closed first."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if not k:
+            return False
+        got += k
+    return True
+
+
 def _raw_sink(lsock: socket.socket, stop: threading.Event) -> None:
     """Plain-TCP baseline: read a length-prefixed payload into a reused buffer, ack 1 byte;
     or (RAW_SEND_BACK) send that many bytes from a reused buffer."""
@@ -96,20 +107,15 @@ def _raw_sink(lsock: socket.socket, stop: threading.Event) -> None:
             if len(head) < 8:
                 return
             n = struct.unpack("<Q", head)[0]
-            if n & RAW_SEND_BACK:
-                n &= ~RAW_SEND_BACK
-                if len(buf) < n:
-                    buf = bytearray(n)
-                conn.sendall(memoryview(buf)[:n])
-                continue
+            back = bool(n & RAW_SEND_BACK)
+            n &= ~RAW_SEND_BACK
             if len(buf) < n:
                 buf = bytearray(n)
-            view, got = memoryview(buf), 0
-            while got < n:
-                k = conn.recv_into(view[got:n])
-                if not k:
-                    return
-                got += k
+            if back:
+                conn.sendall(memoryview(buf)[:n])
+                continue
+            if not _recv_exactly(conn, memoryview(buf)[:n]):
+                return
             conn.sendall(b"k")
 
 
@@ -235,12 +241,8 @@ def run(args) -> int:
 
             def raw_get():
                 raw.sendall(struct.pack("<Q", nbytes | RAW_SEND_BACK))
-                view, got = memoryview(back), 0
-                while got < nbytes:
-                    k = raw.recv_into(view[got:])
-                    if not k:
-                        raise ConnectionError("raw baseline closed")
-                    got += k
+                if not _recv_exactly(raw, memoryview(back)):
+                    raise ConnectionError("raw baseline closed")
 
             def copy_():
                 for d, s in zip(dst, src):
