@@ -136,10 +136,10 @@ class _Lines(logging.Handler):
 
 
 @contextmanager
-def producer_log() -> Iterator[_Lines]:
-    """The producer's INFO lines (its 'kv sent' lines) while the block runs."""
+def connector_log(module: str = "producer") -> Iterator[_Lines]:
+    """A connector module's INFO lines (the producer's: its 'kv sent' lines) while the block runs."""
     lines = _Lines()
-    log = logging.getLogger("vllm.xpyd.connector.producer")
+    log = logging.getLogger(f"vllm.xpyd.connector.{module}")
     log.addHandler(lines)
     level = log.level
     log.setLevel(logging.INFO)
@@ -157,7 +157,7 @@ def test_a_sends_log_line_counts_from_the_forward_end_including_its_wait_in_the_
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     slow = SlowHello(rank0(cons), delay_s=0.5)
     try:
-        with producer_log() as lines:
+        with connector_log() as lines:
             prod.save(save_spec(prod, slow.address, req_id="first", key="k-first", block_ids=SRC_IDS[:2]))
             prod.save(save_spec(prod, slow.address, req_id="second", key="k-second", block_ids=SRC_IDS[2:]))
             wait_for(lambda: sum("kv sent" in ln for ln in lines.lines) == 2)

@@ -12,7 +12,7 @@ import torch
 from test_connector_engine import (KEY, SRC_IDS, ZERO, assert_loaded, load_spec, plan_load, poll_until, rank0,
                                    save_spec, snapshot, wait_for)
 
-from test_connector_first_contact import producer_log
+from test_connector_first_contact import connector_log
 
 from connector.assembly import PartAssembler
 from connector.buffer import GONE, KVBuffer, tensor_bytes
@@ -100,7 +100,7 @@ def test_the_send_log_says_how_many_layers_were_reported_before_the_end(engines,
     ended; '0/2': it reported none, and the whole payload went at the step's end."""
     prod, cons = layerwise(engines)
     spec = save_spec(prod, rank0(cons))
-    with producer_log() as lines:
+    with connector_log() as lines:
         for name in LAYERS[:reported]:
             prod.save_layer(spec, name)
         prod.save(spec)

@@ -7,11 +7,11 @@ only the KV cache manager is a double (``get_block_ids(req_id)`` and ``usage``).
 
 from __future__ import annotations
 
-import logging
 import pickle
 from dataclasses import dataclass, field
 
 import pytest
+from test_connector_first_contact import connector_log
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -654,14 +654,7 @@ def test_consumer_pd_request_that_loaded_nothing_releases_its_transfer():
 def test_consumer_full_local_hit_says_the_kv_is_not_needed():
     """A transfer's request whose own prefix hit covers the prompt: D says at INFO that P's KV
     is not needed (P then hears "gone" for it), once, and releases the key."""
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("vllm.xpyd.connector.scheduler")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)  # (setLevel, not .level: it clears the logger's enabled-for cache)
-    try:
+    with connector_log("scheduler") as log:
         s = consumer()
         full_hit = make_req(pd_id(), 129)
         s.on_new_request(full_hit)
@@ -672,10 +665,7 @@ def test_consumer_full_local_hit_says_the_kv_is_not_needed():
         s.on_new_request(partial)
         assert admit(s, partial, 128, [7, 8, 9]) == (171, True)  # loads the rest: nothing to say
         assert s.build_connector_meta(sched_out()).release == [TK, f"{'f' * 32}-0"]
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    said = [ln for ln in lines if "not needed" in ln]
+    said = [ln for ln in log.lines if "not needed" in ln]
     assert said == [f"kv load not needed req={full_hit.request_id} transfer={TK} local_hit=128: "
                     "this instance's prefix cache holds the prompt"]
 

@@ -17,6 +17,8 @@ import pytest
 import test_connector_engine as te
 import test_shared_storage_engine as tse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from test_connector_first_contact import connector_log
+from test_connector_layerwise import LAYERS
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
 
@@ -188,15 +190,12 @@ def test_p2p_send_nobody_needs_any_more_is_unneeded_not_failed(engines, granular
     """D released the key before P's KV came (its request found the whole prompt in its own
     prefix cache, finished or was aborted): P's send is refused as unneeded, neither side
     counts a failure, and P says so at INFO, not as a refused send."""
-    from test_connector_first_contact import producer_log
-    from test_connector_layerwise import LAYERS
-
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity=granularity)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     cons.release([te.KEY])
     cons.poll(set())
     spec = te.save_spec(prod, te.rank0(cons))
-    with producer_log() as log:
+    with connector_log() as log:
         if granularity == "layer":
             for name in LAYERS:
                 prod.save_layer(spec, name)
