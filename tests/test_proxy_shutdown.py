@@ -9,7 +9,7 @@ import signal
 import sys
 
 import httpx
-from proxy_helpers import FakeVLLM, free_port, wait_until
+from proxy_helpers import FakeVLLM, free_port, running_proxy, wait_until
 
 from proxy.app import create_app
 from proxy.config import ProxyConfig
@@ -134,6 +134,33 @@ async def test_ready_is_503_while_draining():
         state.draining = True
         r = await client.get("/ready")
         assert r.status_code == 503 and r.json()["draining"] is True
+
+
+async def test_sigterm_makes_ready_503_during_the_drain():
+    """A real SIGTERM through the handler the server installs: /ready answers 503 (so a load
+    balancer stops sending) while the in-flight stream still completes. The test above sets
+    the flag by hand; this one fails if the signal handler stops setting it."""
+    async with running_proxy(shutdown_grace_s=10.0) as px:
+        await px.fake("P")
+        await px.fake("D", token_delay=0.05)
+        assert (await px.client.get("/ready")).status_code == 200
+        # uvicorn stops listening once it sees the signal: ask the same app in-process.
+        inproc = httpx.AsyncClient(transport=httpx.ASGITransport(app=px.server.config.app), base_url="http://proxy")
+        body = {"prompt": "x", "max_tokens": 12, "stream": True}
+        async with inproc, px.client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = r.aiter_bytes()
+            received = await anext(chunks)
+            px.server.handle_signals = True
+            with px.server.capture_signals():
+                assert signal.getsignal(signal.SIGTERM) == px.server.handle_exit  # else the kill ends pytest
+                os.kill(os.getpid(), signal.SIGTERM)
+                await wait_until(lambda: px.server.should_exit, timeout=5, what="the signal handled")
+            ready = await inproc.get("/ready")
+            assert ready.status_code == 503 and ready.json()["draining"] is True
+            async for chunk in chunks:
+                received += chunk
+        assert received.endswith(b"data: [DONE]\n\n") and received.count(b"data: ") == 13
 
 
 def _reg(role: str):
