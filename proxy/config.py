@@ -56,6 +56,14 @@ class ProxyConfig:
     # The model's tokenizer (directory or Hugging Face name) for the `precise` policies:
     # prompts are tokenized as vLLM does to look up the instances' KV indexes.
     tokenizer: str | None = None
+    # Tokenizing budget (proxy/prompt_keys.py): longest prompt tokenized (bytes), jobs queued
+    # on the tokenizer's thread, and the longest a request waits; past any, the guess.
+    tokenize_max_bytes: int = 1024 * 1024
+    tokenize_max_pending: int = 8
+    tokenize_timeout: float = 1.0
+    # A request's own chat template is refused (400, vLLM's answer) unless trusted; the
+    # proxy never runs it either way (vLLM needs its own --trust-request-chat-template).
+    trust_request_chat_template: bool = False
     # P ships only the KV blocks D lacks, when D's KV events say it holds the prompt's first
     # blocks (with --decode-policy precise); D recomputes anything it no longer holds.
     send_only_missing: bool = True
@@ -71,6 +79,14 @@ class ProxyConfig:
     # Pass the client's Authorization header on to the instances (off: never forwarded).
     forward_client_auth: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # The HTTP edge (proxy/edge.py), before any authentication: request line + headers
+    # (431 above), seconds to receive them from a connection's first byte (or its opening),
+    # seconds to receive a body once its headers are in (408 after either), and client
+    # connections held at once (new ones get 503; also capped by half the fd limit).
+    max_header_bytes: int = 32 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_connections: int = 4096
     # Largest non-streamed upstream answer (and /v1/models) the proxy buffers; above: 502.
     max_response_bytes: int = 64 * 1024 * 1024
     # Per-phase deadlines, seconds.
@@ -140,6 +156,9 @@ class ProxyConfig:
             "probe_timeout",
             "models_refresh_interval",
             "kv_events_silence",
+            "tokenize_timeout",
+            "header_timeout",
+            "body_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -168,9 +187,12 @@ class ProxyConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",
-                     "kv_index_max_blocks"):
+                     "kv_index_max_blocks", "tokenize_max_bytes", "tokenize_max_pending",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        if self.max_header_bytes < 1024:
+            raise ConfigError("max_header_bytes must be >= 1024")
         if self.cache_aware_chunk_tokens < 1:
             raise ConfigError("cache_aware_chunk_tokens must be >= 1")
         if self.cache_aware_capacity_tokens < self.cache_aware_chunk_tokens:
@@ -236,6 +258,11 @@ HELP = MappingProxyType(
         "say it lacks (the connector's xpyd_skip_tokens)",
         "tokenizer": "the served model's tokenizer (directory or Hugging Face name), needed by "
         "the precise policies to tokenize prompts exactly as vLLM does",
+        "tokenize_max_bytes": "precise: longest prompt (bytes) tokenized; longer ones are routed by the guess",
+        "tokenize_max_pending": "precise: prompts queued or in work on the tokenizer thread; beyond, the guess",
+        "tokenize_timeout": "precise: seconds a request waits for its token ids; then the guess",
+        "trust_request_chat_template": "let requests carry their own chat template (else 400, as vLLM); "
+        "the proxy never renders it",
         "api_key": "require 'Authorization: Bearer KEY' from clients",
         "metrics_require_api_key": "/metrics requires the API key too",
         "expose_routing_headers": "show instance addresses (response headers, /instances) "
@@ -243,6 +270,11 @@ HELP = MappingProxyType(
         "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
         "forward_client_auth": "forward the client's Authorization header to instances",
         "max_body_bytes": "largest accepted request body (413 above)",
+        "max_header_bytes": "largest request line + headers (431 above)",
+        "header_timeout": "seconds to receive a request's headers (408 after), from the connection "
+        "or the request's first byte",
+        "body_timeout": "seconds to receive a request body once its headers are in (408 after)",
+        "max_connections": "client connections held at once; new ones get 503 (at most half the fd limit)",
         "max_response_bytes": "largest non-streamed upstream answer buffered (502 above)",
         "connect_timeout": "seconds to connect to an instance",
         "prefill_timeout": "seconds for P to answer the prefill request",

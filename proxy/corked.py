@@ -20,6 +20,8 @@ from typing import Any
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
+from proxy.edge import Edge, guarded_protocol
+
 FLUSH = "xpyd.flush"  # scope["state"] key: a callable that sends what the connection holds
 
 
@@ -70,10 +72,14 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
-def corked_protocol(http: str) -> type[asyncio.Protocol]:
+def corked_protocol(http: str, edge: Edge | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class ``http`` (auto, httptools, h11), whose connections
-    write through a CorkedTransport."""
+    write through a CorkedTransport (and, with `edge`, keep its limits: proxy/edge.py)."""
     base: Any = import_from_string(HTTP_PROTOCOLS[http])
+    if edge is not None:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = guarded_protocol(base, edge, issubclass(base, H11Protocol))
 
     class Corked(base):  # type: ignore[misc,valid-type]
         def connection_made(self, transport: asyncio.Transport) -> None:

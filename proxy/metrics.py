@@ -126,7 +126,8 @@ class Metrics:
             ["result"], registry=r)  # fmt: skip
         self.prompt_ids = Counter(
             "xpyd_prompt_ids",
-            "Prompts tokenized for the precise policies: ok, or unsupported (judged by the guess)",
+            "Prompts tokenized for the precise policies: ok, or judged by the guess because "
+            "unsupported, too_large, queue_full, timeout (the tokenizing budget) or failed",
             ["result"], registry=r)  # fmt: skip
         self.precise_choices = Counter(
             "xpyd_precise_choices",
@@ -142,6 +143,11 @@ class Metrics:
             "xpyd_kv_event_restarts",
             "Instances whose KV-event sequence went back (engine restarted): index reset",
             registry=r)  # fmt: skip
+        self.http_refused = Counter(
+            "xpyd_http_refused",
+            "Client connections or requests refused at the HTTP edge, by reason "
+            "(connection_limit, headers_too_large, header_timeout, body_timeout, bad_request)",
+            ["reason"], registry=r)  # fmt: skip
         # Label children are cached: .labels() costs more than the observation itself.
         self._req_children: dict[tuple[str, int], Counter] = {}
         self._lat_children: dict[str, Histogram] = {}

@@ -7,12 +7,14 @@ import logging
 import signal
 from collections.abc import Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from proxy.app import ProxyState, create_app, fast_path
 from proxy.config import ProxyConfig
 from proxy.corked import corked_protocol
+from proxy.edge import Edge, EdgeLimits
 
 log = logging.getLogger("xpyd.proxy")
 
@@ -25,13 +27,21 @@ class ProxyServer(uvicorn.Server):
         app = create_app(cfg)
         self.proxy: ProxyState = app.state.proxy
         self.handle_signals = handle_signals
+        limits = EdgeLimits(cfg.max_header_bytes, cfg.header_timeout, cfg.body_timeout, cfg.max_connections)
+        refused = self.proxy.metrics.http_refused
+        self.edge = Edge(limits, lambda reason: refused.labels(reason).inc())
+        if self.edge.max_connections < cfg.max_connections:
+            log.info("max_connections lowered to %d: half the file-descriptor limit (raise `ulimit -n`)",
+                        self.edge.max_connections)
         config = uvicorn.Config(
             fast_path(app),
             host=cfg.host,
             port=cfg.port,
             loop=cfg.loop,
             # One system call for what a response writes in one loop turn (proxy/corked.py).
-            http=corked_protocol(cfg.http),
+            # ... and its HTTP edge limits, before any authentication (proxy/edge.py).
+            http=corked_protocol(cfg.http, self.edge),
+            h11_max_incomplete_event_size=cfg.max_header_bytes,
             lifespan="on",
             log_level=cfg.log_level,
             access_log=False,  # per-request logging costs more than the proxying itself
@@ -48,6 +58,10 @@ class ProxyServer(uvicorn.Server):
     def port(self) -> int:
         """The bound HTTP port (useful with port 0)."""
         return self.servers[0].sockets[0].getsockname()[1]
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        await super().shutdown(sockets)
+        self.edge.stop()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
