@@ -48,8 +48,8 @@ CONNECTOR_MEANINGS: dict[str, str] = {
     "http_port": "the instance's OpenAI server port, announced to the proxy",
     "proxy_ip": "proxy to register with (with `proxy_port`; vLLM's upstream keys)",
     "proxy_port": "the discovery port of `proxy_ip`",
-    "proxies": "proxies to register with, `[\"host:port\", ...]` for several; a DNS name is resolved to all its addresses "
-    "(every replica behind a headless Service)",
+    "proxies": "proxies to register with, `[\"host:port\", ...]` for several; a DNS name is resolved to all its "
+    "addresses (every replica behind a headless Service)",
     "send_type": "`PUT` (send inside the step), `PUT_ASYNC` (sender thread; blocks held until sent), "
     "`GET` (P keeps a copy, D pulls)",
     "send_granularity": "P, `PUT_ASYNC`: `layer` ships each layer's blocks as soon as that layer's attention ran "
