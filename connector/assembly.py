@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from connector.buffer import GONE, KVBuffer, Payload, tensor_bytes
+from xpyd_wire.kv_transfer import PART_KEY, is_part
 
 # Header fields that differ between the parts of one payload.
-_PART_FIELDS = ("part",)
+_PART_FIELDS = (PART_KEY,)
 
 
 @dataclass(slots=True)
@@ -37,12 +38,8 @@ class _Partial:
     tensors: list[torch.Tensor] = field(default_factory=list)
 
 
-def is_part(header: dict[str, Any]) -> bool:
-    return "part" in header
-
-
 def _span(header: dict[str, Any]) -> tuple[int, int] | None:
-    part = header.get("part")
+    part = header.get(PART_KEY)
     if not isinstance(part, list | tuple) or len(part) != 2 or not all(type(x) is int for x in part):
         return None
     return part[0], part[1]

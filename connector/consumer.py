@@ -38,6 +38,7 @@ from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec
+from xpyd_wire.kv_transfer import FINAL_KEY, OK_KEY, OP_KEY, Op
 from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
@@ -123,7 +124,7 @@ class Consumer:
         while not (self._stop.is_set() or cancel.is_set()) and time.monotonic() < deadline:
             try:
                 reply, tensors = self._transport.call(
-                    peer, {"op": "get", "key": key},
+                    peer, {OP_KEY: Op.GET, "key": key},
                     timeout_s=max(0.05, min(self._cfg.send_timeout_s, deadline - time.monotonic())))
             except TransportError as e:
                 errors += 1
@@ -132,8 +133,8 @@ class Consumer:
                     break
                 self._stop.wait(GET_RETRY_S * 10)
                 continue
-            if reply.get("ok"):
-                header = {k: v for k, v in reply.items() if k != "ok"}
+            if reply.get(OK_KEY):
+                header = {k: v for k, v in reply.items() if k != OK_KEY}
                 payload = Payload.of(header, tensors)
                 # Another TP size or layout: say so, not that the size missed the reservation.
                 refused = self._check(header) if self._check is not None and "tp_size" in header else None
@@ -146,11 +147,11 @@ class Consumer:
                 else:
                     self.stats.moved("received", payload.nbytes)
                 try:
-                    self._transport.call(peer, {"op": "release", "key": key}, timeout_s=1.0)
+                    self._transport.call(peer, {OP_KEY: Op.RELEASE, "key": key}, timeout_s=1.0)
                 except TransportError:
                     pass  # P's TTL frees it
                 return
-            if reply.get("final"):
+            if reply.get(FINAL_KEY):
                 why = f"prefill says: {reply.get('error')}"
                 break
             self._stop.wait(GET_RETRY_S)

@@ -28,20 +28,21 @@ from __future__ import annotations
 import ipaddress
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from connector import affinity, tp
 from connector import layout as kvlayout
-from connector.assembly import PartAssembler, is_part
+from connector.assembly import PartAssembler
 from connector.buffer import GONE, KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.consumer import Consumer
 from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
+from xpyd_wire.kv_transfer import KEYED_OPS, OP_KEY, Hello, Op, PutHeader, Refusal, is_part, ok
 from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
@@ -91,9 +92,9 @@ def _refusal(key: str, why: str, part: object = None) -> dict[str, Any]:
     if why == GONE:
         logger.info("kv transfer=%s%s not taken: no request here needs it any more (finished, aborted, "
                     "or served from this instance's prefix cache)", key, at)
-        return {"ok": False, "error": why, "gone": True}
+        return Refusal(why, gone=True).encode()
     logger.warning("refused kv transfer=%s%s reason=%s", key, at, why)
-    return {"ok": False, "error": why}
+    return Refusal(why).encode()
 
 
 class KVEngine:
@@ -202,42 +203,42 @@ class KVEngine:
 
     # ---- server side (transport thread) ----
     def _handle(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
-        op = header.get("op")
+        op = header.get(OP_KEY)
         key = header.get("key")
-        if op in ("reserve", "put", "get", "release") and not isinstance(key, str):
-            return {"ok": False, "error": f"{op} without key"}, []
-        if op == "reserve":
+        if op in KEYED_OPS and not isinstance(key, str):
+            return Refusal(f"{op} without key").encode(), []
+        if op == Op.RESERVE:
             nbytes = header.get("nbytes")
             if type(nbytes) is not int or nbytes < 0:
-                return {"ok": False, "error": "reserve needs nbytes"}, []
+                return Refusal("reserve needs nbytes").encode(), []
             refused = self._recv.reserve(key, nbytes)
             if refused:
                 return _refusal(key, refused), []
-            return {"ok": True}, []
-        if op == "put":
+            return ok(), []
+        if op == Op.PUT:
             if is_part(header):  # a layer-wise sender: the payload comes a run of layers at a time
                 payload, refused = self._parts.add(key, header, tensors)
                 if refused:
                     return _refusal(key, refused, header.get("part")), []
                 if payload is None:
-                    return {"ok": True}, []
+                    return ok(), []
             else:
                 payload = Payload.of(header, tensors)
             refused = store_received(self._recv, self._stager, key, payload)
             if refused:
                 return _refusal(key, refused), []
             self.xfer_stats.moved("received", payload.nbytes)
-            return {"ok": True}, []
-        if op == "abort":
+            return ok(), []
+        if op == Op.ABORT:
             keys = header.get("keys")
             if not isinstance(keys, dict):
-                return {"ok": False, "error": "abort needs keys"}, []
+                return Refusal("abort needs keys").encode(), []
             for k, why in keys.items():
                 if isinstance(k, str) and self._recv.fail(k, str(why)):
                     self._parts.drop(k)
                     logger.warning("kv transfer=%s will not come: %s", k, why)
-            return {"ok": True}, []
-        if op == "get":
+            return ok(), []
+        if op == Op.GET:
             # Not popped: a reply lost to a timeout must be retrievable again.
             # D sends "release" once it holds the payload; the TTL covers the rest.
             payload = self._sendbuf.peek(key)
@@ -248,31 +249,36 @@ class KVEngine:
             if payload is None:
                 why = self._sendbuf.failure(key)
                 if why is not None:
-                    return {"ok": False, "error": why, "final": True}, []
-                return {"ok": False, "error": "not ready"}, []
-            return {"ok": True, **payload.header}, payload.tensors
-        if op == "release":
+                    return Refusal(why, final=True).encode(), []
+                return Refusal("not ready").encode(), []
+            return ok(**payload.header), payload.tensors
+        if op == Op.RELEASE:
             # GET: D holds the payload now; this is where P's send ends.
             payload = self._sendbuf.pop(key)
             if payload is not None:
                 self.xfer_stats.transfer("send", "ok", payload.nbytes, "sent")
-            return {"ok": True}, []
-        if op == "ready":  # this instance's scheduler: is a transfer's KV here (a synchronous load)?
-            return {"ok": True, "ready": isinstance(key, str) and self.consumer.ready(key)}, []
-        if op == "ping":
-            return {"ok": True, "address": self.address}, []
-        if op == "hello":  # first contact: what a sender must match before shipping KV
-            return {"ok": True, "rank": self._rank, **self._tp.describe(), **self._layout.describe()}, []
-        if op == "stats":
-            out = {"ok": True, **self.stats(), "refused": self._transport.refusals(),
+            return ok(), []
+        if op == Op.READY:  # this instance's scheduler: is a transfer's KV here (a synchronous load)?
+            return ok(ready=isinstance(key, str) and self.consumer.ready(key)), []
+        if op == Op.PING:
+            return ok(address=self.address), []
+        if op == Op.HELLO:  # first contact: what a sender must match before shipping KV
+            return self._hello().encode(), []
+        if op == Op.STATS:
+            out = ok(**self.stats(), refused=self._transport.refusals(),
                    # KV (and any tensor) bytes that came over the tcp transport's byte stream, ever.
-                   "stream_received_bytes": getattr(self._transport, "stream_received_bytes", 0)}
+                     stream_received_bytes=getattr(self._transport, "stream_received_bytes", 0))
             fallbacks = getattr(self._transport, "fallbacks", None)  # nccl: peers on the host path, and why
             if callable(fallbacks):
                 out["fallbacks"] = fallbacks()
             return out, []
         # unknown_op: a caller's optional feature (e.g. nccl set-up) is not served here.
-        return {"ok": False, "error": f"unknown op {op!r}", "unknown_op": True}, []
+        return Refusal(f"unknown op {op!r}", unknown_op=True).encode(), []
+
+    def _hello(self) -> Hello:
+        return Hello(rank=self._rank, tp_size=self._tp.tp_size, num_kv_heads=self._tp.num_kv_heads,
+                     is_mla=self._tp.is_mla, layout=self._layout.layout, dtype=self._layout.dtype,
+                     block_shape=tuple(self._layout.block_shape))
 
     def check_peer(self, hello: dict[str, Any], we_send: bool = True) -> str | None:
         """Why KV cannot move between this instance and the peer described by ``hello`` (a
@@ -327,10 +333,12 @@ class KVEngine:
 
     # ---- producer (worker thread, and the per-peer sender threads) ----
     def _payload(self, spec: SaveSpec, copy: bool, heads: slice | None = None, layers: tuple[int, int] | None = None,
-                 after: Any = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """The blocks of ``spec`` (only ``heads`` of each, for a decode rank of another TP
+                 after: Any = None, piece: dict[str, Any] | None = None,
+                 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The put header and blocks of ``spec`` (only ``heads`` of each, for a decode rank of another TP
         size: then one packed tensor per layer). ``layers``: only layers [lo, hi), as one part
-        of a layer-wise send; ``after``: the CUDA event that marks them written."""
+        of a layer-wise send; ``after``: the CUDA event that marks them written; ``piece``: the
+        ``PutHeader`` fields of a head slice (its own key, piece, pieces, src_rank, heads)."""
         if layers is None:  # the whole payload: after the event save() recorded, if any
             written = self._written.pop(spec.transfer_key, None)
             after = written[0] if written is not None else None
@@ -364,24 +372,18 @@ class KVEngine:
                 elif not stays:
                     p = p.to("cpu")
                 tensors.append(p)
-        header = {
-            "op": "put",
-            "key": spec.transfer_key,
-            "num_tokens": spec.num_tokens,
-            # The prompt blocks the payload covers, from 0: the tensors hold the last
-            # num_blocks - first_block of them. A consumer that predates first_block sees
-            # runs that do not add up to num_blocks and refuses the payload, never
-            # misplaces it.
-            "num_blocks": spec.first_block + len(spec.block_ids),
-            "first_block": spec.first_block,
-            "layers": self._layer_names,
-            "runs": run_lens or [],
-            **self._layout.describe(),
-            **self._tp.describe(),  # D checks it: rank r to rank r is right only for equal TP
-        }
-        if layers is not None:
-            header["part"] = list(layers)
-        return header, tensors
+        header = PutHeader(
+            key=spec.transfer_key, num_tokens=spec.num_tokens,
+            num_blocks=spec.first_block + len(spec.block_ids), first_block=spec.first_block,
+            layers=self._layer_names, runs=run_lens or [],
+            layout=self._layout.layout, dtype=self._layout.dtype, block_shape=list(self._layout.block_shape),
+            # D checks these: rank r to rank r is right only for equal TP
+            tp_size=self._tp.tp_size, num_kv_heads=self._tp.num_kv_heads, is_mla=self._tp.is_mla,
+            part=layers,
+        )
+        if piece:
+            header = replace(header, **piece)
+        return header.encode(), tensors
 
     def _mark_written(self) -> Any:
         """CUDA: an event after what this thread's stream has queued (the forward pass so far)."""

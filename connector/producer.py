@@ -35,6 +35,7 @@ from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
+from xpyd_wire.kv_transfer import OP_KEY, Hello, Op
 from xpyd_wire.request_id import rank_address
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError, TransportRefused
@@ -49,8 +50,9 @@ PEER_IDLE_EXIT_S = 30.0
 # Abort notices not yet delivered are kept at most this many per peer.
 MAX_PENDING_NOTICES = 4096
 
-# Builds (header, tensors) for a send; copy=True gives P its own copy (GET); a third
-# argument (a slice of this rank's heads) gives only those heads of each block.
+# Builds (put header, tensors) for a send (xpyd_wire.kv_transfer.PutHeader, encoded); copy=True
+# gives P its own copy (GET); a third argument (a slice of this rank's heads) gives only those
+# heads of each block, ``piece`` the header fields of such a slice.
 PayloadBuilder = Callable[..., tuple[dict[str, Any], list[torch.Tensor]]]
 # Checks a peer's "hello" (layout, dtype, block shape, TP): None, or why KV cannot go there.
 PeerCheck = Callable[[dict[str, Any]], str | None]
@@ -305,7 +307,7 @@ class PeerSender:
 
     def _probe(self) -> bool:
         try:
-            self._transport.call(self.peer, {"op": "ping"}, timeout_s=PROBE_TIMEOUT_S)
+            self._transport.call(self.peer, {OP_KEY: Op.PING}, timeout_s=PROBE_TIMEOUT_S)
         except TransportError:
             return False
         logger.info("kv peer %s answers again after %.1fs", self.peer, time.monotonic() - (self.dead_since or 0))
@@ -346,7 +348,7 @@ class PeerSender:
     def _deliver(self, notices: dict[str, dict[str, str]]) -> None:
         for i, (addr, keys) in enumerate(notices.items()):
             try:
-                self._transport.call(addr, {"op": "abort", "keys": keys},
+                self._transport.call(addr, {OP_KEY: Op.ABORT, "keys": keys},
                                      timeout_s=min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
             except TransportError as e:
                 with self._cond:  # keep them for when the peer answers again
@@ -370,14 +372,14 @@ class PeerSender:
             return max(0.05, deadline - time.monotonic())
 
         try:
-            reply, _ = self._transport.call(self.home, {"op": "hello"}, timeout_s=left())
+            reply, _ = self._transport.call(self.home, Hello.request(), timeout_s=left())
             if self._rank == 0 or not reply.get("ok") or reply.get("rank") == self._rank:
                 return reply, self.home
         except TransportError:
             if self._rank == 0:
                 raise
         first = rank_address(self.instance, 0)
-        reply, _ = self._transport.call(first, {"op": "hello"}, timeout_s=left())
+        reply, _ = self._transport.call(first, Hello.request(), timeout_s=left())
         return reply, first
 
     def _plan(self, reply: dict[str, Any], contact: str) -> str | None:
@@ -436,16 +438,15 @@ class PeerSender:
         if route is None:
             header, tensors = self._build(spec, False, **span)
         else:
-            header, tensors = self._build(spec, False, route.piece.remote_heads, **span)
-            header.update(key=tp.piece_key(spec.transfer_key, route.index), piece=route.index,
-                          pieces=route.count, src_rank=self._rank,
-                          heads=[route.piece.local_heads.start, route.piece.local_heads.stop])
+            piece = dict(key=tp.piece_key(spec.transfer_key, route.index), piece=route.index, pieces=route.count,
+                         src_rank=self._rank, heads=(route.piece.local_heads.start, route.piece.local_heads.stop))
+            header, tensors = self._build(spec, False, route.piece.remote_heads, piece=piece, **span)
         nbytes = tensor_bytes(tensors)
         t = phases.add("build", t)
         reply = {"ok": True}
         if part is None or part[0] == 0:
             total = nbytes if part is None else nbytes * part[2] // (part[1] - part[0])
-            reply, _ = self._transport.call(addr, {"op": "reserve", "key": header["key"], "nbytes": total},
+            reply, _ = self._transport.call(addr, {OP_KEY: Op.RESERVE, "key": header["key"], "nbytes": total},
                                             timeout_s=max(0.05, deadline - time.monotonic()))
             t = phases.add("reserve", t)
         if reply.get("ok"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpyd_wire import request_id
+from xpyd_wire.kv_transfer import DEBUG_CORRUPT_KV_PARAM, OP_KEY, REPORT_KEY_PARAM, RESPONSE_KEY, Op
 from connector.config import ConnectorConfig, _flag
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
@@ -42,8 +43,8 @@ _RELEASED_MEMORY = 4096
 SIBLING_GRACE_S = 1.0
 # request_finished's kv_transfer_params reach the client's response. The transfer key
 # names the KV in flight (without kv_secret, whoever knows it can feed or fail that
-# transfer), so it is only reported to a request whose kv_transfer_params ask for it.
-REPORT_KEY_PARAM = "xpyd_report_transfer_key"
+# transfer), so it is only reported to a request whose kv_transfer_params ask for it
+# (REPORT_KEY_PARAM, defined with the protocol: xpyd_wire.kv_transfer).
 
 
 def _prefill_prompt_tokens(request: "Request") -> int:
@@ -109,7 +110,7 @@ class ArrivalProbe:
             if left <= 0:
                 return False
             try:
-                reply, _ = self._transport.call(addr, {"op": "ready", "key": key}, timeout_s=left)
+                reply, _ = self._transport.call(addr, {OP_KEY: Op.READY, "key": key}, timeout_s=left)
             except TransportError as e:
                 self._log("probe", "kv arrival probe of %s failed (loads stay asynchronous): %s", addr, e)
                 return False
@@ -277,7 +278,7 @@ class P2pScheduler:
             prompt_tokens=p_tokens,
             prompt_blocks=_cdiv(p_tokens, self._block_size),
             corrupt_for_test=self._cfg.allow_debug_corruption
-            and bool(params.get("xpyd_debug_corrupt_kv", False)),
+            and bool(params.get(DEBUG_CORRUPT_KV_PARAM, False)),
             sync=sync,
         )
         self._new_loads.append(spec)
@@ -378,7 +379,7 @@ class P2pScheduler:
         if save is not None:
             # With PUT_ASYNC the send may still be running: this says what was
             # handed to the sender, not what arrived.
-            return save.delay_free, {"xpyd": {**key, "send_type": self._cfg.send_type,
+            return save.delay_free, {RESPONSE_KEY: {**key, "send_type": self._cfg.send_type,
                                               "prompt_tokens": save.num_tokens,
                                               "shipped_blocks": len(save.block_ids),
                                               "skipped_blocks": save.first_block}}
@@ -386,7 +387,7 @@ class P2pScheduler:
         if load is not None:
             failed = rid in self._failed_loads
             self._failed_loads.discard(rid)
-            return False, {"xpyd": {**key, "loaded_tokens": 0 if failed else load.num_tokens,
+            return False, {RESPONSE_KEY: {**key, "loaded_tokens": 0 if failed else load.num_tokens,
                                     "load_failed": failed}}
         return False, None
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpyd_wire import request_id
+from xpyd_wire.kv_transfer import RESPONSE_KEY
 from connector.log import get_logger
 from connector.registration import Registrar, heartbeat_load
 from connector.scheduler import tokens_computed_before
@@ -232,7 +233,7 @@ class SharedStorageScheduler:
         if st.load is not None:
             info.update(loaded_tokens=st.loaded_tokens, load_failed=st.load_failed,
                         waited_for_producer=st.load.wait_s > 0)
-        return False, {"xpyd": info}
+        return False, {RESPONSE_KEY: info}
 
     def shutdown(self) -> None:
         if self._registrar is not None:

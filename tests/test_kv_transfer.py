@@ -1,0 +1,97 @@
+"""The typed KV protocol (xpyd_wire/kv_transfer.py): the shapes encode to exactly the bytes the
+connector has always sent (the wire is unchanged by the typing), decode back, and refuse what
+is not theirs."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from xpyd_wire import kv_transfer as kt
+from xpyd_wire.kv_transfer import Hello, Op, PutHeader, Refusal
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def _header(**over) -> PutHeader:
+    fields = dict(key="0123abcd-0", num_tokens=40, num_blocks=3, first_block=1, layers=LAYERS, runs=[2],
+                  layout="LBHNC", dtype="bfloat16", block_shape=[2, 16, 64], tp_size=1, num_kv_heads=2, is_mla=False)
+    return PutHeader(**{**fields, **over})
+
+
+def _old_put(**extra) -> dict:
+    """The put header as engine.py wrote it as a dict literal before the protocol was typed."""
+    layout = {"layout": "LBHNC", "dtype": "bfloat16", "block_shape": [2, 16, 64]}
+    tp = {"tp_size": 1, "num_kv_heads": 2, "is_mla": False}
+    header = {"op": "put", "key": "0123abcd-0", "num_tokens": 40, "num_blocks": 3, "first_block": 1,
+              "layers": LAYERS, "runs": [2], **layout, **tp}
+    if "part" in extra:
+        header["part"] = extra.pop("part")
+    header.update(extra)
+    return header
+
+
+def _bytes(d: dict) -> bytes:
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def test_put_header_bytes_are_the_old_literal_s():
+    assert _bytes(_header().encode()) == _bytes(_old_put())
+    assert _bytes(_header(part=(0, 1)).encode()) == _bytes(_old_put(part=[0, 1]))
+    # a heterogeneous-TP piece: the producer updated the key in place and appended the piece fields
+    piece = _header(part=(1, 2), key="0123abcd-0:p1", piece=1, pieces=2, src_rank=0, heads=(1, 2))
+    old = _old_put(part=[1, 2])
+    old.update(key="0123abcd-0:p1", piece=1, pieces=2, src_rank=0, heads=[1, 2])
+    assert _bytes(piece.encode()) == _bytes(old)
+
+
+@pytest.mark.parametrize("header", [_header(), _header(part=(0, 2)),
+                                    _header(piece=0, pieces=2, src_rank=1, heads=(0, 1))])
+def test_put_header_round_trips(header):
+    wire = msgpack.unpackb(_bytes(header.encode()), raw=False)
+    assert PutHeader.decode(wire) == header
+    assert kt.is_part(wire) == (header.part is not None)
+
+
+@pytest.mark.parametrize("bad", [
+    {"op": "get", "key": "k"},
+    {k: v for k, v in _old_put().items() if k != "runs"},
+    {**_old_put(), "num_tokens": "40"},
+    {**_old_put(), "part": [0]},
+    {**_old_put(), "layers": [1, 2]},
+])
+def test_put_header_decode_refuses_what_is_no_put_header(bad):
+    with pytest.raises(ValueError):
+        PutHeader.decode(bad)
+
+
+def test_hello_round_trips_and_refuses_missing_fields():
+    hello = Hello(rank=1, tp_size=2, num_kv_heads=4, is_mla=False, layout="LBHNC", dtype="float16",
+                  block_shape=(2, 16, 64))
+    wire = msgpack.unpackb(_bytes(hello.encode()), raw=False)
+    assert wire["ok"] is True and wire["rank"] == 1 and wire["block_shape"] == [2, 16, 64]
+    assert Hello.decode(wire) == hello
+    assert Hello.request()["op"] == Op.HELLO
+    with pytest.raises(ValueError, match="tp_size"):
+        Hello.decode({k: v for k, v in wire.items() if k != "tp_size"})
+
+
+def test_refusal_shapes_are_the_old_literals():
+    assert Refusal("x").encode() == {"ok": False, "error": "x"}
+    assert list(Refusal("x", gone=True).encode()) == ["ok", "error", "gone"]
+    assert Refusal("x", final=True).encode() == {"ok": False, "error": "x", "final": True}
+    assert Refusal("unknown op 'z'", unknown_op=True).encode() == {"ok": False, "error": "unknown op 'z'",
+                                                                    "unknown_op": True}
+    assert Refusal.decode({"ok": True}) is None
+    assert Refusal.decode({"ok": False, "error": "bad mac", "refused": "bad_mac"}) == Refusal("bad mac",
+                                                                                             refused="bad_mac")
+    assert kt.ok(ready=True) == {"ok": True, "ready": True}
+
+
+def test_kv_transfer_params_names_live_in_one_place():
+    from xpyd_wire import request_id
+
+    assert kt.SKIP_TOKENS_PARAM is request_id.SKIP_TOKENS_PARAM
+    assert kt.PREFILL_PROMPT_TOKENS_PARAM is request_id.PREFILL_PROMPT_TOKENS_PARAM
+    assert kt.REPORT_KEY_PARAM == "xpyd_report_transfer_key"
+    assert kt.RESPONSE_KEY == "xpyd"
