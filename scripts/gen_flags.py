@@ -225,7 +225,7 @@ def proxy_section() -> list[str]:
             lines.append("- one of " + ", ".join(f"`{c}`" for c in action.choices))
         help_text = config.HELP.get(f.name)
         if not help_text:
-            raise SystemExit(f"proxy/config.py: {f.name} has no HELP text")
+            raise SystemExit(f"proxy/config.py: {f.name} has no HELP text (the flag reference is built from it)")
         wrapped = _wrap(help_text[0].upper() + help_text[1:] + ".", "  ")
         lines += ["- " + wrapped[0].lstrip()] + wrapped[1:]
         lines.append("")
@@ -270,10 +270,12 @@ def connector_section() -> list[str]:
             lines += ["- " + wrapped[0].lstrip()] + wrapped[1:]
             lines.append("")
     if missing:
-        raise SystemExit("keys read by the connector with no meaning in scripts/gen_flags.py: " + ", ".join(missing))
+        raise SystemExit("keys read by the connector with no meaning in scripts/gen_flags.py: " + ", ".join(missing)
+                         + ". Add each to CONNECTOR_MEANINGS there, then run python scripts/gen_flags.py")
     stale = sorted(set(CONNECTOR_MEANINGS) - seen)
     if stale:
-        raise SystemExit("scripts/gen_flags.py describes keys the connector no longer reads: " + ", ".join(stale))
+        raise SystemExit("scripts/gen_flags.py describes keys the connector no longer reads: " + ", ".join(stale)
+                         + ". Remove them from CONNECTOR_MEANINGS there, then run python scripts/gen_flags.py")
     return lines
 
 
