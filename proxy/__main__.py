@@ -22,7 +22,11 @@ def main(argv: list[str] | None = None) -> int:
     # Imported late: --help and config errors should not pay for FastAPI/uvicorn imports.
     from proxy.server import ProxyServer
 
-    server = ProxyServer(cfg)
+    try:
+        server = ProxyServer(cfg)  # loads --tokenizer: a bad one is a configuration error too
+    except ConfigError as e:
+        print(f"xpyd-proxy: configuration error: {e}", file=sys.stderr)
+        return 2
     # Everything built so far (FastAPI, pydantic, the app) lives as long as the process:
     # out of the collector's sight, a full collection no longer walks it (p99 at c=64:
     # +15 ms -> +4 ms over D alone, scripts/bench_proxy.py).

@@ -15,29 +15,65 @@ body, using the model's own Hugging Face tokenizer (the object vLLM itself uses)
   False (the template adds BOS).
 
 What it does not reproduce raises `Unsupported`, so a caller falls back (to the instance's
-own `/tokenize`, or to the character estimate): a request's own `chat_template`, `tools`,
-non-text content (images, audio), `prompt_embeds`, `truncate_prompt_tokens`. Equality with
-vLLM's `/tokenize` is tested on a real vLLM server (tests/test_e2e_kv_events.py); the cost
-per request is measured by scripts/bench_prompt_keys.py.
+own `/tokenize`, or to the character estimate): `tools`, non-text content (images, audio),
+`prompt_embeds`, `truncate_prompt_tokens`. Equality with vLLM's `/tokenize` is tested on a
+real vLLM server (tests/test_e2e_kv_events.py); the cost per request is measured by
+scripts/bench_prompt_keys.py.
+
+A request's own chat template (top-level `chat_template` or `chat_template_kwargs.chat_template`)
+is code: the proxy never runs it. Unless trusted (--trust-request-chat-template, as vLLM's
+flag of that name), it is refused with vLLM's own answer (`TemplateRefused`); trusted, it goes
+to the instances and the proxy routes by the guess. `Tokenizing` runs the tokenizer on its one
+thread under a budget (prompt size, jobs queued, wait), never on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from xpyd_wire.kv_events import chain_block_keys
 
+log = logging.getLogger("xpyd.proxy.prompt_keys")
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 # Body fields that change the prompt in ways this module does not reproduce.
 _UNSUPPORTED_FIELDS = ("prompt_embeds", "truncate_prompt_tokens", "tools", "chat_template", "mm_processor_kwargs")
+# apply_chat_template's own parameters: a client must not set them through
+# chat_template_kwargs (a template of its own, tokenize=True, ...).
+_TEMPLATE_PARAMS = frozenset({
+    "chat_template", "tools", "documents", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "conversation",
+})  # fmt: skip
 _MAX_TOKEN_ID = 2**32 - 1
+# vLLM 0.32's answer to a request carrying its own template without
+# --trust-request-chat-template (vllm/renderers/online_renderer.py validate_chat_template).
+TEMPLATE_REFUSED = ("Chat template is passed with request, but --trust-request-chat-template "
+                    "is not set. Refused request with untrusted chat template.")  # fmt: skip
 
 
 class Unsupported(ValueError):
     """The request's prompt cannot be reproduced here; the reason says why."""
+
+
+class TemplateRefused(Exception):
+    """The request carries its own chat template and the proxy does not trust request
+    templates: answer 400 with vLLM's message (`TEMPLATE_REFUSED`)."""
+
+
+def carries_template(body: dict[str, Any]) -> bool:
+    """Whether `body` brings its own chat template (vLLM's test, both places)."""
+    if body.get("chat_template") is not None:
+        return True
+    kwargs = body.get("chat_template_kwargs")
+    return isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
 
 
 class PromptTokenizer:
@@ -50,14 +86,15 @@ class PromptTokenizer:
         self._tok = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=False)
         self._has_template = getattr(self._tok, "chat_template", None) is not None
 
-    def token_ids(self, path: str, body: dict[str, Any]) -> list[list[int]]:
+    def token_ids(self, path: str, body: dict[str, Any], first_only: bool = False) -> list[list[int]]:
         """The prompt token ids vLLM computes for `body` sent to `path`: one list per prompt
-        (a completions batch gives several, chat one). Raises Unsupported."""
+        (a completions batch gives several, chat one; `first_only`: a batch's first prompt
+        alone). Raises Unsupported."""
         for name in _UNSUPPORTED_FIELDS:
             if body.get(name) is not None:
                 raise Unsupported(f"{name} is not reproduced")
         if path == COMPLETIONS:
-            return self._completion(body)
+            return self._completion(body, first_only)
         if path == CHAT:
             return [self._chat(body)]
         raise Unsupported(f"no prompt for {path}")
@@ -68,7 +105,7 @@ class PromptTokenizer:
 
     # ------------------------------------------------------------------ shapes
 
-    def _completion(self, body: dict[str, Any]) -> list[list[int]]:
+    def _completion(self, body: dict[str, Any], first_only: bool = False) -> list[list[int]]:
         prompt = body.get("prompt")
         special = _flag(body, "add_special_tokens", True)
         if isinstance(prompt, str):
@@ -77,7 +114,7 @@ class PromptTokenizer:
             if all(_is_token_id(t) for t in prompt):
                 return [list(prompt)]
             out: list[list[int]] = []
-            for p in prompt:
+            for p in prompt[:1] if first_only else prompt:
                 if isinstance(p, str):
                     out.append(self._encode(p, special))
                 elif isinstance(p, list) and p and all(_is_token_id(t) for t in p):
@@ -97,6 +134,10 @@ class PromptTokenizer:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise Unsupported("chat_template_kwargs is not an object")
+        # Never a template (or any other apply_chat_template parameter) of the client's:
+        # a template is code, and rendering it here would run it inside the proxy.
+        if not _TEMPLATE_PARAMS.isdisjoint(kwargs):
+            raise Unsupported("chat_template_kwargs sets apply_chat_template's own parameters")
         kwargs = {**kwargs,
                   "add_generation_prompt": _flag(body, "add_generation_prompt", True),
                   "continue_final_message": _flag(body, "continue_final_message", False)}  # fmt: skip
@@ -108,6 +149,93 @@ class PromptTokenizer:
 
     def _encode(self, text: str, special: bool) -> list[int]:
         return list(self._tok(text, add_special_tokens=special)["input_ids"])
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeBudget:
+    """What one proxy spends on tokenizing prompts; past it, the policies' estimate."""
+
+    max_bytes: int = 1 << 20  # longest prompt tokenized (~0.5 s of the thread per MiB)
+    max_pending: int = 8  # jobs queued or running on the tokenizer thread
+    timeout: float = 1.0  # longest a request waits for its ids
+
+
+class Tokenizing:
+    """A PromptTokenizer run on its own thread (a Hugging Face tokenizer must not be used
+    by two threads at once), never on the event loop, within a TokenizeBudget.
+
+    `first_ids` answers the first prompt's ids and a result for the metric: ok,
+    unsupported, too_large, queue_full, timeout, or failed (the tokenizer raised)."""
+
+    def __init__(self, tokenizer: PromptTokenizer, budget: TokenizeBudget,
+                 trust_request_templates: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.budget = budget
+        self.trust_request_templates = trust_request_templates
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="xpyd-tokenize")
+        # Jobs in the thread's queue or running: submitted on the loop minus finished in
+        # the thread minus cancelled before they ran (each counter has one writer).
+        self._submitted = 0
+        self._finished = 0
+        self._cancelled = 0
+
+    @property
+    def pending(self) -> int:
+        return self._submitted - self._finished - self._cancelled
+
+    async def first_ids(self, path: str, body: dict[str, Any], raw_len: int) -> tuple[list[int] | None, str]:
+        """Raises TemplateRefused for a request's own template, unless trusted."""
+        if carries_template(body):
+            if not self.trust_request_templates:
+                raise TemplateRefused(TEMPLATE_REFUSED)
+            return None, "unsupported"  # trusted: the instance runs it, the proxy does not
+        if body.get("cache_salt") is not None:  # keys the blocks apart from their tokens
+            return None, "unsupported"
+        budget = self.budget
+        if _work_bytes(path, body, raw_len) > budget.max_bytes:
+            return None, "too_large"
+        if self.pending >= budget.max_pending:
+            return None, "queue_full"
+        job = self._pool.submit(self._run, path, body)
+        self._submitted += 1
+        try:
+            ids = await asyncio.wait_for(asyncio.wrap_future(job), budget.timeout)
+        except TimeoutError:
+            job.cancel()  # dropped from the queue if it has not started
+            if job.cancelled():
+                self._cancelled += 1
+            return None, "timeout"
+        except asyncio.CancelledError:
+            if job.cancel():
+                self._cancelled += 1
+            raise
+        except Unsupported:
+            return None, "unsupported"
+        except Exception as e:  # the tokenizer choked: route by the guess, never fail the request
+            log.warning("prompt not tokenized (%s: %s): the policies use their guess", type(e).__name__, e)
+            return None, "failed"
+        return ids, "ok"
+
+    def _run(self, path: str, body: dict[str, Any]) -> list[int]:
+        try:
+            return self.tokenizer.token_ids(path, body, first_only=True)[0]
+        finally:
+            self._finished += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _work_bytes(path: str, body: dict[str, Any], raw_len: int) -> int:
+    """About how much text tokenizing `body` means: the first prompt's characters for a
+    completion (a batch's others are not tokenized), the body's size for chat."""
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, (str, list)):
+            return len(prompt)
+    return raw_len
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

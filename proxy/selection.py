@@ -5,11 +5,9 @@ own them, so the load the policies see is exactly what the proxy has outstanding
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 
@@ -23,12 +21,6 @@ from proxy.registry import Instance, Registry
 from proxy.request import RouteRequest
 
 log = logging.getLogger("xpyd.proxy.selection")
-
-# Bodies up to this size are tokenized on the event loop (~0.1 ms for 64 tokens here);
-# larger ones on the tokenizer's own thread (~0.85 ms for 1k tokens, 3 ms for 3.5k), where
-# the Rust tokenizer leaves the event loop ~3/4 of the GIL (scripts/bench_prompt_keys.py).
-TOKENIZE_INLINE_BYTES = 1024
-
 
 class Selector:
     def __init__(self, cfg: ProxyConfig, registry: Registry, metrics: Metrics,
@@ -47,49 +39,42 @@ class Selector:
             "P": make_policy(cfg.prefill_policy, cfg, events, metrics, "P"),
             "D": make_policy(cfg.decode_policy, cfg, events, metrics, "D"),
         }
-        # Exact prompt token ids, only for the precise policies (loading one costs ~1 s).
+        # Exact prompt token ids, only for the precise policies (loading one costs ~1 s),
+        # tokenized on their own thread within a budget (proxy/prompt_keys.py Tokenizing).
         self.prompts = None
-        self._tokenize_pool: ThreadPoolExecutor | None = None
         if "precise" in (cfg.prefill_policy, cfg.decode_policy) and cfg.tokenizer:
-            from proxy.prompt_keys import PromptTokenizer
+            from proxy.prompt_keys import PromptTokenizer, TokenizeBudget, Tokenizing
 
             try:
-                self.prompts = PromptTokenizer(cfg.tokenizer)
+                tokenizer = PromptTokenizer(cfg.tokenizer)
             except Exception as e:  # a missing directory, an unknown name, a broken file
                 raise ConfigError(f"--tokenizer {cfg.tokenizer!r} could not be loaded: {e}") from None
-            # One thread: a Hugging Face tokenizer must not be used by two threads at once.
-            self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="xpyd-tokenize")
+            budget = TokenizeBudget(cfg.tokenize_max_bytes, cfg.tokenize_max_pending, cfg.tokenize_timeout)
+            self.prompts = Tokenizing(tokenizer, budget, cfg.trust_request_chat_template)
 
     async def prepare(self, req: RouteRequest) -> None:
         """Compute what the policies need before any choice: the prompt's exact token ids
-        for the precise policies (a batch: its first prompt, as routing_key keys it)."""
+        for the precise policies (a batch: its first prompt, as routing_key keys it).
+        Past the tokenizing budget the policies use their guess (xpyd_prompt_ids says why)."""
         prompts = self.prompts
         if prompts is None or req.prompt_ids is not None:
             return
-        from proxy.prompt_keys import Unsupported
+        from proxy.prompt_keys import TemplateRefused
 
         try:
-            if req.body.get("cache_salt") is not None:
-                raise Unsupported("a cache_salt keys the blocks apart from their tokens")
-            if len(req.raw) <= TOKENIZE_INLINE_BYTES:
-                ids = prompts.token_ids(req.path, req.body)
-            else:
-                loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(self._tokenize_pool, prompts.token_ids, req.path, req.body)
-        except Unsupported as e:
-            self.metrics.prompt_ids.labels("unsupported").inc()
-            log.debug("prompt not tokenized (%s): the policies use their guess", e)
+            ids, result = await prompts.first_ids(req.path, req.body, len(req.raw))
+        except TemplateRefused as e:  # vLLM's own answer, word for word
+            error = {"message": str(e), "type": "BadRequestError", "param": None, "code": 400}
+            raise ProxyError(400, str(e), 400, raw=orjson.dumps({"error": error})) from None
+        self.metrics.prompt_ids.labels(result).inc()
+        if ids is None:
+            log.debug("prompt not tokenized (%s): the policies use their guess", result)
             return
-        except Exception as e:  # the tokenizer choked: route by the guess, never fail the request
-            self.metrics.prompt_ids.labels("unsupported").inc()
-            log.warning("prompt not tokenized (%s: %s): the policies use their guess", type(e).__name__, e)
-            return
-        self.metrics.prompt_ids.labels("ok").inc()
-        req.prompt_ids = ids[0]
+        req.prompt_ids = ids
 
     def close(self) -> None:
-        if self._tokenize_pool is not None:
-            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        if self.prompts is not None:
+            self.prompts.close()
 
     def available(self, role: str, model: str | None = None) -> bool:
         return len(self.registry.pool(role, model)) > 0
