@@ -13,8 +13,9 @@ Send modes, as upstream P2pNcclConnector defines them:
 Control ops served here: ``reserve`` (room for a payload, before its bytes),
 ``put`` (a whole payload, or one run of layers of a layer-wise sender's, joined by
 ``connector.assembly``), ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
-mode), ``ready`` (is a transfer's KV here: asked by this instance's scheduler), ``ping``,
-``stats``. Every wait is bounded: sends by ``send_timeout_s``,
+mode), ``ready`` (is a transfer's KV here: asked by this instance's scheduler), ``hello``
+(first contact: TP, block layout and the KV protocol version; a caller of another version is
+refused), ``ping``, ``stats``. The messages are typed in ``xpyd_wire.kv_transfer``. Every wait is bounded: sends by ``send_timeout_s``,
 loads by ``kv_load_timeout_s``, buffered payloads by ``buffer_ttl_s``.
 
 With ``kv_secret`` set, the socket serves only calls authenticated with a key
@@ -42,11 +43,13 @@ from connector.consumer import Consumer
 from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
-from xpyd_wire.kv_transfer import KEYED_OPS, OP_KEY, Hello, Op, PutHeader, Refusal, is_part, ok
+from xpyd_wire.kv_transfer import (KEYED_OPS, KV_PROTOCOL_VERSION, OP_KEY, VERSION_KEY, Hello, Op, PutHeader, Refusal,
+                                   is_part, ok, version_mismatch)
 from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport
+from connector.transport.wire import printable
 from connector.transport import make_transport as transport_factory
 
 logger = get_logger(__name__)
@@ -263,6 +266,13 @@ class KVEngine:
         if op == Op.PING:
             return ok(address=self.address), []
         if op == Op.HELLO:  # first contact: what a sender must match before shipping KV
+            # A caller that says no version is answered (tools ask too): it judges our version.
+            why = version_mismatch(header[VERSION_KEY]) if VERSION_KEY in header else None
+            if why is not None:
+                logger.error("refused a hello from a kv peer: %s", why)
+                return Refusal(f"the peer at {self.address} refused the hello: it speaks kv protocol version "
+                               f"{KV_PROTOCOL_VERSION}, the hello said {printable(str(header[VERSION_KEY]), 40)}; "
+                               "run the same xPyD release on prefill and decode").encode(), []
             return self._hello().encode(), []
         if op == Op.STATS:
             out = ok(**self.stats(), refused=self._transport.refusals(),

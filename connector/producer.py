@@ -10,9 +10,10 @@ load fails at its next poll instead of at its deadline.
 Every send first reserves room in D's buffer and ships the bytes only once D
 agreed: D's memory is bounded before it is spent.
 
-Before the first KV to a decode instance, P asks it ``hello`` (its rank's TP size, KV
-heads, block layout; cached, asked again after the peer came back) and refuses at once
-what cannot be mapped. With equal TP, worker rank r sends whole blocks to D's rank r;
+Before the first KV to a decode instance, P asks it ``hello`` (its KV protocol version,
+its rank's TP size, KV heads, block layout; cached, asked again after the peer came back) and
+refuses at once what cannot be mapped or speaks another protocol version
+(``xpyd_wire.kv_transfer``). With equal TP, worker rank r sends whole blocks to D's rank r;
 with different TP sizes it sends each D rank the head slice that rank owns
 (``connector.tp``), each piece under its own key, and D loads once it has all pieces.
 """
@@ -35,7 +36,7 @@ from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
-from xpyd_wire.kv_transfer import OP_KEY, Hello, Op
+from xpyd_wire.kv_transfer import OP_KEY, UNKNOWN_OP_KEY, VERSION_KEY, Hello, Op, version_mismatch
 from xpyd_wire.request_id import rank_address
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError, TransportRefused
@@ -417,9 +418,9 @@ class PeerSender:
             return f"refused the call: {reply.get('error')}", True
         self.peer = contact
         if reply.get("ok"):
-            why = self._check(reply) or self._plan(reply, contact)
-        elif reply.get("unknown_op"):
-            why = self._plan({}, contact)  # an engine without hello: the load still checks every payload
+            why = version_mismatch(reply.get(VERSION_KEY)) or self._check(reply) or self._plan(reply, contact)
+        elif reply.get(UNKNOWN_OP_KEY):
+            why = version_mismatch(None)  # an engine without hello predates the protocol's versions
         else:
             why = f"hello failed: {reply.get('error')}"
         if why is not None:

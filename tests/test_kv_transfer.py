@@ -95,3 +95,15 @@ def test_kv_transfer_params_names_live_in_one_place():
     assert kt.PREFILL_PROMPT_TOKENS_PARAM is request_id.PREFILL_PROMPT_TOKENS_PARAM
     assert kt.REPORT_KEY_PARAM == "xpyd_report_transfer_key"
     assert kt.RESPONSE_KEY == "xpyd"
+
+
+def test_the_version_travels_in_the_hello_both_ways():
+    assert Hello.request() == {"op": "hello", kt.VERSION_KEY: kt.KV_PROTOCOL_VERSION}
+    hello = Hello(rank=0, tp_size=1, num_kv_heads=2, is_mla=False, layout="LBHNC", dtype="bfloat16",
+                  block_shape=(2, 16, 64))
+    assert hello.encode()[kt.VERSION_KEY] == kt.KV_PROTOCOL_VERSION
+    assert Hello.decode({k: v for k, v in hello.encode().items() if k != kt.VERSION_KEY}).version is None
+    assert kt.version_mismatch(kt.KV_PROTOCOL_VERSION) is None
+    for other in (None, kt.KV_PROTOCOL_VERSION + 1, str(kt.KV_PROTOCOL_VERSION), True):
+        why = kt.version_mismatch(other)
+        assert why and f"this instance speaks version {kt.KV_PROTOCOL_VERSION}" in why

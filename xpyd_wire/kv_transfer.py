@@ -5,8 +5,9 @@ Each message is one msgpack map (plus tensors) over the transport (connector/tra
 ``wire.py`` adds ``"tensors"`` and ``"_id"``, auth adds its frame). The map's ``"op"`` names
 what is asked; the answer is a map with ``"ok"``:
 
-- ``hello`` (first contact, P -> each D rank): the answer is a ``Hello``, what the peer's KV
-  looks like (TP, layout, dtype, block shape) and which rank answered;
+- ``hello`` (first contact, P -> each D rank), with the caller's ``KV_PROTOCOL_VERSION``: the
+  answer is a ``Hello``, what the peer's KV looks like (TP, layout, dtype, block shape), which
+  rank answered and its protocol version;
 - ``reserve`` ``{key, nbytes}``: room in D's receive buffer before the bytes come;
 - ``put`` ``PutHeader`` + tensors: a payload (or, with ``part``, one run of its layers);
 - ``abort`` ``{keys: {key: why}}``: the sender gave those transfers up;
@@ -30,9 +31,23 @@ from typing import Any
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
 
 __all__ = [
-    "DEBUG_CORRUPT_KV_PARAM", "Hello", "Op", "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader", "REPORT_KEY_PARAM",
-    "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM", "is_part", "ok",
+    "DEBUG_CORRUPT_KV_PARAM", "Hello", "KV_PROTOCOL_VERSION", "Op", "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader",
+    "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM", "is_part", "ok", "version_mismatch",
 ]
+
+# The protocol's version, exchanged in every hello (request and reply). Bump it when a message
+# changes shape or meaning so that a peer of the old version would misread it; P then refuses
+# to ship KV to a D of another version (and D refuses a hello from a P of another version), each
+# with a log line naming both versions, instead of either side misplacing KV.
+# History:
+#   (none)  until issue 38: no version; the hello reply was the engine's TP and block-layout
+#           describe() dicts merged. When the version came no deployment mixed xPyD versions, so
+#           a peer that sends no version is treated as older and refused at first contact, not
+#           guessed at. (D still answers a hello without a version, with its own: tools and the
+#           tests ask it; the caller judges.)
+#   1       issue 38: "kv_protocol" in the hello both ways; ops, put header, replies as above.
+KV_PROTOCOL_VERSION = 1
+VERSION_KEY = "kv_protocol"
 
 
 class Op:
@@ -116,14 +131,18 @@ class Hello:
     layout: str
     dtype: str
     block_shape: tuple[int, ...]
+    version: int | None = KV_PROTOCOL_VERSION  # None: a peer from before the version existed
 
     @staticmethod
     def request() -> dict[str, Any]:
-        return {OP_KEY: Op.HELLO}
+        return {OP_KEY: Op.HELLO, VERSION_KEY: KV_PROTOCOL_VERSION}
 
     def encode(self) -> dict[str, Any]:
-        return ok(rank=self.rank, tp_size=self.tp_size, num_kv_heads=self.num_kv_heads, is_mla=self.is_mla,
-                  layout=self.layout, dtype=self.dtype, block_shape=list(self.block_shape))
+        out = ok(rank=self.rank, tp_size=self.tp_size, num_kv_heads=self.num_kv_heads, is_mla=self.is_mla,
+                 layout=self.layout, dtype=self.dtype, block_shape=list(self.block_shape))
+        if self.version is not None:
+            out[VERSION_KEY] = self.version
+        return out
 
     @classmethod
     def decode(cls, reply: dict[str, Any]) -> "Hello":
@@ -131,9 +150,20 @@ class Hello:
         try:
             return cls(_int(reply["rank"]), _int(reply["tp_size"]), _int(reply["num_kv_heads"]),
                        bool(reply["is_mla"]), str(reply["layout"]), str(reply["dtype"]),
-                       tuple(_int(d) for d in reply["block_shape"]))
+                       tuple(_int(d) for d in reply["block_shape"]), _opt_int(reply.get(VERSION_KEY)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed hello: {type(e).__name__}: {e}") from None
+
+
+def version_mismatch(theirs: Any) -> str | None:
+    """Why a peer whose hello says ``theirs`` (its VERSION_KEY field, None when absent) cannot
+    exchange KV with this one; None when it speaks this version."""
+    if type(theirs) is int and theirs == KV_PROTOCOL_VERSION:
+        return None
+    said = ("sends no kv protocol version (an xPyD from before versions)" if theirs is None
+            else f"speaks kv protocol version {theirs!r:.40}")
+    return (f"kv protocol mismatch: the peer {said}, this instance speaks version {KV_PROTOCOL_VERSION}; "
+            "run the same xPyD release on prefill and decode")
 
 
 def _int(v: Any) -> int:
