@@ -185,7 +185,7 @@ class Tokenizing:
 
     async def first_ids(self, path: str, body: dict[str, Any], raw_len: int) -> tuple[list[int] | None, str]:
         """Raises TemplateRefused for a request's own template, unless trusted."""
-        if carries_template(body):
+        if path == CHAT and carries_template(body):  # vLLM's completions have no template
             if not self.trust_request_templates:
                 raise TemplateRefused(TEMPLATE_REFUSED)
             return None, "unsupported"  # trusted: the instance runs it, the proxy does not

@@ -78,6 +78,15 @@ async def test_a_request_template_is_refused_as_vllm_refuses_it(where):
         assert (await proxy.client.post(CHAT, json=body)).status_code == 200
 
 
+async def test_a_completion_is_not_refused_for_a_field_vllm_ignores_there():
+    """vLLM's completions API has no chat template (an unknown field): no refusal."""
+    async with precise() as proxy:
+        await proxy.pd()
+        body = {"model": "fake-model", "prompt": "hi", "max_tokens": 2, "chat_template": SLOW_TEMPLATE}
+        assert (await proxy.client.post(COMPLETIONS, json=body)).status_code == 200
+        assert await proxy.metric("xpyd_prompt_ids_total", result="unsupported") == 1
+
+
 async def test_a_trusted_template_goes_to_the_instances_unrendered():
     """--trust-request-chat-template: the instances get the template (vLLM decides, with
     its own flag); the proxy routes by the guess and never runs it: the loop stays free."""
