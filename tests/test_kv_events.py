@@ -335,6 +335,29 @@ async def test_gap_is_replayed():
         assert h.metric("xpyd_kv_event_replays_total", result="ok") >= 2
 
 
+async def test_live_batches_a_replay_already_applied_are_not_a_restart():
+    """A gap's replay also brings the batches published while it was asked for; when those
+    arrive on the SUB afterwards they are duplicates, not an engine restart (which would
+    reset the index)."""
+    toks = list(range(40))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:8], 1)])
+        h.pub.publish([stored([3], toks[8:12], parent=2)], send=False)  # lost
+        # Both go out before the subscriber runs again: the replay the first one triggers
+        # holds the second, which then also arrives live.
+        h.pub.publish([stored([4], toks[12:16], parent=3)])
+        h.pub.publish([stored([5], toks[16:20], parent=4)])
+        await wait_until(lambda: h.stream.next_seq == h.pub.seq)
+        # The SUB delivers in order: once this one is applied, the duplicate was handled.
+        h.pub.publish([stored([6], toks[20:24], parent=5)])
+        await wait_until(lambda: h.stream.next_seq == h.pub.seq)
+        assert h.stream.stats.gaps == 1 and h.stream.stats.restarts == 0
+        assert h.metric("xpyd_kv_event_restarts_total") == 0
+        assert h.index.state is IndexState.KNOWN
+        assert h.index.longest_prefix(chain_block_keys(toks, BS)) == 6
+
+
 async def test_gap_without_replay_rebuilds_as_partial():
     toks = list(range(40))
     async with Harness(Publisher(replay=False)) as h:
