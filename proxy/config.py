@@ -31,6 +31,8 @@ class ProxyConfig:
     discovery_port: int = 30001
     # Shared secret that registrations must be signed with (HMAC); None accepts unsigned.
     discovery_secret: str | None = field(default=None, repr=False)  # secrets stay out of logs
+    # Each secret may come from a file instead (kept out of argv: proxy/secret_files.py).
+    discovery_secret_file: str | None = None
     # Binding discovery beyond loopback without a secret needs this explicit opt-in.
     allow_unauthenticated_discovery: bool = False
     heartbeat_timeout: float = 10.0
@@ -69,6 +71,7 @@ class ProxyConfig:
     send_only_missing: bool = True
     # Clients must send "Authorization: Bearer <api_key>" when set.
     api_key: str | None = field(default=None, repr=False)
+    api_key_file: str | None = None
     # /metrics answers only with the API key too (/instances always needs it when set).
     metrics_require_api_key: bool = False
     # Instance addresses in response headers and /instances, and vLLM's internal request
@@ -76,6 +79,7 @@ class ProxyConfig:
     expose_routing_headers: bool = False
     # Sent as "Authorization: Bearer KEY" to instances started with their own --api-key.
     upstream_api_key: str | None = field(default=None, repr=False)
+    upstream_api_key_file: str | None = None
     # Pass the client's Authorization header on to the instances (off: never forwarded).
     forward_client_auth: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
@@ -233,6 +237,7 @@ HELP = MappingProxyType(
         "discovery_host": "address the ZMQ discovery ROUTER binds to",
         "discovery_port": "ZMQ discovery port instances register on",
         "discovery_secret": "shared secret; registrations without a valid HMAC are dropped",
+        "discovery_secret_file": "file holding the discovery secret (keeps it out of the command line)",
         "allow_unauthenticated_discovery": "allow a non-loopback --discovery-host without "
         "--discovery-secret",
         "heartbeat_timeout": "seconds without a heartbeat before an instance is removed",
@@ -264,10 +269,12 @@ HELP = MappingProxyType(
         "trust_request_chat_template": "let requests carry their own chat template (else 400, as vLLM); "
         "the proxy never renders it",
         "api_key": "require 'Authorization: Bearer KEY' from clients",
+        "api_key_file": "file holding the API key (keeps it out of the command line)",
         "metrics_require_api_key": "/metrics requires the API key too",
         "expose_routing_headers": "show instance addresses (response headers, /instances) "
         "and vLLM's internal request ids to clients",
         "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
+        "upstream_api_key_file": "file holding the upstream API key (keeps it out of the command line)",
         "forward_client_auth": "forward the client's Authorization header to instances",
         "max_body_bytes": "largest accepted request body (413 above)",
         "max_header_bytes": "largest request line + headers (431 above)",
@@ -467,4 +474,10 @@ def load_config(
             values[f.name] = _coerce(f, env[env_key], env_key)
         elif f.name in from_file:
             values[f.name] = _coerce(f, from_file[f.name], str(config_path))
+    from proxy import secret_files  # the *_file options; a warning for a secret in argv
+
+    try:
+        secret_files.resolve(values, vars(args))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return ProxyConfig(**values).validate()
