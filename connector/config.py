@@ -70,13 +70,47 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
-def _secret(extra: dict[str, Any], key: str, env: str) -> str | None:
-    """A shared secret from the extra config, else from the env. Set but empty is an error:
-    it must not silently mean "unsigned"."""
+# A secret is a token, not a document: a larger file is a mistake (or a device), refused.
+MAX_SECRET_FILE_BYTES = 64 * 1024
+
+
+def _read_secret_file(path: str, where: str) -> tuple[str, str]:
+    """(the secret in ``path`` less one trailing newline, where it came from); ValueError."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_SECRET_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read {path}: {e.strerror or e}") from None
+    if len(data) > MAX_SECRET_FILE_BYTES:
+        raise ValueError(f"{where}: {path} is over {MAX_SECRET_FILE_BYTES} bytes, not a secret")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where}: {path} is not UTF-8 text") from None
+    return text.removesuffix("\n").removesuffix("\r"), f"{where} ({path})"
+
+
+def _secret(extra: dict[str, Any], key: str, env: str, path: Any = None) -> str | None:
+    """A shared secret: ``extra[key]``, else the file ``path`` (the extra config's
+    ``{key}_file``), else env ``env``, else the file env ``{env}_FILE`` names. Two of these at
+    one level (the extra config, the env) is an error; so is a secret set but empty: it must
+    not silently mean "unsigned". vLLM prints kv_connector_extra_config in its start-up
+    "non-default args" line (it redacts only its own secrets): a secret there is warned about."""
     if extra.get(key) is not None:
+        if path is not None:
+            raise ValueError(f"kv_connector_extra_config sets both {key} and {key}_file: keep one")
+        logger.warning("kv_connector_extra_config[%r] is printed by vLLM in its start-up 'non-default args' "
+                       "line (and readable in /proc/<pid>/cmdline): use %s_file, or env %s / %s_FILE, instead",
+                       key, key, env, env)
         value, where = str(extra[key]), f"kv_connector_extra_config[{key!r}]"
+    elif path is not None:
+        value, where = _read_secret_file(str(path), f"kv_connector_extra_config[{key + '_file'!r}]")
     elif env in os.environ:
+        if os.environ.get(env + "_FILE"):
+            raise ValueError(f"both env {env} and {env}_FILE are set: keep one")
         value, where = os.environ[env], f"env {env}"
+    elif os.environ.get(env + "_FILE"):
+        value, where = _read_secret_file(os.environ[env + "_FILE"], f"env {env}_FILE")
     else:
         return None
     if not value.strip():
@@ -252,6 +286,8 @@ class ConnectorConfig:
         if granularity == "layer" and send_type != "PUT_ASYNC":
             # PUT sends inside the step (nothing to overlap it with); GET copies once for D to pull.
             raise ValueError(f"send_granularity 'layer' needs send_type PUT_ASYNC, got {send_type!r}")
+        discovery_secret = _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET",
+                                   extra.get("discovery_secret_file"))
         return ConnectorConfig(
             role=role,
             kv_ip=kv_ip,
@@ -267,10 +303,9 @@ class ConnectorConfig:
             heartbeat_interval_s=float(extra.get("heartbeat_interval_s", 3.0)),
             transport=_choice(extra, "transport", ("auto", "tcp", "nccl")),
             thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
-            discovery_secret=_secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
+            discovery_secret=discovery_secret,
             allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
-            kv_secret=_secret(extra, "kv_secret", "XPYD_KV_SECRET")
-            or _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET"),
+            kv_secret=_secret(extra, "kv_secret", "XPYD_KV_SECRET", extra.get("kv_secret_file")) or discovery_secret,
             kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
             nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
             mem_pool_size_gb=_pool_gb(extra, role),

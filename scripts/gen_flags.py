@@ -76,8 +76,12 @@ CONNECTOR_MEANINGS: dict[str, str] = {
     "(a number of seconds > 0)",
     "discovery_secret": "sign heartbeats (HMAC-SHA256, with a nonce against replays) for a proxy started with "
     "`--discovery-secret`; empty is an error",
+    "discovery_secret_file": "a file holding `discovery_secret` (or env `XPYD_DISCOVERY_SECRET_FILE`): the "
+    "secret stays out of vLLM's command line and its start-up log",
     "kv_secret": "authenticate the KV control sockets (see Security); the same value on every P and D; "
     "falls back to `discovery_secret`; empty is an error",
+    "kv_secret_file": "a file holding `kv_secret` (or env `XPYD_KV_SECRET_FILE`): the secret stays out of "
+    "vLLM's command line and its start-up log",
     "kv_auth": "with a secret: `mac` (a MAC on every call: same throughput, +0.1 ms per call) or `curve` "
     "(ZMQ CURVE: authenticated and encrypted, 2.5–5× slower transfers)",
     "thread_affinity": "on CPU, move the connector's and libzmq's threads off the core vLLM's OpenMP binding pinned "

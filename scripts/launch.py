@@ -46,6 +46,33 @@ from topology import (  # noqa: E402  (scripts/topology.py)
 LOG_TAIL_LINES = 40
 # The CPU build's legacy KV-size variable overrides --kv-cache-memory-bytes: never inherit it.
 DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+# Secrets never go on a command line (any local user reads /proc/<pid>/cmdline, and vLLM prints
+# its --kv-transfer-config at start-up) nor into a topology file: every process inherits them
+# from the launcher's environment, as XPYD_<NAME> or XPYD_<NAME>_FILE (a file holding it).
+SECRET_FLAGS = ("--discovery-secret", "--api-key", "--upstream-api-key")
+SECRET_KV_KEYS = ("discovery_secret", "kv_secret")
+SECRET_ENV = ("XPYD_DISCOVERY_SECRET", "XPYD_KV_SECRET", "XPYD_API_KEY", "XPYD_UPSTREAM_API_KEY")
+
+
+def secrets_in_topology(topo: Topology) -> list[str]:
+    """Where the topology would put a secret on a command line or in its own file."""
+    out = []
+    for p in topo.proxies:
+        for flag in (a.split("=", 1)[0] for a in p.args):
+            if flag in SECRET_FLAGS:
+                env = "XPYD_" + flag.removeprefix("--").replace("-", "_").upper()
+                out.append(f"proxy {p.name}: {flag} in its args: export {env} (or {env}_FILE) instead")
+    for i in topo.instances:
+        extra = {**topo.kv_transfer, **i.kv_transfer}
+        for key in SECRET_KV_KEYS:
+            if extra.get(key) is not None:
+                env = "XPYD_" + key.upper()
+                out.append(f"{i.name}: {key} in its kv_transfer: export {env} (or {env}_FILE), "
+                           f"or set {key}_file to a file holding it")
+        for key in {**topo.env, **i.env}:
+            if key in SECRET_ENV:
+                out.append(f"{i.name}: {key} written in the topology: export it in the launcher's environment")
+    return out
 
 
 class LaunchError(RuntimeError):
@@ -380,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{t.name:10s} {t.shape:5s} {t.device:4s} {t.description}")
             return 0
         topo = _topology(args)
+        leaks = secrets_in_topology(topo)
+        if leaks:
+            raise TopologyError("secrets belong in the environment, not in argv or the topology:\n  "
+                                + "\n  ".join(leaks))
         names = [n for n in (args.only or "").split(",") if n]
         if args.cmd == "commands":
             proxies, insts = topo.select(names) if names else (topo.proxies, topo.instances)

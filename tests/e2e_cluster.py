@@ -87,6 +87,16 @@ def bind_env(bind: str | None) -> dict[str, str | None]:
     return {"VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
+def secret_file(log_dir: Path, name: str, secret: str) -> Path:
+    """A file holding ``secret``, readable by this user only: how the engines get it (a secret in
+    kv_connector_extra_config is printed by vLLM at start-up and sits in its command line)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / name
+    path.touch(mode=0o600)
+    path.write_text(secret + "\n")
+    return path
+
+
 def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None,
           prefill_extra: dict[str, object] | None = None) -> E2ECluster:
     """Proxy, P, D and a colocated server; ``prefill_extra``: more of P's connector config."""
@@ -97,7 +107,7 @@ def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None,
     p_port, d_port = free_port(), free_port()
     p_kv, d_kv = free_port_pair(), free_port_pair()
     timeouts = dict(kv_load_timeout_s=KV_LOAD_TIMEOUT_S, send_timeout_s=SEND_TIMEOUT_S,
-                    buffer_ttl_s=BUFFER_TTL_S, kv_secret=KV_SECRET)
+                    buffer_ttl_s=BUFFER_TTL_S, kv_secret_file=str(secret_file(log_dir, "kv-secret", KV_SECRET)))
     prefill = cluster.start_vllm(
         "prefill", p_port, log_dir,
         kv_config=cluster.kv_transfer_config("kv_producer", p_kv, p_port, disc, **timeouts, **(prefill_extra or {})),
