@@ -24,9 +24,6 @@ class TpSide:
     num_kv_heads: int  # the model's total KV heads (1 for MLA)
     is_mla: bool = False
 
-    def describe(self) -> dict:
-        return {"tp_size": self.tp_size, "num_kv_heads": self.num_kv_heads, "is_mla": self.is_mla}
-
     @property
     def replicas(self) -> int:
         """Ranks holding the same heads (1: heads are split, not replicated)."""
