@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpyd_wire import request_id
-from xpyd_wire.kv_transfer import DEBUG_CORRUPT_KV_PARAM, OP_KEY, REPORT_KEY_PARAM, RESPONSE_KEY, Op
+from xpyd_wire.kv_transfer import (DEBUG_CORRUPT_KV_PARAM, OP_KEY, PREFILL_PROMPT_TOKENS_PARAM, REPORT_KEY_PARAM,
+                                   RESPONSE_KEY, SKIP_TOKENS_PARAM, Op)
 from connector.config import ConnectorConfig, _flag
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
@@ -52,7 +53,7 @@ def _prefill_prompt_tokens(request: "Request") -> int:
     prompt plus P's first token (its first-token mode), one fewer. Any other value is
     ignored: the payload check then refuses a mismatch as before."""
     n = request.num_prompt_tokens
-    value = (request.kv_transfer_params or {}).get(request_id.PREFILL_PROMPT_TOKENS_PARAM)
+    value = (request.kv_transfer_params or {}).get(PREFILL_PROMPT_TOKENS_PARAM)
     return n - 1 if type(value) is int and value == n - 1 else n
 
 
@@ -60,7 +61,7 @@ def _skip_tokens(request: "Request") -> int:
     """xpyd_skip_tokens, set by the proxy: P ships only the blocks after them. D checks what
     arrives and recomputes what it lacks (a payload that starts after D's own prefix hit is
     refused as a whole)."""
-    value = (request.kv_transfer_params or {}).get(request_id.SKIP_TOKENS_PARAM, 0)
+    value = (request.kv_transfer_params or {}).get(SKIP_TOKENS_PARAM, 0)
     return value if type(value) is int and value > 0 else 0
 
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
-
 __all__ = [
     "DEBUG_CORRUPT_KV_PARAM", "Hello", "KV_PROTOCOL_VERSION", "Op", "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader",
     "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM", "is_part", "ok", "version_mismatch",
@@ -270,9 +268,14 @@ def _pair(v: Any) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------- kv_transfer_params
 
-# Fields of a request's ``kv_transfer_params`` (set by the proxy, read by the connector's
-# scheduler); SKIP_TOKENS_PARAM and PREFILL_PROMPT_TOKENS_PARAM are defined with the request
-# id (xpyd_wire.request_id) and re-exported here.
+# Fields of a request's ``kv_transfer_params`` (set by the proxy or a client, read by the
+# connector's scheduler; xpyd_wire.request_id re-exports the first two).
+# How many leading prompt tokens D already holds (D's KV events say so): P ships only the rest.
+SKIP_TOKENS_PARAM = "xpyd_skip_tokens"
+# Set in D's request when D continues from P's first token: the length of P's prompt. D's
+# prompt is that prompt plus the one token, so P's KV covers all of D's prompt but its last
+# token (proxy/first_token.py).
+PREFILL_PROMPT_TOKENS_PARAM = "xpyd_prefill_prompt_tokens"
 # A client asks for the transfer key in its response (it names KV in flight: only on request).
 REPORT_KEY_PARAM = "xpyd_report_transfer_key"
 # Test hook (with the connector's allow_debug_corruption): corrupt the loaded KV.

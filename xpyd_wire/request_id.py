@@ -20,13 +20,9 @@ import os
 import re
 from dataclasses import dataclass
 
-# The one field the proxy adds to P's request body (``kv_transfer_params``): how many
-# leading prompt tokens D already holds (D's KV events say so), so P ships only the rest.
-SKIP_TOKENS_PARAM = "xpyd_skip_tokens"
-# The field the proxy sets in D's request when D continues from P's first token: the
-# length of P's prompt. D's prompt is that prompt plus the one token, so P's KV covers
-# all of D's prompt but its last token (proxy/first_token.py).
-PREFILL_PROMPT_TOKENS_PARAM = "xpyd_prefill_prompt_tokens"
+# The kv_transfer_params fields the proxy sets, defined with the KV protocol; kept importable
+# from here, where they were first defined.
+from xpyd_wire.kv_transfer import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM  # noqa: F401
 
 # A prompt index has at most 7 digits, the random suffix exactly 8 hex digits:
 # that tells a completion's "-{index}" from a chat's all-digit "-{suffix}".
