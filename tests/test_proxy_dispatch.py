@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import time
 
 import pytest
@@ -300,6 +301,45 @@ async def test_rescue_after_every_decode_retry_failed():
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
 
 
+async def test_rescue_goes_to_a_d_not_tried_yet():
+    """With no decode retry left, D alone runs on a D the failed attempt did not use, even a
+    busier one: the D whose load failed may be the broken one. least_loaded with the other D
+    reporting a heavy load: picked without the exclusion, the rescue would land on the
+    failed D again."""
+    async with running_proxy(first_token="decode", decode_retries=0, decode_policy="least_loaded") as px:
+        p = await px.fake("P")
+        idle = await px.fake("D")
+        busy = await px.fake("D", load=Load(running=50))
+        idle.fault, busy.fault = kv_load_fails(), kv_load_fails()  # disaggregated requests only
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        (failed,) = idle.completions()
+        assert request_id.parse(failed.request_id) is not None and failed.status == 500
+        (alone,) = busy.completions()
+        assert local_id(alone.request_id) and resp.content == relayed(alone)
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+async def test_first_token_continuation_rescue_goes_to_another_d():
+    """First token from P: the continuation that failed on its D goes on alone on another D,
+    even a busier one (the same rule as above for D's continuation; with round_robin, as in
+    test_proxy_first_token, the other D comes next anyway and the rule is not exercised)."""
+    async with running_proxy(first_token="prefill", decode_policy="least_loaded") as px:
+        await px.fake("P")
+        idle = await px.fake("D")
+        busy = await px.fake("D", load=Load(running=50))
+        idle.fault, busy.fault = kv_load_fails(), kv_load_fails()
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        chunks = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+        assert chunks[-1] == "[DONE]"
+        assert "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1]) == " t0 t1 t2 t3 t4"
+        (failed,) = idle.completions()
+        assert request_id.parse(failed.request_id) is not None and failed.status == 500
+        (alone,) = busy.completions()
+        assert local_id(alone.request_id) and alone.json["prompt"] == failed.json["prompt"]
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
 @pytest.mark.parametrize("body", [COMPLETION, STREAM], ids=["json", "stream"])
 async def test_rescue_failing_too_relays_the_original_error(body):
     async with running_proxy(first_token="decode") as px:
@@ -484,7 +524,8 @@ async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
         (rec,) = d.completions()
         assert head == relayed(rec)  # the role chunk, held until the deadline
         assert 0.4 < held_for < 0.9, held_for
-        assert json.loads(rest.decode()[6:])["error"]["code"] == "decode_timeout"
+        error, done = rest.decode().split("\n\n")[:2]
+        assert json.loads(error[6:])["error"]["code"] == "decode_timeout" and done == "data: [DONE]"
         await wait_until(lambda: rec.cancelled, what="D saw the abort")
         assert len(d.completions()) == 1  # not rescued
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
@@ -540,3 +581,49 @@ async def test_stream_error_event_when_the_rescue_fails_too(path, body):
         assert resp.headers["x-request-id"] == first.request_id[-32:]
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
+
+
+# ---------------------------------------------------------------- first token: sent before D's request
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+async def test_first_token_leaves_before_ds_request_is_built(http):
+    """The client connection holds what a loop turn writes until the turn ends
+    (proxy/corked.py); P's token must not wait for the rest of the turn, in which the proxy
+    builds and sends D's continuation. Here sending D's request holds the loop for 0.5 s:
+    the client must have P's token before that ends."""
+    async with running_proxy(first_token="prefill", http=http) as px:
+        await px.fake("P")
+        d = await px.fake("D")
+        upstream = px.state.upstream
+        real = upstream.request
+        held_at: list[float] = []
+
+        async def request(method, url, body, headers):
+            if url.startswith(f"http://{d.http_address}") and not held_at:
+                held_at.append(time.monotonic())
+                time.sleep(0.5)  # the rest of the turn: nothing else on the loop runs meanwhile
+            return await real(method, url, body, headers)
+
+        upstream.request = request
+        port = px.server.port
+        payload = json.dumps({**STREAM, "max_tokens": 3}).encode()
+
+        def client() -> tuple[bytes, float]:  # a thread: the loop is blocked while it reads
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
+                data = b""
+                while b" t0" not in data:
+                    more = c.recv(65536)
+                    assert more, data
+                    data += more
+                return data, time.monotonic()
+
+        try:
+            data, got_at = await asyncio.to_thread(client)
+        finally:
+            del upstream.request
+        assert data.startswith(b"HTTP/1.1 200") and held_at
+        assert got_at - held_at[0] < 0.3, "P's token waited for the end of the turn that sends D's request"
+        await wait_until(lambda: d.completions() and d.completions()[0].completed, what="D answered")
