@@ -8,6 +8,11 @@ A proxy given by DNS name (e.g. a Kubernetes headless Service) is resolved to al
 addresses, again every proxy_resolve_interval_s, and every address gets its own socket
 and every heartbeat: behind a load-balanced name each connection would reach one replica
 only, and replicas that never hear from an instance never route to it.
+
+Every heartbeat carries this instance's key (xpyd_wire.discovery: ``instance_key``), drawn
+once per start: a proxy binds the instance's record to it, so no other registrant can rewrite
+or remove it. A restart draws a new key; the proxy takes it once the old one's heartbeats
+have stopped for half its --heartbeat-timeout (at once after this instance's ``leave``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,15 @@ import zmq
 
 from connector.config import ConnectorConfig, ProxyName
 from connector.log import get_logger
-from xpyd_wire.discovery import MAX_LOAD_COUNT, Load, ProtocolError, Registration, decode, encode
+from xpyd_wire.discovery import (
+    MAX_LOAD_COUNT,
+    Load,
+    ProtocolError,
+    Registration,
+    decode,
+    encode,
+    new_instance_key,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -157,6 +170,7 @@ class Registrar:
         self._names = tuple(ProxyName.parse(a) for a in cfg.proxies)  # a bad address fails here
         self._answers: queue.SimpleQueue[_Answer | object] = queue.SimpleQueue()
         self._replica_count = 0
+        self._key = new_instance_key()  # this start's identity: never logged
         self._stop = threading.Event()
         self._ctx = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="xpyd-registrar", daemon=True)
@@ -177,6 +191,8 @@ class Registrar:
             kv_transport_fallbacks=min(self._fallbacks_report(), MAX_LOAD_COUNT) if self._fallbacks_report else 0,
             kv_events=self._cfg.kv_events,
             output_limits=self._cfg.output_limits,
+            generation=self._cfg.generation,
+            instance_key=self._key,
         )
 
     def _healthy(self) -> bool:

@@ -29,7 +29,8 @@ log = logging.getLogger("xpyd.proxy.discovery")
 LOG_BURST = 10
 LOG_WINDOW_S = 10.0
 # The label values of xpyd_discovery_messages_total: a fixed, small set.
-# "refused": a valid registration beyond --discovery-max-per-role / --discovery-max-per-source.
+# "refused": a valid registration beyond --discovery-max-per-role / --discovery-max-per-source,
+# or for an address another instance owns (proxy/registry.py: reason "conflict").
 RESULTS = ("accepted", "left", "refused", *DROP_REASONS)
 
 
@@ -172,11 +173,11 @@ class Discovery:
             if why is not None:
                 self._drop(REPLAYED, f"{why} (http_address={reg.http_address})")
                 return
-        if reg.leave:
-            self.registry.remove(reg.role, reg.http_address, "leave")
-            self._counters["left"].inc()
-            return
         try:
+            if reg.leave:
+                self.registry.leave(reg, source=source)
+                self._counters["left"].inc()
+                return
             self.registry.upsert(reg, source=source)
         except RegistrationRefused as e:
             self.metrics.discovery_refuse(reg.role, e.reason)

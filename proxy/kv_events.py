@@ -21,16 +21,29 @@ from (message or replay answer) for `silence_s` is UNKNOWN, never "empty"; witho
 endpoint that is every idle instance, so advertise one.
 
 Trust: vLLM's publisher has no authentication. The proxy only connects to endpoints an
-accepted registration advertised (signed when --discovery-secret is set), and only on that
-instance's own KV host (xpyd_wire.discovery checks it). Garbage (wrong frames, not msgpack,
+accepted registration advertised (signed when --discovery-secret is set), only on the host
+the registration came from (proxy/registry.py puts its source address in the endpoint), and
+at most once per `probe_s` or backoff: libzmq's own reconnecting is off (RECONNECT_IVL -1),
+every connection this module makes is one it asked for. Garbage (wrong frames, not msgpack,
 bad types or bounds, wrong topic) is dropped and counted, never raised.
+
+Bounds: an index holds at most --kv-index-max-blocks blocks (an advertised capacity may only
+lower that); a message part over MAX_MESSAGE_BYTES makes ZMQ drop the connection (a protocol
+error): the monitor sees it, it is logged and counted (xpyd_kv_event_reconnects_total) and
+the stream reconnects after a backoff. A payload above INLINE_DECODE_BYTES is decoded on a
+worker thread, and a batch is applied in steps that give the loop back every `budget_s`, so a
+large batch never stalls the proxy. A stream that fails (say, no socket to be had) is retried
+with a backoff, never left for good. The ZMQ context is sized for every instance the registry
+may hold (--discovery-max-per-role per role).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +60,7 @@ from xpyd_wire.kv_events import (
     DROP_REASONS,
     END_SEQ,
     MALFORMED,
+    MAX_BATCH_BYTES,
     EventBatch,
     EventError,
     EventsEndpoint,
@@ -58,8 +72,16 @@ log = logging.getLogger("xpyd.proxy.kv_events")
 
 # A replay answers at most vLLM's buffer (buffer_steps, 10 000 by default) batches.
 MAX_REPLAY_BATCHES = 100_000
-# Largest message the SUB/DEALER accept (ZMQ drops the connection on anything bigger).
-MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+# Largest message part the SUB/DEALER accept: ZMQ drops the connection on anything bigger.
+MAX_MESSAGE_BYTES = MAX_BATCH_BYTES
+# Payloads above this are decoded on the worker thread (~50 ms of Python per MiB); below it
+# (every ordinary batch) inline, which costs less than the hand-off.
+INLINE_DECODE_BYTES = 64 * 1024
+# ZMQ sockets one stream holds: SUB, its monitor's two PAIRs, the replay DEALER.
+SOCKETS_PER_STREAM = 4
+# The monitor reports a connection that ended (or a connect that failed): with libzmq's
+# reconnecting off, the stream itself reconnects.
+_DROP_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +97,15 @@ class EventsConfig:
     # one: the index lags by up to this much, the proxy wakes far less often per batch.
     drain_max: int = 256
     coalesce_s: float = 0.02
+    # Event-loop time one stream may take in a row (batches drained, steps of one large
+    # batch) before it yields.
+    budget_s: float = 0.005
+    # Backoff between connections of one stream, and between replay asks that fail: doubles
+    # from the first value to the second; a connection that lasted stable_s resets it.
+    backoff_s: tuple[float, float] = (0.1, 30.0)
+    stable_s: float = 10.0
+    # ZMQ sockets of the context; None: enough for every instance the registry may hold.
+    max_sockets: int | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +118,8 @@ class StreamStats:
     dropped: int = 0
     orphans: int = 0
     evicted: int = 0
+    reconnects: int = 0  # connections that dropped (or failed) and were made again
+    failures: int = 0  # the stream itself failed (an exception) and was restarted
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +137,9 @@ class EventStream:
     stats: StreamStats = field(default_factory=StreamStats)
     task: asyncio.Task | None = None
     dealer: zmq.asyncio.Socket | None = None  # to the replay endpoint, kept between asks
+    retry_s: float = 0.0  # the next reconnect's delay (doubles while connections fail)
+    replay_fails: int = 0  # replay asks failed in a row (the probe backs off)
+    next_probe: float = 0.0  # monotonic: no replay ask before this
 
     def view(self) -> dict:
         return {
@@ -116,6 +152,8 @@ class EventStream:
             "replays_failed": self.stats.replays_failed,
             "restarts": self.stats.restarts,
             "dropped": self.stats.dropped,
+            "reconnects": self.stats.reconnects,
+            "failures": self.stats.failures,
         }
 
 
@@ -137,6 +175,9 @@ class KVEvents:
         metrics.registry.register(_IndexCollector(self))
         self._replays = {True: metrics.kv_event_replays.labels("ok"),
                          False: metrics.kv_event_replays.labels("failed")}  # fmt: skip
+        self._reconnects = {r: metrics.kv_event_reconnects.labels(r)
+                            for r in ("disconnected", "failed")}  # fmt: skip
+        self._decoder: concurrent.futures.ThreadPoolExecutor | None = None
 
     # ---------------------------------------------------------------- queries
 
@@ -157,8 +198,21 @@ class KVEvents:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def max_sockets(self) -> int:
+        """Sockets the context may hold: every stream the registry's bounds allow (both
+        roles, plus static instances), and a margin."""
+        if self.cfg.max_sockets is not None:
+            return self.cfg.max_sockets
+        streams = 2 * self.registry.max_per_role + 64
+        return SOCKETS_PER_STREAM * streams + 64
+
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
+        # libzmq's default (1,023) held ~250 streams: the 1,024 instances a role may have
+        # would fail to subscribe (issue 36).
+        self._ctx.set(zmq.MAX_SOCKETS, self.max_sockets())
+        _raise_fd_limit(self._ctx.get(zmq.MAX_SOCKETS) * 2)
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xpyd-kv-decode")
         self._task = asyncio.get_running_loop().create_task(self._reconcile_loop(),
                                                              name="xpyd-kv-events")  # fmt: skip
 
@@ -173,6 +227,9 @@ class KVEvents:
                 pass
         self._streams.clear()
         self._task = None
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+            self._decoder = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)  # never blocks on a socket left open
             self._ctx = None
@@ -188,7 +245,10 @@ class KVEvents:
             except Exception:  # a bug here must not end event intake for good
                 log.exception("kv events reconcile failed")
             try:
-                await asyncio.wait_for(self._wake.wait(), self.cfg.reconcile_s)
+                # Not wait_for: on 3.11 it can swallow a cancel that meets a kick(), and stop()
+                # would then wait for this loop for ever.
+                async with asyncio.timeout(self.cfg.reconcile_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -205,8 +265,10 @@ class KVEvents:
                 self._open(inst, endpoint)
 
     def _open(self, inst: Instance, endpoint: EventsEndpoint) -> None:
-        # The instance's own capacity when it says it: vLLM evicts (and reports) before that.
-        stream = EventStream(inst, endpoint, InstanceIndex(cap=endpoint.blocks or self.cfg.default_cap))
+        # The instance's own capacity when it is smaller: vLLM evicts (and reports) before
+        # that. Never more than the flag's: what a registrant says must not size our memory.
+        cap = min(endpoint.blocks or self.cfg.default_cap, self.cfg.default_cap)
+        stream = EventStream(inst, endpoint, InstanceIndex(cap=cap), retry_s=self.cfg.backoff_s[0])
         self._streams[inst] = stream
         if self._ctx is not None:
             stream.task = asyncio.get_running_loop().create_task(
@@ -226,58 +288,113 @@ class KVEvents:
     # ---------------------------------------------------------------- one stream
 
     async def _run(self, stream: EventStream) -> None:
+        """Follows the stream until cancelled: a dropped connection is made again and a
+        failure retried, each after the stream's backoff."""
+        lo, hi = self.cfg.backoff_s
+        first = True
+        while True:
+            began = self._clock()
+            try:
+                await self._follow(stream, first)
+                reason = "disconnected"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                reason = "failed"
+                stream.stats.failures += 1
+                stream.index.live = False
+                if stream.stats.failures <= 10 or stream.stats.failures % 100 == 0:
+                    log.warning("kv events stream failed http=%s (%d so far), retry in %.1fs: %s: %s",
+                                stream.inst.http_address, stream.stats.failures, stream.retry_s,
+                                type(e).__name__, e)  # fmt: skip
+            first = False
+            stream.stats.reconnects += 1
+            self._reconnects[reason].inc()
+            if self._clock() - began >= self.cfg.stable_s:
+                stream.retry_s = lo
+            delay = stream.retry_s
+            stream.retry_s = min(hi, stream.retry_s * 2)
+            await asyncio.sleep(delay)
+
+    async def _follow(self, stream: EventStream, first: bool) -> None:
+        """One connection of the SUB: returns when its monitor says it dropped."""
         assert self._ctx is not None
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
-        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sub.setsockopt(zmq.SUBSCRIBE, stream.endpoint.topic.encode())
-        sub.connect(stream.endpoint.endpoint)
+        mon: zmq.asyncio.Socket | None = None
         try:
-            # What happened before we subscribed: the replay buffer, from seq 0.
-            await self._catch_up(stream, 0)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sub.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection per _follow: ours to make
+            sub.setsockopt(zmq.SUBSCRIBE, stream.endpoint.topic.encode())
+            mon = sub.get_monitor_socket(_DROP_EVENTS)
+            raw_mon = zmq.Socket.shadow(mon.underlying)
+            sub.connect(stream.endpoint.endpoint)
+            if first:  # what happened before we subscribed: the replay buffer, from seq 0
+                await self._catch_up(stream, 0)
+            else:  # what passed while disconnected (checks it is still the same engine)
+                await self._probe(stream, force=True)
             # The same socket, synchronous: drains what is queued without a wake-up per message.
             raw = zmq.Socket.shadow(sub.underlying)
+            budget = self.cfg.budget_s
             while True:
                 if not await sub.poll(self.cfg.probe_s * 1000, zmq.POLLIN):
+                    if _dropped(raw_mon, stream):
+                        return
                     await self._probe(stream)
                     continue
+                turn = time.perf_counter()
                 for _ in range(self.cfg.drain_max):
                     try:
                         frames = raw.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self.handle(stream, frames)
+                    if time.perf_counter() - turn > budget:
+                        break
+                if _dropped(raw_mon, stream):
+                    return
                 # Let batches gather: one wake-up per coalesce_s at most, not one per batch.
                 await asyncio.sleep(self.cfg.coalesce_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("kv events stream failed http=%s", stream.inst.http_address)
-            stream.index.live = False
         finally:
+            if mon is not None:
+                sub.disable_monitor()
+                mon.close(linger=0)
             sub.close(linger=0)
             if stream.dealer is not None:
                 stream.dealer.close(linger=0)
                 stream.dealer = None
 
-    async def _probe(self, stream: EventStream) -> None:
-        """Silent for probe_s: ask the replay endpoint whether anything was missed."""
-        if stream.endpoint.replay_endpoint is not None:
+    async def _probe(self, stream: EventStream, force: bool = False) -> None:
+        """Silent for probe_s: ask the replay endpoint whether anything was missed (after
+        failed asks, at most once per backoff)."""
+        now = self._clock()
+        if stream.endpoint.replay_endpoint is not None and (force or now >= stream.next_probe):
             nxt = stream.next_seq
             # From the last applied batch: the publisher must still hold that very batch,
             # else it is another engine (restarted) whose seq has not caught up yet.
-            await self._catch_up(stream, 0 if not nxt else nxt - 1)
+            ok = await self._catch_up(stream, 0 if not nxt else nxt - 1)
+            stream.replay_fails = 0 if ok else stream.replay_fails + 1
+            lo, hi = self.cfg.backoff_s
+            wait = 0.0 if ok else min(hi, self.cfg.probe_s * 2 ** min(stream.replay_fails - 1, 16))
+            stream.next_probe = self._clock() + wait
         now = self._clock()
         if now - stream.last_heard > self.cfg.silence_s and stream.index.live:
             stream.index.live = False
             log.warning("kv events silent for %.0fs, index unknown http=%s",
                         now - stream.last_heard, stream.inst.http_address)  # fmt: skip
 
+    async def _decode(self, frames: list[bytes], topic: str) -> EventBatch:
+        """decode_batch, on the worker thread for a large payload (EventError if bad)."""
+        if self._decoder is not None and len(frames) == 3 and len(frames[2]) > INLINE_DECODE_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._decoder, decode_batch, frames, topic)
+        return decode_batch(frames, topic)
+
     async def handle(self, stream: EventStream, frames: list[bytes]) -> None:
         """One live message from the SUB socket."""
         try:
-            batch = decode_batch(frames, stream.endpoint.topic)
+            batch = await self._decode(frames, stream.endpoint.topic)
         except EventError as e:
             self._drop(stream, e)
             return
@@ -297,7 +414,7 @@ class KVEvents:
                 stream.index.clear(complete=False)
         elif expected is None:  # seq 0: the engine's first batch, nothing was missed
             stream.index.clear(complete=True)
-        self._apply(stream, batch, frames[2])
+        await self._apply(stream, batch, frames[2])
         # The SUB delivers in order: past this, a lower seq can only mean a restart.
         stream.replayed_from = None
 
@@ -311,8 +428,14 @@ class KVEvents:
         stream.replayed_from = None
         stream.last_digest = None
 
-    def _apply(self, stream: EventStream, batch: EventBatch, payload: bytes) -> None:
-        stats = stream.index.apply(batch.events, ApplyStats())
+    async def _apply(self, stream: EventStream, batch: EventBatch, payload: bytes) -> None:
+        stats = ApplyStats()
+        budget = self.cfg.budget_s
+        turn = time.perf_counter()
+        for _ in stream.index.apply_steps(batch.events, stats):
+            if time.perf_counter() - turn > budget:  # a large batch: let the loop run
+                await asyncio.sleep(0)
+                turn = time.perf_counter()
         stream.next_seq = batch.seq + 1
         stream.last_digest = _digest(payload)
         stream.last_heard = self._clock()
@@ -359,6 +482,8 @@ class KVEvents:
             dealer = stream.dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            # One connection per socket: a failed ask replaces it (under the probe's backoff).
+            dealer.setsockopt(zmq.RECONNECT_IVL, -1)
             dealer.connect(ep)
         result = "failed"
         try:
@@ -403,7 +528,7 @@ class KVEvents:
             try:
                 if len(frames) != 4 or frames[0] != b"":
                     raise EventError(f"replay answer of {len(frames)} frames", MALFORMED)
-                batch = decode_batch(frames[1:], stream.endpoint.topic)
+                batch = await self._decode(frames[1:], stream.endpoint.topic)
             except EventError as e:
                 self._drop(stream, e)
                 return "failed"
@@ -423,8 +548,48 @@ class KVEvents:
                     stream.index.clear(complete=False)
             if stream.next_seq is not None and batch.seq < stream.next_seq:
                 continue
-            self._apply(stream, batch, frames[3])
+            await self._apply(stream, batch, frames[3])
         return "failed"
+
+
+def _dropped(mon: zmq.Socket, stream: EventStream) -> bool:
+    """The SUB's connection ended (the publisher went away or closed it, a connect failed, or
+    a message over MAX_MESSAGE_BYTES was refused): drains the monitor, logs it."""
+    events = []
+    while True:
+        try:
+            events.append(mon.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    if not events:
+        return False
+    kinds = {int.from_bytes(e[0][:2], "little") for e in events if e and len(e[0]) >= 2}
+    n = stream.stats.reconnects + 1
+    if n <= 10 or n % 100 == 0:
+        log.warning("kv events connection lost http=%s endpoint=%s (%s; the publisher went "
+                    "away, closed it, or sent a message over %d bytes): reconnect %d in %.1fs",
+                    stream.inst.http_address, stream.endpoint.endpoint,
+                    "connect failed" if kinds == {zmq.EVENT_CLOSED} else "disconnected",
+                    MAX_MESSAGE_BYTES, n, stream.retry_s)  # fmt: skip
+    return True
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Every ZMQ socket holds a descriptor (its mailbox) besides its connection: raise the
+    soft limit toward the hard one when it is below what the sockets may need."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the open-file limit %d -> %d: %s", soft, new, e)
+        return
+    if new < wanted:
+        log.warning("open-file limit %d (hard) is below the %d KV-event streams may need", new, wanted)
+    else:
+        log.info("open-file limit raised %d -> %d for KV-event streams", soft, new)
 
 
 def _digest(payload: bytes) -> bytes:

@@ -84,7 +84,8 @@ class Metrics:
         )
         self.discovery_refused = Counter(
             "xpyd_discovery_refused",
-            "Registrations refused by a bound, by role and reason (role_limit, source_limit)",
+            "Registrations refused by a bound, by role and reason (role_limit, source_limit), "
+            "or as another instance's address (conflict)",
             ["role", "reason"],
             registry=r,
         )
@@ -143,6 +144,12 @@ class Metrics:
             "xpyd_kv_event_restarts",
             "Instances whose KV-event sequence went back (engine restarted): index reset",
             registry=r)  # fmt: skip
+        self.kv_event_reconnects = Counter(
+            "xpyd_kv_event_reconnects",
+            "KV-event connections made again, by reason: disconnected (the publisher went away "
+            "or closed it, a connect failed, a message over the size limit) or failed (the "
+            "stream's own error)",
+            ["reason"], registry=r)  # fmt: skip
         self.http_refused = Counter(
             "xpyd_http_refused",
             "Client connections or requests refused at the HTTP edge, by reason "

@@ -3,10 +3,22 @@
 A discovered instance starts *pending*: listed, never a routing candidate, until the prober
 hears it answer (proxy/probe.py, Prober.admit), so an address where nothing listens (mistyped,
 or a flood of them) never costs a client request. Discovered instances are bounded per role
-and per source host; registrations beyond the bounds are refused (RegistrationRefused)."""
+and per source host; registrations beyond the bounds are refused (RegistrationRefused).
+
+A record belongs to what first registered it: its source host (the discovery connection's
+peer address, which a sender cannot choose) and its instance_key when it sent one
+(xpyd_wire.discovery). A heartbeat or a leave for the same http_address from another owner
+is refused (reason "conflict"), whoever holds the discovery secret; only once the owner has
+been silent for half the heartbeat timeout (it restarted with a new key, or died) does a new
+owner take the address, as a new pending instance. A change of an owned record's addresses
+is logged as such. The KV-event endpoints an instance advertises are taken on its source
+host: a registration cannot make the proxy connect to any other host."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import logging
 import math
 import time
@@ -14,13 +26,15 @@ from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass, field
 
-from xpyd_wire.discovery import Load, OutputLimits, Registration
+from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration
 from xpyd_wire.kv_events import EventsEndpoint
 
 log = logging.getLogger("xpyd.proxy.registry")
 
 class RegistrationRefused(Exception):
     """reason: role_limit or source_limit (the label of xpyd_discovery_refused_total)."""
+
+    # "conflict": the address belongs to another owner (another source or instance_key).
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -61,6 +75,11 @@ class Instance:
     kv_events: EventsEndpoint | None = None
     # How its vLLM caps generated tokens (from its registration); None: not known.
     output_limits: OutputLimits | None = None
+    generation: GenerationDefaults | None = None  # D's sampling defaults (first token from P)
+    # Its owner (see the module docstring): a digest of its instance_key (None: it sent
+    # none), and whether any registration bound it yet (a static one starts unbound).
+    key_digest: bytes | None = None
+    bound: bool = False
 
     def to_json(self, now_wall: float) -> dict:
         load = self.load
@@ -83,6 +102,7 @@ class Instance:
             "probe_error": self.probe_error,
             "source": self.source,
             "output_limits": None if self.output_limits is None else dataclasses.asdict(self.output_limits),
+            "generation": None if self.generation is None else self.generation.to_wire(),
             "load": None
             if load is None
             else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
@@ -109,6 +129,40 @@ class Registry:
     # Discovered instances held per role and per source host (keys at 0 are deleted).
     _per_role: dict[str, int] = field(default_factory=lambda: {"P": 0, "D": 0})
     _per_source: dict[str, int] = field(default_factory=dict)
+    # Heartbeats refused as someone else's record, since start (for tests and /metrics).
+    conflicts: int = 0
+
+    @property
+    def rebind_after_s(self) -> float:
+        """Silence after which an address's owner may be replaced (a restart's new key)."""
+        return self.heartbeat_timeout / 2
+
+    def _owned(self, inst: Instance, reg: Registration, source: str | None) -> bool:
+        if not inst.bound:
+            return True
+        if inst.source != source:
+            return False
+        if inst.key_digest is None:
+            return reg.instance_key is None
+        return reg.instance_key is not None and hmac.compare_digest(inst.key_digest, _digest(reg.instance_key))
+
+    def _check_owner(self, inst: Instance, reg: Registration, source: str | None, now: float) -> bool:
+        """True: reg is from inst's owner. False: the owner is gone and reg may take the
+        address. Raises RegistrationRefused("conflict") while the owner is alive."""
+        if self._owned(inst, reg, source):
+            return True
+        silent = now - inst.last_heartbeat
+        if silent < self.rebind_after_s:
+            self.conflicts += 1
+            raise RegistrationRefused(
+                "conflict", f"{reg.http_address} belongs to another instance (source "
+                f"{inst.source}, {'keyed' if inst.key_digest else 'no key'}; this one: source "
+                f"{source}, {'keyed' if reg.instance_key else 'no key'}), heard from "
+                f"{silent:.1f}s ago")  # fmt: skip
+        log.warning("instance address taken over by a new owner after %.1fs of silence (restart?) "
+                    "role=%s http=%s source=%s->%s", silent, reg.role, reg.http_address,
+                    inst.source, source)  # fmt: skip
+        return False
 
     def _rebuild(self, role: str) -> None:
         self._lists[role] = [i for i in self._by_role[role].values()
@@ -133,6 +187,13 @@ class Registry:
         table = self._by_role[reg.role]
         inst = table.get(reg.http_address)
         wall = time.time()
+        kv_events = _on_source(reg.kv_events, source)
+        if inst is not None and not self._check_owner(inst, reg, source, now):
+            if inst.static:  # the operator named it: rebind in place, never removed
+                inst.bound = False
+            else:
+                self.remove(inst.role, inst.http_address, "new_owner")
+                inst = None
         if inst is None:
             if self._per_role[reg.role] >= self.max_per_role:
                 raise RegistrationRefused(
@@ -152,10 +213,13 @@ class Registry:
                 last_heartbeat_wall=wall,
                 load=reg.load,
                 kv_transport_fallbacks=reg.kv_transport_fallbacks,
-                kv_events=reg.kv_events,
+                kv_events=kv_events,
                 output_limits=reg.output_limits,
+                generation=reg.generation,
                 pending=True,
                 source=source,
+                key_digest=None if reg.instance_key is None else _digest(reg.instance_key),
+                bound=True,
             )
             table[reg.http_address] = inst
             self._per_role[reg.role] += 1
@@ -164,8 +228,8 @@ class Registry:
             # Not a candidate yet: the live lists are unchanged (no rebuild: a burst of
             # registrations costs O(1) each).
             log.info(
-                "instance registered, pending until it answers role=%s http=%s zmq=%s source=%s",
-                reg.role, reg.http_address, reg.zmq_address, source,
+                "instance registered, pending until it answers role=%s http=%s zmq=%s source=%s keyed=%s",
+                reg.role, reg.http_address, reg.zmq_address, source, reg.instance_key is not None,
             )  # fmt: skip
             for listener in self.pending_listeners:
                 try:
@@ -173,23 +237,42 @@ class Registry:
                 except Exception:  # a listener's bug must not break registration
                     log.exception("registry listener failed instance=%s", inst.http_address)
             return inst
-        if inst.zmq_address != reg.zmq_address:
-            log.info(
-                "instance zmq address changed role=%s http=%s zmq=%s->%s",
-                reg.role,
-                reg.http_address,
-                inst.zmq_address,
-                reg.zmq_address,
-            )
+        if not inst.bound:  # a static instance's first registration: it owns it from now on
+            inst.bound = True
+            inst.source = source
+            inst.key_digest = None if reg.instance_key is None else _digest(reg.instance_key)
+            log.info("static instance bound to its registration role=%s http=%s source=%s keyed=%s",
+                     reg.role, reg.http_address, source, reg.instance_key is not None)  # fmt: skip
+        if inst.zmq_address != reg.zmq_address or inst.kv_events != kv_events:
+            # The owner moved its KV or event endpoints: an event worth a line of its own.
+            log.warning(
+                "instance addresses changed by its owner role=%s http=%s zmq=%s->%s "
+                "kv_events=%s->%s", reg.role, reg.http_address, inst.zmq_address,
+                reg.zmq_address, _show(inst.kv_events), _show(kv_events),
+            )  # fmt: skip
             inst.zmq_address = reg.zmq_address
         inst.last_heartbeat = now
         inst.last_heartbeat_wall = wall
         if reg.load is not None:
             inst.load = reg.load
         inst.kv_transport_fallbacks = reg.kv_transport_fallbacks
-        inst.kv_events = reg.kv_events
+        inst.kv_events = kv_events
         inst.output_limits = reg.output_limits
+        inst.generation = reg.generation
         return inst
+
+    def leave(self, reg: Registration, now: float | None = None, source: str | None = None) -> bool:
+        """A leave message: removes the instance if reg is from its owner (else
+        RegistrationRefused("conflict")); False when there was nothing to remove."""
+        inst = self._by_role[reg.role].get(reg.http_address)
+        if inst is None:
+            return False
+        now = time.monotonic() if now is None else now
+        if not self._owned(inst, reg, source):
+            self.conflicts += 1
+            raise RegistrationRefused("conflict", f"leave for {reg.http_address} from another owner "
+                                                  f"(source {source})")  # fmt: skip
+        return self.remove(reg.role, reg.http_address, "leave")
 
     def add_static(self, role: str, http_address: str, zmq_address: str,
                    kv_events: EventsEndpoint | None = None) -> Instance:
@@ -323,3 +406,43 @@ class Registry:
 
     def count(self, role: str) -> int:
         return len(self._lists[role])
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _show(ep: EventsEndpoint | None) -> str:
+    return "none" if ep is None else ep.endpoint
+
+
+def _source_host(source: str) -> str | None:
+    """A peer address as the host part of a tcp:// endpoint (None: not an IP address)."""
+    try:
+        ip = ipaddress.ip_address(source)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return f"[{ip}]"
+    return str(ip)
+
+
+def _on_source(ep: EventsEndpoint | None, source: str | None) -> EventsEndpoint | None:
+    """The advertised event endpoints with their host replaced by the registration's source:
+    the registrant picks the ports, never the host the proxy connects to (vLLM binds its
+    publisher on every interface, so the source host reaches it)."""
+    if ep is None or source is None:
+        return ep
+    host = _source_host(source)
+    if host is None:
+        return ep
+
+    def moved(endpoint: str | None) -> str | None:
+        if endpoint is None:
+            return None
+        return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
+
+    out = dataclasses.replace(ep, endpoint=moved(ep.endpoint), replay_endpoint=moved(ep.replay_endpoint))
+    return ep if out == ep else out

@@ -17,6 +17,13 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
   "replay_endpoint": "tcp://host:port"?, "topic": str?, "blocks": int?}`` (xpyd_wire.kv_events);
   both hosts must be the host of ``zmq_address``, so a registration can only point the proxy
   at the instance's own KV host
+- ``instance_key``: random hex (16..32 bytes), drawn once per instance start and sent in
+  every heartbeat: the proxy binds the record of ``http_address`` to the first key (and source
+  host) it registered with, and drops heartbeats and ``leave`` messages for that address with
+  another key, so one instance (or anyone holding the discovery secret) cannot rewrite or
+  remove another's record. Absent (upstream senders, older connectors): the record is bound to
+  its source host only. It is sent in clear: it keeps out other registrants, not someone who
+  reads the discovery traffic
 - ``ts``: sender's wall-clock time (float seconds); required when signed
 - ``nonce``: random hex (16 bytes from the sender), required when signed: the proxy
   remembers nonces for the clock-skew window, so a captured message cannot be replayed
@@ -54,7 +61,7 @@ ROLES = ("P", "D")
 MAX_CLOCK_SKEW_S = 30.0
 # Registrations are a few hundred bytes; refuse anything absurd before it is parsed.
 MAX_MESSAGE_BYTES = 64 * 1024
-# Known fields are 11; a few unknown ones are tolerated (and ignored) for compatibility.
+# Known fields are 12; a few unknown ones are tolerated (and ignored) for compatibility.
 MAX_FIELDS = 24
 MAX_KEY_LEN = 64
 MAX_HOST_LEN = 253  # RFC 1035 limit on a DNS name's text form
@@ -62,6 +69,7 @@ MAX_ADDRESS_LEN = MAX_HOST_LEN + 6  # ":65535"
 # Requests running or waiting on one instance; far above any real engine, far below overflow.
 MAX_LOAD_COUNT = 10_000_000
 NONCE_BYTES = 16
+INSTANCE_KEY_BYTES = 16
 
 # Why a message was dropped: the label values of xpyd_discovery_messages_total (fixed set).
 MALFORMED = "malformed"  # not a msgpack map of string keys within the size limits
@@ -76,8 +84,9 @@ _IPV6_CHARS = re.compile(r"[0-9A-Fa-f:.]{2,45}", re.ASCII)
 _PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
 _HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
+_HEX_KEY = re.compile(r"[0-9a-f]{32,64}", re.ASCII)
 _KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac",
-                    "kv_transport_fallbacks", "kv_events", "output_limits"})
+                    "kv_transport_fallbacks", "kv_events", "output_limits", "instance_key"})
 # A token limit beyond any context length vLLM runs with.
 MAX_OUTPUT_TOKENS = 2**31 - 1
 _LIMIT_KEYS = ("default", "override", "context")
@@ -133,6 +142,13 @@ class Registration:
     kv_transport_fallbacks: int = 0
     kv_events: EventsEndpoint | None = None
     output_limits: OutputLimits | None = None
+    # The sender's per-start secret identity (see the module docstring); None: not sent.
+    instance_key: str | None = field(default=None, repr=False)
+
+
+def new_instance_key() -> str:
+    """A fresh instance_key (one per instance start)."""
+    return secrets.token_hex(INSTANCE_KEY_BYTES)
 
 
 def _show(value: Any, limit: int = 80) -> str:
@@ -170,6 +186,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
         fields["kv_events"] = reg.kv_events.to_wire()
     if reg.output_limits is not None:
         fields["output_limits"] = {k: v for k in _LIMIT_KEYS if (v := getattr(reg.output_limits, k)) is not None}
+    if reg.instance_key is not None:
+        fields["instance_key"] = reg.instance_key
     if reg.leave:
         fields["leave"] = True
     ts = reg.ts
@@ -330,6 +348,9 @@ def decode(
     nonce = fields.get("nonce")
     if nonce is not None and (not isinstance(nonce, str) or not _HEX_NONCE.fullmatch(nonce)):
         raise ProtocolError("nonce must be 16..64 lowercase hex digits")
+    key = fields.get("instance_key")
+    if key is not None and (not isinstance(key, str) or not _HEX_KEY.fullmatch(key)):
+        raise ProtocolError("instance_key must be 32..64 lowercase hex digits")
     leave = fields.get("leave", False)
     if not isinstance(leave, bool):
         raise ProtocolError(f"leave must be a boolean, got {_show(leave)}")
@@ -351,6 +372,7 @@ def decode(
         kv_transport_fallbacks=fallbacks,
         kv_events=kv_events,
         output_limits=limits,
+        instance_key=key,
     )
 
 
