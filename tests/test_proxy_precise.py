@@ -20,6 +20,7 @@ from proxy.config import ConfigError, ProxyConfig
 from proxy.kv_events import EventsConfig, KVEvents
 from proxy.kv_index import IndexState
 from proxy.metrics import Metrics
+from proxy.openai_api import estimate_prompt_tokens
 from proxy.precise import Precise
 from proxy.prompt_keys import COMPLETIONS, PromptTokenizer
 from proxy.registry import Registry
@@ -266,6 +267,49 @@ async def test_two_proxies_route_every_prompt_to_its_holder():
             assert r.status_code == 200
             assert [_served(f) - before[i] for i, f in enumerate(fakes)] == [0, 0, 0, 1]
             assert await c.metric("xpyd_dispatch_total", path="local_cached") == 1
+    finally:
+        for f in fakes:
+            await f.stop()
+        for p in pubs:
+            p.close()
+
+
+async def test_local_cached_reads_what_d_really_holds_not_the_guess():
+    """Conditional disaggregation with the precise D policy reads D's events in real tokens.
+    Three prompts, each over the threshold after what D holds, so each is disaggregated:
+    D holds all but 2 blocks (the proxy's character-based estimate of the prompt, less what
+    D holds, would be under the threshold), D holds the first block only, D holds nothing
+    (cache_aware's guess counts the request just routed there as held: it would say D
+    holds it all)."""
+    threshold = 2 * BS
+    tok = PromptTokenizer(MODEL_DIR)
+    pubs = [Publisher() for _ in range(2)]
+    fakes = [FakeVLLM(r, register=False) for r in "PD"]
+    try:
+        for f in fakes:
+            await f.start()
+        specs = [f"http://{f.http_address},kv={f.zmq_address},events={p.endpoint},replay={p.replay_endpoint}"
+                 for f, p in zip(fakes, pubs)]  # fmt: skip
+        cfg = dict(prefill=(specs[0],), decode=(specs[1],), decode_policy="precise", tokenizer=str(MODEL_DIR),
+                   health_interval=0.2, local_prefill_threshold=threshold)  # fmt: skip
+        async with running_proxy(**cfg) as c:
+            await wait_until(lambda: all(len(c.registry.live(r)) == 1 for r in "PD"), timeout=10)
+            await _holders_ready((c,), fakes)
+            prompts = [_words(120, seed) for seed in (11, 12, 13)]
+            ids = [tok.token_ids(COMPLETIONS, {"prompt": t})[0] for t in prompts]
+            held = [(len(ids[0]) - threshold) // BS * BS, BS]
+            # The test's power: by the estimate D would hold all but a short tail.
+            assert estimate_prompt_tokens({"prompt": prompts[0]}) - held[0] < threshold <= len(ids[0]) - held[0]
+            for k, n in enumerate(held):
+                pubs[1].publish([blocks_of(ids[k][:n], 50_000 + 1000 * k)])
+                await wait_until(lambda: _all_hold((c,), fakes[1], ids[k][:n]), timeout=5, what="D's blocks indexed")
+            for n, text in enumerate(prompts, 1):
+                r = await c.client.post("/v1/completions", json={"model": "fake-model", "prompt": text,
+                                                                  "max_tokens": 4})
+                assert r.status_code == 200, r.text
+                assert [_served(f) for f in fakes] == [n, n], n
+                assert await c.metric("xpyd_dispatch_total", path="disaggregated") == n
+            assert await c.metric("xpyd_dispatch_total", path="local_cached") == 0
     finally:
         for f in fakes:
             await f.stop()
