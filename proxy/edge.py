@@ -13,7 +13,8 @@ descriptors without end. Here, per connection, before any authentication:
 * over `max_connections` open at once: the new one gets 503 (logged, counted);
 * a request the parser refuses (e.g. a Content-Length shorter than the body): 400.
 
-Every refusal is OpenAI error JSON, then the connection closes; each is counted in
+Every refusal is OpenAI error JSON, then the connection closes (after a short lingering
+close, so that the client can read it while still sending); each is counted in
 `xpyd_http_refused{reason}`. Enforced cheaply: bytes are counted only while a head is
 read, phases are stamped with a clock the sweep keeps (no system call, no timer per
 request), and one sweep per interval walks the open connections while there are any: a
@@ -34,7 +35,10 @@ from proxy.errors import error_body
 
 log = logging.getLogger("xpyd.proxy.edge")
 
-HEAD, BODY = 0, 1  # what a connection waits for: a request's head, or the rest of a body
+# What a connection waits for: a request's head, the rest of a body, or (refused) its
+# lingering close: what the client still sends is read and dropped until the next sweep,
+# so that closing with unread bytes (a TCP reset) does not destroy the refusal in flight.
+HEAD, BODY, LINGER = 0, 1, 2
 _LOG_EVERY_S = 10.0  # refusals of one reason are logged at most this often
 
 
@@ -131,10 +135,13 @@ def guarded_protocol(base: type[asyncio.Protocol], edge: Edge, h11_parser: bool)
             self._edge_since = edge.now
             if len(self.connections) > edge.max_connections:
                 message = f"the proxy holds its maximum of {edge.max_connections} client connections; retry later"
-                self.edge_refuse(503, message, "too_many_connections", "connection_limit")
+                # No lingering here: under a flood that would hold more descriptors.
+                self.edge_refuse(503, message, "too_many_connections", "connection_limit", linger=False)
 
         def data_received(self, data: bytes) -> None:
             if self._edge_phase != HEAD:
+                if self._edge_phase == LINGER:
+                    return  # refused: dropped
                 super().data_received(data)
                 if h11_parser:
                     self._h11_phase()
@@ -150,14 +157,18 @@ def guarded_protocol(base: type[asyncio.Protocol], edge: Edge, h11_parser: bool)
 
         # httptools' parser callbacks: a head complete, a message complete.
         def on_headers_complete(self) -> None:
-            self._edge_phase, self._edge_since = BODY, edge.now
+            if self._edge_phase != LINGER:
+                self._edge_phase, self._edge_since = BODY, edge.now
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
-            self._edge_phase, self._edge_since, self._edge_bytes = HEAD, None, 0
+            if self._edge_phase != LINGER:
+                self._edge_phase, self._edge_since, self._edge_bytes = HEAD, None, 0
             super().on_message_complete()
 
         def _h11_phase(self) -> None:
+            if self._edge_phase == LINGER:
+                return
             state = self.conn.their_state
             if state is h11_body:
                 if self._edge_phase == HEAD:
@@ -183,6 +194,10 @@ def guarded_protocol(base: type[asyncio.Protocol], edge: Edge, h11_parser: bool)
             since = self._edge_since
             if since is None or self.transport.is_closing():
                 return
+            if self._edge_phase == LINGER:
+                if now > since:  # at the first sweep after the refusal (<= one interval)
+                    self.transport.close()
+                return
             # `since` is the sweep's clock, up to one interval behind: never cut early.
             waited = now - since - edge.interval
             if self._edge_phase == HEAD:
@@ -193,17 +208,29 @@ def guarded_protocol(base: type[asyncio.Protocol], edge: Edge, h11_parser: bool)
                 message = f"request body not received within {limits.body_timeout} s"
                 self.edge_refuse(408, message, "request_timeout", "body_timeout")
 
-        def edge_refuse(self, status: int, message: str, code: str, reason: str) -> None:
-            self._edge_since = None
+        def edge_refuse(self, status: int, message: str, code: str, reason: str, linger: bool = True) -> None:
             transport = self.transport
-            if transport.is_closing():
+            if transport.is_closing() or self._edge_phase == LINGER:
                 return
             edge.refused(reason, self.client)
+            self._edge_phase, self._edge_since = LINGER, edge.now
             cycle = self.cycle
-            # Mid-response (a pipelined head, a late body), only the close can tell.
-            if cycle is None or not cycle.response_started or cycle.response_complete:
-                transport.write(refusal(status, message, code))
-            transport.close()  # the app, if it is reading the body, sees the client leave
+            if cycle is not None and not cycle.response_complete:
+                # The app, if it is reading the body, sees the client leave now; what it
+                # would still send is dropped (uvicorn's disconnected cycle).
+                cycle.disconnected = True
+                cycle.message_event.set()
+                if cycle.response_started:  # mid-response: only the close can tell
+                    transport.close()
+                    return
+            transport.write(refusal(status, message, code))
+            flush = getattr(transport, "flush", None)  # the corked transport's held bytes
+            if flush is not None:
+                flush()
+            if linger and transport.can_write_eof():
+                transport.write_eof()  # the answer, then FIN; the sweep closes it
+            else:
+                transport.close()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
