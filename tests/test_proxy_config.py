@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
@@ -13,11 +14,131 @@ from proxy.config import ConfigError, ProxyConfig, load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Every default as documented (docs/reference/flags.md, and the pages that say why): a
+# default that changes, or a field that is added, must change this table on purpose (and the
+# docs: scripts/gen_flags.py). Comparing ProxyConfig() with itself cannot fail.
+DOCUMENTED_DEFAULTS = {
+    "host": "0.0.0.0",
+    "port": 8000,
+    "discovery_host": "127.0.0.1",
+    "discovery_port": 30001,
+    "discovery_secret": None,
+    "discovery_secret_file": None,
+    "allow_unauthenticated_discovery": False,
+    "heartbeat_timeout": 10.0,
+    "discovery_max_per_role": 1024,
+    "discovery_max_per_source": 64,
+    "prefill_policy": "round_robin",
+    "decode_policy": "round_robin",
+    "cache_aware_chunk_tokens": 16,
+    "cache_aware_capacity_tokens": 500_000,
+    "cache_aware_min_match": 0.5,
+    "cache_aware_balance_abs": 8.0,
+    "cache_aware_balance_rel": 1.5,
+    "kv_index_max_blocks": 262_144,
+    "kv_events_silence": 10.0,
+    "tokenizer": None,
+    "tokenize_max_bytes": 1024 * 1024,
+    "tokenize_max_pending": 8,
+    "tokenize_timeout": 1.0,
+    "trust_request_chat_template": False,
+    "send_only_missing": True,
+    "api_key": None,
+    "api_key_file": None,
+    "metrics_require_api_key": False,
+    "expose_routing_headers": False,
+    "upstream_api_key": None,
+    "upstream_api_key_file": None,
+    "forward_client_auth": False,
+    "max_body_bytes": 16 * 1024 * 1024,
+    "max_header_bytes": 32 * 1024,
+    "header_timeout": 10.0,
+    "body_timeout": 60.0,
+    "max_connections": 4096,
+    "max_response_bytes": 64 * 1024 * 1024,
+    "connect_timeout": 5.0,
+    "prefill_timeout": 600.0,
+    "decode_ttfb_timeout": 600.0,
+    "stream_idle_timeout": 120.0,
+    "prefill_retries": 2,
+    "decode_retries": 1,
+    "dispatch": "sequential",
+    "first_token": "prefill",
+    "local_prefill_threshold": 128,
+    "fallback_to_decode": True,
+    "failure_cooldown": 2.0,
+    "prefill_max_in_flight": 0,
+    "decode_max_in_flight": 0,
+    "queue_size": 1024,
+    "queue_timeout": 30.0,
+    "prefill": (),
+    "decode": (),
+    "health_interval": 2.0,
+    "probe_timeout": 5.0,
+    "models_refresh_interval": 30.0,
+    "probe_concurrency": 32,
+    "shutdown_grace_s": 30.0,
+    "log_level": "info",
+    "upstream_client": "native",
+    "loop": "auto",
+    "http": "auto",
+}
+
+
 def test_defaults():
     cfg = load_config([], env={})
     assert cfg == ProxyConfig()
-    assert cfg.heartbeat_timeout == 10.0
-    assert cfg.prefill_policy == "round_robin"
+    assert {f.name: getattr(cfg, f.name) for f in fields(ProxyConfig)} == DOCUMENTED_DEFAULTS
+    # Flipping these four at once passed this file when it compared the defaults with themselves.
+    assert (cfg.first_token, cfg.fallback_to_decode, cfg.local_prefill_threshold, cfg.send_only_missing) == (
+        "prefill", True, 128, True)
+
+
+def _other_value(f, tmp_path) -> tuple[str, object]:
+    """(env text, value the field must then have), different from its default."""
+    special = {
+        "host": ("127.0.0.2", "127.0.0.2"),
+        "discovery_host": ("127.0.0.3", "127.0.0.3"),
+        "prefill_policy": ("least_loaded", "least_loaded"),
+        "decode_policy": ("power_of_two", "power_of_two"),
+        "dispatch": ("concurrent", "concurrent"),
+        "first_token": ("decode", "decode"),
+        "log_level": ("debug", "debug"),
+        "upstream_client": ("httpx", "httpx"),
+        "loop": ("asyncio", "asyncio"),
+        "http": ("h11", "h11"),
+        "prefill": ("http://127.0.0.1:9001;http://127.0.0.1:9002", ("http://127.0.0.1:9001", "http://127.0.0.1:9002")),
+        "decode": ("http://127.0.0.1:9003", ("http://127.0.0.1:9003",)),
+    }
+    if f.name in special:
+        return special[f.name]
+    if f.name.endswith("_file"):
+        path = tmp_path / f.name
+        path.write_text(f"from-{f.name}\n")
+        return str(path), None  # checked on the secret it names
+    default = f.default
+    if isinstance(default, bool):
+        return str(not default).lower(), not default
+    if isinstance(default, int):
+        return str(default + 3), default + 3
+    if isinstance(default, float):
+        return str(default + 0.25), default + 0.25
+    return f"set-{f.name}", f"set-{f.name}"  # optional strings: secrets, tokenizer
+
+
+def test_every_field_is_read_from_its_env_variable(tmp_path):
+    """Each XPYD_<NAME> alone sets its field (and nothing else), for every field."""
+    for f in fields(ProxyConfig):
+        text, want = _other_value(f, tmp_path)
+        cfg = load_config([], env={"XPYD_" + f.name.upper(): text})
+        changed = {g.name for g in fields(ProxyConfig) if getattr(cfg, g.name) != DOCUMENTED_DEFAULTS[g.name]}
+        if f.name.endswith("_file"):
+            secret = f.name.removesuffix("_file")
+            assert getattr(cfg, secret) == f"from-{f.name}", f.name
+            assert changed <= {f.name, secret}, (f.name, changed)
+        else:
+            assert getattr(cfg, f.name) == want, f.name
+            assert changed == {f.name}, (f.name, changed)
 
 
 def test_precedence_cli_over_env_over_yaml_over_default(tmp_path):
@@ -47,16 +168,12 @@ def test_config_file_from_env(tmp_path):
     assert cfg.api_key == "k"
 
 
-def test_every_field_has_flag_and_env():
-    from dataclasses import fields
-
+def test_every_field_has_a_flag():
     from proxy.config import build_parser
 
     flags = {a.dest for a in build_parser()._actions}
     for f in fields(ProxyConfig):
-        assert f.name in flags
-        env_cfg = load_config([], env={})  # sanity: defaults load
-        assert getattr(env_cfg, f.name) == f.default
+        assert f.name in flags  # (env: test_every_field_is_read_from_its_env_variable)
 
 
 def test_example_config_loads():
