@@ -36,7 +36,8 @@ from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
-from xpyd_wire.kv_transfer import OP_KEY, UNKNOWN_OP_KEY, VERSION_KEY, Hello, Op, version_mismatch
+from xpyd_wire.kv_transfer import (ERROR_KEY, GONE_KEY, OK_KEY, OP_KEY, REFUSED_KEY, UNKNOWN_OP_KEY, VERSION_KEY, Hello,
+                                   Op, ok, version_mismatch)
 from xpyd_wire.request_id import rank_address
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError, TransportRefused
@@ -374,7 +375,7 @@ class PeerSender:
 
         try:
             reply, _ = self._transport.call(self.home, Hello.request(), timeout_s=left())
-            if self._rank == 0 or not reply.get("ok") or reply.get("rank") == self._rank:
+            if self._rank == 0 or not reply.get(OK_KEY) or reply.get("rank") == self._rank:
                 return reply, self.home
         except TransportError:
             if self._rank == 0:
@@ -414,15 +415,15 @@ class PeerSender:
         t0 = time.monotonic()
         reply, contact = self._hello(deadline)
         logger.info("kv peer %s first contact ms=%.1f", contact, (time.monotonic() - t0) * 1e3)
-        if reply.get("refused"):  # before its handler (authentication): not an answer to cache
-            return f"refused the call: {reply.get('error')}", True
+        if reply.get(REFUSED_KEY):  # before its handler (authentication): not an answer to cache
+            return f"refused the call: {reply.get(ERROR_KEY)}", True
         self.peer = contact
-        if reply.get("ok"):
+        if reply.get(OK_KEY):
             why = version_mismatch(reply.get(VERSION_KEY)) or self._check(reply) or self._plan(reply, contact)
         elif reply.get(UNKNOWN_OP_KEY):
             why = version_mismatch(None)  # an engine without hello predates the protocol's versions
         else:
-            why = f"hello failed: {reply.get('error')}"
+            why = f"hello failed: {reply.get(ERROR_KEY)}"
         if why is not None:
             logger.error("kv peer %s cannot take KV from this instance: %s", self.instance, why)
         self._contact = (why, time.monotonic())
@@ -444,18 +445,18 @@ class PeerSender:
             header, tensors = self._build(spec, False, route.piece.remote_heads, piece=piece, **span)
         nbytes = tensor_bytes(tensors)
         t = phases.add("build", t)
-        reply = {"ok": True}
+        reply = ok()
         if part is None or part[0] == 0:
             total = nbytes if part is None else nbytes * part[2] // (part[1] - part[0])
             reply, _ = self._transport.call(addr, {OP_KEY: Op.RESERVE, "key": header["key"], "nbytes": total},
                                             timeout_s=max(0.05, deadline - time.monotonic()))
             t = phases.add("reserve", t)
-        if reply.get("ok"):
+        if reply.get(OK_KEY):
             reply, _ = self._transport.call(addr, header, tensors, timeout_s=max(0.05, deadline - time.monotonic()))
             phases.add("put", t)
-        if reply.get("ok"):
+        if reply.get(OK_KEY):
             return nbytes
-        if reply.get("gone"):
+        if reply.get(GONE_KEY):
             # D finished or aborted every request for this KV, or served it from its own prefix
             # cache: nothing is lost and nobody waits for it (counted per rank, as refusals are).
             logger.info("kv send not needed req=%s transfer=%s peer=%s: D's requests for it are gone",
@@ -463,11 +464,11 @@ class PeerSender:
             self._stats.transfer("send", "unneeded")
             return None
         logger.warning("kv send refused req=%s transfer=%s peer=%s error=%s",
-                       spec.req_id, header["key"], addr, reply.get("error"))
+                       spec.req_id, header["key"], addr, reply.get(ERROR_KEY))
         self._stats.failure("send", "refused")
         if route is not None:
             # D knows this piece will not come, but waits for the transfer's key: tell it.
-            self._notice(spec.transfer_key, f"piece {route.index} refused: {reply.get('error')}", [addr])
+            self._notice(spec.transfer_key, f"piece {route.index} refused: {reply.get(ERROR_KEY)}", [addr])
         return None
 
     def _absorb(self, flights: list[_Flight], routes: list[tuple[str, tp.Route | None]]) -> None:
