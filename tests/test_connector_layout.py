@@ -301,11 +301,12 @@ def test_gather_into_a_preallocated_pack_buffer(device):
     names = list(p)
     pack = torch.empty((len(names), len(SRC), 8, 16, 256), dtype=torch.bfloat16, device=device)
     for i, name in enumerate(names):
-        assert kvlayout.gather_packed(p[name], SRC, out=pack[i]) is pack[i] or True
+        layer = pack[i]  # (pack[i] is a new view object each time: keep the one passed)
+        assert kvlayout.gather_packed(p[name], SRC, out=layer) is layer  # the pack itself, no copy
     for i, name in enumerate(names):
         assert torch.equal(bits(pack[i]), bits(p[name][list(SRC)]))
     strided = torch.empty((8, len(SRC), 16, 256), dtype=torch.bfloat16, device=device).transpose(0, 1)
-    kvlayout.gather_packed(p[names[0]], SRC, out=strided)
+    assert kvlayout.gather_packed(p[names[0]], SRC, out=strided) is strided
     assert torch.equal(bits(strided), bits(p[names[0]][list(SRC)]))
 
 
