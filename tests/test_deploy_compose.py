@@ -105,8 +105,9 @@ def test_profile_services_match_topology(profile: str, topo_name: str):
         if profile == "gpu":
             (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
             assert dev["device_ids"] == [str(d) for d in inst.devices] and dev["capabilities"] == ["gpu"]
-            if inst.tp > 1:
-                assert cmd[cmd.index("--tensor-parallel-size") + 1] == str(inst.tp)
+            # (the shipped gpu profile runs TP 1: tp > 1 is checked on gpu-tp2 below)
+            assert "--tensor-parallel-size" not in cmd if inst.tp == 1 else \
+                cmd[cmd.index("--tensor-parallel-size") + 1] == str(inst.tp)
         else:
             assert "deploy" not in svc
     if profile == "cpu":
@@ -117,6 +118,23 @@ def test_profile_services_match_topology(profile: str, topo_name: str):
                if sc["labels"]["profile"] == profile for t in sc["targets"]}
     assert targets == {f"{proxy_svc}:{proxy.port}"} | {f"{profile}-{i.name}:{i.port}" for i in topo.instances}
     assert net in doc["services"]["prometheus"]["networks"]
+
+
+def test_a_tensor_parallel_topology_renders_its_tp_devices_and_rank_ports():
+    """gpu-tp2 (TP 2 on P and D) through the gpu profile's renderer: every rank's GPU is
+    reserved, vLLM gets --tensor-parallel-size, the workers share IPC, every rank's KV port
+    is reachable on the profile's network."""
+    topo = load_topology("gpu-tp2")
+    services = compose.render_services("gpu", topo)
+    for inst in topo.instances:
+        assert inst.tp == 2 and len(inst.devices) == 2
+        svc = services[compose.service_name("gpu", inst.name)]
+        cmd = svc["command"]
+        assert cmd.count("--tensor-parallel-size") == 1 and cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["device_ids"] == [str(d) for d in inst.devices]
+        assert svc["ipc"] == "host"
+        assert len(set(inst.kv_ports)) == 2 and {str(p) for p in inst.kv_ports} <= set(svc["expose"])
 
 
 def test_every_service_is_in_one_profile_and_stays_inside_it():
