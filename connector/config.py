@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from connector.log import get_logger
-from xpyd_wire.discovery import OutputLimits, ProtocolError, check_output_limits
+from xpyd_wire.discovery import GenerationDefaults, OutputLimits, ProtocolError, check_generation, check_output_limits
 from xpyd_wire.kv_events import EventError, EventsEndpoint, advertised
 
 logger = get_logger(__name__)
@@ -223,6 +223,9 @@ class ConnectorConfig:
     # How this instance's vLLM caps generated tokens, advertised to the proxy (which then
     # knows the limit of a request that sets none); None: not known.
     output_limits: OutputLimits | None = None
+    # The sampling defaults this instance's vLLM applies and whether a reasoning parser reads
+    # its chat answers, advertised to the proxy (its first token from P needs them); None: not known.
+    generation: GenerationDefaults | None = None
     # D: when a prompt's KV is already here as the scheduler plans its load, load it
     # synchronously (before the forward pass of the step that schedules the request) instead
     # of one engine step later; False: always asynchronously.
@@ -271,7 +274,8 @@ class ConnectorConfig:
 
     @staticmethod
     def from_vllm(kv_transfer_config: Any, kv_events_config: Any = None,
-                  kv_blocks: int | None = None, model_config: Any = None) -> "ConnectorConfig":
+                  kv_blocks: int | None = None, model_config: Any = None,
+                  reasoning_parser: str | None = None) -> "ConnectorConfig":
         extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
         send_type = str(extra.get("send_type", "PUT_ASYNC")).upper()
         if send_type not in SEND_TYPES:
@@ -312,6 +316,7 @@ class ConnectorConfig:
             proxy_resolve_interval_s=_positive_seconds(extra, "proxy_resolve_interval_s", 10.0),
             kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
             output_limits=output_limits(model_config),
+            generation=generation_defaults(model_config, reasoning_parser),
             sync_load=_flag(extra.get("sync_load", True)),
             idle_wait_ms=_idle_wait_ms(extra),
             send_granularity=granularity,
@@ -344,6 +349,22 @@ def output_limits(model_config: Any) -> OutputLimits | None:
                                     "context": getattr(model_config, "max_model_len", None)})
     except ProtocolError as e:
         logger.warning("output limits not advertised: %s", e)
+        return None
+
+
+def generation_defaults(model_config: Any, reasoning_parser: str | None) -> GenerationDefaults | None:
+    """The sampling values vLLM's OpenAI server applies where a request leaves the field out
+    (vLLM 0.32's serving classes take them from ``get_diff_sampling_param``: the generation
+    config's, with --override-generation-config; max_tokens goes in OutputLimits) and
+    whether --reasoning-parser is set. None where the model config does not say."""
+    if model_config is None:
+        return None
+    try:
+        sampling = {k: v for k, v in model_config.get_diff_sampling_param().items() if k != "max_tokens"}
+        return check_generation({"sampling": sampling, "reasoning_parser": bool(reasoning_parser)})
+    except Exception as e:  # noqa: BLE001 - reading a generation config can fail many ways
+        logger.warning("generation defaults not advertised (%s: %s): the proxy keeps this instance's requests on "
+                       "its own first token", type(e).__name__, e)
         return None
 
 

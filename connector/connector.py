@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
-from connector.facade import XpydConnectorBase, warn_unless_recompute
+from connector.facade import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
 from connector.metadata import P2pConnectorMetadata
 from connector.scheduler import ArrivalProbe, P2pScheduler
 from connector.worker import P2pWorker
@@ -55,7 +55,8 @@ class P2pNcclConnector(XpydConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config, vllm_config.kv_events_config,
                                        vllm_config.cache_config.num_gpu_blocks,
-                                       vllm_config.model_config if role == KVConnectorRole.SCHEDULER else None)
+                                       vllm_config.model_config if role == KVConnectorRole.SCHEDULER else None,
+                                       reasoning_parser_of(vllm_config))
         self._scheduler: P2pScheduler | None = None
         self._worker: P2pWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -35,6 +35,11 @@ def warn_unless_recompute(name: str, vllm_config: Any, lost: str) -> None:
                        "\"kv_load_failure_policy\": \"recompute\" to recompute the prompt instead", name, policy, lost)
 
 
+def reasoning_parser_of(vllm_config: Any) -> str | None:
+    """--reasoning-parser's name, where vLLM 0.32 keeps it (None: none, or not found)."""
+    return getattr(getattr(vllm_config, "structured_outputs_config", None), "reasoning_parser", None) or None
+
+
 class XpydConnectorBase(KVConnectorBase_V1):
     _scheduler: Any
     _worker: Any

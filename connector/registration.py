@@ -191,6 +191,7 @@ class Registrar:
             kv_transport_fallbacks=min(self._fallbacks_report(), MAX_LOAD_COUNT) if self._fallbacks_report else 0,
             kv_events=self._cfg.kv_events,
             output_limits=self._cfg.output_limits,
+            generation=self._cfg.generation,
             instance_key=self._key,
         )
 

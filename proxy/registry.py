@@ -26,7 +26,7 @@ from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass, field
 
-from xpyd_wire.discovery import Load, OutputLimits, Registration
+from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration
 from xpyd_wire.kv_events import EventsEndpoint
 
 log = logging.getLogger("xpyd.proxy.registry")
@@ -75,6 +75,7 @@ class Instance:
     kv_events: EventsEndpoint | None = None
     # How its vLLM caps generated tokens (from its registration); None: not known.
     output_limits: OutputLimits | None = None
+    generation: GenerationDefaults | None = None  # D's sampling defaults (first token from P)
     # Its owner (see the module docstring): a digest of its instance_key (None: it sent
     # none), and whether any registration bound it yet (a static one starts unbound).
     key_digest: bytes | None = None
@@ -101,6 +102,7 @@ class Instance:
             "probe_error": self.probe_error,
             "source": self.source,
             "output_limits": None if self.output_limits is None else dataclasses.asdict(self.output_limits),
+            "generation": None if self.generation is None else self.generation.to_wire(),
             "load": None
             if load is None
             else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
@@ -213,6 +215,7 @@ class Registry:
                 kv_transport_fallbacks=reg.kv_transport_fallbacks,
                 kv_events=kv_events,
                 output_limits=reg.output_limits,
+                generation=reg.generation,
                 pending=True,
                 source=source,
                 key_digest=None if reg.instance_key is None else _digest(reg.instance_key),
@@ -255,6 +258,7 @@ class Registry:
         inst.kv_transport_fallbacks = reg.kv_transport_fallbacks
         inst.kv_events = kv_events
         inst.output_limits = reg.output_limits
+        inst.generation = reg.generation
         return inst
 
     def leave(self, reg: Registration, now: float | None = None, source: str | None = None) -> bool:

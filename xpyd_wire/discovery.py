@@ -17,6 +17,12 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
   "replay_endpoint": "tcp://host:port"?, "topic": str?, "blocks": int?}`` (xpyd_wire.kv_events);
   both hosts must be the host of ``zmq_address``, so a registration can only point the proxy
   at the instance's own KV host
+- ``generation``: ``{"sampling": {name: number}?, "reasoning_parser": bool?}``, what else the
+  instance's vLLM decides of an answer that a request cannot see: the sampling values it
+  applies where a request leaves the field out (the generation config's, ``sampling``: at
+  most MAX_SAMPLING_DEFAULTS names of lowercase letters and ``_``, finite numbers) and
+  whether a reasoning parser reads its chat answers. Absent: not known (the proxy keeps its
+  requests on D's first token, where such things cannot make an answer differ)
 - ``instance_key``: random hex (16..32 bytes), drawn once per instance start and sent in
   every heartbeat: the proxy binds the record of ``http_address`` to the first key (and source
   host) it registered with, and drops heartbeats and ``leave`` messages for that address with
@@ -86,10 +92,13 @@ _HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
 _HEX_KEY = re.compile(r"[0-9a-f]{32,64}", re.ASCII)
 _KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac",
-                    "kv_transport_fallbacks", "kv_events", "output_limits", "instance_key"})
+                    "kv_transport_fallbacks", "kv_events", "output_limits", "instance_key", "generation"})
 # A token limit beyond any context length vLLM runs with.
 MAX_OUTPUT_TOKENS = 2**31 - 1
 _LIMIT_KEYS = ("default", "override", "context")
+# vLLM's generation-config sampling fields are 7; room for a few more from a newer vLLM.
+MAX_SAMPLING_DEFAULTS = 16
+_SAMPLING_NAME = re.compile(r"[a-z_]{1,32}", re.ASCII)
 _LOAD_COUNTS = ("running", "waiting")
 _LOAD_USAGES = ("kv_usage", "kv_buffer_usage")
 
@@ -130,6 +139,21 @@ class OutputLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """What an instance's vLLM decides of an answer beyond its token limits (OutputLimits):
+    ``sampling``, the values it applies where a request leaves a sampling field out (vLLM's
+    ``ModelConfig.get_diff_sampling_param()`` less max_tokens: the generation config's,
+    with --override-generation-config), sorted by name; ``reasoning_parser``, whether one
+    reads its chat answers (--reasoning-parser)."""
+
+    sampling: tuple[tuple[str, float], ...] = ()
+    reasoning_parser: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"sampling": dict(self.sampling), "reasoning_parser": self.reasoning_parser}
+
+
+@dataclass(frozen=True, slots=True)
 class Registration:
     role: str
     http_address: str
@@ -142,6 +166,7 @@ class Registration:
     kv_transport_fallbacks: int = 0
     kv_events: EventsEndpoint | None = None
     output_limits: OutputLimits | None = None
+    generation: GenerationDefaults | None = None
     # The sender's per-start secret identity (see the module docstring); None: not sent.
     instance_key: str | None = field(default=None, repr=False)
 
@@ -186,6 +211,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
         fields["kv_events"] = reg.kv_events.to_wire()
     if reg.output_limits is not None:
         fields["output_limits"] = {k: v for k in _LIMIT_KEYS if (v := getattr(reg.output_limits, k)) is not None}
+    if reg.generation is not None:
+        fields["generation"] = reg.generation.to_wire()
     if reg.instance_key is not None:
         fields["instance_key"] = reg.instance_key
     if reg.leave:
@@ -280,6 +307,24 @@ def check_output_limits(value: Any) -> OutputLimits:
     return OutputLimits(*got)
 
 
+def check_generation(value: Any) -> GenerationDefaults:
+    """The wire's ``generation`` map as GenerationDefaults, or ProtocolError. The connector
+    checks its own with it too (a value the proxy refuses would drop the whole heartbeat)."""
+    if not isinstance(value, dict) or set(value) - {"sampling", "reasoning_parser"}:
+        raise ProtocolError("generation must be a map of sampling, reasoning_parser")
+    sampling = value.get("sampling", {})
+    if not isinstance(sampling, dict) or len(sampling) > MAX_SAMPLING_DEFAULTS:
+        raise ProtocolError(f"generation.sampling must be a map of at most {MAX_SAMPLING_DEFAULTS} entries")
+    for name, number in sampling.items():
+        if not isinstance(name, str) or not _SAMPLING_NAME.fullmatch(name) or not _is_number(number) \
+                or not math.isfinite(number):
+            raise ProtocolError(f"generation.sampling has an invalid entry {_show(name)}: {_show(number)}")
+    reasoning = value.get("reasoning_parser", False)
+    if not isinstance(reasoning, bool):
+        raise ProtocolError(f"generation.reasoning_parser must be a boolean, got {_show(reasoning)}")
+    return GenerationDefaults(tuple(sorted((k, float(v)) for k, v in sampling.items())), reasoning)
+
+
 def _check_ts(ts: Any) -> float | None:
     # NaN must be refused: it would pass the clock-skew comparison.
     if ts is not None and (not _is_number(ts) or not math.isfinite(ts)):
@@ -360,6 +405,7 @@ def decode(
         raise ProtocolError(f"kv_transport_fallbacks must be an int 0..{MAX_LOAD_COUNT}, got {_show(fallbacks)}")
     kv_events = _check_kv_events(fields["kv_events"], zmq_address) if "kv_events" in fields else None
     limits = check_output_limits(fields["output_limits"]) if "output_limits" in fields else None
+    generation = check_generation(fields["generation"]) if "generation" in fields else None
     return Registration(
         role=role,
         http_address=http_address,
@@ -372,6 +418,7 @@ def decode(
         kv_transport_fallbacks=fallbacks,
         kv_events=kv_events,
         output_limits=limits,
+        generation=generation,
         instance_key=key,
     )
 

@@ -48,7 +48,8 @@ class SharedStorageConfig:
 
     @staticmethod
     def from_vllm(kv_transfer_config: Any, kv_events_config: Any = None,
-                  kv_blocks: int | None = None, model_config: Any = None) -> "SharedStorageConfig":
+                  kv_blocks: int | None = None, model_config: Any = None,
+                  reasoning_parser: str | None = None) -> "SharedStorageConfig":
         extra: dict[str, Any] = dict(kv_transfer_config.kv_connector_extra_config or {})
         path = extra.get("shared_storage_path")
         if not path:
@@ -58,7 +59,8 @@ class SharedStorageConfig:
             raise ValueError("shared_storage_queue_bytes must be > 0")
         model_id = extra.get("shared_storage_model_id")
         return SharedStorageConfig(
-            base=ConnectorConfig.from_vllm(kv_transfer_config, kv_events_config, kv_blocks, model_config),
+            base=ConnectorConfig.from_vllm(kv_transfer_config, kv_events_config, kv_blocks, model_config,
+                                           reasoning_parser),
             path=Path(str(path)),
             max_bytes=_size(extra.get("shared_storage_max_bytes", DEFAULT_MAX_BYTES)),
             model_id=str(model_id) if model_id else None,

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.facade import XpydConnectorBase, warn_unless_recompute
+from connector.facade import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
 from connector.log import get_logger
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import SharedStorageMetadata
@@ -49,7 +49,8 @@ class SharedStorageConnector(XpydConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = SharedStorageConfig.from_vllm(vllm_config.kv_transfer_config, vllm_config.kv_events_config,
                                            vllm_config.cache_config.num_gpu_blocks,
-                                           vllm_config.model_config if role == KVConnectorRole.SCHEDULER else None)
+                                           vllm_config.model_config if role == KVConnectorRole.SCHEDULER else None,
+                                           reasoning_parser_of(vllm_config))
         model_id = model_identity(cfg, vllm_config)
         world = vllm_config.parallel_config.world_size
         self._scheduler: SharedStorageScheduler | None = None
