@@ -51,7 +51,7 @@ class ProxyConfig:
     cache_aware_balance_abs: float = 8.0
     cache_aware_balance_rel: float = 1.5
     # KV-event intake (proxy/kv_events.py; on for every instance that advertises events):
-    # blocks indexed per instance when its registration does not give its KV capacity, and
+    # blocks indexed per instance at most (an advertised KV capacity only lowers it), and
     # seconds without a word from its publisher before its index counts as unknown.
     kv_index_max_blocks: int = 262_144
     kv_events_silence: float = 10.0

@@ -375,8 +375,8 @@ class KVEvents:
             # else it is another engine (restarted) whose seq has not caught up yet.
             ok = await self._catch_up(stream, 0 if not nxt else nxt - 1)
             stream.replay_fails = 0 if ok else stream.replay_fails + 1
-            lo, hi = self.cfg.backoff_s
-            wait = 0.0 if ok else min(hi, self.cfg.probe_s * 2 ** min(stream.replay_fails - 1, 16))
+            most = self.cfg.backoff_s[1]
+            wait = 0.0 if ok else min(most, self.cfg.probe_s * 2 ** min(stream.replay_fails - 1, 16))
             stream.next_probe = self._clock() + wait
         now = self._clock()
         if now - stream.last_heard > self.cfg.silence_s and stream.index.live:

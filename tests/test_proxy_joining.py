@@ -325,10 +325,12 @@ async def test_registrations_beyond_the_bounds_are_refused_and_counted():
                     await send("127.0.0.1", "P", port)
                 await wait_until(lambda: px.state.metrics.discovery_refused.labels("P", "source_limit")
                                  ._value.get() == 1, what="source refusal")  # fmt: skip
-                # Another source still may; a heartbeat of a known one is never refused.
+                # Another source still may; its owner's heartbeat is never refused, another
+                # source's for the same address is (issue 36: a conflict, not a heartbeat).
                 # (One socket at a time: ZMQ orders messages per connection only.)
                 await send("127.0.0.2", "P", ports[4])
-                await send("127.0.0.2", "P", ports[0])  # another's address: a heartbeat
+                await send("127.0.0.2", "P", ports[0])  # another's address: refused
+                await send("127.0.0.1", "P", ports[0])  # its owner's heartbeat
                 await wait_until(lambda: px.registry.count_pending("P") == 4, what="4 P")
                 for port in ports[5:8]:  # P reaches 5: the role bound (the 3rd is refused)
                     await send("127.0.0.3", "P", port)
@@ -338,7 +340,8 @@ async def test_registrations_beyond_the_bounds_are_refused_and_counted():
                 assert {i.source for i in px.registry.every()} == {"127.0.0.1", "127.0.0.2", "127.0.0.3"}
                 assert await px.metric("xpyd_discovery_refused_total", role="P", reason="source_limit") == 1
                 assert await px.metric("xpyd_discovery_refused_total", role="P", reason="role_limit") == 2
-                assert await px.metric("xpyd_discovery_messages_total", result="refused") == 3
+                assert await px.metric("xpyd_discovery_refused_total", role="P", reason="conflict") == 1
+                assert await px.metric("xpyd_discovery_messages_total", result="refused") == 4
                 # A slot frees when one leaves.
                 await socks["127.0.0.1"].send(encode(Registration("P", f"127.0.0.1:{ports[0]}",
                                                                   "127.0.0.1:1", leave=True)))

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -21,7 +22,6 @@ from proxy.kv_events import MAX_MESSAGE_BYTES, EventsConfig, KVEvents
 from proxy.kv_index import IndexState
 from proxy.metrics import Metrics
 from proxy.registry import Registry, RegistrationRefused
-from xpyd_wire import discovery
 from xpyd_wire.discovery import OutputLimits, ProtocolError, Registration, decode, encode, new_instance_key
 from xpyd_wire.kv_events import AllBlocksCleared, BlockStored, EventsEndpoint, chain_block_keys
 
@@ -126,15 +126,13 @@ def test_instance_key_on_the_wire_is_optional_and_checked():
         assert got.instance_key == key and got.extra == {}
     assert decode(encode(Registration("P", "a:1", "a:2"))).instance_key is None
     for bad in ("", "ABCD" * 8, "0" * 31, "0" * 65, 7, "g" * 32):
-        import msgpack
-
         payload = msgpack.packb({"type": "P", "http_address": "a:1", "zmq_address": "a:2", "instance_key": bad})
         with pytest.raises(ProtocolError):
             decode(payload)
     assert "instance_key" not in repr(Registration("P", "a:1", "a:2", instance_key=key))
 
 
-async def test_registrar_sends_a_key_the_proxy_binds(tmp_path):
+async def test_registrar_sends_a_key_the_proxy_binds():
     """Both ends: the connector's heartbeats carry one key per start; the proxy binds the
     record to it, and a keyless heartbeat from the same host for that address is refused."""
     import http.server
@@ -338,7 +336,7 @@ async def test_a_large_batch_never_stalls_the_event_loop():
             assert len(ev.stream(inst).index) == n
             worst = max(lags)
             print(f"worst loop lag while a {n}-block batch was applied: {worst * 1000:.1f} ms")
-            assert worst < 0.15
+            assert worst < 0.2  # one synchronous pass over this batch took 0.43 s
     finally:
         pub.close()
 
