@@ -47,6 +47,13 @@ LOCAL_CACHED = "local_cached"  # D holds all but a short tail of the prompt
 LOCAL_NO_PREFILL = "local_no_prefill"  # no P live or reachable
 LOCAL_RESCUE = "local_rescue"  # D failed disaggregated attempts before its first byte
 PREFILL_ALONE = "prefill_alone"  # first-token mode, one token asked for: P's answer is all of it
+# The answer needs the prompt's logprobs (echo with logprobs, prompt_logprobs): vLLM computes
+# them in the prefill, so D would recompute the whole prompt and load none of P's KV.
+LOCAL_PROMPT_LOGPROBS = "local_prompt_logprobs"
+# A request the proxy cannot read (not JSON, not the shape it routes by, a model no instance
+# lists): one D's vLLM judges it, so the client gets vLLM's own answer (its 4xx, or the
+# answer where vLLM accepts what the proxy could not read).
+LOCAL_VERDICT = "local_verdict"
 
 
 class DecodeFailed(Exception):
@@ -200,6 +207,10 @@ class Dispatcher:
     # ------------------------------------------------------------------ one attempt
 
     def _path(self, req: RouteRequest, d: Instance) -> str:
+        if req.verdict:
+            return LOCAL_VERDICT
+        if _wants_prompt_logprobs(req):
+            return LOCAL_PROMPT_LOGPROBS
         if not self.selector.available("P", req.model):
             if not self.cfg.fallback_to_decode:
                 raise ProxyError(503, "no prefill instance is available", "no_prefill_instance")
@@ -243,10 +254,11 @@ class Dispatcher:
     async def _disaggregated(self, call: Call, d: Instance) -> Answer:
         cfg = self.cfg
         req = call.req
-        first_mode = self._first_token and first_token.eligible(req, d.output_limits)
+        limits = d.output_limits
+        first_mode = self._first_token and first_token.eligible(req, limits, d.generation)
         # P's one token is the whole answer: a plain request id, so P ships no KV that D would
         # never claim (it would hold D's receive buffer until buffer_ttl_s).
-        alone = first_mode and first_token.max_tokens(req.body, req.path == CHAT, d.output_limits) == 1
+        alone = first_mode and first_token.max_tokens(req.body, req.path == CHAT, limits) == 1
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
             pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if first_mode
@@ -299,8 +311,12 @@ class Dispatcher:
             if alone:
                 call.flight.extra.append((b"x-xpyd-path", PREFILL_ALONE.encode()))
             first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
-            if first is not None:
+            if first is not None and limits is not None and first_token.starts_answer(req.body, first, limits):
                 return self._first_token_answer(call, d, first, headers)
+            if first_mode:
+                # P's answer cannot start the client's (its token is part of a character, or the
+                # answer is not what vLLM writes): D answers the client's own request.
+                self.metrics.first_token_to_d("unusable" if first is None else "held_back")
             try:
                 answer = await self._first_bytes(
                     call.loop, d, opening if opening is not None else self._open(req, d, headers), headers
@@ -354,14 +370,17 @@ class Dispatcher:
         rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
         call.flight.extra.append((b"x-xpyd-first-token", b"prefill"))
         call.t_decode = time.perf_counter()
-        if first_token.complete_at_prefill(body, first, d.output_limits):  # D has nothing to add
+        limits = d.output_limits
+        assert limits is not None  # first_token.eligible
+        if first_token.complete_at_prefill(body, first, limits):  # D has nothing to add
             return Answer(_Stitched(complete=True), first_token.first_events(first, True, usage), True, None,
                           rewrite)
         stitched = _Stitched()
         # D's events get the id the client sees: the rewrite then finds nothing left to do.
         event_id = first.id if rewrite is None else rewrite.whole(first.id.encode()).decode()
-        events = first_token.ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat)
-        cont = first_token.continuation(body, first, d.output_limits)
+        events = first_token.ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat,
+                                                first.created)
+        cont = first_token.continuation(body, first, limits)
         stitched.gen = self._continue(call, d, cont, headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
@@ -670,3 +689,12 @@ def _prefill_error(failures: list[str], last_msg: str) -> ProxyError:
         f"no prefill instance could be reached after {len(failures)} attempt(s), last: {last_msg}",
         "prefill_unreachable",
     )
+
+
+def _wants_prompt_logprobs(req: RouteRequest) -> bool:
+    """The answer carries the prompt's logprobs, which vLLM computes in the prefill: a
+    completion's echo with logprobs, or prompt_logprobs on either endpoint."""
+    body = req.body
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return req.path == COMPLETIONS and body.get("echo") is True and body.get("logprobs") is not None

@@ -1,4 +1,4 @@
-"""The client's first token from P (``--first-token prefill``).
+"""The client's first token from P (``--first-token prefill``, the default).
 
 P computes the prompt's KV and samples one token anyway (the prefill request has
 max_tokens=1). In this mode the proxy asks P for that token's id (``return_token_ids``),
@@ -8,25 +8,27 @@ connector then loads P's KV for all of D's prompt but that last token (the reque
 P's prompt length, ``PREFILL_PROMPT_TOKENS_PARAM``). The client's first token no longer
 waits for the KV transfer and D's first step: TTFT is P's.
 
-Greedy output is the same token for token: D sees the same token sequence as a colocated
-server would after its first step. Only requests where the split cannot change the answer
-take this path; every other request is dispatched as before (``eligible``):
-streaming completions of one prompt (text or token ids) with n=1, a max_tokens or none
-(vLLM's 16, also for null; capped by the override D advertises, ``OutputLimits``), without
-stop strings
-(one could span P's token and D's first), presence or frequency penalties (they count
-generated tokens: D would count one fewer), echo, prompt logprobs, a seed (P's sampling
-runs without one) or structured output. Logprobs come from each side for its tokens (D's
-text offsets moved past P's token); usage counts P's token as generated.
+The promise is that the client cannot tell: D sees the token sequence a colocated server
+sees after its first step, so only requests where the split cannot change the answer take
+this path, and every other one is dispatched as before (D's first token, exact by
+construction). ``eligible`` is an allow-list over every field of vLLM's request models: a
+field it does not name, or names at another value, keeps the request on D's first token.
+What the request cannot show, D's connector advertises (``OutputLimits``: how its vLLM
+caps answers and the context; ``GenerationDefaults``: the sampling defaults it applies and
+whether a reasoning parser reads its chat answers); an instance that advertises neither
+(a static one) keeps D's first token.
 
-Streaming chat completions take it too when their messages are text, they say how many
-tokens to generate or D advertises its output limits (D's completion then gets the
-server's limit less P's token: the generation config's max_new_tokens, or the context
-left), and ask for no tools, chat logprobs or other chat-only output. Every limit is
-capped by D's override where D advertises one, as vLLM caps it. P renders the chat template and
-returns the rendered prompt's ids; D continues from them with a completion, whose chunks
-become chat chunks (``ContinuationEvents(chat=True)``). When P's server parsed its token
-as reasoning or a tool call, D answers the client's own request instead.
+P's answer decides too (``parse`` and ``starts_answer``): a token that is part of a
+character is held back by vLLM's detokenizer (its text is ""), and D, whose detokenizer
+would be primed with a prompt ending inside that character, cannot take the rest of it
+(it would emit the whole primed prompt as text): D answers the client's own request instead.
+So does every answer that is not what vLLM writes (ids that are not ints, a ``created``
+out of range), and a chat answer a server-side parser read as reasoning or a tool call.
+
+Logprobs come from each side for its tokens (D's text offsets moved past P's token); usage
+counts P's token as generated; D's events carry P's id and ``created``. Chat: P renders the
+template and returns the rendered prompt's ids and the answer's role; D continues from them
+with a completion, whose chunks become chat chunks (``ContinuationEvents(chat=True)``).
 """
 
 from __future__ import annotations
@@ -40,60 +42,92 @@ import orjson
 from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
 from proxy.relay import EVENT_END, EVENT_ENDS
 from proxy.request import RouteRequest
-from xpyd_wire.discovery import OutputLimits
+from xpyd_wire.discovery import GenerationDefaults, OutputLimits
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
 
 _OURS = (PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM)  # set by the proxy, never by a client
 
-# A field whose value is not in its neutral set makes the request ineligible.
+# Every field of vLLM 0.32's CompletionRequest and ChatCompletionRequest this path lets
+# through, and how. A field named nowhere here keeps the request on D's first token, so a
+# field a newer vLLM adds cannot change an answer unnoticed (tests/test_proxy_first_token.py
+# feeds every field of vLLM's request models through these tables).
+#
+# SAME: means the same to P's one token and to D's continuation (both servers apply it
+# alike, or P alone needs it: the prompt's rendering and tokenization).
+_SAME = frozenset({
+    "model", "temperature", "top_p", "top_k", "min_p",
+    # Penalises tokens of prompt and answer alike: P's token counts the same on D.
+    "repetition_penalty",
+    "length_penalty",  # beam search only, which this path refuses
+    "logit_bias", "allowed_token_ids", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+    "skip_special_tokens", "spaces_between_special_tokens", "user", "priority", "cache_salt",
+    "request_id",  # vLLM takes the X-Request-Id header first, which the proxy sets
+    "truncate_prompt_tokens", "truncation_side", "add_special_tokens",  # P tokenizes; D gets its ids
+})
+# Checked by ``eligible`` itself (prompt, limits, logprobs, usage options).
+_CHECKED_CHAT = frozenset({"stream", "max_tokens", "min_tokens", "stream_options", "kv_transfer_params"})
+_CHECKED = _CHECKED_CHAT | {"prompt", "logprobs"}
+# Let through only at these values (a value is neutral when it equals one of the same type:
+# True is not 1). None (JSON null) is neutral everywhere: vLLM reads it as absent.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "prompt_logprobs": (None,),
-    "stop": (None, "", []),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "seed": (None,),
-    "suffix": (None, ""),
-    "bad_words": (None, []),
-    "return_token_ids": (None, False),
-    "return_tokens_as_token_ids": (None, False),
-    "prompt_embeds": (None,),
-    "response_format": (None,),
-    "structured_outputs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "logits_processors": (None,),
-    "use_beam_search": (None, False),
-    "vllm_xargs": (None,),
+    "n": (1,),
+    "echo": (False,),
+    "prompt_logprobs": (),
+    "stop": ("", []),  # a stop string could span P's token and D's first
+    # Count generated tokens only: D would count one fewer (P's is its prompt).
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "seed": (),  # P's sampling runs without one
+    "suffix": ("",),
+    "bad_words": ([],),  # a bad word's first token could be P's, which D sees as prompt
+    "return_token_ids": (False,),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_offsets": (False,),
+    "logprob_token_ids": (),
+    "prompt_embeds": (),
+    "response_format": (),
+    "structured_outputs": (),
+    "use_beam_search": (False,),
+    "vllm_xargs": (),
+    "watermarking": (),
+    "session_id": (),
+    "routed_experts_prompt_start": (0,),
+    "mm_payload": ("tensors",),
+    "return_mm_kwargs": (),
+    "ec_transfer_params": (),
+    # Checks generated tokens only: D's check would never see P's token.
+    "repetition_detection": (),
+    "thinking_token_budget": (),
+    "stream_interval": (1,),  # D would batch its events, P's token goes alone
 }
-
-
-# Chat: the keys that only shape the prompt (P renders it; D gets its token ids), and the
-# chat-only keys that are neutral at these values. Any other chat-only key (tools, logprobs,
-# audio, ...) keeps the request on the usual path.
+# Chat: the fields that only shape the prompt (P renders it; D gets its token ids), and the
+# chat-only fields that are neutral at these values.
 _CHAT_PROMPT_ONLY = frozenset({"messages", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-                               "continue_final_message", "add_special_tokens", "documents", "reasoning_effort",
+                               "continue_final_message", "documents", "reasoning_effort",
                                "max_completion_tokens"})
 _CHAT_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),  # without tools: nothing to call
-    "parallel_tool_calls": (None, True, False),
-    "include_reasoning": (None, True),
-    "return_prompt_text": (None, False),
+    "logprobs": (False,),  # chat logprobs are not translated from D's completion
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),  # without tools: nothing to call
+    "parallel_tool_calls": (True, False),
+    "include_reasoning": (True,),
+    "return_prompt_text": (False,),
+    "media_io_kwargs": (),
+    "mm_processor_kwargs": (),
 }
+# The sampling defaults a server may apply where a request leaves the field out
+# (GenerationDefaults.sampling) that mean the same on P and D; any other default (a presence
+# or frequency penalty, or one this proxy does not know) keeps requests that leave that
+# field out on D's first token.
+_SAMPLING_SAME = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty"})
 # What D's completions request takes from a chat request (vLLM's CompletionRequest fields
-# that mean the same there); _NEUTRAL's keys are checked before, so they may pass too.
+# that mean the same there).
 _COMPLETION_KEYS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                               "length_penalty", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                               "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
                               "allowed_token_ids", "logit_bias", "user", "stream", "stream_options", "priority",
-                              "cache_salt", "kv_transfer_params", "truncate_prompt_tokens", "request_id"})
+                              "cache_salt", "kv_transfer_params", "request_id"})
 
 
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
@@ -118,41 +152,57 @@ def _text_messages(messages: Any) -> bool:
     return True
 
 
-def _within(limit: Any, limits: OutputLimits | None) -> bool:
-    """A limit vLLM takes: none, or a positive int, and no more than the context where D
-    says it (beyond it vLLM answers 400, a status only D's first token can still give)."""
-    if limit is None:
-        return True
-    return type(limit) is int and limit >= 1 and (limits is None or limits.context is None or limit <= limits.context)
+def _within(limit: Any, limits: OutputLimits) -> bool:
+    """A limit vLLM takes as it is: none, or a positive int no larger than the context
+    (anything else is vLLM's 400, or a value it converts, which only D's first token relays
+    exactly)."""
+    return limit is None or (type(limit) is int and 1 <= limit <= limits.context)  # type: ignore[operator]
 
 
-def _chat_eligible(body: dict, limits: OutputLimits | None) -> bool:
-    if not _text_messages(body.get("messages")):
-        return False
-    given = (body.get("max_completion_tokens"), body.get("max_tokens"))
-    if not all(_within(v, limits) for v in given):
-        return False
-    if given == (None, None) and (limits is None or (limits.limit(None) is None and limits.context is None)):
-        # The limit of a chat request that sets none (the generation config's, or the
-        # context left) is known here only from D's output limits (its registration's).
-        return False
+def _fields_pass(body: dict, chat: bool) -> bool:
+    """Every field of the request is one this path lets through, at a value it allows."""
+    checked = _CHECKED_CHAT if chat else _CHECKED
     for key, value in body.items():
-        if key in _CHAT_PROMPT_ONLY or key in _COMPLETION_KEYS or key in _NEUTRAL:
+        if key in _SAME or key in checked:
             continue
-        neutral = _CHAT_NEUTRAL.get(key)
+        if chat:
+            if key in _CHAT_PROMPT_ONLY:
+                continue
+            neutral = _CHAT_NEUTRAL.get(key)
+            if neutral is not None:
+                if not _neutral(value, neutral):
+                    return False
+                continue
+        neutral = _NEUTRAL.get(key)
         if neutral is None or not _neutral(value, neutral):
-            return False
+            return False  # a field this path does not know: D's first token is exact
     return True
 
 
-def eligible(req: RouteRequest, limits: OutputLimits | None) -> bool:
-    """Whether the request's answer may start with P's token (see the module's text);
-    ``limits``: D's output limits, None where D did not advertise them."""
+def _defaults_pass(body: dict, defaults: GenerationDefaults, chat: bool) -> bool:
+    """The server's own sampling defaults change nothing here: each is one P and D apply
+    alike, or the request sets that field itself. A chat answer a reasoning parser reads
+    (its split into reasoning and content, its special tokens) is D's whole answer."""
+    if chat and defaults.reasoning_parser:
+        return False
+    return all(name in _SAMPLING_SAME or body.get(name) is not None for name, _ in defaults.sampling)
+
+
+def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: GenerationDefaults | None) -> bool:
+    """Whether the request's answer may start with P's token (see the module's text).
+    ``limits`` and ``defaults``: what D advertised of how its vLLM caps and samples answers;
+    without both (a static instance, an older connector) nothing here is known to be exact."""
+    if limits is None or limits.context is None or defaults is None:
+        return False
     body = req.body
     if body.get("stream") is not True:
         return False  # a whole answer has no first token to hurry
-    if req.path == CHAT:
-        if not _chat_eligible(body, limits):
+    chat = req.path == CHAT
+    if chat:
+        if not _text_messages(body.get("messages")):
+            return False
+        given = (body.get("max_completion_tokens"), body.get("max_tokens"))
+        if not all(_within(v, limits) for v in given):
             return False
     elif req.path == COMPLETIONS:
         prompt = body.get("prompt")
@@ -165,9 +215,13 @@ def eligible(req: RouteRequest, limits: OutputLimits | None) -> bool:
             return False
     else:
         return False
-    for key, value in body.items():  # a handful of keys, against _NEUTRAL's thirty
-        neutral = _NEUTRAL.get(key)
-        if neutral is not None and not _neutral(value, neutral):
+    if not _fields_pass(body, chat) or not _defaults_pass(body, defaults, chat):
+        return False
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        # Above the answer's limit it is vLLM's 400, which only D's first token relays as a status.
+        limit = max_tokens(body, chat, limits)
+        if type(min_tokens) is not int or min_tokens < 0 or (limit is not None and min_tokens > limit):
             return False
     if not isinstance(body.get("kv_transfer_params", {}), dict):
         return False
@@ -227,25 +281,31 @@ class FirstToken:
     id: str
     created: int
     model: str
-    text: str
+    text: str  # "": vLLM's detokenizer holds the token back (part of a character)
     token_ids: list[int]
     prompt_ids: PromptIds
     finish_reason: str | None
     stop_reason: Any
     usage: dict | None
     logprobs: dict | None  # P's for its token, when asked for
+    role: str = "assistant"  # chat: the answer's role as P's server gave it (--response-role)
+    fingerprint: str | None = None  # P's system_fingerprint: vLLM puts it on a stream's last event
 
 
 _PROMPT_IDS_KEY = b'"prompt_token_ids":['
 _PLACEHOLDER = -1  # no token id: where the cut-out ids were, for the check that they were P's
 _NOT_DIGITS = bytes(c for c in range(256) if c not in b"0123456789,")
+# A token id is an int32 in every vLLM tokenizer; vLLM's `created` is seconds since 1970.
+_MAX_ID = 2**31 - 1
+_LONG_ID = re.compile(rb"\d{11}")  # over 10 digits: past any int32
+_MAX_CREATED = 2**53
 
 
 def _cut_prompt_ids(data: bytes) -> tuple[bytes, PromptIds] | None:
     """P's answer with its first ``prompt_token_ids`` array replaced by the placeholder,
-    and that array, when it is compact JSON of digits and commas (as vLLM writes it);
-    else None (the whole answer is then parsed). The array cannot reach past its first "]",
-    so D's request gets an array whatever P sent."""
+    and that array, when it is compact JSON of digits and commas (as vLLM writes it) with no
+    number of more than 10 digits; else None (the whole answer is then parsed). The array
+    cannot reach past its first "]", so D's request gets an array whatever P sent."""
     start = data.find(_PROMPT_IDS_KEY)
     if start < 0:
         return None
@@ -255,18 +315,21 @@ def _cut_prompt_ids(data: bytes) -> tuple[bytes, PromptIds] | None:
         return None
     inner = data[start + 1:end]
     # Digits and commas only: translate deletes everything else.
-    if not inner or inner.translate(None, _NOT_DIGITS) != inner:
+    if not inner or inner.translate(None, _NOT_DIGITS) != inner or _LONG_ID.search(inner) is not None:
         return None
     rest = data[:start] + b"[" + str(_PLACEHOLDER).encode() + data[end:]
     return rest, PromptIds(data[start:end + 1], inner.count(b",") + 1)
+
+
+def _token_id(x: Any) -> bool:
+    return type(x) is int and 0 <= x <= _MAX_ID
 
 
 def _prompt_ids(data: bytes, chat: bool) -> tuple[dict, PromptIds | None]:
     """P's answer as an object and the prompt's ids it holds (None: not usable), cut out of
     the bytes when they are where the prompt's ids belong (the placeholder's place) and P's
     usage counts them (vLLM: prompt_tokens is their number); else the answer is parsed whole
-    and its ids are checked for presence and kind, not each of a long prompt's (70 us at 4k
-    tokens): the JSON is vLLM's, and D validates the ids it gets like any prompt."""
+    and each id is checked (an int32 of a tokenizer), at C speed."""
     def held(obj: dict) -> Any:
         return obj["prompt_token_ids"] if chat else obj["choices"][0]["prompt_token_ids"]
 
@@ -279,40 +342,49 @@ def _prompt_ids(data: bytes, chat: bool) -> tuple[dict, PromptIds | None]:
             return obj, cut[1]
     obj = orjson.loads(data)
     prompt = held(obj)
-    if isinstance(prompt, list) and prompt and type(prompt[0]) is int and type(prompt[-1]) is int:
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == _INT \
+            and 0 <= min(prompt) and max(prompt) <= _MAX_ID:
         return obj, PromptIds.of(prompt)
     return obj, None
 
 
+_INT = frozenset({int})
+
+
 def parse(data: bytes, chat: bool = False) -> FirstToken | None:
-    """P's answer, or None when it lacks what this mode needs (a vLLM without
-    return_token_ids), its token is part of a character, or (chat) the server parsed it as
-    reasoning or a tool call: the request then goes on with D's first token (D gets the
-    client's request and loads all but the last prompt token)."""
+    """P's answer, or None when it is not what this mode needs (a vLLM without
+    return_token_ids), not what vLLM writes (ids that are not int32s, a ``created`` out of
+    range: a P is input too), or (chat) a server-side parser read its token as reasoning or
+    a tool call: the request then goes on with D's first token (D gets the client's request
+    and loads all but the last prompt token)."""
     try:
         obj, ids = _prompt_ids(data, chat)
         if ids is None:
             return None
         choice = obj["choices"][0]
+        role = "assistant"
         if chat:
             message = choice["message"]
             if message.get("tool_calls") or message.get("reasoning_content") is not None \
                     or message.get("reasoning") is not None:
                 return None  # a server-side parser at work: its output is not plain text
-            tokens, text = choice["token_ids"], message.get("content")
+            tokens, text, role = choice["token_ids"], message.get("content"), message.get("role")
         else:
             tokens, text = choice["token_ids"], choice.get("text")
-        if not (isinstance(tokens, list) and len(tokens) == 1 and type(tokens[0]) is int):
+        if not (isinstance(tokens, list) and len(tokens) == 1 and _token_id(tokens[0])):
             return None
-        if not isinstance(text, str) or "\ufffd" in text:
-            # Part of a character: vLLM would have held it back until the next token, and
-            # D cannot take the rest of it. D answers as in the default mode instead.
+        if not isinstance(text, str) or not isinstance(role, str):
+            return None
+        created = obj.get("created", 0)
+        fingerprint = obj.get("system_fingerprint")
+        if type(created) is not int or not 0 <= created < _MAX_CREATED \
+                or not (fingerprint is None or isinstance(fingerprint, str)):
             return None
         logprobs = None if chat else choice.get("logprobs")
-        return FirstToken(chat, str(obj.get("id", "")), int(obj.get("created", 0)), str(obj.get("model", "")), text,
+        return FirstToken(chat, str(obj.get("id", "")), created, str(obj.get("model", "")), text,
                           tokens, ids, choice.get("finish_reason"), choice.get("stop_reason"),
                           obj.get("usage") if isinstance(obj.get("usage"), dict) else None,
-                          logprobs if isinstance(logprobs, dict) else None)
+                          logprobs if isinstance(logprobs, dict) else None, role, fingerprint)
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError):
         return None
 
@@ -338,24 +410,30 @@ def max_tokens(body: dict, chat: bool, limits: OutputLimits | None) -> int | Non
     return requested if limits is None else limits.limit(requested)
 
 
-def _d_tokens(body: dict, first: FirstToken, limits: OutputLimits | None) -> int:
-    """How many tokens D is to add after P's: the limit less P's token, or without a limit
-    the context left after P's prompt and token (``eligible`` let such a request through
-    only with the context known)."""
+def _d_tokens(body: dict, first: FirstToken, limits: OutputLimits) -> int:
+    """How many tokens D is to add after P's: the answer's limit (vLLM 0.32's get_max_tokens:
+    the least of the request's or server's limit and the context left after the prompt)
+    less P's token."""
+    left = limits.context - len(first.prompt_ids)  # type: ignore[operator]  (eligible: known)
     limit = max_tokens(body, first.chat, limits)
-    if limit is not None:
-        return limit - 1
-    assert limits is not None and limits.context is not None
-    return limits.context - len(first.prompt_ids) - 1
+    return (left if limit is None else min(limit, left)) - 1
 
 
-def complete_at_prefill(body: dict, first: FirstToken, limits: OutputLimits | None) -> bool:
+def complete_at_prefill(body: dict, first: FirstToken, limits: OutputLimits) -> bool:
     """P's token ends the answer: it stopped (EOS, a stop token), one token was asked for,
     or it filled the context."""
     return first.finish_reason not in (None, "length") or _d_tokens(body, first, limits) <= 0
 
 
-def continuation(body: dict, first: FirstToken, limits: OutputLimits | None) -> dict:
+def starts_answer(body: dict, first: FirstToken, limits: OutputLimits) -> bool:
+    """Whether P's token may be the client's first: it ends the answer, or its text is what
+    vLLM sends. A token vLLM holds back (text "": part of a character, whose rest D could
+    not take; U+FFFD where a detokenizer shows such a part) leaves the answer to D's first
+    token."""
+    return (first.text != "" and "\ufffd" not in first.text) or complete_at_prefill(body, first, limits)
+
+
+def continuation(body: dict, first: FirstToken, limits: OutputLimits) -> dict:
     """D's request, always a completion (POST it to COMPLETIONS): the prompt as P's token
     ids plus P's token, one token fewer to generate, and P's prompt length for D's
     connector. A chat request keeps only what a completion means the same way."""
@@ -366,6 +444,8 @@ def continuation(body: dict, first: FirstToken, limits: OutputLimits | None) -> 
     if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 0:
         cont["min_tokens"] = body["min_tokens"] - 1
     cont.pop("truncate_prompt_tokens", None)  # P's ids are already cut to it
+    cont.pop("truncation_side", None)
+    cont.pop("add_special_tokens", None)  # P's ids have what it added
     own = {k: v for k, v in (body.get("kv_transfer_params") or {}).items() if k not in _OURS}
     cont["kv_transfer_params"] = {**own, PREFILL_PROMPT_TOKENS_PARAM: len(first.prompt_ids)}
     return cont
@@ -386,33 +466,56 @@ def _event(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _counts(usage: dict, completion_tokens: int | None = None) -> dict:
+    """P's usage as a stream's usage event carries it: the counts (``completion_tokens``: in
+    place of P's), and what else P's server reports that is not null."""
+    out = {k: v for k, v in usage.items() if v is not None}
+    if completion_tokens is not None:
+        out["completion_tokens"] = completion_tokens
+        out["total_tokens"] = usage.get("prompt_tokens", 0) + completion_tokens
+    return out
+
+
 def first_events(first: FirstToken, final: bool, usage: tuple[bool, bool]) -> bytes:
-    """The stream's first events, as vLLM would have sent them (``usage``: ``usage_wanted``;
-    chat: the assistant's role chunk, then the token's), and, when P's token ends the
-    answer, the rest of the stream: the usage event if asked for, then [DONE]."""
+    """The stream's first events as vLLM 0.32 writes them, field for field (``usage``:
+    ``usage_wanted``; chat: the role chunk, then the token's), and, when P's token ends the
+    answer, the rest of the stream: the usage event if asked for, then [DONE]. vLLM puts its
+    system_fingerprint on the last event before [DONE]."""
     include_usage, continuous = usage
     kind = "chat.completion.chunk" if first.chat else "text_completion"
     head = {"id": first.id, "object": kind, "created": first.created, "model": first.model}
-    end = {"finish_reason": first.finish_reason if final else None,
-           "stop_reason": first.stop_reason if final else None}
+    counts = _counts(first.usage) if continuous and first.usage is not None else None
     out = b""
     if first.chat:
-        role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}]}
-        if continuous and first.usage is not None:
-            role["usage"] = {**first.usage, "completion_tokens": 0,
-                             "total_tokens": first.usage.get("prompt_tokens", 0)}
+        role: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": first.role, "content": ""},
+                                                     "logprobs": None, "finish_reason": None}],
+                                "prompt_token_ids": None, "prompt_text": None}
+        if counts is not None:
+            role["usage"] = {**_counts(first.usage, 0), "completion_tokens_details": None}  # type: ignore[arg-type]
         out = _event(role)
-        choice = {"index": 0, "delta": {"content": first.text}, "logprobs": None, **end}
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": first.text}, "logprobs": None,
+                                  "finish_reason": first.finish_reason if final else None}
+        if final:
+            choice["stop_reason"] = first.stop_reason
+        choice["token_ids"] = None
+        if counts is not None:
+            counts["completion_tokens_details"] = None
     else:
-        choice = {"index": 0, "text": first.text, "logprobs": first.logprobs, **end}
-    event = {**head, "choices": [choice]}
-    if continuous and first.usage is not None:
-        event["usage"] = first.usage
+        choice = {"index": 0, "text": first.text, "logprobs": first.logprobs,
+                  "finish_reason": first.finish_reason if final else None,
+                  "stop_reason": first.stop_reason if final else None, "prompt_token_ids": None, "token_ids": None}
+    event: dict[str, Any] = {**head, "choices": [choice]}
+    if counts is not None:
+        event["usage"] = counts
+    if final and not include_usage and first.fingerprint is not None:
+        event["system_fingerprint"] = first.fingerprint
     out += _event(event)
     if final:
         if include_usage and first.usage is not None:
-            out += _event({**head, "choices": [], "usage": first.usage})
+            last: dict[str, Any] = {**head, "choices": [], "usage": _counts(first.usage)}
+            if first.fingerprint is not None:
+                last["system_fingerprint"] = first.fingerprint
+            out += _event(last)
         out += b"data: [DONE]\n\n"
     return out
 
@@ -434,6 +537,7 @@ _EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's
 
 
 _EVENT_ID = re.compile(rb'"id":\s*"(?:[^"\\]|\\.)*"')  # an event's first "id" is its top-level one
+_EVENT_CREATED = re.compile(rb'"created":\d+')  # outside strings: inside one its quotes are escaped
 
 
 _STR = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a JSON string (on one line, as JSON writes it)
@@ -454,7 +558,7 @@ def _mid_chat(m: re.Match[bytes]) -> bytes:
     ident, created, model, index, text, finish, fingerprint = m.groups()
     return (b'data: {"id":' + ident + b',"object":"chat.completion.chunk","created":' + created + b',"model":'
             + model + b',"choices":[{"index":' + index + b',"delta":{"content":' + text
-            + b'},"logprobs":null,"finish_reason":' + finish + b"}]" + fingerprint + b"}")  # fmt: skip
+            + b'},"logprobs":null,"finish_reason":' + finish + b',"token_ids":null}]' + fingerprint + b"}")  # fmt: skip
 
 
 _TRANSLATED = b'"object":"chat.completion.chunk"'  # a completions server never writes it
@@ -468,12 +572,15 @@ class ContinuationEvents:
     arrives in arbitrary pieces: what precedes the last event's start passes at once, that
     event waits for its end (bounded)."""
 
-    def __init__(self, text_offset: int, event_id: str, chat: bool = False) -> None:
+    def __init__(self, text_offset: int, event_id: str, chat: bool = False, created: int | None = None) -> None:
         self._chat = chat  # D's completion chunks become chat chunks (delta.content)
         self._offset = text_offset
         self._held = b""
         self._id = b'"id":' + orjson.dumps(event_id)
         self._d_id: bytes | None = None  # D's "id": member as it writes it, once seen
+        # vLLM stamps every event of a stream with one `created`: P's, which the client saw first.
+        self._created = None if created is None else b'"created":%d' % created
+        self._d_created: bytes | None = None
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._held + chunk
@@ -488,6 +595,11 @@ class ContinuationEvents:
             self._d_id = m.group(0)
         if self._d_id is not None and self._d_id != self._id:
             done = done.replace(self._d_id, self._id)
+        if self._created is not None:
+            if self._d_created is None and (m := _EVENT_CREATED.search(done)) is not None:
+                self._d_created = m.group(0)
+            if self._d_created is not None and self._d_created != self._created:
+                done = done.replace(self._d_created, self._created)
         if self._chat:
             # The usual chunks in one pass in C: per event in Python, this cost more than all
             # the rest of a proxied chat stream. What is left goes through the JSON path.
@@ -539,4 +651,5 @@ def _chat_choice(choice: dict) -> dict:
            "finish_reason": choice.get("finish_reason")}
     if out["finish_reason"] is not None:
         out["stop_reason"] = choice.get("stop_reason")
+    out["token_ids"] = None  # vLLM 0.32 writes it on every chat chunk but the role's
     return out

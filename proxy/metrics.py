@@ -100,6 +100,14 @@ class Metrics:
             "Requests redone on another D after D failed before its first byte",
             registry=r,
         )
+        self.first_token_fallbacks = Counter(
+            "xpyd_first_token_to_decode",
+            "Requests eligible for the first token from P whose answer went to D's first token instead "
+            "(held_back: P's token is part of a character, which vLLM holds back; unusable: P's answer is "
+            "not what vLLM writes)",
+            ["reason"],
+            registry=r,
+        )
         self.dispatch_paths = Counter(
             "xpyd_dispatch",
             "Requests by dispatch path: disaggregated, or D alone (local_short: short prompt, "
@@ -171,6 +179,9 @@ class Metrics:
         if lat is None:
             lat = self._lat_children[route] = self.latency.labels(route)
         lat.observe(seconds)
+
+    def first_token_to_d(self, reason: str) -> None:
+        self.first_token_fallbacks.labels(reason).inc()
 
     def dispatch(self, path: str) -> None:
         child = self._path_children.get(path)

@@ -73,6 +73,9 @@ _CLIENT_ERROR_TYPES = frozenset(
 )  # fmt: skip
 
 
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
 class StreamFailed(Exception):
     """Raised by an answer's chunks when the answer cannot go on and ``event`` (a complete
     SSE error event, ready to send) says why to the client."""
@@ -286,7 +289,7 @@ class Relay:
             if not at_event_boundary(last):
                 # D broke off inside an event: end it, so the error is an event of its own.
                 error = b"\n\n" + error
-            body = error
+            body = error + DONE_EVENT  # as vLLM ends a stream after its error event
         else:
             body = rw.flush() if rw is not None else b""
         flight.done = True

@@ -15,6 +15,9 @@ class RouteRequest:
     tokens: int  # estimated prompt tokens
     headers: dict[str, str]  # what is forwarded upstream (x-request-id set per attempt)
     model: str | None = None
+    # Not a request the proxy can read (openai_api.validate_body, or a model no instance
+    # lists): one D answers it alone, so the client gets vLLM's own verdict.
+    verdict: bool = False
     _key: str | list[int] | None = field(default=None, repr=False)
     # The prompt's token ids as vLLM computes them (proxy/prompt_keys.py), set before
     # selection when a `precise` policy needs them; None: not computed or not reproducible.

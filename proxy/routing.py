@@ -119,9 +119,11 @@ class Router:
         try:
             # orjson: 4-8x faster than json here, which matters for long prompts.
             body = orjson.loads(raw)
-        except ValueError as e:
-            raise ProxyError(400, f"request body is not valid JSON: {e}", "invalid_json") from None
-        validate_body(path, body)
+            validate_body(path, body)
+        except (ValueError, ProxyError):
+            # vLLM's answer to it is vLLM's to give (its 400, or an answer where its parser
+            # accepts what ours does not): the body goes to one D as it came.
+            return RouteRequest(path, raw, {}, 0, fwd, verdict=True)
         return RouteRequest(path, raw, body, estimate_prompt_tokens(body), fwd, body.get("model"))
 
     async def handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -133,7 +135,8 @@ class Router:
         status = 500
         try:
             req = await self._read(path, scope, receive)
-            self.selector.check_model(req)
+            if not req.verdict and not self.selector.check_model(req):
+                req.verdict, req.model = True, None  # any D: its vLLM's 404 names what it serves
             # From here on the request waits on upstreams: watch for the client leaving.
             loop = task.get_loop()
             watcher = loop.create_task(_watch(receive, flight))

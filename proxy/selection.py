@@ -79,26 +79,22 @@ class Selector:
     def available(self, role: str, model: str | None = None) -> bool:
         return len(self.registry.pool(role, model)) > 0
 
-    def check_model(self, req: RouteRequest) -> None:
-        """404 for a model no live instance serves (as OpenAI and vLLM answer); 400 for a
-        request without `model` when instances serve several (P and D must agree)."""
+    def check_model(self, req: RouteRequest) -> bool:
+        """False for a model no live instance lists (the request then goes to one D for
+        vLLM's own 404, which names the models it serves); 400 for a request without
+        `model` when instances serve several (P and D must agree)."""
         served = self.registry.models()
         if req.model is None:
             if len(served) > 1:
                 raise ProxyError(400, "'model' is required: this proxy serves "
                                  + ", ".join(served), "missing_model", "model")  # fmt: skip
-            return
+            return True
         if req.model in served:
-            return
+            return True
         if any(i.models is None for i in self.registry.all()):
-            return  # an instance whose models are not known yet may serve it
-        if not self.registry.all():
-            return  # nothing is live: the dispatcher answers 503, not a false 404
-        # OpenAI's own answer, type included (invalid_request_error, not our 404 default).
-        message = f"The model `{req.model}` does not exist or you do not have access to it."
-        error = {"message": message, "type": "invalid_request_error", "param": None,
-                 "code": "model_not_found"}  # fmt: skip
-        raise ProxyError(404, message, "model_not_found", raw=orjson.dumps({"error": error}))
+            return True  # an instance whose models are not known yet may serve it
+        # Nothing is live: the dispatcher answers 503, not a false 404.
+        return not self.registry.all()
 
     def candidates(
         self, role: str, exclude: Collection[Instance] = (), model: str | None = None

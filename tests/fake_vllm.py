@@ -27,10 +27,10 @@ import zmq
 import zmq.asyncio
 
 try:
-    from xpyd_wire.discovery import Load, OutputLimits, Registration, encode
+    from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 except ImportError:  # run as a script from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from xpyd_wire.discovery import Load, OutputLimits, Registration, encode
+    from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
 
 
@@ -57,6 +57,14 @@ class Fault:
     # as when D's KV load fails; "xpyd-local-": D alone). None: any request.
     id_prefix: str | None = None
 
+
+# What a fake advertises unless told otherwise: what the connector advertises of a vLLM with
+# --max-model-len FAKE_CONTEXT, a generation config that sets nothing and no reasoning parser.
+FAKE_CONTEXT = 8192
+ADVERTISED_LIMITS = OutputLimits(context=FAKE_CONTEXT)
+ADVERTISED_GENERATION = GenerationDefaults()
+# vLLM 0.32's system_fingerprint (a hash of the server's config; the fake's is fixed).
+FINGERPRINT = "vllm-0.32.0-0f0f0f0f"
 
 DISAGGREGATED_ID = "___prefill_addr_"  # how xpyd_wire.request_id.build() ids begin
 
@@ -145,6 +153,22 @@ def generated_before(body: dict) -> int:
     return k
 
 
+def _refusal(chat: bool, body: dict) -> dict | None:
+    """vLLM 0.32's 400 for a few requests it refuses (its messages; a fake checks only these)."""
+    if chat and not isinstance(body.get("messages"), list):
+        return {"message": "1 validation error: body.messages Field required", "type": "Bad Request",
+                "param": "body.messages", "code": 400}
+    if not chat and not body.get("prompt"):
+        return {"message": "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)",
+                "type": "BadRequestError", "param": "prompt", "code": 400}
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and value < 1:
+            return {"message": f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})",
+                    "type": "BadRequestError", "param": "max_tokens", "code": 400}
+    return None
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -229,10 +253,12 @@ class FakeVLLM:
         register: bool = True,
         api_key: str | None = None,
         kv_events: EventsEndpoint | None = None,
-        output_limits: OutputLimits | None = None,
+        output_limits: OutputLimits | None = ADVERTISED_LIMITS,
+        generation: GenerationDefaults | None = ADVERTISED_GENERATION,
     ) -> None:
         self.role = role
-        self.output_limits = output_limits
+        self.output_limits = output_limits  # None: not advertised (a connector that cannot tell)
+        self.generation = generation
         # Advertised in the registration like the connector advertises vLLM's publisher.
         self.kv_events = kv_events
         self.proxy = proxy
@@ -250,7 +276,10 @@ class FakeVLLM:
         self.api_key = api_key
         self.fault: Fault | None = None
         self.chat_reasoning: str | None = None  # a chat answer's reasoning_content (a reasoning parser's)
-        self.first_text: str | None = None  # the text of a whole (non-streamed) completion, instead of " t0 t1 ..."
+        # The text of a whole (non-streamed) answer, instead of " t0 t1 ...": "" is what vLLM
+        # answers for a one-token answer whose token is part of a character (it holds it back).
+        self.first_text: str | None = None
+        self.role_name = "assistant"  # a chat answer's role (vLLM's --response-role)
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
         self.models_status = 200
@@ -334,6 +363,7 @@ class FakeVLLM:
             leave=leave,
             kv_events=self.kv_events,
             output_limits=self.output_limits,
+            generation=self.generation,
         )
 
     async def send_registration(self, leave: bool = False) -> None:
@@ -478,24 +508,17 @@ class FakeVLLM:
                 # "{request_id}" in a given body: quote the X-Request-Id (vLLM's messages may).
                 payload = payload.replace(b"{request_id}", req.headers.get("x-request-id", "").encode())
                 return self._send_json(conn, req, rec, fault.status, payload, fault.content_type)
-        if not isinstance(body, dict):
-            return self._send_json(
-                conn,
-                req,
-                rec,
-                400,
-                json.dumps(
-                    {
-                        "error": {
-                            "message": "bad json",
-                            "type": "BadRequestError",
-                            "param": None,
-                            "code": 400,
-                        }
-                    }
-                ).encode(),
-            )
+        if not isinstance(body, dict):  # vLLM's request model refuses it (pydantic's 400)
+            error = {"message": "1 validation error: body is not a JSON object", "type": "Bad Request",
+                     "param": "body", "code": 400}
+            return self._send_json(conn, req, rec, 400, json.dumps({"error": error}).encode())
+        if body.get("model") is not None and body.get("model") != self.model:
+            error = {"message": f"The model `{body.get('model')}` does not exist. Valid aliases: {self.model}.",
+                     "type": "NotFoundError", "param": "model", "code": 404}
+            return self._send_json(conn, req, rec, 404, json.dumps({"error": error}).encode())
         chat = path == "/v1/chat/completions"
+        if (refusal := _refusal(chat, body)) is not None:
+            return self._send_json(conn, req, rec, 400, json.dumps({"error": refusal}).encode())
         n_tokens = body.get("max_completion_tokens") if chat else None
         n_tokens = n_tokens or body.get("max_tokens") or 16
         n_tokens = max(1, min(int(n_tokens), 4096))
@@ -507,120 +530,77 @@ class FakeVLLM:
             self._send_json(conn, req, rec, 200, self._full(chat, rid, n_tokens, body))
 
     def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
+        """A whole answer, field for field as vLLM 0.32 writes it (checked against the real
+        server by tests/test_e2e_fidelity.py)."""
         start = generated_before(body)
         text = "".join(f" t{start + i}" for i in range(n)) if self.first_text is None else self.first_text
         prompt = prompt_tokens(chat, body)
-        usage = {
-            "prompt_tokens": prompt,
-            "total_tokens": prompt + n,
-            "completion_tokens": n,
-            "prompt_tokens_details": None,
-        }
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n,
+                 "prompt_tokens_details": None, "completion_tokens_details": None}
+        ids = body.get("return_token_ids") is True
+        token_ids = [FIRST_TOKEN_ID + start + i for i in range(n)] if ids else None
         created = int(time.time())
         if chat:
             data = {
-                "id": f"chatcmpl-{rid}-{os.urandom(4).hex()}",
-                "object": "chat.completion",
-                "created": created,
+                "id": f"chatcmpl-{rid}-{os.urandom(4).hex()}", "object": "chat.completion", "created": created,
                 "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": text,
-                            "refusal": None,
-                            "annotations": None,
-                            "audio": None,
-                            "function_call": None,
-                            "tool_calls": [],
-                            "reasoning_content": self.chat_reasoning,
-                        },
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                    }
-                ],
-                "service_tier": None,
-                "system_fingerprint": None,
-                "usage": usage,
-                "prompt_logprobs": None,
-                "kv_transfer_params": None,
+                "choices": [{"index": 0,
+                             "message": {"role": self.role_name, "content": text, "refusal": None, "annotations": None,
+                                         "audio": None, "function_call": None, "reasoning": self.chat_reasoning},
+                             "logprobs": None, "finish_reason": "length", "stop_reason": None, "token_ids": token_ids,
+                             "routed_experts": None}],
+                "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage, "prompt_logprobs": None,
+                # As vLLM: the rendered prompt's ids.
+                "prompt_token_ids": chat_prompt_token_ids(body.get("messages")) if ids else None,
+                "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
             }
-            if body.get("return_token_ids"):  # as vLLM: the rendered prompt's ids, each token's
-                data["prompt_token_ids"] = chat_prompt_token_ids(body.get("messages"))
-                data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + start + i for i in range(n)]
         else:
             data = {
-                "id": f"cmpl-{rid}-0-{os.urandom(4).hex()}",
-                "object": "text_completion",
-                "created": created,
+                "id": f"cmpl-{rid}-0-{os.urandom(4).hex()}", "object": "text_completion", "created": created,
                 "model": self.model,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": None,
-                        "finish_reason": "length",
-                        "stop_reason": None,
-                        "prompt_logprobs": None,
-                    }
-                ],
-                "usage": usage,
-                "kv_transfer_params": None,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                             "token_ids": token_ids, "prompt_logprobs": None,
+                             "prompt_token_ids": prompt_token_ids(body.get("prompt")) if ids else None,
+                             "routed_experts": None}],
+                "service_tier": None, "system_fingerprint": FINGERPRINT, "usage": usage, "kv_transfer_params": None,
+                "ec_transfer_params": None, "metrics": None,
             }
-            if body.get("return_token_ids"):  # as vLLM: the ids of the prompt and of each token
-                data["choices"][0]["prompt_token_ids"] = prompt_token_ids(body.get("prompt"))
-                data["choices"][0]["token_ids"] = [FIRST_TOKEN_ID + start + i for i in range(n)]
         # As vLLM's JSONResponse (Starlette's) writes it: compact, not ASCII-escaped.
         return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
     def stream_events(self, chat: bool, rid: str, n: int, body: dict) -> list[bytes]:
-        """The SSE events vLLM sends for this request, [DONE] included."""
+        """The SSE events vLLM 0.32 sends for this request, field for field, [DONE] included:
+        its system_fingerprint on the last event before [DONE]."""
         created = int(time.time())
         model = json.dumps(self.model)
         suffix = os.urandom(4).hex()
+        opts = body.get("stream_options")
+        usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        fingerprint = "" if usage else ',"system_fingerprint":"%s"' % FINGERPRINT
         if chat:
             ident = json.dumps(f"chatcmpl-{rid}-{suffix}")
-            head = (
-                '{"id":%s,"object":"chat.completion.chunk","created":%d,"model":%s,"choices":['
-                % (ident, created, model)
-            )
-            events = [
-                head + '{"index":0,"delta":{"role":"assistant","content":""},'
-                '"logprobs":null,"finish_reason":null}]}'
-            ]
-            mid = '{"index":0,"delta":{"content":" t%d"},"logprobs":null,"finish_reason":null}]}'
-            last = (
-                '{"index":0,"delta":{"content":" t%d"},"logprobs":null,'
-                '"finish_reason":"length","stop_reason":null}]}'
-            )
+            head = '{"id":%s,"object":"chat.completion.chunk","created":%d,"model":%s,"choices":[' % (
+                ident, created, model)
+            events = [head + '{"index":0,"delta":{"role":%s,"content":""},"logprobs":null,"finish_reason":null}],'
+                      '"prompt_token_ids":null,"prompt_text":null}' % json.dumps(self.role_name)]
+            mid = '{"index":0,"delta":{"content":" t%d"},"logprobs":null,"finish_reason":null,"token_ids":null}]}'
+            last = ('{"index":0,"delta":{"content":" t%d"},"logprobs":null,"finish_reason":"length",'
+                    '"stop_reason":null,"token_ids":null}]' + fingerprint + "}")
         else:
             ident = json.dumps(f"cmpl-{rid}-0-{suffix}")
-            head = '{"id":%s,"object":"text_completion","created":%d,"model":%s,"choices":[' % (
-                ident,
-                created,
-                model,
-            )
+            head = '{"id":%s,"object":"text_completion","created":%d,"model":%s,"choices":[' % (ident, created, model)
             events = []
-            mid = (
-                '{"index":0,"text":" t%d","logprobs":null,"finish_reason":null,'
-                '"stop_reason":null}]}'
-            )
-            last = (
-                '{"index":0,"text":" t%d","logprobs":null,"finish_reason":"length",'
-                '"stop_reason":null}]}'
-            )
+            mid = ('{"index":0,"text":" t%d","logprobs":null,"finish_reason":null,"stop_reason":null,'
+                   '"prompt_token_ids":null,"token_ids":null}]}')
+            last = ('{"index":0,"text":" t%d","logprobs":null,"finish_reason":"length","stop_reason":null,'
+                    '"prompt_token_ids":null,"token_ids":null}]' + fingerprint + "}")
         start = generated_before(body)
         for i in range(n):
             events.append(head + ((last if i == n - 1 else mid) % (start + i)))
-        opts = body.get("stream_options")
-        if isinstance(opts, dict) and opts.get("include_usage"):
+        if usage:
             prompt = prompt_tokens(chat, body)
-            events.append(
-                head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,'
-                '"completion_tokens":%d}}' % (prompt, prompt + n, n)
-            )
+            events.append(head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d},'
+                          '"system_fingerprint":"%s"}' % (prompt, prompt + n, n, FINGERPRINT))
         out = [b"data: " + e.encode() + b"\n\n" for e in events]
         out.append(b"data: [DONE]\n\n")
         return out

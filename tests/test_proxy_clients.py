@@ -34,13 +34,13 @@ async def test_alternative_upstream_client(client):
 
         d.fault = Fault(fail_after=2, times=1)  # D breaks mid-stream: SSE error event
         broken = await px.client.post("/v1/completions", json={**body, "stream": True})
-        last = [e for e in broken.text.split("\n\n") if e][-1]
-        assert json.loads(last[6:])["error"]["code"] == "decode_midstream"
+        *_, last, done = [e for e in broken.text.split("\n\n") if e]
+        assert json.loads(last[6:])["error"]["code"] == "decode_midstream" and done == "data: [DONE]"
 
         d.fault = Fault(stall_after=1, times=1)  # D goes quiet: idle deadline
         idle = await px.client.post("/v1/completions", json={**body, "stream": True})
-        last = [e for e in idle.text.split("\n\n") if e][-1]
-        assert json.loads(last[6:])["error"]["code"] == "decode_timeout"
+        *_, last, done = [e for e in idle.text.split("\n\n") if e]
+        assert json.loads(last[6:])["error"]["code"] == "decode_timeout" and done == "data: [DONE]"
 
         d.fault = Fault(token_delay=0.05, times=1)  # client leaves mid-stream: D aborts
         host, port = px.url.removeprefix("http://").split(":")
@@ -341,7 +341,7 @@ async def test_a_stream_that_breaks_ends_with_an_sse_error_event(client, how):
             assert events[2] == b'data: {"choices": [{"te'  # the broken event, ended
             error = json.loads(events[3].removeprefix(b"data: "))["error"]
             assert error["code"] == "decode_midstream" and error["type"] == "upstream_error"
-            assert events[4:] == [b""] and len(d.posts) == 1
+            assert events[4:] == [b"data: [DONE]", b""] and len(d.posts) == 1
 
 
 @pytest.mark.parametrize("client", CLIENTS)

@@ -13,14 +13,14 @@ import time
 import httpx
 import orjson
 import pytest
-from fake_vllm import DISAGGREGATED_ID, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
+from fake_vllm import DISAGGREGATED_ID, FINGERPRINT, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
 from proxy_helpers import running_proxy, wait_until
 
 from proxy import first_token
 from proxy.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.request import RouteRequest
-from xpyd_wire.discovery import OutputLimits
+from xpyd_wire.discovery import GenerationDefaults, OutputLimits
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM
 
 PROMPT = "Tell me about the sea"
@@ -29,6 +29,12 @@ STREAM = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 5, "stream": Tr
 
 def route(body: dict, path: str = COMPLETIONS) -> RouteRequest:
     return RouteRequest(path, json.dumps(body).encode(), body, 10, {})
+
+
+# What D's connector advertises of a vLLM with --max-model-len 4096 and a generation config
+# that sets nothing.
+LIMITS = OutputLimits(context=4096)
+GEN = GenerationDefaults()
 
 
 @pytest.mark.parametrize("change, ok", [
@@ -57,9 +63,23 @@ def route(body: dict, path: str = COMPLETIONS) -> RouteRequest:
     ({"max_tokens": None}, True),  # vLLM 0.32 reads null as its default, 16
     ({"max_tokens": 0}, False),  # vLLM's 400 goes out as a status on D's first token
     ({"max_tokens": 2.0}, False),
+    ({"max_tokens": "5"}, False),  # vLLM converts it: only D's first token answers as vLLM does
+    ({"min_tokens": 5}, True),
+    ({"min_tokens": 6}, False),  # over max_tokens: vLLM's 400, as a status only on D's first token
+    ({"max_tokens": None, "min_tokens": 17}, False),  # over the default 16
+    ({"min_tokens": -1}, False),
+    ({"repetition_detection": {"max_pattern_size": 4}}, False),  # checks generated tokens only
+    ({"logprob_token_ids": [3]}, False),
+    ({"bad_words": ["sea"]}, False),
+    ({"stream_interval": 4}, False),
+    ({"stream_interval": 1}, True),
+    ({"thinking_token_budget": 8}, False),
+    ({"watermarking": {"key": 1}}, False),
+    ({"a_field_vllm_adds_later": 1}, False),  # not named: D's first token
+    ({"truncate_prompt_tokens": 8, "add_special_tokens": False, "priority": 1, "cache_salt": "s"}, True),
 ])
 def test_eligible(change, ok):
-    assert first_token.eligible(route({**STREAM, **change}), None) is ok
+    assert first_token.eligible(route({**STREAM, **change}), LIMITS, GEN) is ok
 
 
 @pytest.mark.parametrize("change, ok", [
@@ -71,7 +91,7 @@ def test_eligible(change, ok):
     ({"max_tokens": 4097}, False),  # over the context: vLLM's 400, from D as the client's own request
 ])
 def test_eligible_with_ds_output_limits(change, ok):
-    assert first_token.eligible(route({**STREAM, **change}), OutputLimits(default=7, context=4096)) is ok
+    assert first_token.eligible(route({**STREAM, **change}), OutputLimits(default=7, context=4096), GEN) is ok
 
 
 CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 5,
@@ -81,7 +101,8 @@ CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": P
 @pytest.mark.parametrize("change, ok", [
     ({}, True),
     ({"max_completion_tokens": None, "max_tokens": 5}, True),
-    ({"max_completion_tokens": None}, False),  # D's completion would stop at 16; the context left is unknown
+    ({"max_completion_tokens": None}, True),  # D continues to the context's end, as vLLM's chat would
+    ({"prompt": "x"}, False),  # not a chat field
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, False),
     ({"messages": []}, False),
@@ -99,22 +120,56 @@ CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": P
     ({"stream": False}, False),
     ({"max_completion_tokens": -1}, False),
     ({"max_completion_tokens": None, "max_tokens": "5"}, False),
+    ({"min_tokens": 3}, True),
+    ({"min_tokens": 6}, False),
+    ({"mm_processor_kwargs": {"x": 1}}, False),
+    ({"return_prompt_text": True}, False),
 ])
 def test_chat_eligible(change, ok):
-    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), None) is ok
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, GEN) is ok
 
 
-@pytest.mark.parametrize("limits, ok", [
-    (OutputLimits(context=4096), True),
-    (OutputLimits(default=9), True),
-    (OutputLimits(override=3), True),
-    (OutputLimits(), False),  # neither a cap nor the context: the answer's length is not known
-    (None, False),
+@pytest.mark.parametrize("limits, gen, ok", [
+    (OutputLimits(context=4096), GEN, True),
+    (OutputLimits(default=9, context=4096), GEN, True),
+    (OutputLimits(default=9), GEN, False),  # no context: a limit over it is vLLM's 400, not known here
+    (OutputLimits(override=3), GEN, False),
+    (OutputLimits(), GEN, False),
+    (None, GEN, False),  # a static D, or a connector that cannot read its model config
+    (OutputLimits(context=4096), None, False),  # its sampling defaults unknown
 ])
-def test_chat_without_a_limit_is_eligible_where_d_says_its_limits(limits, ok):
-    body = {**CHAT_STREAM, "max_completion_tokens": None}
-    assert first_token.eligible(route(body, CHAT), limits) is ok
-    assert first_token.eligible(route({**body, "max_tokens": None}, CHAT), limits) is ok
+@pytest.mark.parametrize("chat", [False, True])
+def test_eligible_only_where_d_says_how_it_caps_and_samples(limits, gen, ok, chat):
+    if chat:
+        body, path = {**CHAT_STREAM, "max_completion_tokens": None}, CHAT
+    else:
+        body, path = STREAM, COMPLETIONS
+    assert first_token.eligible(route(body, path), limits, gen) is ok
+
+
+@pytest.mark.parametrize("sampling, change, ok", [
+    ({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}, {}, True),
+    ({"presence_penalty": 1.5}, {}, False),  # counts generated tokens: D would count one fewer
+    ({"frequency_penalty": 0.2}, {}, False),
+    ({"presence_penalty": 1.5}, {"presence_penalty": 0}, True),  # the request's own value wins
+    ({"presence_penalty": 1.5}, {"presence_penalty": 0.5}, False),
+    ({"some_newer_default": 1.0}, {}, False),  # not known to mean the same on P and D
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_servers_sampling_defaults_decide_too(sampling, change, ok, chat):
+    """What --generation-config (the model's generation_config.json by default) or
+    --override-generation-config make vLLM apply where the request leaves a field out."""
+    gen = GenerationDefaults(tuple(sorted(sampling.items())))
+    body, path = ({**CHAT_STREAM, **change}, CHAT) if chat else ({**STREAM, **change}, COMPLETIONS)
+    assert first_token.eligible(route(body, path), LIMITS, gen) is ok
+
+
+def test_a_reasoning_parser_keeps_chat_on_ds_first_token():
+    """Its chat answers are split into reasoning and content, with special tokens kept: a
+    completion's continuation cannot say that (completions stay eligible)."""
+    gen = GenerationDefaults(reasoning_parser=True)
+    assert first_token.eligible(route(CHAT_STREAM, CHAT), LIMITS, gen) is False
+    assert first_token.eligible(route(STREAM), LIMITS, gen) is True
 
 
 @pytest.mark.parametrize("body, chat, limits, want", [
@@ -200,10 +255,11 @@ def test_chat_continuation_events_are_chat_chunks_across_any_split():
               b'"text":"","logprobs":null,"finish_reason":"stop","stop_reason":2}],'
               b'"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2}}\n\ndata: [DONE]\n\n')
     want = [{"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 7, "model": "m",
-             "choices": [{"index": 0, "delta": {"content": ' a"b'}, "logprobs": None, "finish_reason": None}]},
+             "choices": [{"index": 0, "delta": {"content": ' a"b'}, "logprobs": None, "finish_reason": None,
+                          "token_ids": None}]},
             {"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 7, "model": "m",
              "choices": [{"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "stop",
-                          "stop_reason": 2}],
+                          "stop_reason": 2, "token_ids": None}],
              "usage": {"prompt_tokens": 8, "total_tokens": 11, "completion_tokens": 3}}, "[DONE]"]
     for cut in range(1, len(stream)):
         shift = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True)
@@ -243,6 +299,7 @@ def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
                        "finish_reason": c["finish_reason"]}
         if c["finish_reason"] is not None:
             want_choice["stop_reason"] = c["stop_reason"]
+        want_choice["token_ids"] = None  # as vLLM 0.32's chat chunks
         want = {"id": "chatcmpl-p", "object": "chat.completion.chunk", "created": 7, "model": "m/x",
                 "choices": [want_choice]}
         if "system_fingerprint" in src:
@@ -326,7 +383,7 @@ async def test_one_token_is_all_from_p_and_d_is_not_asked():
         got = events(resp.text)
         assert resp.status_code == 200 and got[-1] == "[DONE]"
         assert got[0]["choices"][0] == {"index": 0, "text": " t0", "logprobs": None, "finish_reason": "length",
-                                        "stop_reason": None}
+                                        "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
         assert got[1]["usage"]["completion_tokens"] == 1
         assert len(p.completions()) == 1 and d.completions() == []
         # Known before P is asked: a plain id, so P's connector ships no KV D would never claim.
@@ -386,10 +443,12 @@ async def test_completion_without_max_tokens_gets_vllms_default_count():
         got = events(resp.text)
         assert len(got) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS  # events with a token, then [DONE]
         assert d.completions()[0].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
-        # max_completion_tokens is chat's: vLLM's completions ignore it, and so does the count.
+        # max_completion_tokens is chat's: vLLM's completions ignore it, and so does the count
+        # (a field this path does not name: D's first token, from the client's own request).
         resp = await px.client.post("/v1/completions", json={**body, "max_completion_tokens": 5})
         assert len(events(resp.text)) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS
-        assert d.completions()[-1].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
+        assert "x-xpyd-first-token" not in resp.headers
+        assert d.completions()[-1].json == {**body, "max_completion_tokens": 5}
         # null: vLLM 0.32 reads it as its default too (CompletionRequest.normalize_null_max_tokens).
         resp = await px.client.post("/v1/completions", json={**body, "max_tokens": None})
         assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
@@ -399,7 +458,7 @@ async def test_completion_without_max_tokens_gets_vllms_default_count():
 @pytest.mark.parametrize("limits, want", [
     (OutputLimits(default=6, context=4096), 5),  # the generation config's max_new_tokens: P's token and D's 5
     (OutputLimits(context=4096), None),  # no cap: the context left after P's prompt and token
-    (OutputLimits(default=6, override=4), 3),
+    (OutputLimits(default=6, override=4, context=4096), 3),
 ])
 async def test_chat_without_a_limit_uses_ds_advertised_limits(limits, want):
     """D's registration says how its vLLM caps an answer: a chat request that sets no limit
@@ -439,13 +498,13 @@ async def test_override_caps_an_explicit_limit_and_one_token_answers_end_at_p():
     token is all P's: D is not asked."""
     async with running_proxy() as px:
         await px.fake("P")
-        d = await px.fake("D", output_limits=OutputLimits(override=3))
+        d = await px.fake("D", output_limits=OutputLimits(override=3, context=4096))
         resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})
         assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
         assert d.completions()[-1].json["max_tokens"] == 2
-        d.output_limits = OutputLimits(override=1)
+        d.output_limits = OutputLimits(override=1, context=4096)
         await d.send_registration()
-        await wait_until(lambda: px.registry.live("D")[0].output_limits == OutputLimits(override=1),
+        await wait_until(lambda: px.registry.live("D")[0].output_limits == OutputLimits(override=1, context=4096),
                          what="D's new limits")
         asked = len(d.completions())
         resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})
@@ -478,9 +537,9 @@ async def test_d_failing_twice_ends_the_stream_with_an_error_event():
         got = events(resp.text)
         assert resp.status_code == 200  # the status went out with P's token
         assert got[0]["choices"][0]["text"] == " t0"
-        # D's own error (the first failure's), as the stream's last event.
-        assert got[-1] == {"error": {"message": "fake D failure", "type": "BadRequestError", "param": None,
-                                     "code": 500}}
+        # D's own error (the first failure's), as the stream's last event, then [DONE] as vLLM sends.
+        assert got[-2:] == [{"error": {"message": "fake D failure", "type": "BadRequestError", "param": None,
+                                       "code": 500}}, "[DONE]"]
         assert len(d.completions()) == 2
 
 
@@ -510,7 +569,8 @@ async def test_d_refusing_the_continuation_ends_the_stream_with_its_error(status
         resp = await px.client.post("/v1/completions", json=STREAM)
         got = events(resp.text)
         assert resp.status_code == 200 and got[0]["choices"][0]["text"] == " t0"
-        assert got[-1]["error"]["code"] == status and got[-1]["error"]["message"] == "fake D failure"
+        assert got[-2]["error"]["code"] == status and got[-2]["error"]["message"] == "fake D failure"
+        assert got[-1] == "[DONE]"  # as vLLM ends a stream after its error event
         assert len(d.completions()) == 1
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
 
@@ -523,7 +583,8 @@ async def test_d_silent_ends_the_stream_at_the_deadline():
         resp = await px.client.post("/v1/completions", json=STREAM)
         got = events(resp.text)
         assert 0.3 <= time.monotonic() - t0 < 5
-        assert got[0]["choices"][0]["text"] == " t0" and got[-1]["error"]["code"] == "decode_timeout"
+        assert got[0]["choices"][0]["text"] == " t0" and got[-2]["error"]["code"] == "decode_timeout"
+        assert got[-1] == "[DONE]"
         assert len(d.completions()) == 1  # the deadline is spent: no rescue
 
 
@@ -534,7 +595,7 @@ async def test_d_breaking_mid_stream_ends_with_an_error_event():
         resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 8})
         got = events(resp.text)
         assert [e["choices"][0]["text"] for e in got[:3]] == [" t0", " t1", " t2"]
-        assert got[-1]["error"]["code"] == "decode_midstream" and len(got) == 4
+        assert got[-2]["error"]["code"] == "decode_midstream" and got[-1] == "[DONE]" and len(got) == 5
 
 
 async def test_exposed_routing_headers_name_both_instances():
@@ -583,14 +644,35 @@ async def test_client_leaving_after_p_token_aborts_d():
 @pytest.mark.parametrize("choice", [
     {"text": " a", "token_ids": [5, 6], "prompt_token_ids": [1]},  # two tokens
     {"text": " a", "prompt_token_ids": [1]},  # a vLLM without return_token_ids
-    {"text": "\ufffd", "token_ids": [5], "prompt_token_ids": [1]},  # part of a character
     {"text": None, "token_ids": [5], "prompt_token_ids": [1]},
+    {"text": " a", "token_ids": [2**40], "prompt_token_ids": [1]},  # not an int32 token id
+    {"text": " a", "token_ids": [-1], "prompt_token_ids": [1]},
+    {"text": " a", "token_ids": [True], "prompt_token_ids": [1]},
+    {"text": " a", "token_ids": [5], "prompt_token_ids": [1, "x", {"a": []}, 2]},  # D's prompt must be ids
+    {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2**40, 2]},
+    {"text": " a", "token_ids": [5], "prompt_token_ids": [1, -2, 2]},
+    {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2.5]},
 ])
 def test_an_answer_this_mode_cannot_use_falls_back(choice):
     assert first_token.parse(json.dumps({"id": "x", "choices": [choice]}).encode()) is None
     assert first_token.parse(b"not json") is None
     ok = {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2]}
     assert first_token.parse(json.dumps({"id": "x", "choices": [ok]}).encode()).prompt_ids == PromptIds(b"[1,2]", 2)
+
+
+@pytest.mark.parametrize("created", [1e300, -1, 2**60, "1", True, None, 1.5])
+def test_an_answer_with_a_created_vllm_does_not_write_falls_back(created):
+    """A P answering "created": 1e300 made every request a 500 (orjson cannot write the int)."""
+    ok = {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2]}
+    assert first_token.parse(json.dumps({"id": "x", "created": 7, "choices": [ok]}).encode()).created == 7
+    assert first_token.parse(json.dumps({"id": "x", "created": created, "choices": [ok]}).encode()) is None
+
+
+def test_prompt_ids_of_more_than_ten_digits_are_not_cut_through():
+    """The cut path passes digits and commas: an id of 2**40 is refused there too (parsed
+    whole, then refused as not an int32)."""
+    answer = _compact(_p_answer([4, 2**40, 6]))
+    assert first_token.parse(answer) is None
 
 
 def _p_answer(ids: list[int], chat: bool = False, text: str = " a", **extra) -> dict:
@@ -637,7 +719,8 @@ def test_prompt_ids_go_to_d_as_p_wrote_them(chat, ids, parsed_whole):
     assert first_token.parse(spaced, chat) == first
     assert parsed_whole == [ids]
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if chat else {"model": "m", "prompt": "x"}
-    cont = orjson.loads(orjson.dumps(first_token.continuation({**body, "max_tokens": 9, "stream": True}, first, None)))
+    cont = orjson.loads(orjson.dumps(first_token.continuation({**body, "max_tokens": 9, "stream": True}, first,
+                                                              LIMITS)))
     assert cont["prompt"] == [*ids, 7]
     assert cont["kv_transfer_params"] == {PREFILL_PROMPT_TOKENS_PARAM: len(ids)}
     assert orjson.loads(orjson.dumps(first_token.alone(cont)))["prompt"] == [*ids, 7]
@@ -663,13 +746,81 @@ def test_prompt_ids_that_are_not_plainly_the_prompts_are_parsed(answer, parsed_w
         assert parsed_whole == [[4, 5, 6]]
 
 
-async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d():
-    """The fallback: D gets the client's own request (and the KV of the prompt as usual)."""
+@pytest.mark.parametrize("held", ["", "\ufffd"])  # vLLM 0.32 answers ""; U+FFFD: a detokenizer that shows it
+@pytest.mark.parametrize("chat", [False, True])
+async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d(chat, held):
+    """vLLM holds back a token that is part of a character (its text is ""). D, continuing
+    from prompt + that token, would emit its whole primed prompt as text at the next
+    character (for chat: the rendered template, system prompt and history): D answers the
+    client's own request instead, and loads the prompt's KV as usual. The fake answered
+    U+FFFD here once, which real vLLM never does, so the leak passed every test."""
+    path, body = ("/v1/chat/completions", CHAT_STREAM) if chat else ("/v1/completions", STREAM)
     async with running_proxy() as px:
         p, d = await px.pd()
-        p.first_text = "\ufffd"
+        p.first_text = held
+        resp = await px.client.post(path, json=body)
+        got = events(resp.text)
+        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        text = "".join((e["choices"][0].get("delta") or {}).get("content") or e["choices"][0].get("text") or ""
+                       for e in got[:-1] if e["choices"])
+        assert text == " t0 t1 t2 t3 t4"
+        assert [r.json for r in d.completions()] == [body] and d.completions()[0].path == path
+        assert d.completions()[0].headers["x-request-id"] == p.completions()[0].headers["x-request-id"]
+        assert p.completions()[0].json["return_token_ids"] is True
+        assert await px.metric("xpyd_first_token_to_decode_total", reason="held_back") == 1
+
+
+async def test_one_token_that_is_part_of_a_character_is_ps_whole_answer():
+    """Asked for one token, the held-back "" is what vLLM answers too: P's answer stands."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.first_text = ""
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 1})
+        got = events(resp.text)
+        assert resp.headers["x-xpyd-path"] == "prefill_alone" and got[0]["choices"][0]["text"] == ""
+        assert got[0]["choices"][0]["finish_reason"] == "length" and got[-1] == "[DONE]"
+        assert d.completions() == []
+
+
+async def test_chat_role_and_stream_fields_are_ps_servers():
+    """The role chunk says what P's server said (vLLM's --response-role), D's events carry
+    P's `created`, and the stream's shape is vLLM 0.32's field for field (fingerprint on
+    the last event before [DONE])."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.role_name = "narrator"
+        resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)
+        got = events(resp.text)
+        assert resp.headers["x-xpyd-first-token"] == "prefill"
+        assert got[0]["choices"][0]["delta"] == {"role": "narrator", "content": ""}
+        assert set(got[0]) == {"id", "object", "created", "model", "choices", "prompt_token_ids", "prompt_text"}
+        assert len({e["created"] for e in got[:-1]}) == 1
+        assert got[-2]["system_fingerprint"] == FINGERPRINT and all("system_fingerprint" not in e for e in got[:-2])
+        for e in got[1:-1]:
+            assert set(e["choices"][0]) >= {"index", "delta", "logprobs", "finish_reason", "token_ids"}
+
+
+@pytest.mark.parametrize("usage", [False, True])
+async def test_an_answer_that_ends_at_p_has_vllms_last_events(usage):
+    """P's token ends the answer (one token asked for): the fingerprint goes on the last
+    event before [DONE] (the usage event when asked for), usage without P's null details."""
+    async with running_proxy() as px:
+        await px.pd()
+        body = {**STREAM, "max_tokens": 1, **({"stream_options": {"include_usage": True}} if usage else {})}
+        got = events((await px.client.post("/v1/completions", json=body)).text)
+        assert got[-1] == "[DONE]" and got[-2]["system_fingerprint"] == FINGERPRINT
+        assert all("system_fingerprint" not in e for e in got[:-2])
+        if usage:
+            assert got[-2]["choices"] == [] and set(got[-2]["usage"]) == {"prompt_tokens", "total_tokens",
+                                                                           "completion_tokens"}
+
+
+async def test_d_without_advertised_limits_keeps_ds_first_token():
+    """A D whose connector says nothing of how its vLLM caps and samples (a static one, or an
+    older connector): nothing is known to be exact, so D answers the client's request."""
+    async with running_proxy() as px:
+        await px.fake("P")
+        d = await px.fake("D", output_limits=None)
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
-        assert "".join(e["choices"][0]["text"] for e in events(resp.text)[:-1]) == " t0 t1 t2 t3 t4"
         assert d.completions()[0].json == STREAM
-        assert p.completions()[0].json["return_token_ids"] is True

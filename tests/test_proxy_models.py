@@ -55,21 +55,24 @@ async def test_models_lists_the_union_of_every_instance_deduplicated():
             assert [m.id for m in (await client.models.list()).data] == ["alpha", "beta"]
 
 
-async def test_unknown_model_is_openai_404():
+async def test_unknown_model_is_vllms_own_404():
+    """A model no instance lists: one D's vLLM answers it (its 404 names the models it
+    serves), as one vLLM server would; P is not asked."""
     async with running_proxy() as px:
         p, d = await px.pd(model="alpha")
         await learned(px, "alpha")
         resp = await px.client.post("/v1/chat/completions", json={
             "model": "gpt-nope", "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
-        err = assert_error(resp, 404, "model_not_found")
-        assert err["type"] == "invalid_request_error"
-        assert "gpt-nope" in err["message"]
-        assert not p.completions() and not d.completions()
+        err = assert_error(resp, 404, 404)
+        assert err["type"] == "NotFoundError" and err["param"] == "model"
+        assert err["message"] == "The model `gpt-nope` does not exist. Valid aliases: alpha."
+        assert not p.completions() and len(d.completions()) == 1
+        assert resp.headers["x-xpyd-path"] == "local_verdict"
         async with openai.AsyncOpenAI(base_url=px.url + "/v1", api_key="x", max_retries=0,
                                       http_client=httpx.AsyncClient(verify=False)) as client:  # fmt: skip
             with pytest.raises(openai.NotFoundError) as info:
                 await client.completions.create(model="gpt-nope", prompt="x", max_tokens=1)
-            assert info.value.code == "model_not_found"
+            assert str(info.value.code) == "404"
         assert await px.metric("xpyd_requests_total", route="/v1/completions", status="404") == 1
 
 
@@ -97,15 +100,16 @@ async def test_instances_with_unknown_models_serve_any_model_until_learned():
         await wait_until(lambda: px.registry.live("D"))
         await learned(px, "alpha")  # from P
         assert px.registry.live("D")[0].models is None
-        # "omega" might be D's: it is routed (and P, whose models are known, is skipped).
+        # "omega" might be D's: it is routed (and P, whose models are known, is skipped); D's
+        # vLLM does not serve it either, and says so.
         resp = await px.client.post("/v1/completions", json=body("omega"))
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_no_prefill"
+        assert resp.status_code == 404 and resp.headers["x-xpyd-path"] == "local_no_prefill"
+        assert d.completions()[-1].json == body("omega")
         assert await px.metric("xpyd_upstream_errors_total", role="D",
                                instance=d.http_address, kind="models_http_500") >= 1  # fmt: skip
         d.models_status = 200  # retried every health_interval while unknown
         await wait_until(lambda: px.registry.live("D")[0].models is not None)
-        assert_error(await px.client.post("/v1/completions", json=body("omega")), 404,
-                     "model_not_found")  # fmt: skip
+        assert_error(await px.client.post("/v1/completions", json=body("omega")), 404, 404)  # D's vLLM's
         assert (await px.client.post("/v1/completions", json=body("alpha"))).status_code == 200
 
 
