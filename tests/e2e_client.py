@@ -35,30 +35,40 @@ def body_for(endpoint: str, prompt: str, stream: bool, max_tokens: int = MAX_TOK
     return b
 
 
-# Greedy answers are compared token by token, allowing a legitimate near tie. The tiny
-# random model's next-token logprobs sit close together (bf16 logits, quantised at
-# 2**-8 here: 10% of greedy steps have the top two within 0.027, some exactly tied), so
-# two correct engines whose kernels round differently (measured: Intel AMX vs AMD AVX-512
-# builds of the same vLLM, issue 21) may pick different tokens at such a step. A step
-# where the two answers part is accepted only when it is a near tie in *both* answers'
-# own logprobs; the tokens after it are not compared (their contexts differ). Wrong KV
-# moves logprobs by far more than this (the power tests check that it shows).
+# Greedy answers are compared token by token, and so are their logprobs, text, length and
+# finish reason. The tiny random model's next-token logprobs sit close together (bf16
+# logits, quantised at 2**-8 here: 10% of greedy steps have the top two within 0.027, some
+# exactly tied), so two correct engines whose kernels round differently (measured: Intel
+# AMX vs AMD AVX-512 builds of the same vLLM, issue 21) may pick different tokens at such a
+# step. A step where the two answers part is accepted only when it is a near tie in *both*
+# answers' own logprobs; the tokens after it are not compared (their contexts differ), but
+# the answers must still be as long (unless one stopped). Wrong KV moves logprobs by far
+# more than this (the power tests check that it shows).
 NEAR_TIE = 0.04  # logprob; ~10 bf16 ulps of this model's logits; same-box reruns differ by <= 3e-5
+# Where the tokens agree, their logprobs must too: on one box P, D and a colocated server
+# with the same OpenMP thread count compute the same kernels (measured: see LOGPROB_TOL's
+# use in tests/test_e2e_fidelity.py); None: not compared (servers on different CPUs).
+LOGPROB_TOL: float | None = 1e-3
 TOP_LOGPROBS = 2
 
 
 class Answer(str):
-    """A generated text with its greedy steps: the token at each step and the top
-    logprobs the server reported there (token -> logprob)."""
+    """A generated text with its greedy steps: the token at each step, its logprob and the
+    top logprobs the server reported there (token -> logprob), and how the answer ended."""
 
     tokens: tuple[str, ...]
     top: tuple[dict[str, float], ...]
+    lp: tuple[float | None, ...]  # the chosen token's logprob per step (None: not reported)
+    finish: str | None  # finish_reason (None: not known)
 
     @classmethod
-    def of(cls, text: str, steps: list[tuple[str, dict[str, float]]]) -> Answer:
+    def of(cls, text: str, steps: list[tuple[str, dict[str, float]]], lps: list[float | None] | None = None,
+           finish: str | None = None) -> Answer:
         a = cls(text)
         a.tokens = tuple(t for t, _ in steps)
         a.top = tuple(top for _, top in steps)
+        a.lp = tuple(lps) if lps is not None else tuple(top.get(t) for t, top in steps)
+        a.finish = finish
         return a
 
 
@@ -79,39 +89,73 @@ def choice_steps(choice: dict) -> list[tuple[str, dict[str, float]]]:
     return [(t, dict(top or {})) for t, top in zip(lp.get("tokens") or [], lp.get("top_logprobs") or [])]
 
 
+def choice_lps(choice: dict) -> list[float | None]:
+    """The chosen token's logprob at each step of one choice (or chunk's choice)."""
+    lp = choice.get("logprobs") or {}
+    if "content" in lp:
+        return [c["logprob"] for c in lp["content"] or []]
+    return list(lp.get("token_logprobs") or [])
+
+
 def answer_of(choice: dict) -> Answer:
     text = choice["text"] if "text" in choice else choice["message"]["content"]
-    return Answer.of(text, choice_steps(choice))
+    return Answer.of(text, choice_steps(choice), choice_lps(choice), choice.get("finish_reason"))
 
 
-def parting_step(got: Answer, want: Answer) -> tuple[int, str | None]:
-    """Where two greedy answers part: (step, None) when they agree (up to the end, or
-    up to a near tie in both), else (step, why they really differ)."""
+def _logprobs_differ(i: int, got: Answer, want: Answer, tol: float) -> str | None:
+    """Why the logprobs at agreeing step i differ by more than ``tol`` (None: they do not)."""
+    g, w = got.lp[i] if i < len(got.lp) else None, want.lp[i] if i < len(want.lp) else None
+    if g is not None and w is not None and abs(g - w) > tol:
+        return f"step {i} ({want.tokens[i]!r}): logprob {g!r} vs {w!r}"
+    for tok in got.top[i].keys() & want.top[i].keys():
+        if abs(got.top[i][tok] - want.top[i][tok]) > tol:
+            return f"step {i}: top logprob of {tok!r} {got.top[i][tok]!r} vs {want.top[i][tok]!r}"
+    return None
+
+
+def parting_step(got: Answer, want: Answer, tol: float | None = LOGPROB_TOL) -> tuple[int, str | None]:
+    """How far two greedy answers were compared and why they really differ (None: they do
+    not). They agree when every step's token and logprobs (within ``tol``) agree, and then
+    their text, length and finish reason must too; or when they part at a near tie in both
+    (nothing after it is compared but the length, where both ran to their limit). A step's
+    logprob values are compared only where both report them."""
     for i, (g, w) in enumerate(zip(got.tokens, want.tokens)):
         if g == w:
+            if tol is not None and (why := _logprobs_differ(i, got, want, tol)) is not None:
+                return i, why + f"\n got  {str(got)!r}\n want {str(want)!r}"
             continue
         margin_want = want.top[i][w] - want.top[i].get(g, float("-inf"))
         margin_got = got.top[i][g] - got.top[i].get(w, float("-inf"))
-        if max(margin_want, margin_got) < NEAR_TIE:
-            return i, None
-        return i, (f"step {i}: {g!r} instead of {w!r} (margins {margin_got:.4f} / {margin_want:.4f} >= {NEAR_TIE})"
-                   f"\n got  {str(got)!r}\n want {str(want)!r}")
+        if max(margin_want, margin_got) >= NEAR_TIE:
+            return i, (f"step {i}: {g!r} instead of {w!r} (margins {margin_got:.4f} / {margin_want:.4f} >= "
+                       f"{NEAR_TIE})\n got  {str(got)!r}\n want {str(want)!r}")
+        if got.finish == want.finish == "length" and len(got.tokens) != len(want.tokens):
+            return i, f"parted at a near tie at step {i}, then ran to different lengths ({len(got.tokens)} vs " \
+                      f"{len(want.tokens)} tokens, both to their limit)"
+        return i, None
     if len(got.tokens) != len(want.tokens) or (not got.tokens and str(got) != str(want)):
         return min(len(got.tokens), len(want.tokens)), f"lengths differ\n got  {str(got)!r}\n want {str(want)!r}"
+    if str(got) != str(want):
+        return len(got.tokens), f"same tokens, different text\n got  {str(got)!r}\n want {str(want)!r}"
+    if got.finish is not None and want.finish is not None and got.finish != want.finish:
+        return len(got.tokens), f"finish_reason {got.finish!r} vs {want.finish!r}"
     return len(got.tokens), None
 
 
-def assert_same_greedy(got: Answer, want: Answer) -> None:
-    """got is want, token for token, but for a legitimate near tie (see NEAR_TIE)."""
+def assert_same_greedy(got: Answer, want: Answer, tol: float | None = LOGPROB_TOL) -> int:
+    """got is want, token for token with their logprobs, but for a legitimate near tie (see
+    NEAR_TIE); returns how many steps were compared."""
     assert want.tokens, "the reference generated nothing (or reported no logprobs)"
-    step, why = parting_step(got, want)
+    step, why = parting_step(got, want, tol)
     assert why is None, why
+    return step
 
 
 def text_parting(got: str, want: Answer) -> tuple[int, bool]:
     """For an answer without logprobs (``got``: its text) against one with them: the step
     where got's text leaves want's tokens (len(want.tokens) when it never does), and
-    whether that step is a near tie in want's own logprobs (the only side that has them)."""
+    whether that step is a near tie in want's own logprobs (the only side that has them).
+    A got that is want's text and more parts at the end, and is no near tie."""
     if got == str(want):
         return len(want.tokens), False
     # A token's logprob string may differ from what it adds to the text (part of a
@@ -129,7 +173,7 @@ def text_parting(got: str, want: Answer) -> tuple[int, bool]:
 
 def assert_greedy_differs(got: Answer, want: Answer) -> None:
     """got departs from want at a step that is no near tie (power checks)."""
-    step, why = parting_step(got, want)
+    step, why = parting_step(got, want, None)
     assert why is not None, f"the answers agree up to step {step} of {len(want.tokens)}: {str(got)!r}"
 
 
@@ -144,7 +188,7 @@ def generate(base_url: str, endpoint: str, body: dict, headers: dict | None = No
             assert r.status_code == 200, r.text
             data = r.json()
             return answer_of(data["choices"][0]), data
-        text, steps, last = [], [], {}
+        text, steps, lps, last, finish = [], [], [], {}, None
         with client.stream("POST", url, json=body, headers=headers) as r:
             assert r.status_code == 200, r.read()
             assert r.headers["content-type"].startswith("text/event-stream")
@@ -157,7 +201,9 @@ def generate(base_url: str, endpoint: str, body: dict, headers: dict | None = No
             for ch in chunk.get("choices", []):
                 text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
                 steps.extend(choice_steps(ch))
-        return Answer.of("".join(text), steps), last
+                lps.extend(choice_lps(ch))
+                finish = ch.get("finish_reason") or finish
+        return Answer.of("".join(text), steps, lps, finish), last
 
 
 def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -65,3 +65,41 @@ def test_answer_of_reads_completions_and_chat_logprobs():
     for choice in (comp, chat):
         a = answer_of(choice)
         assert str(a) == "ab" and a.tokens == ("a", "b") and a.top[0] == {"a": -0.1, "x": -2.0} and a.top[1] == {"b": -0.2}
+
+
+def test_logprobs_at_agreeing_steps_must_agree():
+    """Same tokens, but a logprob off by more than the tolerance: wrong KV can do that
+    without changing a greedy token (the old comparator never looked)."""
+    off = ans([("a", {"a": -1.0, "b": -2.0}), ("b", {"b": -1.0 - 0.01, "c": -1.01}), ("c", {"c": -0.5, "a": -3.0})])
+    step, why = parting_step(off, WANT)
+    assert step == 1 and "logprob" in why
+    assert parting_step(off, WANT, tol=None) == (3, None)  # servers on different CPUs: not compared
+    close = ans([("a", {"a": -1.0 + 1e-4, "b": -2.0}), *zip(WANT.tokens[1:], WANT.top[1:])])
+    assert parting_step(close, WANT) == (3, None)
+
+
+def test_same_tokens_with_other_text_fail():
+    """Distinct tokens can share a logprob string (byte tokens of one character read ""):
+    the text is compared too."""
+    other = Answer.of("a\ufffdc", list(zip(WANT.tokens, WANT.top)))
+    assert "different text" in parting_step(other, WANT)[1]
+
+
+def test_a_near_tie_does_not_excuse_a_short_answer():
+    """Parting at a near tie at step 0 used to end the comparison: a 1-token answer passed
+    against a 3-token one. Both ran to their limit, so they must be as long."""
+    want = Answer.of("ab", [("a", {"a": -1.0, "b": -1.01}), ("b", {"b": -0.1})], finish="length")
+    short = Answer.of("b", [("b", {"b": -1.0, "a": -1.01})], finish="length")
+    assert "different lengths" in parting_step(short, want)[1]
+    stopped = Answer.of("b", [("b", {"b": -1.0, "a": -1.01})], finish="stop")  # EOS after its own tie: fine
+    assert parting_step(stopped, want) == (0, None)
+
+
+def test_finish_reasons_must_agree():
+    got = Answer.of(str(WANT), list(zip(WANT.tokens, WANT.top)), finish="stop")
+    want = Answer.of(str(WANT), list(zip(WANT.tokens, WANT.top)), finish="length")
+    assert "finish_reason" in parting_step(got, want)[1]
+
+
+def test_how_many_steps_were_compared_is_returned():
+    assert assert_same_greedy(WANT, WANT) == 3
