@@ -130,6 +130,14 @@ _COMPLETION_KEYS = frozenset({"model", "max_tokens", "temperature", "top_p", "to
                               "cache_salt", "kv_transfer_params", "request_id"})
 
 
+def fields_named(chat: bool) -> frozenset[str]:
+    """Every request field these tables name for an endpoint (any other keeps the request on
+    D's first token)."""
+    if chat:
+        return _SAME | _CHECKED_CHAT | _CHAT_PROMPT_ONLY | set(_CHAT_NEUTRAL) | set(_NEUTRAL)
+    return _SAME | _CHECKED | set(_NEUTRAL)
+
+
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
     """``value`` is absent (None) or one of ``allowed``, of the same type (True is not 1)."""
     return value is None or any(value == n and type(value) is type(n) for n in allowed)

@@ -824,3 +824,27 @@ async def test_d_without_advertised_limits_keeps_ds_first_token():
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
         assert d.completions()[0].json == STREAM
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_field_of_vllms_request_models_is_named_and_a_new_one_keeps_ds_first_token(chat):
+    """The eligibility tables name every field of vLLM 0.32's CompletionRequest and
+    ChatCompletionRequest (a field vLLM adds later then shows here, and meanwhile keeps its
+    requests on D's first token); every field let through only at neutral values refuses any
+    other value."""
+    pytest.importorskip("vllm")
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
+        base, path = CHAT_STREAM, CHAT
+    else:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model
+        base, path = STREAM, COMPLETIONS
+    named = first_token.fields_named(chat)
+    assert set(Model.model_fields) <= named, sorted(set(Model.model_fields) - named)
+    assert first_token.eligible(route(base, path), LIMITS, GEN)
+    odd = {"an": ["object", "no", "neutral", "value", "equals"]}
+    neutral_only = set(first_token._NEUTRAL) | (set(first_token._CHAT_NEUTRAL) if chat else set())
+    for name in sorted(set(Model.model_fields) & neutral_only):
+        assert not first_token.eligible(route({**base, name: odd}, path), LIMITS, GEN), name
+    for name in ("a_field_vllm_adds_later", "guided_json", "best_of", "logits_processors"):
+        assert not first_token.eligible(route({**base, name: 1}, path), LIMITS, GEN), name
