@@ -406,3 +406,34 @@ async def test_a_failed_stream_is_retried():
     finally:
         pub_a.close()
         pub_b.close()
+
+
+async def test_a_publisher_that_restarts_on_its_port_is_followed_again():
+    """libzmq's own reconnecting is off: the stream itself reconnects when its monitor says
+    the connection ended (an engine restart: new sockets on the same port, seq from 0)."""
+    from xpyd_wire.kv_events import EventBatch, encode_batch
+
+    pub = Publisher(replay=False)
+    endpoint = pub.endpoint
+    again: zmq.Socket | None = None
+    ctx = zmq.Context()
+    try:
+        async with Events(backoff_s=(0.05, 0.5)) as ev:
+            inst = ev.add(EventsEndpoint(endpoint), 18009)
+            await wait_until(lambda: ev.events.streams(), what="subscribed")
+            await _publish_until(pub, ev, inst, [AllBlocksCleared(), _chain(1, 4)])
+            pub.close()
+            again = ctx.socket(zmq.PUB)
+            again.setsockopt(zmq.LINGER, 0)
+            again.bind(endpoint)
+            await wait_until(lambda: ev.stream(inst).stats.reconnects >= 1, timeout=10, what="reconnected")
+            deadline = time.monotonic() + 10
+            while ev.stream(inst).stats.restarts == 0:  # seq 0 again: the index resets
+                again.send_multipart(encode_batch(EventBatch(0, 1.0, (_chain(500, 2),))))
+                await asyncio.sleep(0.1)
+                assert time.monotonic() < deadline, "the restarted publisher's batch never arrived"
+            await wait_until(lambda: len(ev.stream(inst).index) == 2, what="index rebuilt from the new engine")
+    finally:
+        if again is not None:
+            again.close(linger=0)
+        ctx.term()
