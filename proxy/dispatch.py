@@ -692,9 +692,11 @@ def _prefill_error(failures: list[str], last_msg: str) -> ProxyError:
 
 
 def _wants_prompt_logprobs(req: RouteRequest) -> bool:
-    """The answer carries the prompt's logprobs, which vLLM computes in the prefill: a
-    completion's echo with logprobs, or prompt_logprobs on either endpoint."""
+    """The answer carries the prompt's logprobs, which vLLM computes in the prefill (a
+    completion's echo with logprobs, or prompt_logprobs on either endpoint), or no new token
+    at all (echo with max_tokens 0: the prompt scored, nothing to decode)."""
     body = req.body
     if body.get("prompt_logprobs") is not None:
         return True
-    return req.path == COMPLETIONS and body.get("echo") is True and body.get("logprobs") is not None
+    return req.path == COMPLETIONS and body.get("echo") is True and (
+        body.get("logprobs") is not None or body.get("max_tokens") == 0)

@@ -46,7 +46,8 @@ def validate_body(kind: str, body: Any) -> None:
             )
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if value is not None and (type(value) is not int or value <= 0):
+        # vLLM scores a prompt with echo and max_tokens 0 (its logprobs, no new token).
+        if value is not None and (type(value) is not int or value < 0 or (value == 0 and body.get("echo") is not True)):
             raise ProxyError(400, f"'{key}' must be a positive integer", "invalid_field", key)
     stream = body.get("stream")
     if stream is not None and type(stream) is not bool:

@@ -163,7 +163,7 @@ def _refusal(chat: bool, body: dict) -> dict | None:
                 "type": "BadRequestError", "param": "prompt", "code": 400}
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
-        if isinstance(value, int) and value < 1:
+        if isinstance(value, int) and value < (0 if body.get("echo") is True else 1):  # echo scores a prompt
             return {"message": f"max_tokens must be at least 1, got {value}. (parameter=max_tokens, value={value})",
                     "type": "BadRequestError", "param": "max_tokens", "code": 400}
     return None

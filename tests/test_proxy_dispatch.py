@@ -627,3 +627,18 @@ async def test_first_token_leaves_before_ds_request_is_built(http):
         assert data.startswith(b"HTTP/1.1 200") and held_at
         assert got_at - held_at[0] < 0.3, "P's token waited for the end of the turn that sends D's request"
         await wait_until(lambda: d.completions() and d.completions()[0].completed, what="D answered")
+
+
+@pytest.mark.parametrize("fields", [{"echo": True, "logprobs": 1}, {"echo": True, "logprobs": 1, "max_tokens": 0},
+                                    {"echo": True, "max_tokens": 0}, {"prompt_logprobs": 1}])
+async def test_prompt_scoring_goes_to_d_alone(fields):
+    """The prompt's logprobs are computed in the prefill: D would load none of P's KV and
+    recompute the prompt (the KV then sat in D's buffer until its TTL). max_tokens 0 with echo
+    (how eval harnesses score a prompt) is vLLM's 200, not a proxy's 400."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        body = {"model": "fake-model", "prompt": "Tell me about the sea " * 40, "max_tokens": 3, **fields}
+        resp = await px.client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_prompt_logprobs"
+        assert not p.completions() and d.completions()[0].json == body
+        assert d.completions()[0].headers["x-request-id"].startswith("xpyd-local-")
