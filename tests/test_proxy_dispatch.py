@@ -148,7 +148,7 @@ async def test_shipped_defaults_serve_short_prompts_from_d():
         assert p.completions() == [] and d.completions()[0].request_id.startswith("xpyd-local-")
         long = {**COMPLETION, "prompt": "x" * 520}  # ~130
         resp = await px.client.post("/v1/completions", json=long)
-        assert resp.status_code == 200 and "x-xpyd-path" not in resp.headers
+        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "disaggregated"
         (pre,), dec = p.completions(), d.completions()[1]
         assert pre.request_id == dec.request_id and dec.received_at >= pre.received_at + 0.25
 
@@ -191,7 +191,7 @@ async def test_short_prompt_goes_to_decode_alone():
         assert alone.request_id.startswith("xpyd-local-")
         assert alone.json == STREAM  # the client's request, unchanged
         resp = await px.client.post("/v1/completions", json=LONG)
-        assert resp.status_code == 200 and "x-xpyd-path" not in resp.headers
+        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "disaggregated"
         assert len(p.completions()) == 1
         assert await px.metric("xpyd_dispatch_total", path="local_short") == 1
         assert await px.metric("xpyd_dispatch_total", path="disaggregated") == 1
@@ -355,7 +355,7 @@ async def test_rescue_failing_too_relays_the_original_error(body):
         # The disaggregated attempt's error (it quotes that request's id), with its headers.
         assert err["message"] == f"Internal server error ({first.request_id[-32:]})"
         assert resp.headers["x-request-id"] == first.request_id[-32:]
-        assert "x-xpyd-path" not in resp.headers
+        assert resp.headers["x-xpyd-path"] == "disaggregated"
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
 

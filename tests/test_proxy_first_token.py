@@ -415,7 +415,7 @@ async def test_more_than_one_token_keeps_the_transfer(chat):
         else:
             resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 2})
         assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
-        assert "x-xpyd-path" not in resp.headers
+        assert resp.headers["x-xpyd-path"] == "disaggregated"
         (pre,) = p.completions()
         assert pre.headers["x-request-id"].startswith("___prefill_addr_")
         assert len(d.completions()) == 1

@@ -127,7 +127,7 @@ async def test_burst_of_dead_registrations_costs_no_request_and_little_memory(tm
                 failed = [status for status, _ in results if status != 200]
                 assert not failed, failed
                 for _, headers in results:
-                    assert "x-xpyd-path" not in headers
+                    assert headers["x-xpyd-path"] == "disaggregated"
                     assert headers["x-xpyd-prefill-instance"] == p.http_address
                     assert headers["x-xpyd-decode-instance"] == d.http_address
                 assert len(p.completions()) == len(d.completions()) == 60
@@ -215,7 +215,7 @@ async def test_mistyped_instance_gets_no_traffic():
                 r = await px.client.post("/v1/completions", json=COMPLETION)
                 assert r.status_code == 200, r.text
                 assert r.headers["x-xpyd-decode-instance"] == d.http_address
-                assert "x-xpyd-path" not in r.headers
+                assert r.headers["x-xpyd-path"] == "disaggregated"
             assert len(d.completions()) == 20
             # Not even a retry: the typo was never tried.
             assert await px.metric("xpyd_decode_retries_total") == 0
