@@ -4,8 +4,11 @@ proxy_helpers, fake_vllm) live beside the tests and import as top-level modules.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import shutil
 import signal
+from collections import Counter
 
 import pytest
 
@@ -14,6 +17,31 @@ import pytest
 # the reason instead of failing the collection. Where vLLM is installed (CI) nothing changes:
 # a missing package is an error, as it should be.
 _MISSING_IMPORT = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
+
+# Tiers. A test with none of these markers needs no vLLM server, no external binary and no GPU:
+# it gets the `unit` marker, so `pytest -m unit` is the fast tier and `-m "not unit"` the rest.
+NOT_UNIT = ("vllm", "docker", "tool", "gpu")
+# Per-test time limits (pytest-timeout; the default, 300 s, is in pyproject.toml). pytest-timeout
+# counts fixture set-up in the test's time, so the first test of a module that starts vLLM
+# servers in a module fixture (several minutes on a loaded 2-core box) carries their start-up.
+SERVER_TIMEOUT_S = 1200  # tests marked vllm or docker
+SLOW_SETUP_TIMEOUT_S = {  # unit modules whose module fixture may take long on a fresh machine
+    "test_nccl_real_lib.py": 1200,  # fetches 1.7 GB of NCCL wheels once (scripts/nccl_wheels.py)
+}
+# External binaries that CI is meant to have (scripts/setup_system.sh installs them from Debian's
+# packages). Where CI=true a test that finds one missing fails instead of skipping.
+CI_TOOLS = ("haproxy", "prometheus", "kubectl")
+_MISSING_TOOL = re.compile(rf"\b({'|'.join(CI_TOOLS)}) is not installed")
+_TOOL_DIRS = ("/usr/sbin", "/usr/local/sbin", "/usr/bin", "/usr/local/bin")  # Debian's sbin is not on every PATH
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def find_tool(name: str) -> str | None:
+    """Where the tests' own look-ups find ``name``: the PATH, then Debian's bin and sbin folders."""
+    return shutil.which(name) or next((p for d in _TOOL_DIRS if os.access(p := f"{d}/{name}", os.X_OK)), None)
 
 
 @pytest.fixture(scope="session")
@@ -82,8 +110,21 @@ def pytest_make_collect_report(collector: pytest.Collector):
     return report
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m unit` must see the marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` skip themselves on machines without CUDA (CI has none)."""
+    """The `unit` marker and the per-tier time limits (see NOT_UNIT); tests marked `gpu` skip
+    themselves on machines without CUDA (CI has none)."""
+    for item in items:
+        own = {m.name for m in item.iter_markers()}
+        if not own & set(NOT_UNIT):
+            item.add_marker(pytest.mark.unit)
+        if item.get_closest_marker("timeout") is None:
+            limit = SLOW_SETUP_TIMEOUT_S.get(item.path.name)
+            if own & {"vllm", "docker"}:
+                limit = max(limit or 0, SERVER_TIMEOUT_S)
+            if limit:
+                item.add_marker(pytest.mark.timeout(limit))
+
     import torch
 
     if torch.cuda.is_available():
@@ -92,3 +133,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.tool("haproxy")`: the test runs an external binary; without it the test
+    skips, saying so, and fails where CI=true (CI is meant to have every tool a test names)."""
+    for marker in item.iter_markers("tool"):
+        name = marker.args[0]
+        if find_tool(name) is None:
+            reason = f"{name} is not installed (scripts/setup_system.sh installs it from Debian's packages)"
+            if in_ci():
+                pytest.fail(f"CI=true and {reason}: CI is meant to have it (see setup_system's output)",
+                            pytrace=False)
+            pytest.skip(reason)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Where CI=true, a test skipped because a tool CI is meant to have is missing is a failure,
+    however its module spells the skip (a reason "<tool> is not installed", as
+    tests/haproxy_helpers.py's SKIP_REASON that the multinode module's skipif uses)."""
+    report = yield
+    if report.skipped and in_ci() and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2])
+        missing = _MISSING_TOOL.search(reason)
+        if missing and not hasattr(report, "wasxfail"):
+            report.outcome = "failed"
+            report.longrepr = (f"CI=true and {missing.group(1)} is missing: CI is meant to have it "
+                               f"(scripts/setup_system.sh installs it; see its output). {reason}")
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """One line per missing tool or machine feature that skipped tests, so a run that skipped
+    a part of the suite says so at its end (`-rs` lists each)."""
+    reasons: Counter[str] = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        if isinstance(rep.longrepr, tuple) and not hasattr(rep, "wasxfail"):
+            reasons[str(rep.longrepr[2]).removeprefix("Skipped: ")] += 1
+    if not reasons:
+        return
+    terminalreporter.write_sep("=", "skipped: what this machine lacks")
+    for reason, n in reasons.most_common():
+        terminalreporter.write_line(f"SKIPPED {n} test{'s' if n != 1 else ''}: {reason}")

@@ -27,6 +27,7 @@ def _find_haproxy() -> str | None:
 
 
 HAPROXY = _find_haproxy()
+# "<tool> is not installed": where CI=true tests/conftest.py turns this skip into a failure.
 SKIP_REASON = "haproxy is not installed (scripts/setup_system.sh installs it: apt-get install haproxy)"
 
 
