@@ -21,13 +21,14 @@ import hmac
 import ipaddress
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass, field
 
 from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration
-from xpyd_wire.kv_events import EventsEndpoint
+from xpyd_wire.kv_events import EventsEndpoint, split_endpoint
 
 log = logging.getLogger("xpyd.proxy.registry")
 
@@ -71,8 +72,10 @@ class Instance:
     probe_error: str | None = None
     # Host of the discovery connection it registered from (None: unknown), for the bounds.
     source: str | None = None
-    # Where it publishes vLLM's KV events (from its registration, or the static option).
+    # Where it publishes vLLM's KV events (from its registration, on its source host; or
+    # the static option), and what its registration advertised.
     kv_events: EventsEndpoint | None = None
+    advertised_events: EventsEndpoint | None = None
     # How its vLLM caps generated tokens (from its registration); None: not known.
     output_limits: OutputLimits | None = None
     generation: GenerationDefaults | None = None  # D's sampling defaults (first token from P)
@@ -187,7 +190,6 @@ class Registry:
         table = self._by_role[reg.role]
         inst = table.get(reg.http_address)
         wall = time.time()
-        kv_events = _on_source(reg.kv_events, source)
         if inst is not None and not self._check_owner(inst, reg, source, now):
             if inst.static:  # the operator named it: rebind in place, never removed
                 inst.bound = False
@@ -213,7 +215,8 @@ class Registry:
                 last_heartbeat_wall=wall,
                 load=reg.load,
                 kv_transport_fallbacks=reg.kv_transport_fallbacks,
-                kv_events=kv_events,
+                kv_events=_on_source(reg.kv_events, source),  # after the bounds: once each
+                advertised_events=reg.kv_events,
                 output_limits=reg.output_limits,
                 generation=reg.generation,
                 pending=True,
@@ -243,6 +246,10 @@ class Registry:
             inst.key_digest = None if reg.instance_key is None else _digest(reg.instance_key)
             log.info("static instance bound to its registration role=%s http=%s source=%s keyed=%s",
                      reg.role, reg.http_address, source, reg.instance_key is not None)  # fmt: skip
+        if reg.kv_events == inst.advertised_events and source == inst.source:
+            kv_events = inst.kv_events  # as resolved at the last change: no syscall per heartbeat
+        else:
+            kv_events = _on_source(reg.kv_events, source)
         if inst.zmq_address != reg.zmq_address or inst.kv_events != kv_events:
             # The owner moved its KV or event endpoints: an event worth a line of its own.
             log.warning(
@@ -257,6 +264,7 @@ class Registry:
             inst.load = reg.load
         inst.kv_transport_fallbacks = reg.kv_transport_fallbacks
         inst.kv_events = kv_events
+        inst.advertised_events = reg.kv_events
         inst.output_limits = reg.output_limits
         inst.generation = reg.generation
         return inst
@@ -418,31 +426,60 @@ def _show(ep: EventsEndpoint | None) -> str:
 
 def _source_host(source: str) -> str | None:
     """A peer address as the host part of a tcp:// endpoint (None: not an IP address)."""
+    ip = _ip(source)
+    if ip is None:
+        return None
+    return f"[{ip}]" if isinstance(ip, ipaddress.IPv6Address) else str(ip)
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """An IP literal (bracketed IPv6 too; an IPv4-mapped one as IPv4), else None."""
     try:
-        ip = ipaddress.ip_address(source)
+        ip = ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
     except ValueError:
         return None
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return f"[{ip}]"
-    return str(ip)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def _is_local(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """An address of this machine (loopback, or one a socket can bind)."""
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if isinstance(ip, ipaddress.IPv6Address) else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
 
 
 def _on_source(ep: EventsEndpoint | None, source: str | None) -> EventsEndpoint | None:
-    """The advertised event endpoints with their host replaced by the registration's source:
-    the registrant picks the ports, never the host the proxy connects to (vLLM binds its
-    publisher on every interface, so the source host reaches it)."""
+    """The advertised event endpoints on the registration's source host: a host other than
+    the source is replaced by it (the registrant picks the ports, never the host the proxy
+    connects to; vLLM's tcp://*:PORT publisher answers on every interface). A registrant on
+    this machine (loopback source) may name any address of this machine: an instance bound
+    to one local address (multinode.yaml's 127.0.0.x hosts) heartbeats from 127.0.0.1."""
     if ep is None or source is None:
         return ep
+    src = _ip(source)
     host = _source_host(source)
-    if host is None:
+    if src is None or host is None:
         return ep
 
     def moved(endpoint: str | None) -> str | None:
         if endpoint is None:
             return None
-        return f"tcp://{host}:{endpoint.rpartition(':')[2]}"
+        advertised_host, port = split_endpoint(endpoint)
+        ip = _ip(advertised_host)
+        if ip == src or (src.is_loopback and ip is not None and _is_local(ip)):
+            return endpoint
+        return f"tcp://{host}:{port}"
 
     out = dataclasses.replace(ep, endpoint=moved(ep.endpoint), replay_endpoint=moved(ep.replay_endpoint))
+    if out != ep:
+        log.warning("kv events endpoint moved to the registration's source host source=%s %s->%s",
+                    source, ep.endpoint, out.endpoint)  # fmt: skip
     return ep if out == ep else out
