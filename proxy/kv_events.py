@@ -22,7 +22,8 @@ endpoint that is every idle instance, so advertise one.
 
 Trust: vLLM's publisher has no authentication. The proxy only connects to endpoints an
 accepted registration advertised (signed when --discovery-secret is set), only on the host
-the registration came from (proxy/registry.py puts its source address in the endpoint), and
+the registration came from (proxy/registry.py puts its source address in the endpoint; a
+registrant on this machine may name any address of this machine), and
 at most once per `probe_s` or backoff: libzmq's own reconnecting is off (RECONNECT_IVL -1),
 every connection this module makes is one it asked for. Garbage (wrong frames, not msgpack,
 bad types or bounds, wrong topic) is dropped and counted, never raised.

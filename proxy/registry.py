@@ -12,7 +12,8 @@ is refused (reason "conflict"), whoever holds the discovery secret; only once th
 been silent for half the heartbeat timeout (it restarted with a new key, or died) does a new
 owner take the address, as a new pending instance. A change of an owned record's addresses
 is logged as such. The KV-event endpoints an instance advertises are taken on its source
-host: a registration cannot make the proxy connect to any other host."""
+host (a registrant on this machine may name any address of this machine): a registration
+cannot make the proxy connect to any other host."""
 
 from __future__ import annotations
 
