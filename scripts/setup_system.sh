@@ -1,38 +1,74 @@
 #!/usr/bin/env bash
-# System packages some tests use (Debian): haproxy (the load balancer in front of the
-# proxies in the multinode test) and prometheus (scrapes a running cluster in the
-# monitoring e2e test). Best effort and idempotent: a package that cannot be installed
-# (no root, no apt, no network) is reported and the tests that need it skip themselves
-# saying so; this script never fails the setup.
+# The external tools some tests run, from Debian's packages: haproxy (the load balancer in
+# front of the proxies in the multinode test and `haproxy -c` of its config), prometheus
+# (scrapes a running cluster in the monitoring e2e test) and kubectl (`kubectl kustomize` of
+# configs/k8s; Debian's package is kubernetes-client). Idempotent: a tool already on the
+# machine is kept. Only the binaries: no service is started or enabled.
+#
+# It never fails the install itself: a tool it cannot install (no root, no apt, no network)
+# is reported here. The tests that need it then skip, saying so, on a developer's machine,
+# and FAIL where CI=true (tests/conftest.py), so CI cannot pass without them.
 set -uo pipefail
-PKGS=(haproxy prometheus)
+TOOLS=(haproxy prometheus kubectl)
+declare -A PACKAGE=([haproxy]=haproxy [prometheus]=prometheus [kubectl]=kubernetes-client)
+
+have() {  # as tests/conftest.py's find_tool: the PATH, then Debian's bin and sbin folders
+  command -v "$1" >/dev/null 2>&1 && return 0
+  local d
+  for d in /usr/sbin /usr/local/sbin /usr/bin /usr/local/bin; do
+    [ -x "$d/$1" ] && return 0
+  done
+  return 1
+}
+
+report() {  # the verdict, one line per tool
+  local tool
+  for tool in "${TOOLS[@]}"; do
+    if have "$tool"; then
+      echo "setup_system: $tool: installed"
+    elif [ "${CI:-}" = true ]; then
+      echo "setup_system: $tool: MISSING — CI=true, so the tests that need it will FAIL" >&2
+    else
+      echo "setup_system: $tool: missing — the tests that need it will skip, saying so" >&2
+    fi
+  done
+}
+
 missing=()
-for pkg in "${PKGS[@]}"; do
-  command -v "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+for tool in "${TOOLS[@]}"; do
+  have "$tool" || missing+=("${PACKAGE[$tool]}")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -eq 0 ]; then
+  report
+  exit 0
+fi
 if ! command -v apt-get >/dev/null 2>&1; then
-  echo "setup_system: no apt-get; tests needing ${missing[*]} will skip" >&2
+  echo "setup_system: no apt-get here to install ${missing[*]}" >&2
+  report
   exit 0
 fi
 SUDO=""
 if [ "$(id -u)" != 0 ]; then
   if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then SUDO="sudo -n"; else
-    echo "setup_system: not root and no sudo; tests needing ${missing[*]} will skip" >&2
+    echo "setup_system: not root and no sudo: cannot install ${missing[*]}" >&2
+    report
     exit 0
   fi
 fi
 export DEBIAN_FRONTEND=noninteractive
+log=/tmp/xpyd-apt.log
 # Only the binaries: no services are started or enabled (policy-rc.d refuses them).
 policy=/usr/sbin/policy-rc.d
 created_policy=0
 if [ ! -e "$policy" ]; then
   printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null && $SUDO chmod +x "$policy" && created_policy=1
 fi
-if ! $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >/tmp/xpyd-apt.log 2>&1; then
-  $SUDO apt-get update -q >>/tmp/xpyd-apt.log 2>&1 &&
-    $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >>/tmp/xpyd-apt.log 2>&1 ||
-    echo "setup_system: installing ${missing[*]} failed (see /tmp/xpyd-apt.log); tests needing them will skip" >&2
+echo "setup_system: installing ${missing[*]} (apt-get; log: $log)"
+# A machine's package lists may be stale or absent: update once when the install fails.
+if ! $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >"$log" 2>&1; then
+  { $SUDO apt-get update -q && $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"; } >>"$log" 2>&1 ||
+    { echo "setup_system: installing ${missing[*]} failed; the end of $log:" >&2; tail -n 5 "$log" >&2; }
 fi
 [ "$created_policy" = 1 ] && $SUDO rm -f "$policy"
+report
 exit 0
