@@ -103,7 +103,7 @@ class EventsConfig:
     budget_s: float = 0.005
     # Backoff between connections of one stream, and between replay asks that fail: doubles
     # from the first value to the second; a connection that lasted stable_s resets it.
-    backoff_s: tuple[float, float] = (0.1, 30.0)
+    backoff_s: tuple[float, float] = (0.1, 10.0)
     stable_s: float = 10.0
     # ZMQ sockets of the context; None: enough for every instance the registry may hold.
     max_sockets: int | None = None
