@@ -334,19 +334,23 @@ async def test_advertised_capacity_cannot_raise_the_index_cap():
 
 async def test_a_large_batch_never_stalls_the_event_loop():
     """Two 16 MiB batches froze the proxy for 6.0 s: decoding and applying were synchronous.
-    Now a payload this size is decoded on a worker thread and applied in steps."""
+    Now a payload this size is decoded on a worker thread and applied in steps. Measured as
+    the loop thread's own CPU time between two turns of a 2 ms ticker (its wall time between
+    turns also counts other processes on a loaded box)."""
     pub = Publisher()
     n = 70_000  # ~3.4 MiB, under the size limit
-    lags: list[float] = []
+    stretches: list[float] = []  # loop-thread CPU seconds between two ticks
+    walls: list[float] = []
     stop = asyncio.Event()
 
     async def ticker() -> None:
-        last = time.perf_counter()
+        last, last_cpu = time.perf_counter(), time.thread_time()
         while not stop.is_set():
             await asyncio.sleep(0.002)
-            now = time.perf_counter()
-            lags.append(now - last)
-            last = now
+            now, cpu = time.perf_counter(), time.thread_time()
+            walls.append(now - last)
+            stretches.append(cpu - last_cpu)
+            last, last_cpu = now, cpu
 
     try:
         async with Events(default_cap=200_000) as ev:
@@ -357,9 +361,10 @@ async def test_a_large_batch_never_stalls_the_event_loop():
             stop.set()
             await tick
             assert len(ev.stream(inst).index) == n
-            worst = max(lags)
-            print(f"worst loop lag while a {n}-block batch was applied: {worst * 1000:.1f} ms")
-            assert worst < 0.2  # one synchronous pass over this batch took 0.43 s
+            worst = max(stretches)
+            print(f"a {n}-block batch: longest loop stretch {worst * 1000:.1f} ms of CPU, "
+                  f"worst turn {max(walls) * 1000:.1f} ms of wall time")
+            assert worst < 0.1  # one synchronous pass over this batch took ~0.4 s of CPU
     finally:
         pub.close()
 
