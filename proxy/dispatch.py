@@ -71,6 +71,12 @@ class DecodeFailed(Exception):
         self.error = error
 
 
+class _PrefillRefused(ProxyError):
+    """P's 4xx (its verdict on the prefill request): one D judges the client's own request,
+    since vLLM answers some refusals as a 200 stream with an error event, and P saw a
+    request cut down to one token."""
+
+
 class _PrefillExhausted(Exception):
     """Every P attempt failed to reach or finish; `error` says how, `unreachable` whether
     no P could even be connected to (then D may prefill alone)."""
@@ -237,6 +243,12 @@ class Dispatcher:
                 if not (e.unreachable and self.cfg.fallback_to_decode):
                     raise e.error from None
                 path = LOCAL_NO_PREFILL
+            except _PrefillRefused as e:
+                log.info("prefill refused the request status=%d: D judges the client's own", e.status)
+                call.flight.extra.clear()  # the headers describe the answer the client gets
+                if self._expose:
+                    call.flight.extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+                path = LOCAL_VERDICT
         return await self._local(call, d, path)
 
     async def _local(self, call: Call, d: Instance, path: str,
@@ -519,9 +531,12 @@ class Dispatcher:
             finally:
                 await resp.aclose()
         if not 200 <= resp.status < 300:
-            # P refused the request (bad input, overload...): relay that; D is not asked.
+            # P refused the request: its verdict on the request (400, 404, 422) goes to D for
+            # the client's own; anything else (credentials, overload, failure) is relayed and
+            # D is not asked.
             self.metrics.upstream_error("P", p.http_address, f"http_{resp.status}")
-            raise ProxyError(
+            refused = _PrefillRefused if resp.status in (400, 404, 422) else ProxyError
+            raise refused(
                 resp.status,
                 "prefill failed",
                 raw=self._upstream_error(resp.status, data, "prefill", p, headers),

@@ -649,6 +649,10 @@ class ContinuationEvents:
         if self._chat and isinstance(obj.get("choices"), list) and "error" not in obj:
             obj["object"] = "chat.completion.chunk"
             obj["choices"] = [_chat_choice(c) for c in obj["choices"] if isinstance(c, dict)]
+            if obj["choices"] and isinstance(u := obj.get("usage"), dict):
+                # vLLM's chat writes it on a token's usage (null without a reasoning parser),
+                # not on the last usage event.
+                u.setdefault("completion_tokens_details", None)
         return b"data: " + orjson.dumps(obj)
 
 

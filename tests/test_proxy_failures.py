@@ -151,11 +151,18 @@ async def test_prefill_500_is_relayed_and_decode_never_called():
         )
 
 
-async def test_prefill_400_relayed_and_html_error_wrapped():
+async def test_prefill_400_is_ds_to_judge_and_html_error_wrapped():
+    """P's 400 was on a request cut down to one token, and vLLM answers some refusals as a
+    200 stream with an error event: D judges the client's own request (here it accepts it).
+    P's 5xx is relayed, D not asked."""
     async with running_proxy() as px:
         p, d = await px.pd()
         p.fault = Fault(status=400, times=1)
-        assert_error(await px.client.post("/v1/completions", json=COMPLETION), 400)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_verdict"
+        assert d.completions()[-1].json == COMPLETION
+        assert d.completions()[-1].headers["x-request-id"].startswith("xpyd-local-")
+        d.requests.clear()
         p.fault = Fault(
             status=502, error_body=b"<html>Bad Gateway</html>", content_type="text/html"
         )

@@ -166,10 +166,12 @@ async def test_errors_name_no_instance_by_default():
             assert "x-xpyd-decode-instance" not in resp.headers
             return resp
 
-        # P's own error quoting the request id (vLLM's messages may): the neutral id instead.
-        p.fault = Fault(status=400, times=1, error_body=json.dumps({"error": {
-            "message": "request {request_id} is bad", "type": "BadRequestError", "param": None,
-            "code": 400}}).encode())  # fmt: skip
+        # An instance's own error quoting the request id (vLLM's messages may): the neutral id
+        # instead. (P's 400 goes to D for the client's own verdict: D refuses it too.)
+        bad = json.dumps({"error": {"message": "request {request_id} is bad", "type": "BadRequestError",
+                                    "param": None, "code": 400}}).encode()
+        p.fault = Fault(status=400, times=1, error_body=bad)
+        d.fault = Fault(status=400, times=1, error_body=bad)
         resp = check(await px.client.post("/v1/completions", json=COMPLETION), 400)
         assert resp.json()["error"]["message"] == f"request {resp.headers['x-request-id']} is bad"
         # A non-JSON error page is wrapped without the instance's address.
