@@ -36,6 +36,8 @@ REQUESTS = 40
 # estimate 4: prompts of 2 blocks + 60 tokens (~650 characters) are over the shipped
 # local_prefill_threshold (128 estimated tokens) and go through P; short ones do not.
 TOKENS = 2 * BLOCK + 60
+# Of REQUESTS, at most this many may be served by D alone after a failed load.
+MAX_RESCUED = REQUESTS // 10
 
 
 def _over_threshold(prompt: str) -> str:
@@ -76,6 +78,13 @@ def system(tmp_path_factory: pytest.TempPathFactory):
             s.stop()
 
 
+def _local_rescues(proxy) -> float:
+    """Requests the proxy served by D alone after a failed disaggregated attempt."""
+    _, raw = cluster.http_get(proxy.url + "/metrics")
+    m = re.search(rb'xpyd_dispatch_total\{path="local_rescue"\} ([0-9.]+)', raw)
+    return float(m[1]) if m else 0.0
+
+
 def _first_contacts(log: str) -> list[float]:
     return [float(ms) for ms in re.findall(r"kv peer \S+ first contact ms=([0-9.]+)", log)]
 
@@ -110,7 +119,13 @@ def test_requests_over_two_proxies_all_answer_correctly(system, tokenizer):
     sent = {name: len(re.findall(r"kv sent( slowly)? req=", system[name].log())) for name in ("p0", "p1")}
     assert all(n >= REQUESTS // 4 for n in sent.values()), sent  # both Ps served
     contacts = {name: _first_contacts(system[name].log()) for name in ("p0", "p1")}
-    print(f"\nfirst contact P -> D (ms): {contacts}; transfers per P: {sent}; rescued by D alone: {rescued}")
+    rescues = sum(_local_rescues(system[f"proxy{i}"]) for i in range(2))
+    print(f"\nfirst contact P -> D (ms): {contacts}; transfers per P: {sent}; rescued by D alone: {rescued} "
+          f"(the proxies counted {rescues})")
+    # A rescue is the exception (a stalled put on a badly loaded box: 1 of 40 seen); were
+    # transfers failing as a rule, D alone would still answer every request correctly.
+    assert rescued <= MAX_RESCUED and rescues <= MAX_RESCUED, (rescued, rescues)
+    assert len(re.findall(r"kv load failed", d.log())) <= MAX_RESCUED
     for name in ("p0", "p1"):
         log = system[name].log()
         assert contacts[name], f"{name} made no first contact"
