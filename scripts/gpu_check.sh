@@ -124,6 +124,7 @@ gpu=$("$VPY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/nul
 # ---- pytest -m gpu, from the checkout (its tests and conftest), at most 240 s
 budget=$(( $(left) - 240 ))  # the doctor's share: ~1 min without a GPU, 3.5 min on one H200
 [ "$budget" -gt 240 ] && budget=240
+[ "$budget" -lt 30 ] && budget=30  # (timeout 0 would mean none)
 xdist=()
 "$VPY" -c "import xdist" 2>/dev/null && [ "$gpu" = 1 ] && xdist=(-n 6)  # the engine pairs share the GPU
 t=$SECONDS
