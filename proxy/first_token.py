@@ -445,7 +445,9 @@ def continuation(body: dict, first: FirstToken, limits: OutputLimits) -> dict:
     """D's request, always a completion (POST it to COMPLETIONS): the prompt as P's token
     ids plus P's token, one token fewer to generate, and P's prompt length for D's
     connector. A chat request keeps only what a completion means the same way."""
-    cont = {k: v for k, v in body.items() if k in _COMPLETION_KEYS} if first.chat else dict(body)
+    # A neutral field the request sets (presence_penalty 0) must reach D too: left out, D's
+    # server would apply its own default there.
+    cont = {k: v for k, v in body.items() if k in _COMPLETION_KEYS or k in _NEUTRAL} if first.chat else dict(body)
     cont["prompt"] = first.prompt_ids.followed_by(first.token_ids)
     # A number, always: vLLM 0.32 reads a completion's null as its default, 16.
     cont["max_tokens"] = _d_tokens(body, first, limits)

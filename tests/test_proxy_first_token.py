@@ -850,3 +850,17 @@ def test_every_field_of_vllms_request_models_is_named_and_a_new_one_keeps_ds_fir
         assert not first_token.eligible(route({**base, name: odd}, path), LIMITS, GEN), name
     for name in ("a_field_vllm_adds_later", "guided_json", "best_of", "logits_processors"):
         assert not first_token.eligible(route({**base, name: 1}, path), LIMITS, GEN), name
+
+
+async def test_chat_continuation_keeps_the_requests_own_neutral_values():
+    """A chat request that sets presence_penalty 0 where D's server defaults to a penalty:
+    D's completion must say 0 too, or D applies its default to the continuation (the
+    fidelity suite caught this: the answers parted at the third token)."""
+    async with running_proxy() as px:
+        await px.fake("P", generation=GenerationDefaults((("presence_penalty", 1.2),)))
+        d = await px.fake("D", generation=GenerationDefaults((("presence_penalty", 1.2),)))
+        body = {**CHAT_STREAM, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1}
+        resp = await px.client.post("/v1/chat/completions", json=body)
+        assert resp.headers["x-xpyd-first-token"] == "prefill"
+        cont = d.completions()[-1].json
+        assert cont["presence_penalty"] == 0 and cont["frequency_penalty"] == 0.0 and cont["n"] == 1
