@@ -59,8 +59,8 @@ def _wait_gone(pids: list[int], timeout: float) -> None:
 def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     launcher, out = _launcher(tmp_path, stop_grace=1.0)
     stubborn, pids = _spawn_stubborn(launcher)
-    polite = launcher._spawn("polite", "D", "http://127.0.0.1:2", [sys.executable, "-c", "import time; time.sleep(120)"],
-                             {})
+    polite = launcher._spawn("polite", "D", "http://127.0.0.1:2",
+                             [sys.executable, "-c", "import time; time.sleep(120)"], {})
     t0 = time.monotonic()
     try:
         launcher.stop_all()
