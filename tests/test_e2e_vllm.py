@@ -338,6 +338,29 @@ def test_power_corrupted_kv_changes_output(sys_: E2ECluster, tokenizer, endpoint
     assert "CORRUPTED(test)" in sys_.decode.log()
 
 
+def sent_first(sys_: E2ECluster, endpoint: str, body: dict) -> bool:
+    """Whether the colocated server's greedy first token for this request is text it sends
+    (not part of a character, which vLLM holds back: P's token then cannot start the answer
+    and the proxy leaves it to D's first token, tests/test_e2e_fidelity.py)."""
+    probe = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
+    probe.update(max_tokens=1, stream=False)
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    with httpx.Client(timeout=120) as client:
+        r = client.post(sys_.colocated.url + path, json=probe)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return (choice["text"] if endpoint == "completions" else choice["message"]["content"]) != ""
+
+
+def first_token_prompt(sys_: E2ECluster, tokenizer, endpoint: str, n_tokens: int, seed: int) -> str:
+    """A prompt of about n_tokens whose first token P sends (the first of seed, seed+1, ...)."""
+    for k in range(8):
+        prompt = make_prompt(tokenizer, n_tokens, seed + k)
+        if sent_first(sys_, endpoint, body_for(endpoint, prompt, True)):
+            return prompt
+    raise AssertionError(f"8 prompts from seed {seed} all begin with part of a character")
+
+
 @pytest.fixture(scope="module")
 def first_token_proxy(sys_: E2ECluster):
     """The cluster's proxy: the first token from P is its default, for requests its D's
@@ -351,7 +374,7 @@ def test_first_token_from_prefill_equals_colocated(sys_: E2ECluster, first_token
     """P's token reaches the client first and D continues from prompt + that token, with
     all of P's prompt loaded: the tokens (and their logprobs' texts) are the colocated
     server's, usage counts as the client's request."""
-    prompt = make_prompt(tokenizer, n_tokens, seed=n_tokens * 10 + 7)
+    prompt = first_token_prompt(sys_, tokenizer, "completions", n_tokens, seed=n_tokens * 10 + 7)
     # Usage on every event (what vllm bench serve asks for): each of D's is counted again.
     body = {**body_for("completions", prompt, True),
             "stream_options": {"include_usage": True, "continuous_usage_stats": n_tokens > BLOCK}}
@@ -370,7 +393,7 @@ def test_first_token_from_prefill_without_max_tokens_equals_colocated(sys_: E2EC
                                                                       tokenizer):
     """A completion that names no limit gets vLLM's default count (16) from P and D
     together, as from a colocated server."""
-    prompt = make_prompt(tokenizer, 2 * BLOCK, seed=29)
+    prompt = first_token_prompt(sys_, tokenizer, "completions", 2 * BLOCK, seed=29)
     body = {k: v for k, v in body_for("completions", prompt, True).items() if k != "max_tokens"}
     body["stream_options"] = {"include_usage": True}
     want, want_last = generate(sys_.colocated.url, "completions", body)
@@ -403,7 +426,7 @@ def test_one_token_in_first_token_mode_is_p_alone_and_moves_no_kv(sys_: E2EClust
 
 def test_first_token_from_prefill_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy, tokenizer):
     """Proof the test above can fail: D's continuation with zeroed KV departs."""
-    prompt = make_prompt(tokenizer, 3 * BLOCK, seed=4711)
+    prompt = first_token_prompt(sys_, tokenizer, "completions", 3 * BLOCK, seed=4711)
     body = body_for("completions", prompt, True)
     want, _ = generate(sys_.colocated.url, "completions", body)
     got, _ = generate(first_token_proxy.url, "completions", {**body, "kv_transfer_params": {"xpyd_debug_corrupt_kv": True}})
@@ -432,7 +455,7 @@ def test_first_token_from_prefill_chat_equals_colocated(sys_: E2ECluster, first_
     rendered prompt's ids + that token as a completion; the client gets chat chunks whose
     text is the colocated server's (up to a near tie, judged by its logprobs), and usage
     as the client's request counts it."""
-    prompt = make_prompt(tokenizer, n_tokens, seed=n_tokens * 10 + 9)
+    prompt = first_token_prompt(sys_, tokenizer, "chat", n_tokens, seed=n_tokens * 10 + 9)
     body = {**body_for("chat", prompt, True), "stream_options": {"include_usage": True}}
     want, want_last = generate(sys_.colocated.url, "chat", body)  # with logprobs: the near-tie judge
     got, chunks = chat_text(first_token_proxy.url, body)
@@ -466,7 +489,7 @@ def test_first_token_from_prefill_chat_without_a_limit_equals_colocated(sys_: E2
 
         short = make_prompt(tokenizer, 20, seed=6007)
         template = prompt_tokens(short) - len(tokenizer(short)["input_ids"])
-        content = make_prompt(tokenizer, MAX_MODEL_LEN - 20 - template, seed=6011)
+        content = first_token_prompt(sys_, tokenizer, "chat", MAX_MODEL_LEN - 20 - template, seed=6011)
         left = MAX_MODEL_LEN - prompt_tokens(content)
     assert 4 <= left <= 40, left
     body = {k: v for k, v in body_for("chat", content, True).items() if k != "max_tokens"}
@@ -485,7 +508,7 @@ def test_first_token_from_prefill_chat_without_a_limit_equals_colocated(sys_: E2
 
 def test_first_token_from_prefill_chat_power_corrupted_kv_changes_output(sys_: E2ECluster, first_token_proxy,
                                                                           tokenizer):
-    prompt = make_prompt(tokenizer, 3 * BLOCK, seed=4713)
+    prompt = first_token_prompt(sys_, tokenizer, "chat", 3 * BLOCK, seed=4713)
     body = body_for("chat", prompt, True)
     want, _ = generate(sys_.colocated.url, "chat", body)
     got, _ = chat_text(first_token_proxy.url, {**body, "kv_transfer_params": {"xpyd_debug_corrupt_kv": True}})
