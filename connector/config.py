@@ -11,6 +11,7 @@ from typing import Any, Literal
 from connector.log import get_logger
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits, ProtocolError, check_generation, check_output_limits
 from xpyd_wire.kv_events import EventError, EventsEndpoint, advertised
+from xpyd_wire.secret_file import read_secret_file
 
 logger = get_logger(__name__)
 
@@ -71,23 +72,9 @@ def _flag(value: Any) -> bool:
 
 
 # A secret is a token, not a document: a larger file is a mistake (or a device), refused.
-MAX_SECRET_FILE_BYTES = 64 * 1024
-
-
 def _read_secret_file(path: str, where: str) -> tuple[str, str]:
     """(the secret in ``path`` less one trailing newline, where it came from); ValueError."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_SECRET_FILE_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"{where}: cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        raise ValueError(f"{where}: {path} is over {MAX_SECRET_FILE_BYTES} bytes, not a secret")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{where}: {path} is not UTF-8 text") from None
-    return text.removesuffix("\n").removesuffix("\r"), f"{where} ({path})"
+    return read_secret_file(path, where), f"{where} ({path})"
 
 
 def _secret(extra: dict[str, Any], key: str, env: str, path: Any = None) -> str | None:

@@ -12,27 +12,16 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from xpyd_wire.secret_file import read_secret_file as _read
+
 logger = logging.getLogger("xpyd.proxy.config")
 
 SECRET_FIELDS = ("api_key", "discovery_secret", "upstream_api_key")
-# A secret is a token, not a document: a larger file is a mistake (or a device), refused.
-MAX_SECRET_FILE_BYTES = 64 * 1024
 
 
 def read_secret_file(path: str, what: str) -> str:
     """The secret in ``path`` (one trailing newline dropped); ValueError says why not."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_SECRET_FILE_BYTES + 1)
-    except OSError as e:
-        raise ValueError(f"{what}: cannot read {path}: {e.strerror or e}") from None
-    if len(data) > MAX_SECRET_FILE_BYTES:
-        raise ValueError(f"{what}: {path} is over {MAX_SECRET_FILE_BYTES} bytes, not a secret")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{what}: {path} is not UTF-8 text") from None
-    text = text.removesuffix("\n").removesuffix("\r")
+    text = _read(path, what)
     if not text.strip():
         raise ValueError(f"{what}: {path} is empty (leave the option unset to turn it off)")
     return text
