@@ -164,7 +164,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the medians here")
     ap.add_argument("--publisher", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.chat = False
+    args.chat = False  # what bench_proxy's load generator reads besides these flags
+    args.prompt_chars = 0
     if args.publisher:
         publisher_main(args)
         return 0
