@@ -610,6 +610,7 @@ def test_transport_fallbacks_are_summed_for_the_heartbeat():
     assert s.fallbacks_total() == 3
     reg = Registrar.__new__(Registrar)  # its registration only: no thread, no sockets
     reg._cfg, reg._load_report, reg._fallbacks_report = make_cfg("kv_producer"), s.load_report, s.fallbacks_total
+    reg._key = "0" * 32  # the instance key __init__ draws
     assert reg._registration().kv_transport_fallbacks == 3
 
 

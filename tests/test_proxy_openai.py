@@ -78,7 +78,7 @@ async def test_openai_client_sees_errors(proxy_and_client):
     px, p, d, client = proxy_and_client
     from proxy_helpers import Fault
 
-    p.fault = Fault(status=400)
+    p.fault = d.fault = Fault(status=400)  # a request vLLM refuses: P does, and so does D (its verdict)
     with pytest.raises(openai.BadRequestError) as exc:
         await client.completions.create(model="fake-model", prompt="x", max_tokens=2)
     assert exc.value.status_code == 400
