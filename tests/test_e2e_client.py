@@ -4,7 +4,7 @@ both answers at the step where they part (no server needed)."""
 from __future__ import annotations
 
 import pytest
-from e2e_client import NEAR_TIE, Answer, answer_of, assert_greedy_differs, assert_same_greedy, parting_step
+from e2e_client import LOGPROB_TOL, NEAR_TIE, Answer, answer_of, assert_greedy_differs, assert_same_greedy, parting_step
 
 
 def ans(steps: list[tuple[str, dict[str, float]]]) -> Answer:
@@ -71,11 +71,11 @@ def test_logprobs_at_agreeing_steps_must_agree():
     """Same tokens, but a logprob off by more than the tolerance: wrong KV can do that
     without changing a greedy token (the old comparator never looked)."""
     off = ans([("a", {"a": -1.0, "b": -2.0}), ("b", {"b": -1.0 - 0.01, "c": -1.01}), ("c", {"c": -0.5, "a": -3.0})])
-    step, why = parting_step(off, WANT)
+    step, why = parting_step(off, WANT, LOGPROB_TOL)
     assert step == 1 and "logprob" in why
-    assert parting_step(off, WANT, tol=None) == (3, None)  # servers on different CPUs: not compared
+    assert parting_step(off, WANT) == (3, None)  # not asked for: not compared
     close = ans([("a", {"a": -1.0 + 1e-4, "b": -2.0}), *zip(WANT.tokens[1:], WANT.top[1:])])
-    assert parting_step(close, WANT) == (3, None)
+    assert parting_step(close, WANT, LOGPROB_TOL) == (3, None)
 
 
 def test_same_tokens_with_other_text_fail():

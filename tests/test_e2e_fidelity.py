@@ -254,7 +254,7 @@ def _parted_at_a_near_tie(got: dict[int, Answer], want: dict[int, Answer], s: Sy
         if g is None:
             return False
         if w.tokens and g.tokens:
-            step, why = parting_step(g, w)
+            step, why = parting_step(g, w, LOGPROB_TOL)
             if why is not None:
                 return False
             parted |= step < len(w.tokens)
