@@ -45,12 +45,14 @@ def body_for(endpoint: str, prompt: str, stream: bool, max_tokens: int = MAX_TOK
 # the answers must still be as long (unless one stopped). Wrong KV moves logprobs by far
 # more than this (the power tests check that it shows).
 NEAR_TIE = 0.04  # logprob; ~10 bf16 ulps of this model's logits; same-box reruns differ by <= 3e-5
-# Where the tokens agree, their logprobs must too, within this, where a test asks for it: a
-# colocated server and D continuing from P's KV agree bit for bit on one box
-# (tests/test_e2e_fidelity.py compares every answer so); a prefill split differently (a
-# partial load recomputed from a block on, chunks of another size) rounds bf16 logits
-# differently, so the other e2e tests compare tokens, text, length and finish reason.
-LOGPROB_TOL = 1e-3
+# Where the tokens agree, their logprobs must too, within this, where a test asks for it
+# (tests/test_e2e_fidelity.py, every answer). On one box a colocated server and D continuing
+# from P's KV agreed bit for bit over that suite's matrix, but a prefill split differently
+# (a partial load recomputed from a block on, D alone vs D after a load) moved a logprob by
+# one bf16 step of these logits (2**-8 = 0.0039, seen in a CI-like run): the tolerance
+# admits two such steps, far below what wrong KV does. The other e2e tests compare tokens,
+# text, length and finish reason.
+LOGPROB_TOL = 0.01
 TOP_LOGPROBS = 2
 
 

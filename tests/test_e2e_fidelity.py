@@ -19,7 +19,8 @@ Two systems, on real vLLM (CPU build), each with its own colocated reference:
   --response-role.
 The references compute with the OpenMP thread count P and D have (vLLM reserves a core more
 for a server with a KV connector): then their logprobs agree with D's bit for bit on one
-box (measured here: 0 difference over 24 answers), and LOGPROB_TOL (1e-3) holds.
+box (measured here: 0 difference over the whole matrix); LOGPROB_TOL (0.01, two bf16 steps of
+these logits) admits the one step a prefill split differently can move a logprob by.
 
 Deliberate differences from one server (README/docs list them): the response's
 `kv_transfer_params` (D's report of the transfer, null on a colocated server) and the
