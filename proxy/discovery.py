@@ -11,6 +11,7 @@ import zmq
 import zmq.asyncio
 
 from proxy.metrics import Metrics
+from proxy.registry import RegistrationRefused, Registry
 from xpyd_wire.discovery import (
     DROP_REASONS,
     MALFORMED,
@@ -21,7 +22,6 @@ from xpyd_wire.discovery import (
     ReplayGuard,
     decode,
 )
-from proxy.registry import RegistrationRefused, Registry
 
 log = logging.getLogger("xpyd.proxy.discovery")
 

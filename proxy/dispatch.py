@@ -48,7 +48,7 @@ LOCAL_NO_PREFILL = "local_no_prefill"  # no P live or reachable
 LOCAL_RESCUE = "local_rescue"  # D failed disaggregated attempts before its first byte
 PREFILL_ALONE = "prefill_alone"  # first-token mode, one token asked for: P's answer is all of it
 _DISAGGREGATED_PATH = DISAGGREGATED.encode()
-PREFILL_ALONE_PATH = PREFILL_ALONE.encode()
+_PREFILL_ALONE_PATH = PREFILL_ALONE.encode()
 # The answer needs the prompt's logprobs (echo with logprobs, prompt_logprobs): vLLM computes
 # them in the prefill, so D would recompute the whole prompt and load none of P's KV.
 LOCAL_PROMPT_LOGPROBS = "local_prompt_logprobs"
@@ -322,7 +322,7 @@ class Dispatcher:
             call.decode_due = t_pre
             p.served += 1
             self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
-            call.flight.extra.append((b"x-xpyd-path", PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
+            call.flight.extra.append((b"x-xpyd-path", _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
             first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
             if first is not None and limits is not None and first_token.starts_answer(req.body, first, limits):
                 return self._first_token_answer(call, d, first, headers)

@@ -17,6 +17,7 @@ cannot make the proxy connect to any other host."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -25,7 +26,6 @@ import math
 import socket
 import time
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 
 from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration
