@@ -192,22 +192,34 @@ def generate(base_url: str, endpoint: str, body: dict, headers: dict | None = No
             assert r.status_code == 200, r.text
             data = r.json()
             return answer_of(data["choices"][0]), data
-        text, steps, lps, last, finish = [], [], [], {}, None
         with client.stream("POST", url, json=body, headers=headers) as r:
             assert r.status_code == 200, r.read()
             assert r.headers["content-type"].startswith("text/event-stream")
             lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
         assert lines and lines[-1] == "data: [DONE]", lines[-3:]
-        for ln in lines[:-1]:
-            chunk = json.loads(ln[len("data: "):])
+        chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+        for chunk in chunks:
             assert "error" not in chunk, chunk
-            last = chunk
-            for ch in chunk.get("choices", []):
-                text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
-                steps.extend(choice_steps(ch))
-                lps.extend(choice_lps(ch))
-                finish = ch.get("finish_reason") or finish
-        return Answer.of("".join(text), steps, lps, finish), last
+        answers = stream_answers(chunks)
+        return answers[0] if answers else Answer.of("", []), chunks[-1] if chunks else {}
+
+
+def stream_answers(chunks: list) -> dict[int, Answer]:
+    """Each choice of a stream's chunks (completions or chat; other items, such as the
+    "[DONE]" string, are passed over) as an Answer: its text, steps, logprobs and finish reason."""
+    parts: dict[int, tuple[list, list, list]] = {}
+    finish: dict[int, str | None] = {}
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            continue
+        for ch in chunk.get("choices") or ():
+            i = ch.get("index", 0)
+            text, steps, lps = parts.setdefault(i, ([], [], []))
+            text.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+            steps.extend(choice_steps(ch))
+            lps.extend(choice_lps(ch))
+            finish[i] = ch.get("finish_reason") or finish.get(i)
+    return {i: Answer.of("".join(t), s, lp, finish[i]) for i, (t, s, lp) in parts.items()}
 
 
 def metric(base_url: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -4,7 +4,16 @@ both answers at the step where they part (no server needed)."""
 from __future__ import annotations
 
 import pytest
-from e2e_client import LOGPROB_TOL, NEAR_TIE, Answer, answer_of, assert_greedy_differs, assert_same_greedy, parting_step
+from e2e_client import (
+    LOGPROB_TOL,
+    NEAR_TIE,
+    Answer,
+    answer_of,
+    assert_greedy_differs,
+    assert_same_greedy,
+    parting_step,
+    stream_answers,
+)
 
 
 def ans(steps: list[tuple[str, dict[str, float]]]) -> Answer:
@@ -103,3 +112,19 @@ def test_finish_reasons_must_agree():
 
 def test_how_many_steps_were_compared_is_returned():
     assert assert_same_greedy(WANT, WANT) == 3
+
+
+def test_stream_answers_reads_each_choice_of_completion_and_chat_chunks():
+    comp = [{"choices": [{"index": 0, "text": "a", "finish_reason": None,
+                          "logprobs": {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}]}}]},
+            {"choices": [{"index": 1, "text": "x", "finish_reason": "length"}]},
+            {"choices": [{"index": 0, "text": "b", "finish_reason": "stop",
+                          "logprobs": {"tokens": ["b"], "token_logprobs": [-0.2], "top_logprobs": [{"b": -0.2}]}}]},
+            {"choices": [], "usage": {}}, "[DONE]"]
+    got = stream_answers(comp)
+    assert str(got[0]) == "ab" and got[0].tokens == ("a", "b") and got[0].lp == (-0.1, -0.2)
+    assert got[0].finish == "stop"
+    assert str(got[1]) == "x" and got[1].finish == "length"
+    chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "length"}]}]
+    assert str(stream_answers(chat)[0]) == "hi" and stream_answers(chat)[0].finish == "length"

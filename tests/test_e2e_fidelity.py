@@ -31,7 +31,6 @@ connector's). Neither is compared.
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,7 @@ from typing import Any
 import e2e_cluster
 import httpx
 import pytest
-from e2e_client import (LOGPROB_TOL, MODEL_DIR, Answer, answer_of, choice_lps, choice_steps, parting_step,
-                        text_parting)
+from e2e_client import LOGPROB_TOL, MODEL_DIR, Answer, answer_of, parting_step, stream_answers, text_parting
 
 pytestmark = pytest.mark.vllm
 
@@ -228,22 +226,6 @@ def summary(events: list, chat: bool) -> dict:
             "done": events[-1] if events else None}
 
 
-def _answers(events: list, chat: bool) -> dict[int, Answer]:
-    """Each choice of a stream as an Answer (text, steps, logprobs, finish reason)."""
-    parts: dict[int, dict[str, list]] = {}
-    finish: dict[int, str | None] = {}
-    for e in events:
-        if e == "[DONE]" or "choices" not in e:
-            continue
-        for ch in e["choices"]:
-            p = parts.setdefault(ch["index"], {"text": [], "steps": [], "lps": []})
-            p["text"].append((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or "")
-            p["steps"].extend(choice_steps(ch))
-            p["lps"].extend(choice_lps(ch))
-            finish[ch["index"]] = ch.get("finish_reason") or finish.get(ch["index"])
-    return {i: Answer.of("".join(p["text"]), p["steps"], p["lps"], finish[i]) for i, p in parts.items()}
-
-
 def _parted_at_a_near_tie(got: dict[int, Answer], want: dict[int, Answer], s: System, path: str,
                          body: dict) -> bool:
     """Whether the answers part, and only at a near tie (see e2e_client.NEAR_TIE): with
@@ -296,7 +278,7 @@ def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok:
         d = diff(got, want)
     if d is not None and tied_ok and isinstance(body, dict):
         if isinstance(want, list):
-            g, w = _answers(got, chat), _answers(want, chat)
+            g, w = stream_answers(got), stream_answers(want)
         else:
             g = {c["index"]: answer_of(c) for c in got["choices"]}
             w = {c["index"]: answer_of(c) for c in want["choices"]}
@@ -320,7 +302,8 @@ TEXTS = {
     "ascii": "The river runs past the old mill, and the miller counts the sacks of grain one by one. ",
     "emoji": "Weather today 🌦️ then sun ☀️, later a rainbow 🌈 over the hills 🏔️ and the sea 🌊! ",
     "cjk": "今天天气很好，我们去公园散步吧。山上的樱花已经开了，风很轻。東京の朝はとても静かです。",
-    "combining": "Cafe\u0301 na\u0131\u0308ve re\u0301sume\u0301 — Zo\u0308e\u0308 and A\u030angstro\u0308m met at the fjord. ",
+    "combining": ("Cafe\u0301 na\u0131\u0308ve re\u0301sume\u0301 — Zo\u0308e\u0308 and A\u030angstro\u0308m "
+                  "met at the fjord. "),
 }
 
 
