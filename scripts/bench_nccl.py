@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """``scripts/bench_transport.py --device cuda`` runs this: the benchmark itself lives in
-``connector/gpu_bench.py`` (``xpyd doctor`` measures with the same code)."""
+``connector/tools/gpu_bench.py`` (``xpyd doctor`` measures with the same code)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector.gpu_bench import main, run  # noqa: E402,F401  (bench_transport calls run)
+from connector.tools.gpu_bench import main, run  # noqa: E402,F401  (bench_transport calls run)
 
 if __name__ == "__main__":
     sys.exit(main())

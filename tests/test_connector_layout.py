@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from connector import layout as kvlayout
-from connector.gpu_peer import LAYOUTS, make_caches
+from connector.tools.gpu_peer import LAYOUTS, make_caches
 
 SRC = (3, 4, 9, 1, 12, 13)
 DST = (7, 2, 11, 0, 15, 5)

@@ -1,4 +1,4 @@
-"""``xpyd doctor`` (connector/doctor.py) as CI runs it: no GPU, a real libnccl (the newest
+"""``xpyd doctor`` (connector/tools/doctor.py) as CI runs it: no GPU, a real libnccl (the newest
 wheel's, from .nccl-wheels/, fetched by scripts/nccl_wheels.py). It must run every
 device-free check, pass them, list what it could not check, and exit 3, not 0 and not 1."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from connector import doctor
+from connector.tools import doctor
 
 REPO = Path(__file__).resolve().parents[1]
 _SPEC = importlib.util.spec_from_file_location("nccl_wheels", REPO / "scripts" / "nccl_wheels.py")
@@ -36,7 +36,7 @@ def newest_libnccl() -> Path:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU run; a GPU machine runs the full doctor")
 def test_doctor_without_a_gpu_runs_the_device_free_checks_and_exits_3(newest_libnccl, tmp_path):
     out = tmp_path / "doctor.json"
-    r = subprocess.run([sys.executable, "-m", "connector.doctor", "--quiet", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "connector.tools.doctor", "--quiet", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(REPO), "XPYD_NCCL_LIBRARY": str(newest_libnccl)})
     assert r.returncode == doctor.EXIT_NO_GPU == 3, r.stdout[-4000:] + r.stderr[-4000:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.gpu_peer import run_pair
+from connector.tools.gpu_peer import run_pair
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 
@@ -58,7 +58,7 @@ def test_a_peer_that_prints_nothing_is_killed_at_the_deadline():
     import sys
     import time
 
-    from connector.gpu_peer import _Peer
+    from connector.tools.gpu_peer import _Peer
 
     code = ("import sys, time; print('starting', file=sys.stderr, flush=True); "
             "print('host:1:1 [0] NCCL INFO Bootstrap', flush=True); print('{\"ready\": true}', flush=True); "

@@ -174,7 +174,7 @@ def test_vllms_binding_is_used_from_2_29_7_and_auto_falls_back_below(probes, ver
 def test_config_struct_against_each_versions_nccl_h(libs, version, channels):
     """Compiled against the wheel's nccl.h (CUDA's two handle types stubbed): the offsets of
     our fields, and every field NCCL's parseCommConfig copy makes of our 48 bytes."""
-    from connector.doctor import config_mismatches, nccl_h_view
+    from connector.tools.doctor import config_mismatches, nccl_h_view
     from connector.transport.nccl_lib import ncclConfig
 
     if shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -190,7 +190,7 @@ def test_config_struct_against_each_versions_nccl_h(libs, version, channels):
 
 def test_config_check_has_power():
     """What a wrong struct would look like to NCCL is reported, field by field."""
-    from connector.doctor import config_mismatches
+    from connector.tools.doctor import config_mismatches
 
     undef = -(2**31)
     good = {"sizeof": 72, "undef": undef, "default_magic": 0xCAFEBEEF, "default_trafficClass": undef,

@@ -1,4 +1,4 @@
-"""``xpyd doctor`` (or ``python -m connector.doctor``): the first thing to run on a machine
+"""``xpyd doctor`` (or ``python -m connector.tools.doctor``): the first thing to run on a machine
 that will serve with xPyD. It reports the environment, then checks what this machine can:
 
 * everywhere: NCCL found, loads, its version; our ``ncclConfig_t`` against the ``nccl.h``
@@ -42,7 +42,7 @@ from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_GPU = 0, 1, 2, 3
 SEND_TYPES = ("PUT_ASYNC", "PUT", "GET")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -341,7 +341,7 @@ def check_layouts_cpu() -> tuple[str, str, Any]:
     import torch
 
     from connector import layout as kvlayout
-    from connector.gpu_peer import LAYOUTS, make_caches
+    from connector.tools.gpu_peer import LAYOUTS, make_caches
 
     src_ids, dst_ids = [3, 4, 9, 1, 12], [7, 2, 11, 0, 15]
     bad = []
@@ -357,7 +357,7 @@ def check_layouts_cpu() -> tuple[str, str, Any]:
 
 
 def _pair_check(layout: str, send_type: str, transport: str, **kw: Any) -> tuple[str, str, Any]:
-    from connector.gpu_peer import run_pair
+    from connector.tools.gpu_peer import run_pair
 
     p_out, d_out = run_pair(layout, send_type, transport=transport, **kw)
     problems = []
@@ -399,7 +399,7 @@ def check_single_rank_nccl() -> tuple[str, str, Any]:
 
 
 def check_bench_transfers(two_gpus: bool, channels: int | None) -> tuple[str, str, Any]:
-    from connector.gpu_bench import measure_transfers_fresh
+    from connector.tools.gpu_bench import measure_transfers_fresh
 
     res = measure_transfers_fresh([4, 64, 256], repeats=5, nccl_channels=channels, split_hosts=not two_gpus,
                                   server_device="cuda:1" if two_gpus else "cuda")
@@ -410,7 +410,7 @@ def check_bench_transfers(two_gpus: bool, channels: int | None) -> tuple[str, st
 
 
 def check_bench_layouts() -> tuple[str, str, Any]:
-    from connector.gpu_bench import bench_layouts
+    from connector.tools.gpu_bench import bench_layouts
 
     rows = bench_layouts("cuda", repeats=5)
     data = [dict(zip(("layout", "bytes", "gather", "scatter", "copy"), r, strict=True)) for r in rows]
@@ -423,7 +423,7 @@ def check_bench_layouts() -> tuple[str, str, Any]:
 
 
 def check_bench_staging() -> tuple[str, str, Any]:
-    from connector.gpu_bench import bench_staging
+    from connector.tools.gpu_bench import bench_staging
 
     rows = bench_staging(repeats=5)
     keys = ("mib", "d2h_pool", "d2h_pinned", "h2d_pool", "h2d_pinned")
@@ -572,7 +572,7 @@ def run_doctor(args: argparse.Namespace) -> tuple[Report, bool]:
         report.run("nccl.single_rank_communicator", check_single_rank_nccl)
         kw = ({"p_device": "cuda:0", "d_device": "cuda:1", "split_hosts": False} if two
               else {"device": "cuda", "split_hosts": True})
-        from connector.gpu_peer import LAYOUTS
+        from connector.tools.gpu_peer import LAYOUTS
 
         for layout in sorted(LAYOUTS):
             for send_type in SEND_TYPES:
@@ -608,7 +608,7 @@ def run_doctor(args: argparse.Namespace) -> tuple[Report, bool]:
     return report, gpu
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m connector.doctor") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m connector.tools.doctor") -> int:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                  epilog="exit codes: 0 all passed, 1 a check failed, 2 usage, "
                                         "3 no GPU (device-free checks passed, GPU checks not run)")

@@ -3,7 +3,7 @@ caches laid out as a vLLM KVCacheLayout, talking to the other process over the t
 the config names (nccl with the real library on a GPU machine). Needs torch, not vLLM. Run
 by ``run_pair`` (tests/test_gpu_nccl_engine.py, ``xpyd doctor``):
 
-    python -m connector.gpu_peer --role d --port P --peer-port Q --layout BLHNC --send-type PUT_ASYNC
+    python -m connector.tools.gpu_peer --role d --port P --peer-port Q --layout BLHNC --send-type PUT_ASYNC
 
 Prints one JSON line: the sha256 of every layer's source blocks (P) or destination blocks
 (D), whether D's other blocks are untouched, and what the engine reported. NCCL refuses two
@@ -152,7 +152,7 @@ def _free_port() -> int:
 
 def child_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child that imports this checkout (``-m connector...``)."""
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))), **extra}
 
 
@@ -219,7 +219,7 @@ def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str =
         if split_hosts:
             env.update(split_host_env(f"xpyd-pair-{role}"))
         return _Peer("decode" if role == "d" else "prefill",
-                     [sys.executable, "-m", "connector.gpu_peer", "--role", role, "--port", str(port),
+                     [sys.executable, "-m", "connector.tools.gpu_peer", "--role", role, "--port", str(port),
                       "--peer-port", str(peer_port), "--device", dev, *common], env)
 
     deadline = time.monotonic() + timeout

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from connector.gpu_peer import child_env, split_host_env
+from connector.tools.gpu_peer import child_env, split_host_env
 from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
 from connector.transport.nccl_lib import load_nccl_library
@@ -109,7 +109,7 @@ def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, pi
     """gather_packed / scatter_packed of ``picked`` scattered blocks of one layer, per
     layout, against ``dst.copy_(src)`` of the same bytes on the same device (bar: >= 70 %)."""
     from connector import layout as kvlayout
-    from connector.gpu_peer import LAYOUTS, make_caches
+    from connector.tools.gpu_peer import LAYOUTS, make_caches
 
     rows = []
     ids = sorted(random.Random(0).sample(range(blocks), picked))
@@ -176,7 +176,7 @@ def measure_transfers(sizes: list[int], repeats: int = 5, layers: int = 4, nccl_
     if split_hosts:
         os.environ.update(split_host_env("xpyd-bench-client"))  # this process only, before NCCL loads
     env = child_env(**(split_host_env("xpyd-bench-server") if split_hosts else {}))
-    proc = subprocess.Popen([sys.executable, "-m", "connector.gpu_bench", "--serve", "--layers", str(layers),
+    proc = subprocess.Popen([sys.executable, "-m", "connector.tools.gpu_bench", "--serve", "--layers", str(layers),
                              "--nccl-channels", str(nccl_channels or 0), "--server-device", server_device],
                             stdout=subprocess.PIPE, text=True, env=env)
     out: dict = {"ok": True, "rows": [], "channels": nccl_channels or "auto"}
@@ -234,7 +234,7 @@ def measure_transfers_fresh(sizes: list[int], repeats: int = 5, nccl_channels: i
     """``measure_transfers`` in a process of its own. NCCL reads NCCL_HOSTID and the socket
     settings once, at its first communicator: a process that made one already (the doctor's
     one-rank check) would join the server as the same host on the same GPU, which NCCL refuses."""
-    cmd = [sys.executable, "-m", "connector.gpu_bench", "--measure", "--sizes", ",".join(map(str, sizes)),
+    cmd = [sys.executable, "-m", "connector.tools.gpu_bench", "--measure", "--sizes", ",".join(map(str, sizes)),
            "--repeats", str(repeats), "--nccl-channels", str(nccl_channels or 0), "--server-device", server_device]
     if not split_hosts:
         cmd.append("--same-host")
