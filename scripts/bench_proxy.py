@@ -327,7 +327,10 @@ def _start_router(procs: list[subprocess.Popen], router_bin: str) -> Setup:
         return _spawn(procs, cmd)
 
     router = spawn([router_bin, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
-                    "--vllm-discovery-address", f"127.0.0.1:{disc}", "--log-level", "warning"])
+                    "--vllm-discovery-address", f"127.0.0.1:{disc}", "--log-level", "warning",
+                    # Its metrics port defaults to a fixed 29000, which a second router (another
+                    # run on the same machine) would find taken and exit.
+                    "--prometheus-port", str(free_port())])  # fmt: skip
     fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
     d_proc = spawn(fake + ["D", "--port", str(d_port)])
