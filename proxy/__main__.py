@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     # Imported late: --help and config errors should not pay for FastAPI/uvicorn imports.
-    from proxy.server import ProxyServer
+    from proxy.serving.server import ProxyServer
 
     try:
         server = ProxyServer(cfg)  # loads --tokenizer: a bad one is a configuration error too

@@ -50,7 +50,7 @@ class ProxyConfig:
     cache_aware_min_match: float = 0.5
     cache_aware_balance_abs: float = 8.0
     cache_aware_balance_rel: float = 1.5
-    # KV-event intake (proxy/kv_events.py; on for every instance that advertises events):
+    # KV-event intake (proxy/routing/kv_events.py; on for every instance that advertises events):
     # blocks indexed per instance at most (an advertised KV capacity only lowers it), and
     # seconds without a word from its publisher before its index counts as unknown.
     kv_index_max_blocks: int = 262_144
@@ -58,7 +58,7 @@ class ProxyConfig:
     # The model's tokenizer (directory or Hugging Face name) for the `precise` policies:
     # prompts are tokenized as vLLM does to look up the instances' KV indexes.
     tokenizer: str | None = None
-    # Tokenizing budget (proxy/prompt_keys.py): longest prompt tokenized (bytes), jobs queued
+    # Tokenizing budget (proxy/routing/prompt_keys.py): longest prompt tokenized (bytes), jobs queued
     # on the tokenizer's thread, and the longest a request waits; past any, the guess.
     tokenize_max_bytes: int = 1024 * 1024
     tokenize_max_pending: int = 8
@@ -83,7 +83,7 @@ class ProxyConfig:
     # Pass the client's Authorization header on to the instances (off: never forwarded).
     forward_client_auth: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
-    # The HTTP edge (proxy/edge.py), before any authentication: request line + headers
+    # The HTTP edge (proxy/serving/edge.py), before any authentication: request line + headers
     # (431 above), seconds to receive them from a connection's first byte (or its opening),
     # seconds to receive a body once its headers are in (408 after either), and client
     # connections held at once (new ones get 503; also capped by half the fd limit).
@@ -110,7 +110,7 @@ class ProxyConfig:
     dispatch: str = "sequential"
     # prefill: the client's first token is P's, sent as soon as P answers, and D continues
     # from prompt + that token (streaming completions whose parameters allow it:
-    # proxy/first_token.py); TTFT then waits for neither the transfer nor D's first step.
+    # proxy/dispatch/first_token.py); TTFT then waits for neither the transfer nor D's first step.
     # decode: D computes it after loading the KV, for every request.
     first_token: str = "prefill"
     # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables. 128:
@@ -222,7 +222,7 @@ class ProxyConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}")
-        from proxy.static import parse_static  # late: config must stay import-light
+        from proxy.membership.static import parse_static  # late: config must stay import-light
 
         for role, specs in (("P", self.prefill), ("D", self.decode)):
             for spec in specs:

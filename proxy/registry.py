@@ -1,7 +1,7 @@
 """The table of live P and D instances, fed by discovery and read by the router.
 
 A discovered instance starts *pending*: listed, never a routing candidate, until the prober
-hears it answer (proxy/probe.py, Prober.admit), so an address where nothing listens (mistyped,
+hears it answer (proxy/membership/probe.py, Prober.admit), so an address where nothing listens (mistyped,
 or a flood of them) never costs a client request. Discovered instances are bounded per role
 and per source host; registrations beyond the bounds are refused (RegistrationRefused).
 

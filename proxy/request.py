@@ -19,7 +19,7 @@ class RouteRequest:
     # lists): one D answers it alone, so the client gets vLLM's own verdict.
     verdict: bool = False
     _key: str | list[int] | None = field(default=None, repr=False)
-    # The prompt's token ids as vLLM computes them (proxy/prompt_keys.py), set before
+    # The prompt's token ids as vLLM computes them (proxy/routing/prompt_keys.py), set before
     # selection when a `precise` policy needs them; None: not computed or not reproducible.
     prompt_ids: list[int] | None = field(default=None, repr=False)
     # Their chained block keys per (block size, LoRA), computed once for P's and D's choice.

@@ -1,4 +1,4 @@
-"""What the HTTP edge limits (proxy/edge.py) cost per request, isolated from everything else.
+"""What the HTTP edge limits (proxy/serving/edge.py) cost per request, isolated from everything else.
 
 One uvicorn connection (the proxy's corked protocol, with and without the edge) on an
 in-memory transport serves keep-alive requests to a minimal ASGI app, interleaved rounds,
@@ -19,8 +19,8 @@ from typing import Any
 import uvicorn
 from uvicorn.server import ServerState
 
-from proxy.corked import corked_protocol
-from proxy.edge import Edge, EdgeLimits
+from proxy.serving.corked import corked_protocol
+from proxy.serving.edge import Edge, EdgeLimits
 
 BODY = b'{"model": "m", "prompt": "hello there", "max_tokens": 16, "stream": true}'
 REQUEST = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:8000\r\ncontent-type: application/json\r\n"

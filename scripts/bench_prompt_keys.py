@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What exact prompt token ids cost the proxy: a local tokenizer (proxy/prompt_keys.py, the
+"""What exact prompt token ids cost the proxy: a local tokenizer (proxy/routing/prompt_keys.py, the
 model's Hugging Face tokenizer in the proxy's process) vs asking the instance's own
 `/tokenize` (one HTTP round trip to vLLM), per request, for completions text and chat at
 ~64, ~1k and ~3.5k tokens (the tiny model's limit is 4k). Both in the same run against one
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import cluster  # noqa: E402
 
-from proxy.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer  # noqa: E402
+from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer  # noqa: E402
 
 WORDS = "river stone maple quiet engine silver garden window orbit lantern harbor meadow".split()
 

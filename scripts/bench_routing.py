@@ -61,8 +61,8 @@ from fake_vllm import FakeVLLM  # noqa: E402
 from kv_publisher import Publisher  # noqa: E402
 from proxy_helpers import running_proxy, wait_until  # noqa: E402
 
-from proxy.kv_index import IndexState  # noqa: E402
-from proxy.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer  # noqa: E402
+from proxy.routing.kv_index import IndexState  # noqa: E402
+from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer  # noqa: E402
 from xpyd_wire.kv_events import BlockRemoved, BlockStored, chain_block_keys  # noqa: E402
 
 BLOCK_TOKENS = 16
@@ -301,8 +301,8 @@ def median_result(rs: list[Result]) -> Result:
 
 # ---------------------------------------------------------------- chat trace (--chat)
 #
-# `precise` routes on the instances' own KV events (proxy/precise.py), so here the fake Ps
-# work on the prompt's real token ids (tokenized as vLLM would, proxy/prompt_keys.py) and
+# `precise` routes on the instances' own KV events (proxy/routing/policies/precise.py), so here the fake Ps
+# work on the prompt's real token ids (tokenized as vLLM would, proxy/routing/prompt_keys.py) and
 # publish a BlockStored / BlockRemoved for every block their LRU stores / evicts, through a
 # double of vLLM's ZMQ publisher (tests/kv_publisher.py) that the proxies subscribe to.
 

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_vllm import FakeVLLM, Fault  # noqa: E402
 
 from proxy.config import ProxyConfig  # noqa: E402
-from proxy.server import ProxyServer  # noqa: E402
+from proxy.serving.server import ProxyServer  # noqa: E402
 
 __all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port", "relayed"]
 

@@ -72,7 +72,7 @@ def _flag(args: list[str], flag: str) -> str | None:
 
 
 def _proxy_paths() -> set[str]:
-    from proxy.app import create_app
+    from proxy.serving.app import create_app
 
     app = create_app(load_config(["--discovery-host", "127.0.0.1"], env={}))
     return {getattr(r, "path", None) for r in app.routes} - {None}

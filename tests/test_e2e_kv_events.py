@@ -93,7 +93,7 @@ def test_index_grows_with_prompts_and_resets_on_restart(system):
 
 
 # ---------------------------------------------------------------- exact prompt keys (part 2)
-# proxy/prompt_keys.py against the same server's /tokenize: the token ids a `precise` policy
+# proxy/routing/prompt_keys.py against the same server's /tokenize: the token ids a `precise` policy
 # would key a prompt by are the ones vLLM computes, on every request shape it reproduces.
 
 TOKENIZE_CASES = {
@@ -125,7 +125,7 @@ def _vllm_tokens(p: cluster.Server, body: dict) -> list[int]:
 def test_prompt_token_ids_equal_vllms(system, case: str):
     from e2e_client import MODEL_DIR
 
-    from proxy.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
+    from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
 
     servers, _, _ = system
     body = TOKENIZE_CASES[case]
@@ -137,7 +137,7 @@ def test_prompt_token_ids_equal_vllms(system, case: str):
 def test_batch_prompt_token_ids_equal_vllms_per_element(system):
     from e2e_client import MODEL_DIR
 
-    from proxy.prompt_keys import COMPLETIONS, PromptTokenizer
+    from proxy.routing.prompt_keys import COMPLETIONS, PromptTokenizer
 
     servers, _, _ = system
     batch = ["river stone", "東京 maple", "quiet " * 50]
@@ -155,7 +155,7 @@ def test_prompt_token_ids_equal_what_vllm_served(system, prompt):
     """The ids vLLM really ran (echoed back as token ids), not only what /tokenize says."""
     from e2e_client import MODEL_DIR
 
-    from proxy.prompt_keys import COMPLETIONS, PromptTokenizer
+    from proxy.routing.prompt_keys import COMPLETIONS, PromptTokenizer
 
     servers, _, _ = system
     (ours,) = PromptTokenizer(MODEL_DIR).token_ids(COMPLETIONS, {"prompt": prompt})

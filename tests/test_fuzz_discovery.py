@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 from proxy_helpers import running_proxy, wait_until
 
-from proxy.discovery import LOG_BURST, LOG_WINDOW_S
+from proxy.membership.discovery import LOG_BURST, LOG_WINDOW_S
 from xpyd_wire.discovery import (
     DROP_REASONS,
     MAX_LOAD_COUNT,

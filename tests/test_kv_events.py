@@ -15,10 +15,10 @@ import msgpack
 import pytest
 from kv_publisher import Publisher
 
-from proxy.kv_events import EventsConfig, KVEvents
-from proxy.kv_index import ApplyStats, IndexState, InstanceIndex
 from proxy.metrics import Metrics
 from proxy.registry import Registry
+from proxy.routing.kv_events import EventsConfig, KVEvents
+from proxy.routing.kv_index import ApplyStats, IndexState, InstanceIndex
 from xpyd_wire import discovery
 from xpyd_wire.kv_events import (
     INVALID_EVENT,

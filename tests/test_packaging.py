@@ -22,7 +22,7 @@ PACKAGES = ("proxy", "connector", "xpyd_wire")
 NOT_REQUIRED = {
     "vllm": "the connector's vLLM-facing modules are loaded by vLLM itself (extra `vllm`)",
     "starlette": "fastapi's own foundation: a fastapi install has it",
-    "aiohttp": "proxy/upstream_aiohttp.py, loaded only for --upstream-client aiohttp",
+    "aiohttp": "proxy/upstream/aiohttp_client.py, loaded only for --upstream-client aiohttp",
 }
 
 

@@ -1,4 +1,4 @@
-"""proxy/prompt_keys.py without a server: request shapes, what is refused, and the block keys'
+"""proxy/routing/prompt_keys.py without a server: request shapes, what is refused, and the block keys'
 properties a `precise` policy relies on. Equality with vLLM's own /tokenize on every shape
 is tested against a real vLLM server in test_e2e_kv_events.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from e2e_client import MODEL_DIR
 
-from proxy.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer, Unsupported
+from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer, Unsupported
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from test_proxy_failures import assert_error, open_raw
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
-from xpyd_wire.discovery import Registration
 from proxy.registry import Registry
 from proxy.request import RouteRequest
-from proxy.selection import Selector
+from proxy.routing.selection import Selector
+from xpyd_wire.discovery import Registration
 
 
 def body(prompt: str) -> dict:

@@ -248,8 +248,8 @@ async def test_fastapi_app_serves_completions_without_fast_path():
     import httpx
     from proxy_helpers import FakeVLLM
 
-    from proxy.app import create_app
     from proxy.config import ProxyConfig
+    from proxy.serving.app import create_app
     from xpyd_wire.discovery import Registration
 
     app = create_app(ProxyConfig())

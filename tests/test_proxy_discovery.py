@@ -157,7 +157,7 @@ async def test_crlf_registration_is_dropped_and_requests_still_answered():
 
 
 async def test_flood_of_bad_messages_is_counted_but_logged_a_bounded_number_of_times(caplog):
-    from proxy.discovery import LOG_BURST
+    from proxy.membership.discovery import LOG_BURST
 
     n = 300
     async with running_proxy() as px:
@@ -176,7 +176,7 @@ async def test_flood_of_bad_messages_is_counted_but_logged_a_bounded_number_of_t
 
 
 def test_log_limiter_bounds_each_window_and_reports_what_it_suppressed():
-    from proxy.discovery import LogLimiter
+    from proxy.membership.discovery import LogLimiter
 
     lim = LogLimiter(burst=3, window_s=10.0)
     assert [lim.allow(100.0 + i * 0.01) for i in range(1000)].count(True) == 3
@@ -456,7 +456,7 @@ def test_replay_guard_refuses_new_nonces_when_full():
 
 
 def test_handle_message_counts_each_drop_reason_once():
-    from proxy.discovery import RESULTS, Discovery
+    from proxy.membership.discovery import RESULTS, Discovery
     from proxy.metrics import Metrics
     from proxy.registry import Registry
 

@@ -589,7 +589,7 @@ async def test_stream_error_event_when_the_rescue_fails_too(path, body):
 @pytest.mark.parametrize("http", ["httptools", "h11"])
 async def test_first_token_leaves_before_ds_request_is_built(http):
     """The client connection holds what a loop turn writes until the turn ends
-    (proxy/corked.py); P's token must not wait for the rest of the turn, in which the proxy
+    (proxy/serving/corked.py); P's token must not wait for the rest of the turn, in which the proxy
     builds and sends D's continuation. Here sending D's request holds the loop for 0.5 s:
     the client must have P's token before that ends."""
     async with running_proxy(first_token="prefill", http=http) as px:

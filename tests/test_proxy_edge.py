@@ -21,7 +21,7 @@ import pytest
 from proxy_helpers import free_port, running_proxy, wait_until
 
 from proxy.config import ProxyConfig
-from proxy.edge import fd_capped
+from proxy.serving.edge import fd_capped
 
 ROOT = Path(__file__).resolve().parent.parent
 PARSERS = ["httptools", "h11"]

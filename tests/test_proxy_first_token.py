@@ -16,8 +16,8 @@ import pytest
 from fake_vllm import DISAGGREGATED_ID, FINGERPRINT, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
 from proxy_helpers import running_proxy, wait_until
 
-from proxy import first_token
-from proxy.first_token import PromptIds
+from proxy.dispatch import first_token
+from proxy.dispatch.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.request import RouteRequest
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits

@@ -10,8 +10,8 @@ import time
 import pytest
 from proxy_helpers import FakeVLLM, free_port
 
-from proxy.httpclient import HIGH_WATER, NativeUpstream, _Conn
-from proxy.upstream import KEEPALIVE_S, UpstreamError
+from proxy.upstream.base import KEEPALIVE_S, UpstreamError
+from proxy.upstream.httpclient import HIGH_WATER, NativeUpstream, _Conn
 
 LIMIT = 64 * 1024 * 1024  # ProxyConfig.max_response_bytes' default
 

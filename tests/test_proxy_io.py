@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from proxy.corked import CorkedTransport, corked_protocol
 from proxy.deadline import Deadline
+from proxy.serving.corked import CorkedTransport, corked_protocol
 
 
 async def test_deadline_raises_timeout_and_leaves_the_task_uncancelled():
@@ -224,7 +224,7 @@ async def test_corked_protocol_serves_http(http):
 async def test_corked_flush_sends_what_is_held_before_the_turn_ends(http):
     """scope["state"][FLUSH] sends the response's held start at once: the client has it
     while the app still holds the loop (blocking here for 0.5 s), not after."""
-    from proxy.corked import FLUSH
+    from proxy.serving.corked import FLUSH
 
     flushed_at: list[float] = []
 

@@ -138,9 +138,9 @@ async def test_models_answers_are_bounded(monkeypatch):
     max_response_bytes, and answers a 502 in OpenAI error JSON past it."""
     from test_proxy_clients import HEAD, RawInstance
 
-    import proxy.probe
+    import proxy.membership.probe
 
-    monkeypatch.setattr(proxy.probe, "PROBE_MAX_BYTES", 4096)
+    monkeypatch.setattr(proxy.membership.probe, "PROBE_MAX_BYTES", 4096)
     cards = b",".join(b'{"id": "m%04d", "object": "model", "owned_by": "vllm"}' % i
                       for i in range(200))  # fmt: skip
     models = b'{"object": "list", "data": [' + cards + b"]}"

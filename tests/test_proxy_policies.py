@@ -9,14 +9,14 @@ import orjson
 import pytest
 from proxy_helpers import running_proxy
 
-from proxy import cache_aware as ca
-from proxy.cache_aware import CacheAware, CacheAwareSettings, PrefixIndex
 from proxy.config import ConfigError, ProxyConfig
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens
-from proxy.policies import PowerOfTwo, load_score, make_policy
-from xpyd_wire.discovery import Load, Registration
 from proxy.registry import Registry
 from proxy.request import RouteRequest
+from proxy.routing.policies import cache_aware as ca
+from proxy.routing.policies.base import PowerOfTwo, load_score, make_policy
+from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings, PrefixIndex
+from xpyd_wire.discovery import Load, Registration
 
 SYSTEMS = [f"System prompt {k}: " + f"rule {k} says be precise. " * 40 for k in range(3)]
 

@@ -17,14 +17,14 @@ from kv_publisher import Publisher
 from proxy_helpers import running_proxy, wait_until
 
 from proxy.config import ConfigError, ProxyConfig
-from proxy.kv_events import EventsConfig, KVEvents
-from proxy.kv_index import IndexState
 from proxy.metrics import Metrics
 from proxy.openai_api import estimate_prompt_tokens
-from proxy.precise import Precise
-from proxy.prompt_keys import COMPLETIONS, PromptTokenizer
 from proxy.registry import Registry
 from proxy.request import RouteRequest
+from proxy.routing.kv_events import EventsConfig, KVEvents
+from proxy.routing.kv_index import IndexState
+from proxy.routing.policies.precise import Precise
+from proxy.routing.prompt_keys import COMPLETIONS, PromptTokenizer
 from xpyd_wire import discovery
 from xpyd_wire.kv_events import BlockStored, EventsEndpoint
 

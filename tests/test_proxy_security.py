@@ -13,8 +13,8 @@ import re
 import pytest
 from proxy_helpers import REQUEST_ID_RE, Fault, free_port, relayed, running_proxy, wait_until
 
-from proxy.relay import at_event_boundary
-from proxy.rewrite import IdRewrite
+from proxy.dispatch.relay import at_event_boundary
+from proxy.dispatch.rewrite import IdRewrite
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}

@@ -11,8 +11,8 @@ import sys
 import httpx
 from proxy_helpers import FakeVLLM, free_port, running_proxy, wait_until
 
-from proxy.app import create_app
 from proxy.config import ProxyConfig
+from proxy.serving.app import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

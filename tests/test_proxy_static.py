@@ -13,7 +13,7 @@ import pytest
 from proxy_helpers import REQUEST_ID_RE, FakeVLLM, running_proxy, wait_until
 
 from proxy.config import ConfigError, load_config
-from proxy.static import DEFAULT_KV_PORT, parse_static
+from proxy.membership.static import DEFAULT_KV_PORT, parse_static
 
 BODY = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
 

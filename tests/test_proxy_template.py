@@ -18,7 +18,7 @@ import pytest
 from e2e_client import MODEL_DIR
 from proxy_helpers import running_proxy
 
-from proxy.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
+from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 # vLLM 0.32's answer, word for word (vllm/renderers/online_renderer.py validate_chat_template
@@ -168,7 +168,7 @@ def test_first_only_and_template_kwargs_in_the_tokenizer():
     pt = PromptTokenizer(MODEL_DIR)
     both = pt.token_ids(COMPLETIONS, {"prompt": ["river", "stone"]})
     assert pt.token_ids(COMPLETIONS, {"prompt": ["river", "stone"]}, first_only=True) == both[:1]
-    from proxy.prompt_keys import Unsupported
+    from proxy.routing.prompt_keys import Unsupported
 
     for kwargs in ({"chat_template": "{{ 'x' }}"}, {"tokenize": True}, {"documents": []}):
         with pytest.raises(Unsupported):

@@ -7,13 +7,13 @@ import re
 
 import pytest
 
-from xpyd_wire import request_id
 from proxy.errors import ProxyError, upstream_error_body
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens, prefill_body, validate_body
-from proxy.policies import LeastLoaded, RoundRobin, make_policy
-from xpyd_wire.discovery import Load, Registration
 from proxy.registry import Registry
 from proxy.request import RouteRequest
+from proxy.routing.policies.base import LeastLoaded, RoundRobin, make_policy
+from xpyd_wire import request_id
+from xpyd_wire.discovery import Load, Registration
 
 
 def reg(role: str, port: int, zmq: int | None = None, load: Load | None = None) -> Registration:
@@ -296,16 +296,16 @@ class _BrokenStream:
         return False
 
     async def chunks(self):
-        from proxy.upstream import UpstreamError
+        from proxy.upstream.base import UpstreamError
 
         yield b'data: {"choices": [{"text": " to'
         raise UpstreamError("disconnect", "instance closed the connection")
 
 
 async def test_relay_error_event_starts_on_an_event_boundary():
-    from proxy.asgi import Flight
+    from proxy.dispatch.relay import Answer, Relay
     from proxy.metrics import Metrics
-    from proxy.relay import Answer, Relay
+    from proxy.serving.asgi import Flight
 
     registry = Registry(heartbeat_timeout=10)
     d = registry.upsert(reg("D", 1), now=0)
@@ -384,7 +384,7 @@ def _error(**kw) -> bytes:
     ],
 )
 def test_judge_lead(buf, verdict):
-    from proxy.relay import StreamError, judge_lead
+    from proxy.dispatch.relay import StreamError, judge_lead
 
     got, start = judge_lead(buf)
     if isinstance(verdict, tuple):
@@ -398,7 +398,7 @@ def test_judge_lead(buf, verdict):
 
 
 def test_judge_lead_parses_no_more_than_its_cap():
-    from proxy.relay import LEAD_MAX_BYTES, judge_lead
+    from proxy.dispatch.relay import LEAD_MAX_BYTES, judge_lead
 
     big = _choice(delta={"role": "assistant", "content": ""}, pad="x" * LEAD_MAX_BYTES)
     assert judge_lead(big) == (True, 0)  # past the cap: relayed as without the hold

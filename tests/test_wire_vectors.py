@@ -134,7 +134,7 @@ def test_a_deployed_peers_kv_frames_verify():
 # ---------------------------------------------------------------- chained KV block keys
 
 def test_block_keys_known_answer():
-    """The keys instances' events and the proxy's prompts meet on (proxy/kv_index.py)."""
+    """The keys instances' events and the proxy's prompts meet on (proxy/routing/kv_index.py)."""
     assert chain_block_keys(list(range(10)), 4) == [0x864183D0961535E5, 0xF7AF58AC9696A18F]
     assert chain_block_keys(list(range(8)), 4, salt="adapter-a") == [0xF030086B4E1BA0EC, 0x4F112E49F95264F2]
     assert chain_block_key(ROOT_KEY, [1, 2, 3, 4]) == 0x6BBD5399E4C87BB3

@@ -11,8 +11,8 @@ from proxy.request import RouteRequest
 
 if TYPE_CHECKING:
     from proxy.config import ProxyConfig
-    from proxy.kv_events import KVEvents
     from proxy.metrics import Metrics
+    from proxy.routing.kv_events import KVEvents
 
 # One in-flight request counts as much as this many in-flight prompt tokens.
 TOKENS_PER_REQUEST = 1024.0
@@ -112,7 +112,7 @@ def make_policy(name: str, cfg: ProxyConfig | None = None, events: KVEvents | No
         return PowerOfTwo()
     if name not in ("cache_aware", "precise"):
         raise ValueError(f"unknown policy {name!r}")
-    from proxy.cache_aware import CacheAware, CacheAwareSettings  # imports this module
+    from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings  # imports this module
 
     settings = None
     if cfg is not None:
@@ -127,7 +127,7 @@ def make_policy(name: str, cfg: ProxyConfig | None = None, events: KVEvents | No
         return CacheAware(settings)
     if events is None:
         raise ValueError("the precise policy needs the proxy's KV-event intake")
-    from proxy.precise import Precise
+    from proxy.routing.policies.precise import Precise
 
     on_choice = None
     if metrics is not None:

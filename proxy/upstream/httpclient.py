@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import httptools
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError, too_large
+from proxy.upstream.base import KEEPALIVE_S, UpstreamError, too_large
 
 # Pause reading from an instance when this much body is buffered but not yet relayed
 # (a slow client must slow the instance down, not grow the proxy's memory).

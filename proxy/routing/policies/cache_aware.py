@@ -16,9 +16,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.policies import LeastLoaded, load_score
 from proxy.registry import Instance
 from proxy.request import RouteRequest
+from proxy.routing.policies.base import LeastLoaded, load_score
 
 # The proxy's own prompt-size estimate (openai_api.estimate_prompt_tokens) counts 4
 # characters per token; text chunks use the same rate so matches convert back to tokens.

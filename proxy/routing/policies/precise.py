@@ -1,7 +1,7 @@
 """`precise`: route a prompt to the instance whose KV cache really holds its longest prefix,
-as that instance's own vLLM KV events report it (proxy/kv_events.py, proxy/kv_index.py).
+as that instance's own vLLM KV events report it (proxy/routing/kv_events.py, proxy/routing/kv_index.py).
 
-For each candidate the prompt's exact token ids (proxy/prompt_keys.py, computed once per
+For each candidate the prompt's exact token ids (proxy/routing/prompt_keys.py, computed once per
 request before selection) are cut into the instance's block size and chained
 (xpyd_wire.kv_events.chain_block_keys, salted by the LoRA adapter when the requested model
 is one), and the index says how many leading blocks it holds. An instance whose index is
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from proxy.cache_aware import CacheAware, CacheAwareSettings
-from proxy.kv_events import KVEvents
-from proxy.kv_index import IndexState
-from proxy.policies import LeastLoaded, load_score
 from proxy.registry import Instance
 from proxy.request import RouteRequest
+from proxy.routing.kv_events import KVEvents
+from proxy.routing.kv_index import IndexState
+from proxy.routing.policies.base import LeastLoaded, load_score
+from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings
 from xpyd_wire.kv_events import chain_block_keys
 
 

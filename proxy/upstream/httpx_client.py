@@ -1,4 +1,4 @@
-"""Upstream client on httpx (--upstream-client httpx); see proxy/upstream.py."""
+"""Upstream client on httpx (--upstream-client httpx); see proxy/upstream/base.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import httpx
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError, read_limited
+from proxy.upstream.base import KEEPALIVE_S, UpstreamError, read_limited
 
 
 def _why(e: BaseException) -> str:

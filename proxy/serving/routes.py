@@ -11,20 +11,20 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
-from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
-from proxy.corked import FLUSH
 from proxy.credentials import forwards_client_auth, upstream_key_header
-from proxy.dispatch import Call, Dispatcher
+from proxy.dispatch.dispatcher import Call, Dispatcher
 from proxy.errors import ProxyError
-from proxy.kv_events import KVEvents
 from proxy.metrics import Metrics
 from proxy.openai_api import estimate_prompt_tokens, validate_body
 from proxy.registry import Registry
 from proxy.request import RouteRequest
-from proxy.selection import Selector
-from proxy.upstream import Upstream
+from proxy.routing.kv_events import KVEvents
+from proxy.routing.selection import Selector
+from proxy.serving.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
+from proxy.serving.asgi import watch_disconnect as _watch
+from proxy.serving.corked import FLUSH
+from proxy.upstream.base import Upstream
 
 log = logging.getLogger("xpyd.proxy.routing")
 

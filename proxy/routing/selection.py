@@ -11,14 +11,14 @@ from collections.abc import Collection
 
 import orjson
 
-from proxy.admission import Limits, WaitQueue
 from proxy.config import ConfigError, ProxyConfig
 from proxy.errors import ProxyError
-from proxy.kv_events import KVEvents
 from proxy.metrics import Metrics
-from proxy.policies import Policy, make_policy
 from proxy.registry import Instance, Registry
 from proxy.request import RouteRequest
+from proxy.routing.admission import Limits, WaitQueue
+from proxy.routing.kv_events import KVEvents
+from proxy.routing.policies.base import Policy, make_policy
 
 log = logging.getLogger("xpyd.proxy.selection")
 
@@ -40,10 +40,10 @@ class Selector:
             "D": make_policy(cfg.decode_policy, cfg, events, metrics, "D"),
         }
         # Exact prompt token ids, only for the precise policies (loading one costs ~1 s),
-        # tokenized on their own thread within a budget (proxy/prompt_keys.py Tokenizing).
+        # tokenized on their own thread within a budget (proxy/routing/prompt_keys.py Tokenizing).
         self.prompts = None
         if "precise" in (cfg.prefill_policy, cfg.decode_policy) and cfg.tokenizer:
-            from proxy.prompt_keys import PromptTokenizer, TokenizeBudget, Tokenizing
+            from proxy.routing.prompt_keys import PromptTokenizer, TokenizeBudget, Tokenizing
 
             try:
                 tokenizer = PromptTokenizer(cfg.tokenizer)
@@ -59,7 +59,7 @@ class Selector:
         prompts = self.prompts
         if prompts is None or req.prompt_ids is not None:
             return
-        from proxy.prompt_keys import TemplateRefused
+        from proxy.routing.prompt_keys import TemplateRefused
 
         try:
             ids, result = await prompts.first_ids(req.path, req.body, len(req.raw))

@@ -8,7 +8,7 @@ Failures are sorted by what can still be done about them:
   is left (or every retry failed), D alone once (local_rescue): a lost KV transfer fails
   D's request, D prefilling itself does not need one;
 - an instance's own HTTP error (4xx, or P's 5xx): relayed as it is, never retried;
-- with the first token from P (proxy/first_token.py) the client has a 200 and a token
+- with the first token from P (proxy/dispatch/first_token.py) the client has a 200 and a token
   before D is asked: D's failures end the stream with an error event, after one D-alone
   continuation for the failures above that a rescue may mend.
 """
@@ -23,19 +23,19 @@ from dataclasses import dataclass
 
 import orjson
 
-from proxy import first_token
-from proxy.asgi import Flight, Send, ms
 from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
+from proxy.dispatch import first_token
+from proxy.dispatch.relay import Answer, Relay, StreamFailed, read_lead
+from proxy.dispatch.rewrite import IdRewrite, neutral_id
 from proxy.errors import ProxyError, instance_text, sse_event_of, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
 from proxy.registry import Instance
-from proxy.relay import Answer, Relay, StreamFailed, read_lead
 from proxy.request import RouteRequest
-from proxy.rewrite import IdRewrite, neutral_id
-from proxy.selection import Selector
-from proxy.upstream import Upstream, UpstreamError, UpstreamResponse
+from proxy.routing.selection import Selector
+from proxy.serving.asgi import Flight, Send, ms
+from proxy.upstream.base import Upstream, UpstreamError, UpstreamResponse
 from xpyd_wire import request_id
 
 log = logging.getLogger("xpyd.proxy.dispatch")
@@ -101,7 +101,7 @@ class Call:
     # gets what is left of that attempt's decode_ttfb_timeout, never a new one.
     decode_due: float | None = None
     went_local: bool = False  # D was asked alone: a rescue would be a second try of that
-    # Sends what the client connection holds now (proxy/corked.py); None: not corked.
+    # Sends what the client connection holds now (proxy/serving/corked.py); None: not corked.
     flush: Callable[[], None] | None = None
 
 
@@ -377,7 +377,7 @@ class Dispatcher:
     def _first_token_answer(self, call: Call, d: Instance, first: first_token.FirstToken,
                             headers: dict[str, str]) -> Answer:  # fmt: skip
         """P's token goes to the client now; D's continuation is opened when the relay
-        asks for what follows it (proxy/first_token.py)."""
+        asks for what follows it (proxy/dispatch/first_token.py)."""
         body = call.req.body
         usage = first_token.usage_wanted(body)
         rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
@@ -412,7 +412,7 @@ class Dispatcher:
         rescuer: Instance | None = None
         if call.flush is not None:
             # The relay has just written P's token, which the transport would hold until
-            # this loop turn ends (proxy/corked.py): send it before D's request is built.
+            # this loop turn ends (proxy/serving/corked.py): send it before D's request is built.
             call.flush()
         try:
             try:

@@ -39,8 +39,8 @@ from typing import Any
 
 import orjson
 
+from proxy.dispatch.relay import EVENT_END, EVENT_ENDS
 from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
-from proxy.relay import EVENT_END, EVENT_ENDS
 from proxy.request import RouteRequest
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM

@@ -20,7 +20,7 @@ from typing import Any
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from proxy.edge import Edge, guarded_protocol
+from proxy.serving.edge import Edge, guarded_protocol
 
 FLUSH = "xpyd.flush"  # scope["state"] key: a callable that sends what the connection holds
 
@@ -74,7 +74,7 @@ class CorkedTransport:
 
 def corked_protocol(http: str, edge: Edge | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class ``http`` (auto, httptools, h11), whose connections
-    write through a CorkedTransport (and, with `edge`, keep its limits: proxy/edge.py)."""
+    write through a CorkedTransport (and, with `edge`, keep its limits: proxy/serving/edge.py)."""
     base: Any = import_from_string(HTTP_PROTOCOLS[http])
     if edge is not None:
         from uvicorn.protocols.http.h11_impl import H11Protocol

@@ -1,6 +1,6 @@
 """The interface the router uses to talk to P/D instances, and its implementations.
 
-"native" (proxy/httpclient.py, the default) is a minimal pooled HTTP/1.1 client on asyncio
+"native" (proxy/upstream/httpclient.py, the default) is a minimal pooled HTTP/1.1 client on asyncio
 + httptools; "aiohttp" and "httpx" wrap those libraries (imported only when chosen). All
 keep pooled keep-alive connections and close the connection when a response is abandoned,
 which is how vLLM learns that a request was cancelled (it aborts it on disconnect).
@@ -84,15 +84,15 @@ async def read_limited(pieces: AsyncIterator[bytes], announced: int | None, limi
 
 def make_upstream(kind: str, connect_timeout: float, max_response_bytes: int) -> Upstream:
     if kind == "native":
-        from proxy.httpclient import NativeUpstream
+        from proxy.upstream.httpclient import NativeUpstream
 
         return NativeUpstream(connect_timeout, max_response_bytes)
     if kind == "aiohttp":
-        from proxy.upstream_aiohttp import AiohttpUpstream
+        from proxy.upstream.aiohttp_client import AiohttpUpstream
 
         return AiohttpUpstream(connect_timeout, max_response_bytes)
     if kind == "httpx":
-        from proxy.upstream_httpx import HttpxUpstream
+        from proxy.upstream.httpx_client import HttpxUpstream
 
         return HttpxUpstream(connect_timeout, max_response_bytes)
     raise ValueError(f"unknown upstream client {kind!r}")

@@ -11,10 +11,10 @@ from typing import Any
 
 import uvicorn
 
-from proxy.app import ProxyState, create_app, fast_path
 from proxy.config import ProxyConfig
-from proxy.corked import corked_protocol
-from proxy.edge import Edge, EdgeLimits
+from proxy.serving.app import ProxyState, create_app, fast_path
+from proxy.serving.corked import corked_protocol
+from proxy.serving.edge import Edge, EdgeLimits
 
 log = logging.getLogger("xpyd.proxy")
 
@@ -38,8 +38,8 @@ class ProxyServer(uvicorn.Server):
             host=cfg.host,
             port=cfg.port,
             loop=cfg.loop,
-            # One system call for what a response writes in one loop turn (proxy/corked.py).
-            # ... and its HTTP edge limits, before any authentication (proxy/edge.py).
+            # One system call for what a response writes in one loop turn (proxy/serving/corked.py).
+            # ... and its HTTP edge limits, before any authentication (proxy/serving/edge.py).
             http=corked_protocol(cfg.http, self.edge),
             h11_max_incomplete_event_size=cfg.max_header_bytes,
             lifespan="on",

@@ -18,11 +18,11 @@ import orjson
 
 from proxy.config import ProxyConfig
 from proxy.credentials import probe_headers
-from proxy.discovery import LogLimiter
+from proxy.membership.discovery import LogLimiter
+from proxy.membership.static import parse_static
 from proxy.metrics import Metrics
 from proxy.registry import Instance, Registry
-from proxy.static import parse_static
-from proxy.upstream import Upstream, UpstreamError
+from proxy.upstream.base import Upstream, UpstreamError
 
 log = logging.getLogger("xpyd.proxy.probe")
 

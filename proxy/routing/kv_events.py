@@ -1,5 +1,5 @@
 """KV-event intake: one ZMQ SUB per instance that advertises a KV-event endpoint, feeding
-that instance's block index (proxy/kv_index.py), on the proxy's one event loop.
+that instance's block index (proxy/routing/kv_index.py), on the proxy's one event loop.
 
 Lifecycle: a reconcile pass (every `reconcile_s`, and at once through kick()) subscribes to
 every instance the registry holds whose registration (or --prefill/--decode `events=`)
@@ -54,9 +54,9 @@ import zmq.asyncio
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.kv_index import ApplyStats, IndexState, InstanceIndex
 from proxy.metrics import Metrics
 from proxy.registry import Instance, Registry
+from proxy.routing.kv_index import ApplyStats, IndexState, InstanceIndex
 from xpyd_wire.kv_events import (
     DROP_REASONS,
     END_SEQ,

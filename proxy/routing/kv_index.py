@@ -1,4 +1,4 @@
-"""Which KV blocks each instance holds, learned from its KV events (proxy/kv_events.py).
+"""Which KV blocks each instance holds, learned from its KV events (proxy/routing/kv_events.py).
 
 Blocks are keyed by xpyd_wire.kv_events.chain_block_keys (a chained hash of the full blocks'
 token ids, salted by LoRA name), not by vLLM's block hashes, so a prompt's keys computed by the

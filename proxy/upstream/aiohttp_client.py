@@ -1,4 +1,4 @@
-"""Upstream client on aiohttp (--upstream-client aiohttp); see proxy/upstream.py."""
+"""Upstream client on aiohttp (--upstream-client aiohttp); see proxy/upstream/base.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 import aiohttp
 from aiohttp.client_proto import ResponseHandler
 
-from proxy.upstream import KEEPALIVE_S, UpstreamError, read_limited
+from proxy.upstream.base import KEEPALIVE_S, UpstreamError, read_limited
 
 
 class _Handler(ResponseHandler):

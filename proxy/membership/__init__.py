@@ -1,0 +1,1 @@
+"""Which instances exist: ZMQ discovery, static instances, and the prober that admits them."""

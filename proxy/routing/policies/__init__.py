@@ -1,0 +1,1 @@
+"""Instance selection policies: the interface (base), one module per policy, the factory."""

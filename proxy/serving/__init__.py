@@ -1,0 +1,1 @@
+"""The HTTP side: the ASGI app and its routes, corked client connections, the edge limits, uvicorn."""
