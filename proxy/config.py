@@ -10,16 +10,14 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from proxy.errors import ConfigError  # re-exported: proxy.config.ConfigError is what callers catch
+
 ENV_PREFIX = "XPYD_"
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", "precise")
 DISPATCH_MODES = ("sequential", "concurrent")
 FIRST_TOKEN_MODES = ("prefill", "decode")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-
-
-class ConfigError(ValueError):
-    """A configuration value that is missing, of the wrong type or out of range."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,12 @@ import json
 from types import MappingProxyType
 from typing import Any
 
+
+class ConfigError(ValueError):
+    """A configuration value that is missing, of the wrong type or out of range (raised by
+    proxy/config.py and proxy/membership/static.py; here so that static need not import config)."""
+
+
 # HTTP status -> OpenAI error "type".
 _TYPES = MappingProxyType(
     {

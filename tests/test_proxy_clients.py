@@ -12,7 +12,8 @@ import pytest
 from proxy_helpers import Fault, relayed, running_proxy, wait_until
 from test_proxy_httpclient import RawServer, read_request, reset
 
-from proxy.upstream.base import UpstreamError, make_upstream
+from proxy.upstream.base import UpstreamError
+from proxy.upstream.factory import make_upstream
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])

@@ -14,8 +14,10 @@ from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.routing.policies import cache_aware as ca
-from proxy.routing.policies.base import PowerOfTwo, load_score, make_policy
+from proxy.routing.policies.base import load_score
 from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings, PrefixIndex
+from proxy.routing.policies.factory import make_policy
+from proxy.routing.policies.power_of_two import PowerOfTwo
 from xpyd_wire.discovery import Load, Registration
 
 SYSTEMS = [f"System prompt {k}: " + f"rule {k} says be precise. " * 40 for k in range(3)]

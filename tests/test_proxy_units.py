@@ -11,7 +11,9 @@ from proxy.errors import ProxyError, upstream_error_body
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens, prefill_body, validate_body
 from proxy.registry import Registry
 from proxy.request import RouteRequest
-from proxy.routing.policies.base import LeastLoaded, RoundRobin, make_policy
+from proxy.routing.policies.factory import make_policy
+from proxy.routing.policies.least_loaded import LeastLoaded
+from proxy.routing.policies.round_robin import RoundRobin
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load, Registration
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from proxy.config import ConfigError
+from proxy.errors import ConfigError
 from xpyd_wire.kv_events import EventError, EventsEndpoint, decode_endpoint
 
 # vLLM's KVTransferConfig.kv_port default: where the connector listens unless told otherwise.

@@ -18,7 +18,8 @@ from proxy.registry import Instance, Registry
 from proxy.request import RouteRequest
 from proxy.routing.admission import Limits, WaitQueue
 from proxy.routing.kv_events import KVEvents
-from proxy.routing.policies.base import Policy, make_policy
+from proxy.routing.policies.base import Policy
+from proxy.routing.policies.factory import make_policy
 
 log = logging.getLogger("xpyd.proxy.selection")
 

@@ -29,7 +29,8 @@ from proxy.registry import Instance, Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
 from proxy.serving.asgi import Receive, Scope, Send
 from proxy.serving.routes import Router
-from proxy.upstream.base import Upstream, UpstreamError, make_upstream
+from proxy.upstream.base import Upstream, UpstreamError
+from proxy.upstream.factory import make_upstream
 
 log = logging.getLogger("xpyd.proxy")
 

@@ -80,19 +80,3 @@ async def read_limited(pieces: AsyncIterator[bytes], announced: int | None, limi
             raise too_large(limit, "more arrived")
         parts.append(chunk)
     return b"".join(parts)
-
-
-def make_upstream(kind: str, connect_timeout: float, max_response_bytes: int) -> Upstream:
-    if kind == "native":
-        from proxy.upstream.httpclient import NativeUpstream
-
-        return NativeUpstream(connect_timeout, max_response_bytes)
-    if kind == "aiohttp":
-        from proxy.upstream.aiohttp_client import AiohttpUpstream
-
-        return AiohttpUpstream(connect_timeout, max_response_bytes)
-    if kind == "httpx":
-        from proxy.upstream.httpx_client import HttpxUpstream
-
-        return HttpxUpstream(connect_timeout, max_response_bytes)
-    raise ValueError(f"unknown upstream client {kind!r}")

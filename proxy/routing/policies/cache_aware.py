@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from proxy.registry import Instance
 from proxy.request import RouteRequest
-from proxy.routing.policies.base import LeastLoaded, load_score
+from proxy.routing.policies.base import load_score
+from proxy.routing.policies.least_loaded import LeastLoaded
 
 # The proxy's own prompt-size estimate (openai_api.estimate_prompt_tokens) counts 4
 # characters per token; text chunks use the same rate so matches convert back to tokens.

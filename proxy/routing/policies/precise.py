@@ -29,8 +29,9 @@ from proxy.registry import Instance
 from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
 from proxy.routing.kv_index import IndexState
-from proxy.routing.policies.base import LeastLoaded, load_score
+from proxy.routing.policies.base import load_score
 from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings
+from proxy.routing.policies.least_loaded import LeastLoaded
 from xpyd_wire.kv_events import chain_block_keys
 
 

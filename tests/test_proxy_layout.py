@@ -1,0 +1,143 @@
+"""proxy/ keeps the shape issue 38 gave it: a small root of shared vocabulary and wings
+(serving, dispatch, routing, upstream, membership), no import circle between its modules
+(function-level imports count: a deferred import only hides a circle), no package
+__init__ that imports, and no module over ~500 lines unless it is listed here with its one job."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROXY = ROOT / "proxy"
+
+ROOT_MODULES = {
+    "__init__", "__main__", "config", "credentials", "deadline", "errors", "metrics", "openai_api", "registry",
+    "request", "secret_files",
+}  # fmt: skip
+WINGS = {"serving", "dispatch", "routing", "upstream", "membership"}
+MAX_LINES = 500
+# Over MAX_LINES, each with its one job; a module may only shrink below its figure here.
+LONG_MODULES = {
+    # The rules of the first token from P, one allow-list and the translation of D's events
+    # that tests reach through the module (first_token.X).
+    "proxy/dispatch/first_token.py": 680,
+    # The KV-event intake: one class (KVEvents) owning every instance's SUB sockets.
+    "proxy/routing/kv_events.py": 630,
+    # Every dispatch path in one class until the next commit splits it.
+    "proxy/dispatch/dispatcher.py": 720,
+}
+
+
+def module_name(path: Path, base: Path) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, anywhere in it (function-level
+    and TYPE_CHECKING imports too); `from pkg import name` counts pkg.name when that is a module."""
+    base = package.parent
+    paths = {module_name(p, base): p for p in sorted(package.rglob("*.py"))}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = here.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    mod = ".".join(parts + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if (r := resolve(t)) is not None and r != name:
+                    found.add(r)
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected components of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_in_proxy():
+    assert cycles(import_graph(PROXY)) == []
+
+
+def test_the_check_sees_a_circle_closed_by_a_deferred_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "wing").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "wing" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.wing import b\n")
+    (pkg / "wing" / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    (pkg / "c.py").write_text("from pkg import a\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.c"] == {"pkg", "pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.wing.b"]]
+
+
+def test_root_holds_the_vocabulary_and_the_rest_lives_in_wings():
+    assert {p.stem for p in PROXY.glob("*.py")} == ROOT_MODULES
+    assert {p.name for p in PROXY.iterdir() if p.is_dir() and p.name != "__pycache__"} == WINGS
+
+
+def test_package_inits_import_nothing():
+    # An __init__ that imports its modules would put the package on every import path.
+    for init in PROXY.rglob("__init__.py"):
+        tree = ast.parse(init.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], init
+
+
+def test_no_proxy_module_over_500_lines_unless_listed():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in PROXY.rglob("*.py")}
+    over = {p: n for p, n in sizes.items() if n > MAX_LINES and p not in LONG_MODULES}
+    assert over == {}
+    for path, cap in LONG_MODULES.items():
+        assert MAX_LINES < sizes[path] <= cap, (path, sizes[path])
