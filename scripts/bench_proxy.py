@@ -283,9 +283,10 @@ def _spawn(procs: list[subprocess.Popen], cmd: list[str], cwd: str | None = None
     procs.append(p)
     return p
 
-def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router") -> Setup:
-    if variant == "vllm-router":
-        return _start_router(procs, router_bin)
+def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router",
+                router_policy: str = "round_robin") -> Setup:  # fmt: skip
+    if variant.partition(":")[0] == "vllm-router":  # "vllm-router:POLICY": the router with that --policy
+        return _start_router(procs, router_bin, variant.partition(":")[2] or router_policy, variant)
     # "...@DIR": the proxy of another checkout (e.g. a git worktree of an older commit), for
     # an A/B of two versions in one run; `python -m proxy` imports from its working directory.
     variant_spec, _, checkout = variant.partition("@")
@@ -317,7 +318,8 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
     return Setup(variant, d_port, d_proc, proxy_port, proxy)
 
 
-def _start_router(procs: list[subprocess.Popen], router_bin: str) -> Setup:
+def _start_router(procs: list[subprocess.Popen], router_bin: str, policy: str = "round_robin",
+                  name: str = "vllm-router") -> Setup:  # fmt: skip
     """vllm-router (Rust) in its vLLM P/D mode, fed by the same fake P and D over its ZMQ
     discovery (they speak the upstream registration format): the side-by-side baseline."""
     py = sys.executable
@@ -330,15 +332,18 @@ def _start_router(procs: list[subprocess.Popen], router_bin: str) -> Setup:
                     "--vllm-discovery-address", f"127.0.0.1:{disc}", "--log-level", "warning",
                     # Its metrics port defaults to a fixed 29000, which a second router (another
                     # run on the same machine) would find taken and exit.
-                    "--prometheus-port", str(free_port())])  # fmt: skip
+                    "--prometheus-port", str(free_port()),
+                    # Its default, cache_aware, sends /v1/completions/render and /tokenize to every
+                    # P and D before each request; round_robin is the proxy's default too.
+                    "--policy", policy])  # fmt: skip
     fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
     d_proc = spawn(fake + ["D", "--port", str(d_port)])
-    return Setup("vllm-router", d_port, d_proc, port, router)
+    return Setup(name, d_port, d_proc, port, router)
 
 
 def _ready_path(s: Setup) -> str:
-    return "/health" if s.variant == "vllm-router" else "/ready"
+    return "/health" if s.variant.startswith("vllm-router") else "/ready"
 
 
 def _wait_routed(s: Setup, timeout: float = 30.0) -> None:
@@ -413,7 +418,7 @@ def bench(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     variants = args.variants or [f"{args.upstream_client}/{args.loop}/{args.http}"]
     try:
-        setups = [start_setup(v, procs, args.router_bin) for v in variants]
+        setups = [start_setup(v, procs, args.router_bin, args.router_policy) for v in variants]
         for s in setups:
             wait_http(s.d_port, "/health")
             wait_http(s.proxy_port, _ready_path(s))
@@ -444,7 +449,7 @@ def bench(args: argparse.Namespace) -> int:
         report(results, args)
         if args.profile:
             for s in setups:
-                if s.variant != "vllm-router":
+                if not s.variant.startswith("vllm-router"):
                     profile(s, args)
         for s in setups:
             s.proxy_proc.send_signal(signal.SIGTERM)
@@ -502,9 +507,12 @@ def main() -> int:
     ap.add_argument("--variants", nargs="*",
                     help="client/loop/http[+expose|+first-token|+decode-first][@DIR] combinations to compare "
                          "(@DIR: the proxy of another checkout, e.g. a git worktree of an older commit), "
-                         "or vllm-router")  # fmt: skip
+                         "or vllm-router (its --policy: --router-policy; vllm-router:POLICY for another)")  # fmt: skip
     ap.add_argument("--router-bin", default="vllm-router",
                     help="vllm-router executable for the vllm-router variant (pip install vllm-router==0.1.17)")
+    ap.add_argument("--router-policy", default="round_robin",
+                    help="the router's --policy (its own default, cache_aware, asks every instance to render and "
+                         "tokenize each request first: 2 more requests per instance)")  # fmt: skip
     ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                     help="after the measurements, sample each xPyD proxy with py-spy for SECONDS at the "
                          "largest concurrency and print where its CPU goes")

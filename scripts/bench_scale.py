@@ -223,7 +223,8 @@ def start_all(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: str)
     for http, disc in rt_ports:
         rt_procs.append(spawn([args.router_bin, "--host", "127.0.0.1", "--port", str(http),
                                "--vllm-pd-disaggregation", "--vllm-discovery-address", f"127.0.0.1:{disc}",
-                               "--log-level", "warning", "--prometheus-port", str(free_port())]))  # fmt: skip
+                               "--log-level", "warning", "--prometheus-port", str(free_port()),
+                               "--policy", args.router_policy]))  # fmt: skip
     fake_ports = {role: [free_port() for _ in range(args.instances)] for role in ("P", "D")}
     fakes = []
     for role, ports in fake_ports.items():
@@ -325,7 +326,7 @@ def _added(points: list[Point], base: list[Point], attr: str) -> float:
 def report(setups: list[Setup], points: dict[tuple[str, int], list[Point]], args: argparse.Namespace) -> list[dict]:
     print(f"\nxPyD at scale: {args.instances} P + {args.instances} D fake instances, streaming completions of "
           f"{args.tokens} tokens, {os.cpu_count()} CPUs, {args.duration:g} s per point, median of {args.rounds} "
-          "interleaved rounds")  # fmt: skip
+          f"interleaved rounds; vllm-router --policy {args.router_policy}")  # fmt: skip
     print(
         "+p50/+p99: added to lb->D (haproxy -> the fake Ds) in the same round; cpu: ms per request "
         "(proxy = the N proxies together); x rt = ours / the router's at the same N"
@@ -399,6 +400,10 @@ def main() -> int:
         default=None,
         help="vllm-router executable (pip install vllm-router==0.1.17); without it no router rows",
     )
+    ap.add_argument("--router-policy", default="round_robin",
+                    help="the routers' --policy (like the proxy's default; the router's own default, cache_aware, "
+                         "asks every instance to render and tokenize each request first: with 8 P and 8 D, 32 more "
+                         "requests per request)")  # fmt: skip
     ap.add_argument("--checkout", default=ROOT, help="run the proxy of this checkout (default: this one)")
     ap.add_argument("--proxy-arg", action="append", default=[], help="an extra flag for every proxy (repeatable)")
     ap.add_argument("--json", help="write the rows (and every round) here")
