@@ -13,7 +13,8 @@ import orjson
 
 from proxy.config import ProxyConfig
 from proxy.credentials import forwards_client_auth, upstream_key_header
-from proxy.dispatch.dispatcher import Call, Dispatcher
+from proxy.dispatch.call import Call
+from proxy.dispatch.dispatcher import Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
 from proxy.openai_api import estimate_prompt_tokens, validate_body

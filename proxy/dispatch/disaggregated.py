@@ -1,0 +1,264 @@
+"""The disaggregated path: P prefills the prompt (and ships its KV, per the connector's send
+mode), D decodes from it. P unreachable or timed out: another P (bounded by prefill_retries).
+With the first token from P (continuation.py), P's token may start the client's answer, or be
+all of it (prefill_alone: one token asked for, so P ships no KV)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+
+from proxy.config import ProxyConfig
+from proxy.deadline import Deadline
+from proxy.dispatch import first_token
+from proxy.dispatch.call import DISAGGREGATED, PREFILL_ALONE, Call
+from proxy.dispatch.continuation import Continuation
+from proxy.dispatch.decode import Decode, too_large
+from proxy.dispatch.relay import Answer
+from proxy.errors import ProxyError, upstream_text
+from proxy.metrics import Metrics
+from proxy.openai_api import CHAT, prefill_body
+from proxy.registry import Instance
+from proxy.request import RouteRequest
+from proxy.routing.selection import Selector
+from proxy.serving.asgi import ms
+from proxy.upstream.base import Upstream, UpstreamError
+from xpyd_wire import request_id
+
+log = logging.getLogger("xpyd.proxy.dispatch")
+
+_DISAGGREGATED_PATH = DISAGGREGATED.encode()
+_PREFILL_ALONE_PATH = PREFILL_ALONE.encode()
+
+
+class PrefillRefused(ProxyError):
+    """P's 4xx (its verdict on the prefill request): one D judges the client's own request,
+    since vLLM answers some refusals as a 200 stream with an error event, and P saw a
+    request cut down to one token."""
+
+
+class PrefillExhausted(Exception):
+    """Every P attempt failed to reach or finish; `error` says how, `unreachable` whether
+    no P could even be connected to (then D may prefill alone)."""
+
+    def __init__(self, error: ProxyError, unreachable: bool) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.unreachable = unreachable
+
+
+class Disaggregated:
+    def __init__(self, cfg: ProxyConfig, selector: Selector, metrics: Metrics, upstream: Upstream, decode: Decode,
+                 continuation: Continuation) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.selector = selector
+        self.metrics = metrics
+        self.upstream = upstream
+        self.decode = decode
+        self.continuation = continuation
+        self._phase = metrics.phase_children
+        self._concurrent = cfg.dispatch == "concurrent"
+        self._first_token = cfg.first_token == "prefill"
+        self._expose = cfg.expose_routing_headers
+
+    async def answer(self, call: Call, d: Instance) -> Answer:
+        """P prefills (another P on failure), D decodes from P's KV; the D answer opened."""
+        cfg = self.cfg
+        req = call.req
+        limits = d.output_limits
+        first_mode = self._first_token and first_token.eligible(req, limits, d.generation)
+        # P's one token is the whole answer: a plain request id, so P ships no KV that D would
+        # never claim (it would hold D's receive buffer until buffer_ttl_s).
+        alone = first_mode and first_token.max_tokens(req.body, req.path == CHAT, limits) == 1
+        try:
+            skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
+            pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if first_mode
+                                   else prefill_body(req.path, req.body, skip))
+        except orjson.JSONEncodeError:
+            # orjson reads nesting up to 1024 levels but writes only up to 254.
+            raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None
+        call.decode_due = None
+        tried: list[Instance] = []
+        slow: list[Instance] = []  # timed out: never worth a second try
+        failures: list[str] = []  # UpstreamError kinds and "timeout", per attempt
+        last_msg = ""
+        for attempt in range(cfg.prefill_retries + 1):
+            # Prefer a P not tried yet; one that merely refused may be tried again (transient).
+            p = (await self.selector.acquire("P", req, tried)
+                 or await self.selector.acquire("P", req, slow))  # fmt: skip
+            if p is None:
+                break
+            rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
+            headers = {**req.headers, "x-request-id": rid}
+            t_start = time.perf_counter()
+            if attempt == 0:
+                self._phase["queue"].observe(t_start - call.t0)
+                call.flight.extra.append((b"x-xpyd-queue-ms", ms(t_start - call.t0)))
+            else:
+                self.metrics.prefill_retries.inc()
+            try:
+                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req,
+                                                                    concurrent_ok=not first_mode)
+            except (UpstreamError, TimeoutError) as e:
+                tried.append(p)
+                kind = e.kind if isinstance(e, UpstreamError) else "timeout"
+                if kind == "timeout":
+                    slow.append(p)
+                    last_msg = f"timed out after {cfg.prefill_timeout}s"
+                else:
+                    last_msg = str(e)
+                failures.append(kind)
+                self._prefill_failed(p, kind, attempt, last_msg)
+                if kind != "timeout":
+                    last_msg = upstream_text(kind, last_msg, self._expose)
+                continue
+            except ProxyError:  # P's (or D's) own answer, relayed: say who gave it
+                self._prefill_done(call, p, rid, t_start)
+                raise
+            t_pre = self._prefill_done(call, p, rid, t_start)
+            call.decode_due = t_pre
+            p.served += 1
+            self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
+            call.flight.extra.append((b"x-xpyd-path", _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
+            first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
+            if first is not None and limits is not None and first_token.starts_answer(req.body, first, limits):
+                return self.continuation.answer(call, d, first, headers)
+            if first_mode:
+                # P's answer cannot start the client's (its token is part of a character, or the
+                # answer is not what vLLM writes): D answers the client's own request.
+                self.metrics.first_token_to_d("unusable" if first is None else "held_back")
+            try:
+                answer = await self.decode.first_bytes(
+                    call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers
+                )
+            except BaseException:
+                await _discard(opening)
+                raise
+            self.decode.observe_ttfb(call, t_pre)
+            return answer
+        raise PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
+
+    async def _prefill_then_open(self, loop: asyncio.AbstractEventLoop, p: Instance, d: Instance, pre_raw: bytes,
+                                 headers: dict[str, str], req: RouteRequest, concurrent_ok: bool = True
+                                 ) -> tuple[asyncio.Task[Answer] | None, bytes]:  # fmt: skip
+        """Run P's prefill and return its answer; with concurrent dispatch, D's request goes
+        out at the same time (D parses, tokenizes and schedules while P prefills; its
+        connector waits for the KV under its own deadline) and the still-running D task is
+        returned with it.
+
+        P's failure aborts D's request at once; D's failure before P is done aborts P's.
+        D is asked early only while P has nothing else to do: behind a queue on P, D would
+        hold the prompt's KV blocks and its load deadline (kv_load_timeout_s) would run
+        for the whole wait, for a saving of a few ms."""
+        try:
+            if not (self._concurrent and concurrent_ok and _idle(p)):
+                return None, await self._prefill(loop, p, req.path, pre_raw, headers)
+            opening = loop.create_task(self.decode.open(req, d, headers))
+            prefill = loop.create_task(self._prefill(loop, p, req.path, pre_raw, headers))
+            try:
+                await asyncio.wait((prefill, opening), return_when=asyncio.FIRST_COMPLETED)
+                if opening.done() and opening.exception() is not None and not prefill.done():
+                    await _discard(prefill)
+                    raise opening.exception()  # type: ignore[misc]
+                data = await prefill
+            except BaseException:
+                await _discard(prefill)
+                await _discard(opening)
+                raise
+            return opening, data
+        finally:
+            self.selector.release(p, req)
+
+    async def _prefill(self, loop: asyncio.AbstractEventLoop, p: Instance, path: str, body: bytes,
+                       headers: dict[str, str]) -> bytes:  # fmt: skip
+        """P computes the prompt's KV (and ships it, per the connector's send mode); its
+        answer (one token) is returned."""
+        async with Deadline.after(loop, self.cfg.prefill_timeout):
+            resp = await self.upstream.request("POST", p.url + path, body, headers)
+            try:
+                data = await resp.read()
+            except UpstreamError as e:
+                if e.kind == "too_large":  # as large from any P: not retried
+                    self.metrics.upstream_error("P", p.http_address, e.kind)
+                    raise too_large("prefill", p, e) from None
+                raise
+            finally:
+                await resp.aclose()
+        if not 200 <= resp.status < 300:
+            # P refused the request: its verdict on the request (400, 404, 422) goes to D for
+            # the client's own; anything else (credentials, overload, failure) is relayed and
+            # D is not asked.
+            self.metrics.upstream_error("P", p.http_address, f"http_{resp.status}")
+            refused = PrefillRefused if resp.status in (400, 404, 422) else ProxyError
+            raise refused(
+                resp.status,
+                "prefill failed",
+                raw=self.decode.upstream_error(resp.status, data, "prefill", p, headers),
+            )
+        return data
+
+    def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
+        t_pre = time.perf_counter()
+        extra = call.flight.extra
+        extra.append((b"x-request-id", self.decode.client_id(rid)))
+        if self._expose:
+            extra.append((b"x-xpyd-prefill-instance", p.http_address.encode()))
+        extra.append((b"x-xpyd-prefill-ms", ms(t_pre - t_start)))
+        self._phase["prefill"].observe(t_pre - t_start)
+        return t_pre
+
+    def _prefill_failed(self, p: Instance, kind: str, attempt: int, message: str) -> None:
+        self.metrics.upstream_error("P", p.http_address, kind)
+        if kind in ("connect", "connect_timeout"):
+            p.cooldown_until = time.monotonic() + self.cfg.failure_cooldown
+        log.warning(
+            "prefill failed instance=%s kind=%s attempt=%d error=%s",
+            p.http_address, kind, attempt + 1, message,
+        )  # fmt: skip
+
+
+def _idle(p: Instance) -> bool:
+    """P has no request but this one from this proxy, and its last heartbeat (from any
+    proxy's traffic) reported none waiting."""
+    return p.in_flight <= 1 and (p.load is None or p.load.waiting == 0)
+
+
+async def _discard(task: asyncio.Task | None) -> None:
+    """Abandon an upstream call: cancel it if still running, close its answer if it has
+    one. Closing D's connection makes vLLM abort the request (and its connector stop
+    waiting for the KV)."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        return
+    if task.cancelled() or task.exception() is not None:
+        return
+    result = task.result()
+    if isinstance(result, Answer):
+        await result.aclose()
+
+
+def _unreachable(failures: list[str]) -> bool:
+    return not failures or all(k in ("connect", "connect_timeout") for k in failures)
+
+
+def _prefill_error(failures: list[str], last_msg: str) -> ProxyError:
+    if not failures:
+        return ProxyError(503, "no prefill instance is available", "no_prefill_instance")
+    if failures[-1] in ("timeout", "connect_timeout"):
+        return ProxyError(
+            504, f"prefill failed on {len(failures)} attempt(s), last: {last_msg}", "prefill_timeout"
+        )
+    return ProxyError(
+        502,
+        f"no prefill instance could be reached after {len(failures)} attempt(s), last: {last_msg}",
+        "prefill_unreachable",
+    )
