@@ -36,6 +36,8 @@ from pathlib import Path
 
 import httpx
 
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -79,7 +81,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, res: Resul
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
-                res.decode = r.headers.get("x-xpyd-decode-instance", "?")
+                res.decode = r.headers.get(XPYD_DECODE_INSTANCE, "?")
                 if r.status_code != 200:
                     res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     return

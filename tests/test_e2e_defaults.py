@@ -27,6 +27,7 @@ from xpyd_wire import request_id
 from connector.transport import TcpTransport
 from proxy.config import ProxyConfig
 from proxy.openai_api import estimate_prompt_tokens
+from xpyd_wire.headers import XPYD_PATH
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
@@ -144,7 +145,7 @@ def test_short_prompt_is_answered_by_decode_alone(system, tokenizer):
     body = with_logprobs("completions", body_for("completions", prompt, False))
     sent_before = {n: system[n].log().count("kv sent") for n in ("p0", "p1")}
     r = httpx.post(system["proxy0"].url + "/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_short", r.text[:300]
+    assert r.status_code == 200 and r.headers[XPYD_PATH] == "local_short", r.text[:300]
     want, _ = generate(d.url, "completions", {**body, "cache_salt": uuid.uuid4().hex})
     assert_same_greedy(answer_of(r.json()["choices"][0]), want)
     assert {n: system[n].log().count("kv sent") for n in ("p0", "p1")} == sent_before

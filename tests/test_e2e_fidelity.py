@@ -40,6 +40,8 @@ import httpx
 import pytest
 from e2e_client import LOGPROB_TOL, MODEL_DIR, Answer, answer_of, parting_step, stream_answers, text_parting
 
+from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
+
 pytestmark = pytest.mark.vllm
 
 cluster = e2e_cluster.cluster
@@ -262,7 +264,7 @@ def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok:
     want_status, _, want = call(s, s.colocated.url, path, body, raw)
     got_status, head, got = call(s, s.proxy.url, path, body, raw)
     _seen(head)
-    what = f"{path} {json.dumps(body)[:300] if raw is None else raw[:80]!r} via {head.get('x-xpyd-path')}"
+    what = f"{path} {json.dumps(body)[:300] if raw is None else raw[:80]!r} via {head.get(XPYD_PATH)}"
     assert got_status == want_status, f"{what}: status {got_status} vs {want_status}: {got!r:.400} / {want!r:.400}"
     if want_status != 200:
         # vLLM's refusal: the same status, error type and parameter (the message may name a
@@ -289,10 +291,10 @@ def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok:
 
 
 def _seen(head: dict) -> None:
-    path = head.get("x-xpyd-path")
+    path = head.get(XPYD_PATH)
     if path:
         SEEN[path] += 1
-    if head.get("x-xpyd-first-token") == "prefill":
+    if head.get(XPYD_FIRST_TOKEN) == "prefill":
         SEEN["first_token"] += 1
 
 
@@ -427,7 +429,7 @@ def test_first_token_that_is_part_of_a_character(shipped, partial_prompts, kind,
             head = check(shipped, "/v1/chat/completions", continuing(partial_prompts[kind], max_tokens=limit,
                                                                       stream=stream))
         if stream and limit > 1:
-            assert head.get("x-xpyd-first-token") is None and head["x-xpyd-path"] == "disaggregated"
+            assert head.get(XPYD_FIRST_TOKEN) is None and head[XPYD_PATH] == "disaggregated"
             SEEN["first_token_to_decode"] += 1
 
 
@@ -486,10 +488,10 @@ def test_echo_and_prompt_scoring(shipped, stream):
     prompt = long(TEXTS["cjk"], 600)
     check(shipped, "/v1/completions", completion(prompt, echo=True, max_tokens=4, stream=stream))
     head = check(shipped, "/v1/completions", completion(prompt, echo=True, logprobs=1, max_tokens=4, stream=stream))
-    assert head["x-xpyd-path"] == "local_prompt_logprobs"
+    assert head[XPYD_PATH] == "local_prompt_logprobs"
     if not stream:
         head = check(shipped, "/v1/completions", completion(prompt, echo=True, logprobs=1, max_tokens=0))
-        assert head["x-xpyd-path"] == "local_prompt_logprobs"
+        assert head[XPYD_PATH] == "local_prompt_logprobs"
     check(shipped, "/v1/completions", completion(prompt, prompt_logprobs=1, max_tokens=3, stream=stream))
 
 
@@ -527,7 +529,7 @@ def test_a_chat_with_history(shipped):
 def test_short_prompts_are_answered_by_d_alone_and_equal(shipped):
     for stream in (True, False):
         head = check(shipped, "/v1/completions", completion("Hi there 👋", max_tokens=6, logprobs=2, stream=stream))
-        assert head["x-xpyd-path"] == "local_short"
+        assert head[XPYD_PATH] == "local_short"
 
 
 REFUSALS = [
@@ -563,7 +565,7 @@ def test_what_vllm_refuses_is_refused_the_same_way(shipped, path, body):
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]"])
 def test_bodies_the_proxy_cannot_read_get_vllms_own_answer(shipped, raw):
     head = check(shipped, "/v1/completions", None, raw)
-    assert head["x-xpyd-path"] == "local_verdict"
+    assert head[XPYD_PATH] == "local_verdict"
 
 
 def test_prompt_one_token_short_of_the_context(shipped):
@@ -608,9 +610,9 @@ def test_servers_default_penalties_and_response_role(served, kind):
         else:
             head = check(served, "/v1/chat/completions", chat(long(TEXTS["ascii"], 700), **body))
         if not fields:  # the server's penalties apply: D's first token
-            assert head.get("x-xpyd-first-token") is None, head
+            assert head.get(XPYD_FIRST_TOKEN) is None, head
         elif "presence_penalty" in fields:  # the request's own values win: P's token may start it
-            assert head.get("x-xpyd-first-token") == "prefill" or _held_back(served), head
+            assert head.get(XPYD_FIRST_TOKEN) == "prefill" or _held_back(served), head
     if kind == "chat":
         _, _, events = call(served, served.proxy.url, "/v1/chat/completions",
                             chat(long(TEXTS["cjk"], 700), max_tokens=3, stream=True, presence_penalty=0,

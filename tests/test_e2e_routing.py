@@ -28,6 +28,8 @@ from e2e_cluster import free_port, free_port_pair
 from haproxy_helpers import HAPROXY, Balancer, any_free_port
 from haproxy_cfg import render_servers
 
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
+
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
 
@@ -120,7 +122,7 @@ def _run(servers, tokenizer, policy: str, seed: int) -> tuple[float, dict[int, s
                 data = r.json()
                 assert_same_greedy(answer_of(data["choices"][0]), want)
                 assert data["kv_transfer_params"]["xpyd"]["load_failed"] is False
-                used[k].add(r.headers["x-xpyd-prefill-instance"])
+                used[k].add(r.headers[XPYD_PREFILL_INSTANCE])
         # Counters are updated by each engine step; wait until the last request is counted.
         n_requests = SYSTEMS * TURNS
         t_end = time.monotonic() + 10
@@ -228,14 +230,14 @@ def _chat_run(servers, tokenizer, policy: str, seed: int) -> dict:
                 assert r.status_code == 200, r.text
                 data = r.json()
                 assert_same_greedy(answer_of(data["choices"][0]), want)
-                turn_info = {"path": r.headers.get("x-xpyd-path", "disaggregated"), "p": None,
-                             "d": r.headers["x-xpyd-decode-instance"], "prompt": data["usage"]["prompt_tokens"],
+                turn_info = {"path": r.headers.get(XPYD_PATH, "disaggregated"), "p": None,
+                             "d": r.headers[XPYD_DECODE_INSTANCE], "prompt": data["usage"]["prompt_tokens"],
                              "bytes": 0.0}  # fmt: skip
                 if turn_info["path"] == "disaggregated":
                     assert data["kv_transfer_params"]["xpyd"]["load_failed"] is False, data["kv_transfer_params"]
                     # vLLM reports the connector's counters with a step: wait for this send's.
                     assert poll(lambda: _kv_sent(ps)[0] >= sends0 + 1, timeout=10), "P's send never counted"
-                    turn_info.update(p=r.headers["x-xpyd-prefill-instance"], bytes=_kv_sent(ps)[1] - sent0)
+                    turn_info.update(p=r.headers[XPYD_PREFILL_INSTANCE], bytes=_kv_sent(ps)[1] - sent0)
                 turns[c].append(turn_info)
                 answer = data["choices"][0]["message"]["content"]
                 # A new question long enough to go through P (the proxy's local threshold).

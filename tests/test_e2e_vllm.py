@@ -25,6 +25,7 @@ from e2e_client import (BLOCK, MAX_TOKENS, MODEL_DIR, answer_of, assert_greedy_d
 from e2e_cluster import E2ECluster
 
 from connector.transport import TransportRefused
+from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
 
 pytestmark = pytest.mark.vllm
 
@@ -418,7 +419,7 @@ def test_one_token_in_first_token_mode_is_p_alone_and_moves_no_kv(sys_: E2EClust
         assert r.status_code == 200
         headers.update(r.headers)
         chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
-    assert headers["x-xpyd-path"] == "prefill_alone" and headers["x-xpyd-first-token"] == "prefill"
+    assert headers[XPYD_PATH] == "prefill_alone" and headers[XPYD_FIRST_TOKEN] == "prefill"
     assert "".join(c["choices"][0]["text"] for c in chunks) == str(want)
     assert sys_.prefill.log().count("kv send planned") == sends
     assert sys_.engine_stats(sys_.decode)["recv_items"] == 0
@@ -498,7 +499,7 @@ def test_first_token_from_prefill_chat_without_a_limit_equals_colocated(sys_: E2
     assert want_last["usage"]["completion_tokens"] == left  # the context's end, not EOS: the limit is tested
     headers: dict = {}
     got, chunks = chat_text(sys_.proxy.url, body, headers)
-    assert headers.get("x-xpyd-first-token") == "prefill", headers
+    assert headers.get(XPYD_FIRST_TOKEN) == "prefill", headers
     step, near_tie = text_parting(got, want)
     assert step == len(want.tokens) or near_tie, f"step {step}: got {got!r}, want {str(want)!r}"
     if step == len(want.tokens):
@@ -524,7 +525,7 @@ def test_short_prompt_is_served_by_decode_alone(sys_: E2ECluster):
     p_before = metric(sys_.prefill.url, "vllm:request_success_total")
     with httpx.Client(timeout=60) as client:
         r = client.post(sys_.proxy.url + "/v1/completions", json=body)
-    assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_short"
+    assert r.status_code == 200 and r.headers[XPYD_PATH] == "local_short"
     assert_same_greedy(answer_of(r.json()["choices"][0]), want)
     assert metric(sys_.prefill.url, "vllm:request_success_total") == p_before
     assert not (r.json().get("kv_transfer_params") or {}).get("xpyd")  # nothing was loaded
@@ -724,9 +725,9 @@ def test_prefill_killed_after_answering(sys_: E2ECluster, tokenizer):
     # (its port refuses), then once its heartbeat expired (no P at all).
     with httpx.Client(timeout=60) as client:
         r = client.post(sys_.proxy.url + "/v1/completions", json=body)
-        assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_no_prefill"
+        assert r.status_code == 200 and r.headers[XPYD_PATH] == "local_no_prefill"
         assert_same_greedy(answer_of(r.json()["choices"][0]), want)
         assert poll(lambda: e2e_cluster.cluster.http_get(sys_.proxy.url + "/ready")[0] == 503, timeout=15)
         r = client.post(sys_.proxy.url + "/v1/completions", json=body)
-        assert r.status_code == 200 and r.headers["x-xpyd-path"] == "local_no_prefill"
+        assert r.status_code == 200 and r.headers[XPYD_PATH] == "local_no_prefill"
         assert_same_greedy(answer_of(r.json()["choices"][0]), want)

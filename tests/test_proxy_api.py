@@ -10,6 +10,16 @@ import re
 import pytest
 from proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
 
+from xpyd_wire.headers import (
+    XPYD_DECODE_INSTANCE,
+    XPYD_DECODE_TTFB_MS,
+    XPYD_FIRST_TOKEN,
+    XPYD_PREFILL_INSTANCE,
+    XPYD_PREFILL_MS,
+    XPYD_PREFIX,
+    XPYD_QUEUE_MS,
+)
+
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
 CHAT = {
     "model": "fake-model",
@@ -21,7 +31,7 @@ CHAT = {
 def _timing(headers) -> dict[str, float]:
     return {
         k: float(headers[k])
-        for k in ("x-xpyd-queue-ms", "x-xpyd-prefill-ms", "x-xpyd-decode-ttfb-ms")
+        for k in (XPYD_QUEUE_MS, XPYD_PREFILL_MS, XPYD_DECODE_TTFB_MS)
     }
 
 
@@ -90,10 +100,10 @@ async def test_two_phase_relay(path, body, stream, expose):
         timing = _timing(resp.headers)
         assert all(v >= 0 for v in timing.values())
         if expose:
-            assert resp.headers["x-xpyd-prefill-instance"] == p.http_address
-            assert resp.headers["x-xpyd-decode-instance"] == d.http_address
+            assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
+            assert resp.headers[XPYD_DECODE_INSTANCE] == d.http_address
         else:
-            assert not any(k.startswith("x-xpyd-") and k.endswith("-instance") for k in resp.headers)
+            assert not any(k.startswith(XPYD_PREFIX) and k.endswith("-instance") for k in resp.headers)
             for addr in (p.http_address, d.http_address, p.zmq_address, d.zmq_address):
                 assert addr not in str(resp.headers) and addr.encode() not in resp.content
 
@@ -106,7 +116,7 @@ async def test_stream_is_relayed_incrementally():
         ) as r:
             assert r.status_code == 200
             # Headers before the stream: P's token goes out first (the default for this request).
-            assert r.headers["x-xpyd-first-token"] == "prefill" and "x-xpyd-prefill-ms" in r.headers
+            assert r.headers[XPYD_FIRST_TOKEN] == "prefill" and XPYD_PREFILL_MS in r.headers
             arrivals = []
             loop = asyncio.get_running_loop()
             async for line in r.aiter_lines():

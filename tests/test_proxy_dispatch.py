@@ -18,6 +18,7 @@ from proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_unt
 from proxy.config import ProxyConfig
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -38,7 +39,7 @@ async def test_dead_decode_still_registered_costs_no_request():
             body = STREAM if i % 2 else COMPLETION
             resp = await px.client.post("/v1/completions", json=body)
             statuses.append(resp.status_code)
-            assert resp.headers["x-xpyd-decode-instance"] == d2.http_address
+            assert resp.headers[XPYD_DECODE_INSTANCE] == d2.http_address
         assert statuses == [200] * 10
         assert len(d2.completions()) == 10
         # Each retry redid the prefill with a new P/D pair: P saw the dead D's id once.
@@ -53,7 +54,7 @@ async def test_decode_5xx_before_first_byte_is_retried_4xx_is_not():
         d1.fault = Fault(status=503, times=1)  # round robin asks d1 first
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "data: [DONE]" in resp.text
-        assert resp.headers["x-xpyd-decode-instance"] == d2.http_address
+        assert resp.headers[XPYD_DECODE_INSTANCE] == d2.http_address
     async with running_proxy(first_token="decode", decode_retries=1) as px:
         p = await px.fake("P")
         d1, d2 = await px.fake("D"), await px.fake("D")
@@ -144,11 +145,11 @@ async def test_shipped_defaults_serve_short_prompts_from_d():
         p.fault = Fault(delay=0.3)
         short = {**COMPLETION, "prompt": "x" * 500}  # ~125 estimated tokens
         resp = await px.client.post("/v1/completions", json=short)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_short"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_short"
         assert p.completions() == [] and d.completions()[0].request_id.startswith("xpyd-local-")
         long = {**COMPLETION, "prompt": "x" * 520}  # ~130
         resp = await px.client.post("/v1/completions", json=long)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "disaggregated"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
         (pre,), dec = p.completions(), d.completions()[1]
         assert pre.request_id == dec.request_id and dec.received_at >= pre.received_at + 0.25
 
@@ -172,7 +173,7 @@ async def test_concurrent_dispatch_dead_decode_aborts_prefill_and_retries():
         p.fault = Fault(delay=0.5)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 200
-        assert resp.headers["x-xpyd-decode-instance"] == d2.http_address
+        assert resp.headers[XPYD_DECODE_INSTANCE] == d2.http_address
         # The prefill paired with the dead D was abandoned as soon as D refused (if it
         # reached P at all): only the retry's prefill ran to its end.
         await asyncio.sleep(0.6)
@@ -185,13 +186,13 @@ async def test_short_prompt_goes_to_decode_alone():
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "data: [DONE]" in resp.text
-        assert resp.headers["x-xpyd-path"] == "local_short"
+        assert resp.headers[XPYD_PATH] == "local_short"
         assert not p.completions()
         (alone,) = d.completions()
         assert alone.request_id.startswith("xpyd-local-")
         assert alone.json == STREAM  # the client's request, unchanged
         resp = await px.client.post("/v1/completions", json=LONG)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "disaggregated"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
         assert len(p.completions()) == 1
         assert await px.metric("xpyd_dispatch_total", path="local_short") == 1
         assert await px.metric("xpyd_dispatch_total", path="disaggregated") == 1
@@ -205,7 +206,7 @@ async def test_no_prefill_instance_decode_serves_alone():
             json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]},
         )
         assert resp.status_code == 200
-        assert resp.headers["x-xpyd-path"] == "local_no_prefill"
+        assert resp.headers[XPYD_PATH] == "local_no_prefill"
         assert d.completions()[0].request_id.startswith("xpyd-local-")
 
 
@@ -272,7 +273,7 @@ async def test_rescue_decode_alone_after_failed_kv_load(path, body, dispatch):
             assert resp.text.endswith("data: [DONE]\n\n")
         else:
             assert resp.json()["choices"][0]["text"] == " t0 t1 t2 t3 t4"
-        assert resp.headers["x-xpyd-path"] == "local_rescue"
+        assert resp.headers[XPYD_PATH] == "local_rescue"
         assert resp.headers["x-request-id"] == second.request_id[-32:]
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert await px.metric("xpyd_dispatch_total", path="disaggregated") == 1
@@ -355,7 +356,7 @@ async def test_rescue_failing_too_relays_the_original_error(body):
         # The disaggregated attempt's error (it quotes that request's id), with its headers.
         assert err["message"] == f"Internal server error ({first.request_id[-32:]})"
         assert resp.headers["x-request-id"] == first.request_id[-32:]
-        assert resp.headers["x-xpyd-path"] == "disaggregated"
+        assert resp.headers[XPYD_PATH] == "disaggregated"
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
 
@@ -452,7 +453,7 @@ async def test_stream_error_event_before_content_is_rescued(path, body):
         assert resp.content == relayed(second)
         assert not any("error" in e for e in sse(resp.text))
         assert resp.text.endswith("data: [DONE]\n\n")
-        assert resp.headers["x-xpyd-path"] == "local_rescue"
+        assert resp.headers[XPYD_PATH] == "local_rescue"
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert await px.metric("xpyd_decode_retries_total") == 0
         assert await px.metric("xpyd_upstream_errors_total", role="D",
@@ -469,7 +470,7 @@ async def test_stream_error_event_is_retried_on_another_decode(path, body):
         d1.fault = stream_error(503)  # round robin asks d1 first
         resp = await px.client.post(path, json=body)
         assert resp.status_code == 200, resp.text
-        assert resp.headers["x-xpyd-decode-instance"] == d2.http_address
+        assert resp.headers[XPYD_DECODE_INSTANCE] == d2.http_address
         (served,) = d2.completions()
         assert request_id.parse(served.request_id) is not None  # a P/D pair, not D alone
         assert resp.content == served.sent
@@ -639,6 +640,6 @@ async def test_prompt_scoring_goes_to_d_alone(fields):
         p, d = await px.pd()
         body = {"model": "fake-model", "prompt": "Tell me about the sea " * 40, "max_tokens": 3, **fields}
         resp = await px.client.post("/v1/completions", json=body)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_prompt_logprobs"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_prompt_logprobs"
         assert not p.completions() and d.completions()[0].json == body
         assert d.completions()[0].headers["x-request-id"].startswith("xpyd-local-")

@@ -9,6 +9,8 @@ import json
 import pytest
 from proxy_helpers import Fault, running_proxy, wait_until
 
+from xpyd_wire.headers import XPYD_PATH, XPYD_PREFILL_INSTANCE
+
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
 
@@ -76,7 +78,7 @@ async def test_what_the_proxy_cannot_read_gets_vllms_own_verdict(path):
             resp = await px.client.post(path, content=content, headers={"content-type": "application/json"})
             assert resp.status_code == 400, content
             assert resp.json() == json.loads(bytes(d.requests[-1].sent))  # D's answer, as it wrote it
-            assert d.requests[-1].body == content and resp.headers["x-xpyd-path"] == "local_verdict"
+            assert d.requests[-1].body == content and resp.headers[XPYD_PATH] == "local_verdict"
         assert not p.requests or all(r.method == "GET" for r in p.requests)
         assert await px.metric("xpyd_requests_total", route=path, status="400") == len(BAD_INPUT)
         assert await px.metric("xpyd_dispatch_total", path="local_verdict") == len(BAD_INPUT)
@@ -88,7 +90,7 @@ async def test_what_vllm_accepts_but_the_proxy_cannot_read_is_served_by_d_alone(
         p, d = await px.pd()
         body = {**COMPLETION, "stream": "true", "max_tokens": "3"}
         resp = await px.client.post("/v1/completions", json=body)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_verdict"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_verdict"
         assert d.completions()[-1].json == body and not p.completions()
 
 
@@ -159,7 +161,7 @@ async def test_prefill_400_is_ds_to_judge_and_html_error_wrapped():
         p, d = await px.pd()
         p.fault = Fault(status=400, times=1)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_verdict"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_verdict"
         assert d.completions()[-1].json == COMPLETION
         assert d.completions()[-1].headers["x-request-id"].startswith("xpyd-local-")
         d.requests.clear()
@@ -180,7 +182,7 @@ async def test_unreachable_prefill_is_retried_on_another():
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 200
-        assert resp.headers["x-xpyd-prefill-instance"] == p.http_address
+        assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
         # The id names the P that did the prefill, and D got that same id.
         assert p.completions()[0].request_id == d.completions()[0].request_id
         assert (
@@ -203,7 +205,7 @@ async def test_all_prefill_unreachable_falls_back_to_decode_or_is_502():
         d = await px.fake("D")
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 200, resp.text
-        assert resp.headers["x-xpyd-path"] == "local_no_prefill"
+        assert resp.headers[XPYD_PATH] == "local_no_prefill"
         # D prefills alone: a plain request id, which the connector does not wait on.
         (seen,) = d.completions()
         assert seen.request_id.startswith("xpyd-local-") and "prefill_addr" not in seen.request_id
@@ -224,7 +226,7 @@ async def test_prefill_timeout_retries_then_504():
         slow.fault = Fault(hang=True)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 200  # retried on the other P
-        assert resp.headers["x-xpyd-prefill-instance"] == fast.http_address
+        assert resp.headers[XPYD_PREFILL_INSTANCE] == fast.http_address
         await wait_until(lambda: slow.completions()[0].cancelled, what="slow P saw the abort")
         fast.fault = Fault(hang=True)
         assert_error(

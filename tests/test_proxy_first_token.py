@@ -21,6 +21,7 @@ from proxy.dispatch.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.request import RouteRequest
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM
 
 PROMPT = "Tell me about the sea"
@@ -200,7 +201,7 @@ async def test_chat_gets_p_token_then_d_continues_as_chat_chunks():
         p, d = await px.pd()
         body = {**CHAT_STREAM, "stream_options": {"include_usage": True}, "temperature": 0}
         resp = await px.client.post("/v1/chat/completions", json=body)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         got = events(resp.text)
         assert got[-1] == "[DONE]"
         chunks = got[:-1]
@@ -227,7 +228,7 @@ async def test_chat_answer_parsed_by_the_server_stays_with_d():
         p, d = await px.pd()
         p.chat_reasoning = ""
         resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)
-        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert resp.status_code == 200 and XPYD_FIRST_TOKEN not in resp.headers
         assert d.completions()[0].path == "/v1/chat/completions" and d.completions()[0].json == CHAT_STREAM
 
 
@@ -353,7 +354,7 @@ async def test_client_gets_p_token_then_d_continues_from_it():
         t0 = time.monotonic()
         async with px.client.stream("POST", "/v1/completions", json=STREAM) as resp:
             assert resp.status_code == 200
-            assert resp.headers["x-xpyd-first-token"] == "prefill"
+            assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
             lines = resp.aiter_lines()
             first = await anext(lines)
             t_first = time.monotonic() - t0
@@ -391,7 +392,7 @@ async def test_one_token_is_all_from_p_and_d_is_not_asked():
         # Known before P is asked: a plain id, so P's connector ships no KV D would never claim.
         (pre,) = p.completions()
         assert pre.headers["x-request-id"].startswith("xpyd-local-")
-        assert resp.headers["x-xpyd-path"] == "prefill_alone"
+        assert resp.headers[XPYD_PATH] == "prefill_alone"
         assert 'xpyd_dispatch_total{path="prefill_alone"} 1.0' in (await px.client.get("/metrics")).text
 
 
@@ -401,7 +402,7 @@ async def test_one_token_chat_is_all_from_p_without_a_transfer(limit):
         p, d = await px.pd()
         body = {**{k: v for k, v in CHAT_STREAM.items() if k != "max_completion_tokens"}, limit: 1}
         resp = await px.client.post("/v1/chat/completions", json=body)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "prefill_alone"
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "prefill_alone"
         (pre,) = p.completions()
         assert pre.headers["x-request-id"].startswith("xpyd-local-") and d.completions() == []
         assert events(resp.text)[-1] == "[DONE]"
@@ -416,8 +417,8 @@ async def test_more_than_one_token_keeps_the_transfer(chat):
             resp = await px.client.post("/v1/chat/completions", json={**CHAT_STREAM, "max_completion_tokens": 2})
         else:
             resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 2})
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
-        assert resp.headers["x-xpyd-path"] == "disaggregated"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        assert resp.headers[XPYD_PATH] == "disaggregated"
         (pre,) = p.completions()
         assert pre.headers["x-request-id"].startswith("___prefill_addr_")
         assert len(d.completions()) == 1
@@ -441,7 +442,7 @@ async def test_completion_without_max_tokens_gets_vllms_default_count():
     async with running_proxy() as px:
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=body)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         got = events(resp.text)
         assert len(got) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS  # events with a token, then [DONE]
         assert d.completions()[0].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
@@ -449,11 +450,11 @@ async def test_completion_without_max_tokens_gets_vllms_default_count():
         # (a field this path does not name: D's first token, from the client's own request).
         resp = await px.client.post("/v1/completions", json={**body, "max_completion_tokens": 5})
         assert len(events(resp.text)) - 1 == first_token.COMPLETION_DEFAULT_MAX_TOKENS
-        assert "x-xpyd-first-token" not in resp.headers
+        assert XPYD_FIRST_TOKEN not in resp.headers
         assert d.completions()[-1].json == {**body, "max_completion_tokens": 5}
         # null: vLLM 0.32 reads it as its default too (CompletionRequest.normalize_null_max_tokens).
         resp = await px.client.post("/v1/completions", json={**body, "max_tokens": None})
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         assert d.completions()[-1].json["max_tokens"] == first_token.COMPLETION_DEFAULT_MAX_TOKENS - 1
 
 
@@ -471,7 +472,7 @@ async def test_chat_without_a_limit_uses_ds_advertised_limits(limits, want):
         await px.fake("P")
         d = await px.fake("D", output_limits=limits)
         resp = await px.client.post("/v1/chat/completions", json=body)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         cont = d.completions()[-1].json
         assert cont["max_tokens"] == (want if want is not None else limits.context - len(cont["prompt"]))
         [ds] = [i for i in (await px.client.get("/instances")).json() if i["role"] == "D"]
@@ -489,7 +490,7 @@ async def test_chat_whose_prompt_fills_the_context_but_one_ends_at_p():
         d = await px.fake("D", output_limits=OutputLimits(context=n_prompt + 1))
         resp = await px.client.post("/v1/chat/completions", json=body)
         got = events(resp.text)
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill" and got[-1] == "[DONE]"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill" and got[-1] == "[DONE]"
         assert "".join(e["choices"][0]["delta"].get("content", "") for e in got[:-1] if e["choices"]) == " t0"
         assert d.completions() == []
 
@@ -502,7 +503,7 @@ async def test_override_caps_an_explicit_limit_and_one_token_answers_end_at_p():
         await px.fake("P")
         d = await px.fake("D", output_limits=OutputLimits(override=3, context=4096))
         resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 10})
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         assert d.completions()[-1].json["max_tokens"] == 2
         d.output_limits = OutputLimits(override=1, context=4096)
         await d.send_registration()
@@ -605,9 +606,9 @@ async def test_exposed_routing_headers_name_both_instances():
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=STREAM)
         rid = d.completions()[0].request_id
-        assert resp.headers["x-request-id"] == rid and resp.headers["x-xpyd-first-token"] == "prefill"
-        assert resp.headers["x-xpyd-prefill-instance"] == p.http_address
-        assert resp.headers["x-xpyd-decode-instance"] == d.http_address
+        assert resp.headers["x-request-id"] == rid and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
+        assert resp.headers[XPYD_DECODE_INSTANCE] == d.http_address
         (event_id,) = {e["id"] for e in events(resp.text)[:-1]}
         assert event_id.startswith(f"cmpl-{rid}")
 
@@ -617,13 +618,13 @@ async def test_ineligible_requests_and_decode_mode_keep_the_usual_path():
         p, d = await px.pd()
         body = {**STREAM, "stop": ["\n"]}
         resp = await px.client.post("/v1/completions", json=body)
-        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert resp.status_code == 200 and XPYD_FIRST_TOKEN not in resp.headers
         assert "return_token_ids" not in p.completions()[0].json
         assert d.completions()[0].json == body
     async with running_proxy(first_token="decode") as px:  # D's first token, for every request
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=STREAM)
-        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert resp.status_code == 200 and XPYD_FIRST_TOKEN not in resp.headers
         assert d.completions()[0].json == STREAM
 
 
@@ -762,7 +763,7 @@ async def test_p_token_that_is_part_of_a_character_leaves_the_answer_to_d(chat, 
         p.first_text = held
         resp = await px.client.post(path, json=body)
         got = events(resp.text)
-        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert resp.status_code == 200 and XPYD_FIRST_TOKEN not in resp.headers
         text = "".join((e["choices"][0].get("delta") or {}).get("content") or e["choices"][0].get("text") or ""
                        for e in got[:-1] if e["choices"])
         assert text == " t0 t1 t2 t3 t4"
@@ -779,7 +780,7 @@ async def test_one_token_that_is_part_of_a_character_is_ps_whole_answer():
         p.first_text = ""
         resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 1})
         got = events(resp.text)
-        assert resp.headers["x-xpyd-path"] == "prefill_alone" and got[0]["choices"][0]["text"] == ""
+        assert resp.headers[XPYD_PATH] == "prefill_alone" and got[0]["choices"][0]["text"] == ""
         assert got[0]["choices"][0]["finish_reason"] == "length" and got[-1] == "[DONE]"
         assert d.completions() == []
 
@@ -793,7 +794,7 @@ async def test_chat_role_and_stream_fields_are_ps_servers():
         p.role_name = "narrator"
         resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)
         got = events(resp.text)
-        assert resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         assert got[0]["choices"][0]["delta"] == {"role": "narrator", "content": ""}
         assert set(got[0]) == {"id", "object", "created", "model", "choices", "prompt_token_ids", "prompt_text"}
         assert len({e["created"] for e in got[:-1]}) == 1
@@ -824,7 +825,7 @@ async def test_d_without_advertised_limits_keeps_ds_first_token():
         await px.fake("P")
         d = await px.fake("D", output_limits=None)
         resp = await px.client.post("/v1/completions", json=STREAM)
-        assert resp.status_code == 200 and "x-xpyd-first-token" not in resp.headers
+        assert resp.status_code == 200 and XPYD_FIRST_TOKEN not in resp.headers
         assert d.completions()[0].json == STREAM
 
 
@@ -861,6 +862,6 @@ async def test_chat_continuation_keeps_the_requests_own_neutral_values():
         d = await px.fake("D", generation=GenerationDefaults((("presence_penalty", 1.2),)))
         body = {**CHAT_STREAM, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1}
         resp = await px.client.post("/v1/chat/completions", json=body)
-        assert resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         cont = d.completions()[-1].json
         assert cont["presence_penalty"] == 0 and cont["frequency_penalty"] == 0.0 and cont["n"] == 1

@@ -22,6 +22,7 @@ from test_proxy_shutdown import start_proxy, stop, wait_ready
 
 from proxy.config import ConfigError, ProxyConfig, load_config
 from xpyd_wire.discovery import Registration, encode
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
 
 # Long enough (~150 estimated tokens) to be disaggregated under the shipped
 # local_prefill_threshold (128): these proxies run the defaults.
@@ -127,9 +128,9 @@ async def test_burst_of_dead_registrations_costs_no_request_and_little_memory(tm
                 failed = [status for status, _ in results if status != 200]
                 assert not failed, failed
                 for _, headers in results:
-                    assert headers["x-xpyd-path"] == "disaggregated"
-                    assert headers["x-xpyd-prefill-instance"] == p.http_address
-                    assert headers["x-xpyd-decode-instance"] == d.http_address
+                    assert headers[XPYD_PATH] == "disaggregated"
+                    assert headers[XPYD_PREFILL_INSTANCE] == p.http_address
+                    assert headers[XPYD_DECODE_INSTANCE] == d.http_address
                 assert len(p.completions()) == len(d.completions()) == 60
 
                 # Every pending one has been probed (and failed) at least once by now.
@@ -214,8 +215,8 @@ async def test_mistyped_instance_gets_no_traffic():
                 await sender.send_raw(encode(reg))  # it keeps heartbeating
                 r = await px.client.post("/v1/completions", json=COMPLETION)
                 assert r.status_code == 200, r.text
-                assert r.headers["x-xpyd-decode-instance"] == d.http_address
-                assert r.headers["x-xpyd-path"] == "disaggregated"
+                assert r.headers[XPYD_DECODE_INSTANCE] == d.http_address
+                assert r.headers[XPYD_PATH] == "disaggregated"
             assert len(d.completions()) == 20
             # Not even a retry: the typo was never tried.
             assert await px.metric("xpyd_decode_retries_total") == 0

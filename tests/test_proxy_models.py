@@ -9,6 +9,8 @@ import pytest
 from proxy_helpers import running_proxy, wait_until
 from test_proxy_failures import assert_error
 
+from xpyd_wire.headers import XPYD_PATH
+
 
 def body(model: str | None, prompt: str = "hi") -> dict:
     out = {"prompt": prompt, "max_tokens": 2}
@@ -67,7 +69,7 @@ async def test_unknown_model_is_vllms_own_404():
         assert err["type"] == "NotFoundError" and err["param"] == "model"
         assert err["message"] == "The model `gpt-nope` does not exist. Valid aliases: alpha."
         assert not p.completions() and len(d.completions()) == 1
-        assert resp.headers["x-xpyd-path"] == "local_verdict"
+        assert resp.headers[XPYD_PATH] == "local_verdict"
         async with openai.AsyncOpenAI(base_url=px.url + "/v1", api_key="x", max_retries=0,
                                       http_client=httpx.AsyncClient(verify=False)) as client:  # fmt: skip
             with pytest.raises(openai.NotFoundError) as info:
@@ -103,7 +105,7 @@ async def test_instances_with_unknown_models_serve_any_model_until_learned():
         # "omega" might be D's: it is routed (and P, whose models are known, is skipped); D's
         # vLLM does not serve it either, and says so.
         resp = await px.client.post("/v1/completions", json=body("omega"))
-        assert resp.status_code == 404 and resp.headers["x-xpyd-path"] == "local_no_prefill"
+        assert resp.status_code == 404 and resp.headers[XPYD_PATH] == "local_no_prefill"
         assert d.completions()[-1].json == body("omega")
         assert await px.metric("xpyd_upstream_errors_total", role="D",
                                instance=d.http_address, kind="models_http_500") >= 1  # fmt: skip

@@ -19,6 +19,7 @@ from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings, P
 from proxy.routing.policies.factory import make_policy
 from proxy.routing.policies.power_of_two import PowerOfTwo
 from xpyd_wire.discovery import Load, Registration
+from xpyd_wire.headers import XPYD_PREFILL_INSTANCE
 
 SYSTEMS = [f"System prompt {k}: " + f"rule {k} says be precise. " * 40 for k in range(3)]
 
@@ -287,7 +288,7 @@ async def test_proxy_routes_shared_prefixes_to_one_prefill(policy_name):
                     },
                 )
                 assert resp.status_code == 200, resp.text
-                by_system[k].add(resp.headers["x-xpyd-prefill-instance"])
+                by_system[k].add(resp.headers[XPYD_PREFILL_INSTANCE])
         served = [len(p.completions()) for p in ps]
         assert sum(served) == 12
         if policy_name == "cache_aware":

@@ -15,6 +15,7 @@ from proxy_helpers import REQUEST_ID_RE, Fault, free_port, relayed, running_prox
 
 from proxy.dispatch.relay import at_event_boundary
 from proxy.dispatch.rewrite import IdRewrite
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE, XPYD_PREFILL_MS
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
@@ -115,7 +116,7 @@ async def test_neutral_ids_and_no_addresses_by_default(path, body):
             assert internal and p.completions()[-1].request_id == rec.request_id
             neutral = resp.headers["x-request-id"]
             assert neutral == internal["uuid"]
-            if "x-xpyd-first-token" not in resp.headers:  # else P's token, then D's (test_proxy_first_token.py)
+            if XPYD_FIRST_TOKEN not in resp.headers:  # else P's token, then D's (test_proxy_first_token.py)
                 assert resp.content == relayed(rec) != bytes(rec.sent)
             assert not leaks(resp.text + str(resp.headers), p, d), (req, resp.headers)
             prefix = "chatcmpl-" if "messages" in body else "cmpl-"
@@ -123,7 +124,7 @@ async def test_neutral_ids_and_no_addresses_by_default(path, body):
                    if line.startswith("data: {")} if req.get("stream") else {resp.json()["id"]}  # fmt: skip
             assert ids and all(i.startswith(prefix + neutral) for i in ids), ids
             # Timings stay (they name no instance).
-            assert float(resp.headers["x-xpyd-prefill-ms"]) >= 0
+            assert float(resp.headers[XPYD_PREFILL_MS]) >= 0
 
 
 async def test_local_path_id_is_neutral_too():
@@ -131,7 +132,7 @@ async def test_local_path_id_is_neutral_too():
         p, d = await px.pd()
         for stream in (False, True):
             resp = await px.client.post("/v1/completions", json={**COMPLETION, "stream": stream})
-            assert resp.status_code == 200 and resp.headers["x-xpyd-path"] == "local_short"
+            assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_short"
             rec = d.completions()[-1]
             assert rec.request_id.startswith("xpyd-local-")
             assert resp.headers["x-request-id"] == rec.request_id.removeprefix("xpyd-local-")
@@ -146,8 +147,8 @@ async def test_expose_routing_headers_keeps_todays_view():
         rec = d.completions()[-1]
         assert resp.headers["x-request-id"] == rec.request_id
         assert resp.content == bytes(rec.sent)  # byte for byte
-        assert resp.headers["x-xpyd-prefill-instance"] == p.http_address
-        assert resp.headers["x-xpyd-decode-instance"] == d.http_address
+        assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
+        assert resp.headers[XPYD_DECODE_INSTANCE] == d.http_address
         listed = {(i["role"], i["http_address"], i["zmq_address"])
                   for i in (await px.client.get("/instances")).json()}  # fmt: skip
         assert listed == {("P", p.http_address, p.zmq_address), ("D", d.http_address, d.zmq_address)}
@@ -162,8 +163,8 @@ async def test_errors_name_no_instance_by_default():
         def check(resp, status):
             assert resp.status_code == status, resp.text
             assert not leaks(resp.text + str(resp.headers), *everyone), resp.text
-            assert "x-xpyd-prefill-instance" not in resp.headers
-            assert "x-xpyd-decode-instance" not in resp.headers
+            assert XPYD_PREFILL_INSTANCE not in resp.headers
+            assert XPYD_DECODE_INSTANCE not in resp.headers
             return resp
 
         # An instance's own error quoting the request id (vLLM's messages may): the neutral id

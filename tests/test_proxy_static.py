@@ -14,6 +14,7 @@ from proxy_helpers import REQUEST_ID_RE, FakeVLLM, running_proxy, wait_until
 
 from proxy.config import ConfigError, load_config
 from proxy.membership.static import DEFAULT_KV_PORT, parse_static
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE
 
 BODY = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
 
@@ -80,7 +81,7 @@ async def test_static_instance_unhealthy_leaves_and_comes_back():
             served = Counter()
             for _ in range(4):
                 resp = await px.client.post("/v1/completions", json=BODY)
-                served[resp.headers["x-xpyd-decode-instance"]] += 1
+                served[resp.headers[XPYD_DECODE_INSTANCE]] += 1
             assert served[sd.http_address] == 2 and served[dd.http_address] == 2
     finally:
         await sd.stop()

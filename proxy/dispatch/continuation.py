@@ -25,6 +25,7 @@ from proxy.registry import Instance
 from proxy.routing.selection import Selector
 from proxy.upstream.base import UpstreamResponse
 from xpyd_wire import request_id
+from xpyd_wire.headers import XPYD_FIRST_TOKEN_RAW
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
@@ -44,7 +45,7 @@ class Continuation:
         body = call.req.body
         usage = first_token.usage_wanted(body)
         rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
-        call.flight.extra.append((b"x-xpyd-first-token", b"prefill"))
+        call.flight.extra.append((XPYD_FIRST_TOKEN_RAW, b"prefill"))
         call.t_decode = time.perf_counter()
         limits = d.output_limits
         assert limits is not None  # first_token.eligible

@@ -19,6 +19,7 @@ from proxy.registry import Instance
 from proxy.request import RouteRequest
 from proxy.serving.asgi import ms
 from proxy.upstream.base import Upstream, UpstreamError
+from xpyd_wire.headers import XPYD_DECODE_TTFB_MS_RAW
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
@@ -49,7 +50,7 @@ class Decode:
         call.t_decode = since
         t_first = time.perf_counter()
         self._phase["decode_ttfb"].observe(t_first - since)
-        call.flight.extra.append((b"x-xpyd-decode-ttfb-ms", ms(t_first - since)))
+        call.flight.extra.append((XPYD_DECODE_TTFB_MS_RAW, ms(t_first - since)))
 
     async def first_bytes(self, loop: asyncio.AbstractEventLoop, d: Instance, opening: Awaitable[Answer],
                           headers: dict[str, str], limit: float | None = None

@@ -27,6 +27,7 @@ from proxy.routing.selection import Selector
 from proxy.serving.asgi import ms
 from proxy.upstream.base import Upstream, UpstreamError
 from xpyd_wire import request_id
+from xpyd_wire.headers import XPYD_PATH_RAW, XPYD_PREFILL_INSTANCE_RAW, XPYD_PREFILL_MS_RAW, XPYD_QUEUE_MS_RAW
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
@@ -96,7 +97,7 @@ class Disaggregated:
             t_start = time.perf_counter()
             if attempt == 0:
                 self._phase["queue"].observe(t_start - call.t0)
-                call.flight.extra.append((b"x-xpyd-queue-ms", ms(t_start - call.t0)))
+                call.flight.extra.append((XPYD_QUEUE_MS_RAW, ms(t_start - call.t0)))
             else:
                 self.metrics.prefill_retries.inc()
             try:
@@ -122,7 +123,7 @@ class Disaggregated:
             call.decode_due = t_pre
             p.served += 1
             self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
-            call.flight.extra.append((b"x-xpyd-path", _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
+            call.flight.extra.append((XPYD_PATH_RAW, _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
             first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
             if first is not None and limits is not None and first_token.starts_answer(req.body, first, limits):
                 return self.continuation.answer(call, d, first, headers)
@@ -205,8 +206,8 @@ class Disaggregated:
         extra = call.flight.extra
         extra.append((b"x-request-id", self.decode.client_id(rid)))
         if self._expose:
-            extra.append((b"x-xpyd-prefill-instance", p.http_address.encode()))
-        extra.append((b"x-xpyd-prefill-ms", ms(t_pre - t_start)))
+            extra.append((XPYD_PREFILL_INSTANCE_RAW, p.http_address.encode()))
+        extra.append((XPYD_PREFILL_MS_RAW, ms(t_pre - t_start)))
         self._phase["prefill"].observe(t_pre - t_start)
         return t_pre
 

@@ -33,6 +33,7 @@ from proxy.metrics import Metrics
 from proxy.registry import Instance
 from proxy.routing.selection import Selector
 from proxy.upstream.base import Upstream
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE_RAW
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
@@ -102,7 +103,7 @@ class Dispatcher:
 
     async def _answer(self, call: Call, d: Instance) -> Answer:
         if self._expose:
-            call.flight.extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+            call.flight.extra.append((XPYD_DECODE_INSTANCE_RAW, d.http_address.encode()))
         path = choose_path(self.cfg, self.selector, call.req, d)
         if path == DISAGGREGATED:
             try:
@@ -115,6 +116,6 @@ class Dispatcher:
                 log.info("prefill refused the request status=%d: D judges the client's own", e.status)
                 call.flight.extra.clear()  # the headers describe the answer the client gets
                 if self._expose:
-                    call.flight.extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+                    call.flight.extra.append((XPYD_DECODE_INSTANCE_RAW, d.http_address.encode()))
                 path = LOCAL_VERDICT
         return await self._local.answer(call, d, path)

@@ -26,6 +26,7 @@ from proxy.registry import Instance
 from proxy.request import RouteRequest
 from proxy.routing.selection import Selector
 from xpyd_wire import request_id
+from xpyd_wire.headers import XPYD_PATH_RAW
 
 
 def choose_path(cfg: ProxyConfig, selector: Selector, req: RouteRequest, d: Instance) -> str:
@@ -59,7 +60,7 @@ class Local:
         self.metrics.dispatch(path)
         rid = request_id.build_local()
         call.flight.extra.append((b"x-request-id", self.decode.client_id(rid)))
-        call.flight.extra.append((b"x-xpyd-path", path.encode()))
+        call.flight.extra.append((XPYD_PATH_RAW, path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
         opening = self.decode.open(call.req, d, headers)

@@ -15,6 +15,7 @@ from proxy.dispatch.relay import Answer
 from proxy.errors import ProxyError
 from proxy.registry import Instance
 from proxy.routing.selection import Selector
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE_RAW
 
 log = logging.getLogger("xpyd.proxy.dispatch")
 
@@ -58,7 +59,7 @@ class Rescue:
         try:
             call.flight.extra.clear()
             if self._expose:
-                call.flight.extra.append((b"x-xpyd-decode-instance", d.http_address.encode()))
+                call.flight.extra.append((XPYD_DECODE_INSTANCE_RAW, d.http_address.encode()))
             try:
                 answer = await self.local.answer(call, d, LOCAL_RESCUE, deadline - time.perf_counter())
             except (DecodeFailed, ProxyError) as e:

@@ -26,6 +26,7 @@ from proxy.serving.asgi import ClientGone, Flight, Headers, Receive, Scope, Send
 from proxy.serving.asgi import watch_disconnect as _watch
 from proxy.serving.corked import FLUSH
 from proxy.upstream.base import Upstream
+from xpyd_wire.headers import XPYD_PREFIX_RAW
 
 log = logging.getLogger("xpyd.proxy.routing")
 
@@ -176,7 +177,7 @@ class Router:
             self.metrics.observe_request(path, status, elapsed)
             if log.isEnabledFor(logging.DEBUG):
                 timing = " ".join(
-                    f"{k.decode()[7:] if k.startswith(b'x-xpyd-') else k.decode()}={v.decode()}"
+                    f"{k.decode()[len(XPYD_PREFIX_RAW):] if k.startswith(XPYD_PREFIX_RAW) else k.decode()}={v.decode()}"
                     for k, v in flight.extra
                 )
                 log.debug(
