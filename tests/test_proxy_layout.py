@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROXY = ROOT / "proxy"
 
 ROOT_MODULES = {
-    "__init__", "__main__", "config", "credentials", "deadline", "errors", "metrics", "openai_api", "registry",
+    "__init__", "__main__", "asgi", "config", "credentials", "deadline", "errors", "metrics", "openai_api", "registry",
     "request", "secret_files",
 }  # fmt: skip
 WINGS = {"serving", "dispatch", "routing", "upstream", "membership"}
@@ -34,9 +34,10 @@ def module_name(path: Path, base: Path) -> str:
     return ".".join(parts)
 
 
-def import_graph(package: Path) -> dict[str, set[str]]:
+def import_graph(package: Path, module_level_only: bool = False) -> dict[str, set[str]]:
     """Module -> the modules of the same package it imports, anywhere in it (function-level
-    and TYPE_CHECKING imports too); `from pkg import name` counts pkg.name when that is a module."""
+    and TYPE_CHECKING imports too, unless module_level_only); `from pkg import name` counts
+    pkg.name when that is a module."""
     base = package.parent
     paths = {module_name(p, base): p for p in sorted(package.rglob("*.py"))}
 
@@ -49,7 +50,9 @@ def import_graph(package: Path) -> dict[str, set[str]]:
     for name, path in paths.items():
         here = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nodes = _outside_functions(tree) if module_level_only else ast.walk(tree)
+        for node in nodes:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -67,6 +70,18 @@ def import_graph(package: Path) -> dict[str, set[str]]:
                     found.add(r)
         graph[name] = found
     return graph
+
+
+def _outside_functions(tree: ast.AST):
+    for node in ast.iter_child_nodes(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield node
+            yield from _outside_functions(node)
+
+
+def wing_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else "root"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -108,6 +123,22 @@ def test_no_import_circles_in_proxy():
     assert cycles(import_graph(PROXY)) == []
 
 
+def test_wings_form_no_circle_and_the_root_imports_no_wing():
+    """Between wings too: serving -> dispatch -> routing/upstream, never back. The root is
+    vocabulary: it imports no wing when loaded (config parses --prefill/--decode with
+    membership/static.py in a function; __main__ is the entry point and starts serving/)."""
+    graph = import_graph(PROXY)
+    wings: dict[str, set[str]] = {w: set() for w in WINGS}
+    for mod, deps in graph.items():
+        if wing_of(mod) != "root":
+            wings[wing_of(mod)].update(wing_of(d) for d in deps if wing_of(d) not in ("root", wing_of(mod)))
+    assert cycles(wings) == []
+    loaded = import_graph(PROXY, module_level_only=True)
+    assert {m: sorted(d for d in deps if wing_of(d) != "root")
+            for m, deps in loaded.items() if wing_of(m) == "root" and m != "proxy.__main__"
+            and any(wing_of(d) != "root" for d in deps)} == {}  # fmt: skip
+
+
 def test_the_check_sees_a_circle_closed_by_a_deferred_import(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "wing").mkdir(parents=True)
@@ -119,6 +150,7 @@ def test_the_check_sees_a_circle_closed_by_a_deferred_import(tmp_path):
     graph = import_graph(pkg)
     assert graph["pkg.c"] == {"pkg", "pkg.a"}
     assert cycles(graph) == [["pkg.a", "pkg.wing.b"]]
+    assert cycles(import_graph(pkg, module_level_only=True)) == []  # deferred: seen only by the full scan
 
 
 def test_root_holds_the_vocabulary_and_the_rest_lives_in_wings():

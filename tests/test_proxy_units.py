@@ -305,9 +305,9 @@ class _BrokenStream:
 
 
 async def test_relay_error_event_starts_on_an_event_boundary():
+    from proxy.asgi import Flight
     from proxy.dispatch.relay import Answer, Relay
     from proxy.metrics import Metrics
-    from proxy.serving.asgi import Flight
 
     registry = Registry(heartbeat_timeout=10)
     d = registry.upsert(reg("D", 1), now=0)

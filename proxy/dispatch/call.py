@@ -17,9 +17,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from proxy.asgi import Flight, Send
 from proxy.errors import ProxyError
 from proxy.request import RouteRequest
-from proxy.serving.asgi import Flight, Send
 
 # Dispatch paths, as counted in xpyd_dispatch_total.
 DISAGGREGATED = "disaggregated"

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Awaitable
 
+from proxy.asgi import ms
 from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
 from proxy.dispatch.call import Call, DecodeFailed
@@ -17,7 +18,6 @@ from proxy.errors import ProxyError, instance_text, upstream_error_body, upstrea
 from proxy.metrics import Metrics
 from proxy.registry import Instance
 from proxy.request import RouteRequest
-from proxy.serving.asgi import ms
 from proxy.upstream.base import Upstream, UpstreamError
 from xpyd_wire.headers import XPYD_DECODE_TTFB_MS_RAW
 

@@ -11,6 +11,7 @@ import time
 
 import orjson
 
+from proxy.asgi import ms
 from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
 from proxy.dispatch import first_token
@@ -24,7 +25,6 @@ from proxy.openai_api import CHAT, prefill_body
 from proxy.registry import Instance
 from proxy.request import RouteRequest
 from proxy.routing.selection import Selector
-from proxy.serving.asgi import ms
 from proxy.upstream.base import Upstream, UpstreamError
 from xpyd_wire import request_id
 from xpyd_wire.headers import XPYD_PATH_RAW, XPYD_PREFILL_INSTANCE_RAW, XPYD_PREFILL_MS_RAW, XPYD_QUEUE_MS_RAW

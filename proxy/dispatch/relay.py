@@ -11,12 +11,12 @@ from http import HTTPStatus
 
 import orjson
 
+from proxy.asgi import Flight, Send
 from proxy.deadline import Deadline
 from proxy.dispatch.rewrite import IdRewrite
 from proxy.errors import instance_text, sse_error_event, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
-from proxy.serving.asgi import Flight, Send
 from proxy.upstream.base import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("xpyd.proxy.relay")

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
+from proxy.asgi import Receive, Scope, Send
 from proxy.config import ProxyConfig
 from proxy.credentials import on_behalf_headers
 from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_text
@@ -27,7 +28,6 @@ from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.registry import Instance, Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
-from proxy.serving.asgi import Receive, Scope, Send
 from proxy.serving.routes import Router
 from proxy.upstream.base import Upstream, UpstreamError
 from proxy.upstream.factory import make_upstream

@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
+from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
+from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
 from proxy.credentials import forwards_client_auth, upstream_key_header
 from proxy.dispatch.call import Call
@@ -22,8 +24,6 @@ from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
 from proxy.routing.selection import Selector
-from proxy.serving.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
-from proxy.serving.asgi import watch_disconnect as _watch
 from proxy.serving.corked import FLUSH
 from proxy.upstream.base import Upstream
 from xpyd_wire.headers import XPYD_PREFIX_RAW
