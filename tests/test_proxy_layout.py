@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from xpyd_wire.headers import XPYD_PREFIX
+
 ROOT = Path(__file__).resolve().parent.parent
 PROXY = ROOT / "proxy"
 
@@ -171,3 +173,23 @@ def test_no_proxy_module_over_500_lines_unless_listed():
     assert over == {}
     for path, cap in LONG_MODULES.items():
         assert MAX_LINES < sizes[path] <= cap, (path, sizes[path])
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    """The module's string constants, docstrings left out (prose may name a header)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}  # fmt: skip
+    return [(n.lineno, n.value if isinstance(n.value, str) else n.value.decode("latin-1"))
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, (str, bytes)) and id(n) not in docs]  # fmt: skip
+
+
+def test_xpyd_header_names_are_spelled_only_in_the_wire_package():
+    # xpyd_wire/headers.py owns the x-xpyd-* names; proxy/ and tests/ use its constants.
+    found = [f"{p.relative_to(ROOT)}:{line}"
+             for tree in (PROXY, ROOT / "tests") for p in sorted(tree.rglob("*.py"))
+             for line, text in _string_literals(p) if XPYD_PREFIX in text]  # fmt: skip
+    assert found == []
+    assert XPYD_PREFIX in {t for _, t in _string_literals(ROOT / "xpyd_wire" / "headers.py")}
