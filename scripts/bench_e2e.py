@@ -408,8 +408,10 @@ class DecodeProbe:
         out = {k: (h1[k][0] - h0[k][0]) * 1000 for k in DECODE_HISTOGRAMS}
         with self.log_path.open("rb") as f:
             f.seek(offset)
-            waits = kv_waits(f.read().decode(errors="replace"))
+            log = f.read().decode(errors="replace")
+        waits = kv_waits(log)
         out["kv_wait"] = waits[0] if len(waits) == 1 else math.nan
+        out["sync_load"] = float(loads[0]) if len(loads := kv_load_modes(log)) == 1 else math.nan
         lags = []
         for path, at in zip(self.prefill_logs, p_offset, strict=True):
             with path.open("rb") as f:
@@ -596,6 +598,39 @@ def kv_waits(decode_log: str) -> list[float]:
     return out
 
 
+def kv_load_modes(decode_log: str) -> list[bool]:
+    """Per 'kv loaded' line of D's log: whether the load was synchronous (applied in the step
+    that scheduled the request; connector/consumer.py adds ' sync')."""
+    return [" sync" in line.split("wait_ms=", 1)[1] for line in decode_log.splitlines()
+            if "kv loaded" in line and "wait_ms=" in line]
+
+
+def first_gap_parts(results: list[StreamResult]) -> dict[str, float] | None:
+    """With the first token from P, D's whole share falls between the client's first and second
+    token. Medians (ms) of that gap split per request from D's /metrics and its connector log:
+    outside vLLM's clock (the proxy sending D's continuation after P's token, HTTP into D,
+    parsing, D's first chunk relayed), vLLM's frontend <-> engine hand-offs, the engine queue
+    (the connector's KV wait + the steps around an asynchronous load), D's 1-token step (with a
+    synchronous load's scatter), and the share of loads that were synchronous."""
+    rows = []
+    for r in results:
+        d = r.decode
+        if d is None or not r.gaps() or r.headers.get("x-xpyd-first-token") != "prefill":
+            continue
+        gap = r.gaps()[0] * 1000
+        rows.append({"gap": gap, "outside_vllm": gap - d["ttft"],
+                     "frontend_engine": d["ttft"] - d["queue"] - d["prefill"],
+                     "engine_queue": d["queue"], "kv_wait": d["kv_wait"], "one_token_step": d["prefill"],
+                     "sync_load": d.get("sync_load", math.nan), "kv_arrival_lag": d["arrival_lag"]})
+    if not rows:
+        return None
+    out: dict[str, float] = {"n": len(rows)}
+    for k in rows[0]:
+        xs = [x[k] for x in rows if not math.isnan(x[k])]
+        out[k] = (statistics.mean(xs) if k == "sync_load" else statistics.median(xs)) if xs else math.nan
+    return out
+
+
 def d_share_parts(results: list[StreamResult]) -> dict[str, float] | None:
     """Medians (ms) of D's share split per request: outside vLLM's clock (proxy -> D HTTP,
     parsing, tokenisation, relay of the first chunk; only when D got the request after P
@@ -705,6 +740,15 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                 lines.append(first_token_split(name, tt[name], statistics.median(t[p_ref.name]) * 1000))
             else:
                 lines.append(f"  {name}: no split of D's share (x-xpyd-decode-ttfb-ms absent)")
+        gparts = first_gap_parts(tt[name])
+        if gparts:
+            lines.append(f"    gap from token 1 to 2 {gparts['gap']:.1f} ms "
+                         f"({first_gap_ms(tt[colos[0]]):.1f} {colos[0]}) split "
+                         f"(D's /metrics + connector logs, medians of {gparts['n']}): outside vLLM's clock (proxy -> D "
+                         f"HTTP, parse, relay) {gparts['outside_vllm']:.1f}; frontend<->engine "
+                         f"{gparts['frontend_engine']:.1f}; engine queue {gparts['engine_queue']:.1f} (KV wait "
+                         f"{gparts['kv_wait']:.1f}); D's 1-token step {gparts['one_token_step']:.1f}; synchronous "
+                         f"loads {gparts['sync_load']:.0%}; KV arrival lag {gparts['kv_arrival_lag']:.1f}")
         parts = d_share_parts(tt[name])
         if parts:
             outside = (f"{parts['outside_vllm']:.1f}" if not math.isnan(parts["outside_vllm"])
@@ -842,6 +886,10 @@ def _header_median(results: list[StreamResult], header: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _finite_all(d: dict[str, float] | None) -> dict[str, float | None] | None:
+    return None if d is None else {k: _finite(v) for k, v in d.items()}
+
+
 def summary(args, res: dict, colo: str, dis: str, p_alone: str) -> dict:
     """The shipped defaults' medians (ms) with their same-run colocated baselines, for --json."""
     med = statistics.median
@@ -857,7 +905,9 @@ def summary(args, res: dict, colo: str, dis: str, p_alone: str) -> dict:
         # P's answer to the prefill request as the proxy timed it (x-xpyd-prefill-ms).
         "prefill_answer_ms": _header_median(tt[dis], "x-xpyd-prefill-ms"),
         "d_share_parts_ms": d_share_parts(tt[dis]),
+        # The gap from the first token to the second (with the first token from P, D's share).
         "first_gap_ms": {"colocated": first_gap_ms(tt[colo]), "disaggregated": first_gap_ms(tt[dis])},
+        "first_gap_parts_ms": _finite_all(first_gap_parts(tt[dis])),
         "ttft_tokens": sorted({r.prompt_tokens for r in tt[dis]}),
         "ttft_max_tokens": args.ttft_max_tokens,
         "defaults": {"dispatch": args.dispatch_default, "local_prefill_threshold": args.threshold_default,
