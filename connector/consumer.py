@@ -298,6 +298,7 @@ class Consumer:
     def _complete(self, load: _Load, payloads: list[Payload], now: float, how: str = "") -> bool:
         """Apply a load whose payload is here, count and log it; False if it failed."""
         rid, key = load.spec.req_id, load.spec.transfer_key
+        t0 = time.perf_counter()
         try:
             with ExitStack() as held:  # a TTL drop meanwhile frees a pinned lease only after
                 for p in payloads:
@@ -312,8 +313,9 @@ class Consumer:
         self.stats.transfer("load", "ok")
         self.stats.load_wait(now - load.started)
         logger.info(
-            "kv loaded req=%s transfer=%s tokens=%d blocks=%d wait_ms=%.1f%s%s",
+            "kv loaded req=%s transfer=%s tokens=%d blocks=%d wait_ms=%.1f%s apply_ms=%.2f%s",
             rid, key, load.spec.num_tokens, len(load.spec.dst_block_ids), (now - load.started) * 1e3, how,
+            (time.perf_counter() - t0) * 1e3,
             " CORRUPTED(test)" if load.spec.corrupt_for_test else "",
         )
         return True

@@ -36,6 +36,7 @@ import torch
 
 from connector import affinity, tp
 from connector import layout as kvlayout
+from connector.arrivals import ArrivalWriter, board_path
 from connector.assembly import PartAssembler
 from connector.buffer import GONE, KVBuffer, Payload
 from connector.config import ConnectorConfig
@@ -100,6 +101,15 @@ def _refusal(key: str, why: str, part: object = None) -> dict[str, Any]:
     return Refusal(why).encode()
 
 
+def _arrival_writer(address: str) -> ArrivalWriter | None:
+    """This rank's arrival board, or None (loads are then planned by asking the control socket)."""
+    try:
+        return ArrivalWriter(board_path(address))
+    except OSError as e:
+        logger.warning("kv arrival board for %s not made (the scheduler asks the worker instead): %s", address, e)
+        return None
+
+
 class KVEngine:
     def __init__(
         self,
@@ -162,8 +172,15 @@ class KVEngine:
                                  self.xfer_stats, self._stager,
                                  lambda header: self.check_peer(header, we_send=False), self._tp, self._head_axis)
         self.address = rank_address(cfg.advertised_address, rank)
+        # D: tells this instance's scheduler, through shared memory, which transfers' KV is
+        # here (a synchronous load without asking the control socket). Named after the port,
+        # so made once the port is ours; a payload stored before that, or with no board, is
+        # found by the scheduler asking, as it always could.
+        self._arrivals: ArrivalWriter | None = None
         host, _, port = self.address.rpartition(":")
         self._transport.start(host, int(port), self._handle)
+        if cfg.loads_sync:
+            self._arrivals = _arrival_writer(self.address)
         if not getattr(self._transport, "authenticated", False) and not is_loopback(host):
             logger.warning(
                 "kv port %s is unauthenticated: anyone who reaches it can put, read or fail KV transfers. "
@@ -231,6 +248,10 @@ class KVEngine:
             if refused:
                 return _refusal(key, refused), []
             self.xfer_stats.moved("received", payload.nbytes)
+            if self._arrivals is not None:
+                whole = key.rpartition("/")[0] or key  # a piece's transfer (tp.piece_key)
+                if self.consumer.ready(whole):  # every piece of it is here
+                    self._arrivals.publish(whole)
             return ok(), []
         if op == Op.ABORT:
             keys = header.get("keys")
@@ -471,5 +492,7 @@ class KVEngine:
         self.consumer.close()
         self._sweeper.join(timeout=2.0)
         self._transport.close()
+        if self._arrivals is not None:
+            self._arrivals.close()
         if self._stager is not None:
             self._stager.close()

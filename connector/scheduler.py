@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from xpyd_wire import request_id
 from xpyd_wire.kv_transfer import (DEBUG_CORRUPT_KV_PARAM, OP_KEY, PREFILL_PROMPT_TOKENS_PARAM, REPORT_KEY_PARAM,
                                    RESPONSE_KEY, SKIP_TOKENS_PARAM, Op)
+from connector.arrivals import ArrivalReader, board_path
 from connector.config import ConnectorConfig, _flag
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
@@ -94,17 +95,22 @@ ARRIVAL_PROBE_TIMEOUT_S = 0.05
 
 
 class ArrivalProbe:
-    """Asks this instance's worker ranks (op ``ready``) whether a transfer's whole KV has
-    arrived, so the load can be synchronous. Any doubt (an error, a slow answer) says no:
-    the load is then asynchronous, as it would be without the probe."""
+    """Whether a transfer's whole KV has arrived at every worker rank of this instance, so the
+    load can be synchronous: first each rank's arrival board (shared memory, no system call;
+    connector/arrivals.py), then, unless every board said yes, each rank's control socket (op
+    ``ready``). Any doubt (an error, a slow answer) says no: the load is then asynchronous, as
+    it would be without the probe."""
 
     def __init__(self, cfg: ConnectorConfig, ranks: int) -> None:
         self._addrs = [request_id.rank_address(cfg.advertised_address, r) for r in range(ranks)]
+        self._boards = [ArrivalReader(board_path(a)) for a in self._addrs]
         auth = KVAuth.from_secret(cfg.kv_secret, cfg.kv_auth) if cfg.kv_secret else None
         self._transport = TcpTransport(auth=auth, max_idle_per_peer=1, byte_stream=cfg.byte_stream)
         self._log = RateLimitedLog(logger.warning)
 
     def arrived(self, key: str) -> bool:
+        if all(b.arrived(key) for b in self._boards):
+            return True
         deadline = time.monotonic() + ARRIVAL_PROBE_TIMEOUT_S
         for addr in self._addrs:
             left = deadline - time.monotonic()
@@ -120,6 +126,8 @@ class ArrivalProbe:
         return True
 
     def close(self) -> None:
+        for b in self._boards:
+            b.close()
         self._transport.close()
 
 
@@ -132,6 +140,7 @@ class P2pScheduler:
         # None: every load is asynchronous. GET pulls the KV only once the load is planned.
         self._probe = probe if cfg.loads_sync else None
         self._sync: set[str] = set()  # requests told "synchronous" by the last matched-tokens call
+        self._probe_ms: dict[str, float] = {}  # how long the last probe of a request took (its log line)
         self._kv_cache_manager: KVCacheManager | None = None
         # Producer: requests whose prompt still has to be sent, sends planned,
         # and which live request owns each key's send (n>1 children on P share it).
@@ -240,10 +249,14 @@ class P2pScheduler:
             self._covered[rid] = num_computed_tokens
             return 0, False
         self._sync.discard(rid)
-        if self._probe is not None and self._probe.arrived(tid.key):
-            # The KV is here: load it in the step that schedules the request, not one later.
-            self._sync.add(rid)
-            return n, False
+        if self._probe is not None:
+            t0 = time.perf_counter()
+            here = self._probe.arrived(tid.key)
+            self._probe_ms[rid] = (time.perf_counter() - t0) * 1e3
+            if here:
+                # The KV is here: load it in the step that schedules the request, not one later.
+                self._sync.add(rid)
+                return n, False
         return n, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -284,9 +297,10 @@ class P2pScheduler:
         )
         self._new_loads.append(spec)
         self._loaded[request.request_id] = spec
-        logger.info("kv load planned req=%s transfer=%s local_hit=%d external=%d blocks=%d mode=%s",
+        probe_ms = self._probe_ms.pop(request.request_id, None)
+        logger.info("kv load planned req=%s transfer=%s local_hit=%d external=%d blocks=%d mode=%s%s",
                     request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids),
-                    "sync" if sync else "async")
+                    "sync" if sync else "async", "" if probe_ms is None else f" probe_ms={probe_ms:.2f}")
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> P2pConnectorMetadata:
         if self._grace:
@@ -367,6 +381,7 @@ class P2pScheduler:
         rid = request.request_id
         self._live.discard(rid)
         self._sync.discard(rid)  # told "synchronous", then aborted before its blocks came
+        self._probe_ms.pop(rid, None)
         self._covered.pop(rid, None)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
         tid = request_id.parse(rid)

@@ -420,6 +420,79 @@ def test_kv_already_here_is_loaded_synchronously(engines):
         ds.shutdown()
 
 
+def _asking(probe) -> list[dict]:
+    """What the probe asks the workers' control sockets from now on (it still asks)."""
+    asked: list[dict] = []
+    call = probe._transport.call
+
+    def recording(addr, header, *args, **kwargs):
+        asked.append(header)
+        return call(addr, header, *args, **kwargs)
+
+    probe._transport.call = recording
+    return asked
+
+
+def test_kv_here_is_read_off_the_arrival_board_without_asking(engines):
+    """The worker rank writes each transfer whose KV it stored on its arrival board (shared
+    memory); D's scheduler reads it there, with no round trip to the worker on vLLM's
+    scheduling thread. A transfer not on the board is still asked about."""
+    from connector.arrivals import ArrivalReader, board_path
+    from connector.scheduler import ArrivalProbe
+
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    probe = ArrivalProbe(cons.cfg, 1)
+    board = ArrivalReader(board_path(cons.address))
+    try:
+        asked = _asking(probe)
+        assert probe.arrived(KEY) is False
+        assert [h["op"] for h in asked] == ["ready"]  # not on the board: the worker says no
+        prod.save(save_spec(prod, rank0(cons)))
+        wait_for(lambda: board.arrived(KEY))
+        assert cons.consumer.ready(KEY)
+        asked.clear()
+        assert probe.arrived(KEY) is True
+        assert asked == []
+    finally:
+        board.close()
+        probe.close()
+
+
+def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, client):
+    """Heterogeneous TP: each prefill rank sends this rank a piece; the transfer goes on the
+    board only with the last of them (a synchronous load needs all)."""
+    from connector import tp
+    from connector.arrivals import ArrivalReader, board_path
+
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    board = ArrivalReader(board_path(cons.address))
+    try:
+        for i in range(2):
+            assert not board.arrived(KEY)
+            header = {"op": "put", "key": tp.piece_key(KEY, i), "piece": i, "pieces": 2}
+            reply, _ = client.call(rank0(cons), header, [_blocks(1)])
+            assert reply["ok"], reply
+        assert board.arrived(KEY) and cons.consumer.ready(KEY)
+        assert not board.arrived(tp.piece_key(KEY, 0))  # pieces are not transfers
+    finally:
+        board.close()
+
+
+def test_no_arrival_board_when_loads_are_never_synchronous(engines):
+    from connector.arrivals import board_path
+
+    for role, send_type, extra in (("kv_consumer", "PUT_ASYNC", {"sync_load": False}),
+                                   ("kv_consumer", "GET", {}), ("kv_producer", "PUT_ASYNC", {})):
+        eng = engines(role, send_type, **extra)
+        assert not board_path(eng.address).exists(), (role, send_type, extra)
+    eng = engines("kv_consumer", "PUT_ASYNC")
+    path = board_path(eng.address)
+    assert path.exists()
+    eng.close()
+    assert not path.exists()
+
+
 def test_sync_load_whose_kv_is_gone_reports_its_blocks(engines):
     """A synchronous load that finds no payload (dropped between the scheduler's check and
     the step) leaves the cache untouched and reports its blocks to vLLM once

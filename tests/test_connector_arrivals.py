@@ -1,0 +1,94 @@
+"""D's arrival board (connector/arrivals.py): a real file in shared memory, written by the
+worker rank's side and read by the scheduler's, as in two processes (each side maps it)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from connector import arrivals
+from connector.arrivals import ArrivalReader, ArrivalWriter, board_path
+
+KEY = "0123456789abcdef0123456789abcdef-0"
+
+
+@pytest.fixture
+def board(tmp_path):
+    path = board_path("127.0.0.1:40001", str(tmp_path))
+    w = ArrivalWriter(path)
+    r = ArrivalReader(path)
+    yield w, r
+    r.close()
+    w.close()
+
+
+def test_a_published_transfer_is_seen_and_no_other(board):
+    w, r = board
+    assert r.arrived(KEY) is False
+    w.publish(KEY)
+    assert r.arrived(KEY) is True
+    assert r.arrived(KEY[:-1] + "1") is False  # another prompt of the same request
+
+
+def test_the_board_remembers_the_last_slots_arrivals(board):
+    w, r = board
+    w.publish(KEY)
+    for i in range(arrivals.SLOTS - 1):
+        w.publish(f"other-{i}")
+    assert r.arrived(KEY) is True  # still in its slot
+    w.publish("one-more")  # wraps around onto KEY's slot
+    assert r.arrived(KEY) is False
+    assert r.arrived("one-more") is True and r.arrived("other-0") is True
+
+
+def test_a_digest_across_two_slots_is_no_match(tmp_path):
+    """Only a digest in a slot of its own counts: bytes that happen to spell it across a
+    slot boundary (two neighbouring digests) do not."""
+    path = board_path("127.0.0.1:40002", str(tmp_path))
+    w = ArrivalWriter(path)
+    r = ArrivalReader(path)
+    try:
+        h = arrivals._digest(KEY)
+        at = len(arrivals.MAGIC) + arrivals.DIGEST // 2  # half in slot 0, half in slot 1
+        w._mm[at:at + arrivals.DIGEST] = h
+        assert r.arrived(KEY) is False
+        w.publish(KEY)
+        assert r.arrived(KEY) is True
+    finally:
+        r.close()
+        w.close()
+
+
+def test_no_board_or_another_layout_says_no(tmp_path):
+    """The scheduler then asks the worker's control socket, as without a board."""
+    path = board_path("127.0.0.1:40003", str(tmp_path))
+    r = ArrivalReader(path)
+    assert r.arrived(KEY) is False  # not made yet
+    path.write_bytes(b"x" * arrivals.SIZE)  # not our magic
+    assert r.arrived(KEY) is False
+    path.write_bytes(arrivals.MAGIC)  # too short
+    assert r.arrived(KEY) is False
+    w = ArrivalWriter(path)  # made now: read from the next question on
+    try:
+        w.publish(KEY)
+        assert r.arrived(KEY) is True
+    finally:
+        r.close()
+        w.close()
+
+
+def test_the_board_is_private_and_removed_on_close(tmp_path):
+    path = board_path("127.0.0.1:40004", str(tmp_path))
+    w = ArrivalWriter(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert str(os.getuid()) in path.name
+    w.close()
+    assert not path.exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary file left either
+
+
+def test_board_path_is_one_name_per_address_and_user():
+    a, b = board_path("127.0.0.1:40005"), board_path("127.0.0.1:40006")
+    assert a != b and a.parent == b.parent
+    assert "/" not in board_path("[::1]:40005").name
