@@ -470,3 +470,116 @@ async def test_dead_replay_endpoint_costs_a_deadline_not_the_stream():
         await wait_until(lambda: h.stream.stats.replays_failed >= 1)
         await publish_until_received(h, [AllBlocksCleared(), seq_blocks(toks)])
         assert h.index.state is IndexState.KNOWN and len(h.index) == 4
+
+
+@pytest.mark.parametrize("bind, want", [
+    ("tcp://:::5557", "tcp://node-1:5557"),  # the IPv6 wildcard "::"
+    ("tcp://[::]:5557", "tcp://node-1:5557"),
+    ("tcp://:5557", "tcp://node-1:5557"),
+    ("tcp://*:1", "tcp://node-1:1"),  # the lowest fixed port
+    ("tcp://[::1]:5557", "tcp://[::1]:5557"),  # a concrete IPv6 host stays as given
+    ("tcp://[::FFFF:10.0.0.7]:5557", "tcp://10.0.0.7:5557"),
+])
+def test_advertised_wildcards_and_concrete_hosts(bind, want):
+    assert advertised(bind, "node-1") == want
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("ipc:///tmp/x", "only tcp:// event endpoints can be advertised, got 'ipc:///tmp/x'"),
+    ("tcp://*:0", "event endpoint 'tcp://\\*:0' needs a fixed port"),
+    ("tcp://h", "event endpoint 'tcp://h' needs a fixed port"),
+])
+def test_advertised_refusal_says_why(bad, why):
+    """The operator sees this at start-up: it must name the endpoint and the rule."""
+    with pytest.raises(EventError, match=f"^{why}$"):
+        advertised(bad, "h")
+
+
+def test_split_endpoint_refusal_names_the_value():
+    from xpyd_wire.kv_events import split_endpoint
+
+    with pytest.raises(EventError, match="^endpoint must be a 'tcp://host:port' string, got 3$"):
+        split_endpoint(3)
+    with pytest.raises(EventError, match="^endpoint 'tcp://a b:1' is not tcp://host:port$"):
+        split_endpoint("tcp://a b:1")
+    assert split_endpoint("tcp://[::1]:65535") == ("[::1]", 65535)
+
+
+# ---------------------------------------------------------------- bounds, each side of each limit
+
+
+def _one(event):
+    return decode_batch([b"", b"\0" * 8, _payload([event])]).events[0]
+
+
+@pytest.mark.parametrize("event", [
+    {**GOOD, "block_hashes": [b"x"]},  # the shortest hash
+    {**GOOD, "block_hashes": [b"x" * 64]},  # the longest (vLLM's are 32 bytes)
+    {**GOOD, "block_size": 1, "token_ids": [7]},
+    {**GOOD, "group_idx": 0xFFFF},
+    {**GOOD, "lora_name": "a" * 256, "medium": "m" * 256},
+    {"type": "BlockRemoved", "block_hashes": list(range(100_000)), "group_idx": 0},  # MAX_BLOCKS_PER_EVENT
+])
+def test_events_at_their_limits_are_accepted(event):
+    ev = _one(event)
+    assert ev.block_hashes == tuple(event["block_hashes"])
+
+
+@pytest.mark.parametrize("event, why", [
+    ({**GOOD, "block_hashes": [b""]}, "block hash must be bytes (<= 64) or an int"),
+    ({"type": "BlockRemoved", "block_hashes": list(range(100_001))}, "block_hashes must be a list of 1..100000"),
+    ({**GOOD, "group_idx": 0x10000}, "group_idx must be a small int"),
+    ({**GOOD, "group_idx": "1"}, "group_idx must be a small int"),
+    ({**GOOD, "group_idx": -1}, "group_idx must be a small int"),
+    ({**GOOD, "lora_name": "a" * 257}, "lora_name must be a short string"),
+    ({**GOOD, "extra_keys": "salt"}, "extra_keys must be a list"),
+    ({**GOOD, "block_size": 0, "token_ids": []}, "block_size must be an int 1..4096"),
+    ("BlockStored", "event is not a map"),
+])
+def test_events_past_their_limits_are_refused_with_the_reason(event, why):
+    """Each refusal is logged with its reason (the metric counts it as invalid_event)."""
+    with pytest.raises(EventError, match=f"^{__import__('re').escape(why)}$") as e:
+        _one(event)
+    assert e.value.reason == INVALID_EVENT
+
+
+def test_encode_batch_writes_extra_keys_as_vllm_does():
+    """The test publisher's extra_keys: vLLM's per-block list, the LoRA name first."""
+    def extra_keys(lora, extra):
+        ev = BlockStored((1, 2), None, tuple(range(8)), BS, lora, "GPU", 0, extra)
+        return msgpack.unpackb(encode_batch(EventBatch(0, 1.0, (ev,)))[2])[1][0]["extra_keys"]
+
+    assert extra_keys(None, False) is None
+    assert extra_keys("ad", False) == [["ad"], ["ad"]]
+    assert extra_keys("ad", True) == [["ad", "salt"], ["ad", "salt"]]
+    assert extra_keys(None, True) == [["salt"], ["salt"]]
+
+
+def test_chain_block_keys_bounds():
+    assert len(chain_block_keys(list(range(11)), 4)) == 2  # 3 trailing tokens: no third key
+    assert len(chain_block_keys(list(range(3)), 1)) == 3  # block size 1 is a valid size
+    for bad in (0, -4):
+        with pytest.raises(ValueError, match="^block_size must be positive$"):
+            chain_block_keys([1, 2, 3], bad)
+
+
+@pytest.mark.parametrize("value", [
+    {"endpoint": "tcp://h:1", "replay_endpoint": "tcp://h:2", "topic": "t" * 256, "blocks": 1,
+     "a": 1, "b": 2, "c": 3, "d": 4},  # 8 fields, the longest topic, the fewest blocks
+    {"endpoint": "tcp://h:1", "blocks": 1 << 32},
+])
+def test_decode_endpoint_at_its_limits(value):
+    ep = decode_endpoint(value)
+    assert (ep.endpoint, ep.blocks) == (value["endpoint"], value["blocks"])
+    assert ep.topic == value.get("topic", "")
+
+
+@pytest.mark.parametrize("value, why", [
+    ({"endpoint": "tcp://h:1", "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7, "h": 8}, "kv_events must be a small map"),
+    ({"endpoint": "tcp://h:1", "topic": "t" * 257}, "kv_events.topic must be a string of <= 256 characters"),
+    ({"endpoint": "tcp://h:1", "blocks": (1 << 32) + 1}, "kv_events.blocks must be an int 1..4294967296"),
+])
+def test_decode_endpoint_past_its_limits(value, why):
+    with pytest.raises(EventError, match=f"^{why}$"):
+        decode_endpoint(value)
+    assert decode_endpoint({"endpoint": "tcp://h:1"}).topic == ""

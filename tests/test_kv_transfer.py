@@ -107,3 +107,60 @@ def test_the_version_travels_in_the_hello_both_ways():
     for other in (None, kt.KV_PROTOCOL_VERSION + 1, str(kt.KV_PROTOCOL_VERSION), True):
         why = kt.version_mismatch(other)
         assert why and f"this instance speaks version {kt.KV_PROTOCOL_VERSION}" in why
+
+
+@pytest.mark.parametrize("refusal", [Refusal("x", gone=True), Refusal("x", final=True),
+                                     Refusal("unknown op 'z'", unknown_op=True), Refusal("too big", refused="size"),
+                                     Refusal("plain")])
+def test_refusal_round_trips_each_flag(refusal):
+    """A caller acts on the flag (gone: not a failure; final: stop polling; unknown_op: the peer
+    lacks a feature; refused: the transport's reason): each must survive the wire."""
+    wire = msgpack.unpackb(_bytes(refusal.encode()), raw=False)
+    assert Refusal.decode(wire) == refusal
+
+
+def test_is_mla_survives_the_wire():
+    hello = Hello(rank=0, tp_size=1, num_kv_heads=1, is_mla=True, layout="LBNC", dtype="bfloat16", block_shape=(16, 576))
+    assert Hello.decode(msgpack.unpackb(_bytes(hello.encode()), raw=False)).is_mla is True
+    header = _header(is_mla=True)
+    assert PutHeader.decode(msgpack.unpackb(_bytes(header.encode()), raw=False)).is_mla is True
+
+
+def test_put_header_without_first_block_covers_the_prompt_from_block_0():
+    """A sender from before first_block existed ships every block from 0."""
+    old = {k: v for k, v in _old_put().items() if k != "first_block"}
+    assert PutHeader.decode(old).first_block == 0
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"op": "get", "key": "k"}, "not a put: op='get'"),
+    ({**_old_put(), "num_tokens": "40"}, "malformed put header: TypeError: expected an int, got str"),
+    ({**_old_put(), "layers": [1, 2]}, "malformed put header: TypeError: expected a str, got int"),
+    ({**_old_put(), "part": [0]}, r"malformed put header: TypeError: expected two ints, got \[0\]"),
+    ({k: v for k, v in _old_put().items() if k != "runs"}, "malformed put header: KeyError: 'runs'"),
+])
+def test_put_header_refusal_names_what_is_wrong(bad, why):
+    """D logs and returns this reason to P: it must name the field's fault, not be empty."""
+    with pytest.raises(ValueError, match=f"^{why}$"):
+        PutHeader.decode(bad)
+
+
+def test_hello_refusal_names_what_is_wrong():
+    wire = Hello(rank=1, tp_size=2, num_kv_heads=4, is_mla=False, layout="LBHNC", dtype="float16",
+                 block_shape=(2, 16, 64)).encode()
+    with pytest.raises(ValueError, match="^malformed hello: TypeError: expected an int, got str$"):
+        Hello.decode({**wire, "rank": "1"})
+
+
+@pytest.mark.parametrize("theirs, said", [
+    (None, "sends no kv protocol version (an xPyD from before versions)"),
+    (kt.KV_PROTOCOL_VERSION + 1, f"speaks kv protocol version {kt.KV_PROTOCOL_VERSION + 1}"),
+    (True, "speaks kv protocol version True"),  # a bool is no version, though True == 1
+])
+def test_version_mismatch_tells_the_operator_what_to_do(theirs, said):
+    """The one line an operator gets when P and D run different releases: it names both versions
+    and the fix."""
+    assert kt.version_mismatch(theirs) == (
+        f"kv protocol mismatch: the peer {said}, this instance speaks version {kt.KV_PROTOCOL_VERSION}; "
+        "run the same xPyD release on prefill and decode")
+    assert kt.version_mismatch(kt.KV_PROTOCOL_VERSION) is None

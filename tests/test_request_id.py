@@ -60,3 +60,45 @@ def test_plain_or_malformed_ids_are_not_transfers(rid):
                                         ("cmpl-x-0-1a2b3c4d", None), ("cmpl-1_x-0-1a2b3c4d", None)])
 def test_child_index(rid, index):
     assert request_id.child_index(rid) == index
+
+
+def test_new_uuid_is_a_random_version_4_uuid():
+    """The uuid is the transfer key P and D agree on: a valid RFC 4122 version-4 uuid whose
+    122 random bits all vary (a fixed bit halves the key space; a stuck byte more)."""
+    import uuid as std_uuid
+
+    samples = [request_id.new_uuid() for _ in range(256)]
+    assert len(set(samples)) == len(samples)
+    for s in samples:
+        u = std_uuid.UUID(hex=s)
+        assert s == u.hex and u.version == 4 and u.variant == std_uuid.RFC_4122
+    ints = [int(s, 16) for s in samples]
+    fixed = std_uuid.UUID(int=0, version=4).int  # the version and variant bits
+    fixed_mask = (0xF << 76) | (0x3 << 62)
+    for bit in range(128):
+        seen = {(i >> bit) & 1 for i in ints}
+        if (fixed_mask >> bit) & 1:
+            assert seen == {(fixed >> bit) & 1}, bit
+        else:
+            assert seen == {0, 1}, f"bit {bit} never varies"
+
+
+def test_build_local_is_not_a_transfer_and_is_unique():
+    u = request_id.new_uuid()
+    assert request_id.build_local(u) == f"xpyd-local-{u}"
+    assert request_id.parse(request_id.build_local(u)) is None
+    a, b = request_id.build_local(), request_id.build_local()
+    assert a != b and a.startswith("xpyd-local-") and len(a) == len("xpyd-local-") + 32
+
+
+@pytest.mark.parametrize(
+    "addr, rank, want",
+    [
+        ("127.0.0.1:21001", 0, "127.0.0.1:21001"),
+        ("127.0.0.1:21001", 3, "127.0.0.1:21004"),
+        ("[::1]:22001", 1, "[::1]:22002"),  # IPv6: split at the last colon
+        ("p-0.svc.local:9000", 2, "p-0.svc.local:9002"),
+    ],
+)
+def test_rank_address_is_the_advertised_port_plus_rank(addr, rank, want):
+    assert request_id.rank_address(addr, rank) == want

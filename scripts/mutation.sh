@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Mutation testing (mutmut 3) of the modules where a silent break costs users most, against the
+# fast (unit) tier. Needs the `mutation` extra: `.venv/bin/pip install -e '.[test,mutation]'`;
+# installs nothing itself.
+#
+#   scripts/mutation.sh                    # every module in MODULES below, one after another
+#   scripts/mutation.sh xpyd_wire/discovery.py connector/buffer.py
+#   JOBS=2 scripts/mutation.sh ...         # mutmut children (default 1: the dev box is shared)
+#   FRESH=1 scripts/mutation.sh ...        # forget earlier results (else mutmut reuses them)
+#
+# Each module runs in its own work folder, .mutation/<module>/ (git-ignored): a copy of the tree
+# with a pyproject whose [tool.mutmut] mutates that one module and selects only that module's
+# tests, so a run costs minutes, not the whole suite per mutant. mutmut copies the code once more
+# into <work>/mutants/ and runs the tests from there.
+#
+# Score = (killed + timeout) / (total - equivalent - skipped). Equivalent mutants (no test can
+# tell them apart from the original) are listed, one reason each, in scripts/mutation_equivalent.txt.
+# The survivors still counted against the score are written to .mutation/<module>/survivors.txt;
+# `cd .mutation/<module> && mutmut show NAME` prints one's diff.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+MUTMUT="$(dirname "$PY")/mutmut"
+JOBS="${JOBS:-1}"
+EQUIV="$ROOT/scripts/mutation_equivalent.txt"
+
+# module -> the unit tests that exercise it (run with -m unit; mutmut then runs, per mutant, only
+# the tests that called the mutated function).
+declare -A TESTS=(
+  [xpyd_wire/request_id.py]="tests/test_request_id.py tests/test_wire_vectors.py tests/test_wire_boundaries.py"
+  [xpyd_wire/secret_file.py]="tests/test_connector_secret_files.py tests/test_proxy_secret_files.py"
+  [xpyd_wire/kv_transfer.py]="tests/test_kv_transfer.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_protocol_version.py"
+  [xpyd_wire/kv_events.py]="tests/test_kv_events.py tests/test_wire_vectors.py tests/test_wire_boundaries.py"
+  [xpyd_wire/discovery.py]="tests/test_proxy_discovery.py tests/test_fuzz_discovery.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_registration.py"
+  [connector/scheduler.py]="tests/test_connector_scheduler.py"
+  [connector/buffer.py]="tests/test_connector_units.py tests/test_connector_staging.py tests/test_connector_get_store.py"
+  [connector/producer.py]="tests/test_connector_engine.py"
+  [connector/consumer.py]="tests/test_connector_engine.py"
+)
+MODULES=(xpyd_wire/request_id.py xpyd_wire/secret_file.py xpyd_wire/kv_transfer.py xpyd_wire/kv_events.py
+         xpyd_wire/discovery.py connector/scheduler.py connector/buffer.py connector/producer.py
+         connector/consumer.py)
+
+# What the tests read besides the code (some read configs/, docs/, the compose file).
+TREE=(proxy connector xpyd_wire tests scripts configs docs docker-compose.yml README.md mkdocs.yml)
+
+[ -x "$MUTMUT" ] || { echo "mutmut not found at $MUTMUT: pip install -e '.[mutation]'" >&2; exit 2; }
+[ $# -gt 0 ] && MODULES=("$@")
+
+summary=()
+for mod in "${MODULES[@]}"; do
+  tests="${TESTS[$mod]:-}"
+  [ -n "$tests" ] || { echo "no tests listed for $mod in $0" >&2; exit 2; }
+  work="$ROOT/.mutation/${mod//\//__}"
+  [ "${FRESH:-0}" = 1 ] && rm -rf "$work"
+  mkdir -p "$work"
+  # The tree as it is now (tracked and untracked files, no caches); mutmut notices changed functions.
+  for d in "${TREE[@]}"; do
+    rm -rf "${work:?}/$d" && cp -a "$ROOT/$d" "$work/$d"
+  done
+  find "$work" -path "$work/mutants" -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+  "$PY" - "$ROOT/pyproject.toml" "$work/pyproject.toml" "$mod" "${TREE[*]}" $tests <<'EOF'
+import re, sys
+src, dst, mod, tree, *tests = sys.argv[1:]
+tree = tree.split()
+text = open(src).read()
+text = re.sub(r"(?ms)^\[tool\.mutmut\].*?(?=^\[|\Z)", "", text)  # ours replaces any in the tree
+pkg = mod.split("/")[0]
+sel = ["-m", "unit", "-p", "no:cacheprovider", *tests]
+text += f"""
+[tool.mutmut]
+source_paths = ["{pkg}"]
+only_mutate = ["{mod}"]
+also_copy = {[p for p in tree if p != pkg and p != "tests"]!r}
+pytest_add_cli_args_test_selection = {sel!r}
+use_git_change_detection = false
+""".replace("'", '"')
+open(dst, "w").write(text)
+EOF
+  echo "== $mod (tests: $tests)"
+  (cd "$work" && "$MUTMUT" run --max-children "$JOBS" >"$work/run.log" 2>&1) || {
+    echo "mutmut failed for $mod, see $work/run.log" >&2; tail -20 "$work/run.log" >&2; exit 1; }
+  line="$("$PY" - "$work" "$mod" "$EQUIV" <<'EOF'
+import json, subprocess, sys
+from pathlib import Path
+work, mod, equiv_path = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+equiv = set()
+for raw in open(equiv_path):
+    name = raw.split("#", 1)[0].strip()
+    if name:
+        equiv.add(name)
+meta = json.load(open(work / "mutants" / (mod + ".meta")))
+codes = meta["exit_code_by_key"]
+prefix = mod[:-3].replace("/", ".") + "."
+# mutmut's own exit-code meaning (mutmut/__main__.py status_by_exit_code)
+killed = timeout = survived = no_tests = skipped = other = 0
+left = []
+for name, code in sorted(codes.items()):
+    if name in equiv:
+        continue
+    if code in (1, 3):  # 1: a test failed; 3: pytest's internal error on the mutant
+        killed += 1
+    elif code in (-24, 24, 36, 152, 255):  # timeouts (SIGXCPU / time limit): the mutant hangs a test
+        timeout += 1
+    elif code == 0:
+        survived += 1; left.append(f"{name}  survived")
+    elif code in (5, 33):
+        no_tests += 1; left.append(f"{name}  no tests")
+    elif code == 34:
+        skipped += 1
+    else:
+        other += 1; left.append(f"{name}  exit {code}")  # not checked (None), suspicious, segfault
+n_equiv = sum(1 for n in codes if n in equiv)
+total = len(codes) - n_equiv - skipped
+score = 100.0 * (killed + timeout) / total if total else 100.0
+(work / "survivors.txt").write_text("".join(x + "\n" for x in left))
+print(f"{mod}: {score:5.1f}%  killed {killed + timeout} / {total} (mutants {len(codes)}, equivalent {n_equiv}, "
+      f"survived {survived}, no tests {no_tests}, timeout {timeout}, other {other})")
+EOF
+)"
+  echo "$line"
+  summary+=("$line")
+done
+echo
+echo "== mutation score (killed / (total - equivalent)), unit tier"
+printf '%s\n' "${summary[@]}"
