@@ -678,6 +678,41 @@ def test_prompt_ids_of_more_than_ten_digits_are_not_cut_through():
     assert first_token.parse(answer) is None
 
 
+@pytest.mark.parametrize("inner, cut", [
+    (b"4,1234567890,6", True),  # ten digits: passed on (parse checks the int32 range)
+    (b"4,12345678901,6", False), (b"12345678901", False), (b"4,6,99999999999", False),
+    (b"4, 5", False), (b"4,-5", False), (b"4,5.0", False), (b"4,5e3", False), (b"4,\xd9\xa1", False),
+    (b"", False),
+])
+def test_prompt_ids_cut_out_only_when_digits_and_commas_of_at_most_ten_digits(inner, cut):
+    answer = b'{"choices":[{"prompt_token_ids":[' + inner + b'],"token_ids":[7]}]}'
+    got = first_token._cut_prompt_ids(answer)
+    assert (got is not None) == cut
+    if cut:
+        assert got[1] == PromptIds(b"[" + inner + b"]", inner.count(b",") + 1)
+
+
+def test_cutting_a_long_prompts_ids_out_costs_less_than_parsing_the_answer():
+    """The cut path exists to cost less than parsing P's answer whole; its check for ids of
+    more than 10 digits (a regex) cost ~5x more than that at 4k six-digit ids, the largest cost
+    of the first token from P at 4k-token prompts (issue 39). Best of several timings of each,
+    in the same process, so the ratio holds on a loaded machine."""
+    answer = _compact(_p_answer(list(range(100_000, 104_000))))
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            for _ in range(5):
+                fn(answer)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    assert first_token._cut_prompt_ids(answer) is not None
+    cut, whole = best(first_token._cut_prompt_ids), best(orjson.loads)
+    assert cut < whole, (cut, whole)
+
+
 def _p_answer(ids: list[int], chat: bool = False, text: str = " a", **extra) -> dict:
     """P's answer as vLLM 0.32 shapes it (return_token_ids: the prompt's ids in the choice,
     or at the top for chat)."""

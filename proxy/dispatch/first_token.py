@@ -302,10 +302,13 @@ class FirstToken:
 
 _PROMPT_IDS_KEY = b'"prompt_token_ids":['
 _PLACEHOLDER = -1  # no token id: where the cut-out ids were, for the check that they were P's
-_NOT_DIGITS = bytes(c for c in range(256) if c not in b"0123456789,")
+# The ids' shape in one pass at C speed: each digit becomes "0", a comma stays, any other
+# byte becomes "x". (A regex search for 11 digits took ~0.2 us a byte: more than parsing the
+# whole answer, and this path's largest cost at 4k-token prompts.)
+_SHAPE = bytes(48 if 48 <= c <= 57 else 44 if c == 44 else 120 for c in range(256))  # "0", ",", "x"
 # A token id is an int32 in every vLLM tokenizer; vLLM's `created` is seconds since 1970.
 _MAX_ID = 2**31 - 1
-_LONG_ID = re.compile(rb"\d{11}")  # over 10 digits: past any int32
+_LONG_ID = b"0" * 11  # in the shape: over 10 digits, past any int32
 _MAX_CREATED = 2**53
 
 
@@ -322,8 +325,8 @@ def _cut_prompt_ids(data: bytes) -> tuple[bytes, PromptIds] | None:
     if end < 0:
         return None
     inner = data[start + 1:end]
-    # Digits and commas only: translate deletes everything else.
-    if not inner or inner.translate(None, _NOT_DIGITS) != inner or _LONG_ID.search(inner) is not None:
+    shape = inner.translate(_SHAPE)
+    if not inner or b"x" in shape or _LONG_ID in shape:  # digits and commas only, no long number
         return None
     rest = data[:start] + b"[" + str(_PLACEHOLDER).encode() + data[end:]
     return rest, PromptIds(data[start:end + 1], inner.count(b",") + 1)
