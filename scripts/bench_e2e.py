@@ -88,6 +88,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xpyd_wire.headers import XPYD_DECODE_TTFB_MS, XPYD_FIRST_TOKEN, XPYD_PREFILL_MS, XPYD_QUEUE_MS
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -615,7 +617,7 @@ def first_gap_parts(results: list[StreamResult]) -> dict[str, float] | None:
     rows = []
     for r in results:
         d = r.decode
-        if d is None or not r.gaps() or r.headers.get("x-xpyd-first-token") != "prefill":
+        if d is None or not r.gaps() or r.headers.get(XPYD_FIRST_TOKEN) != "prefill":
             continue
         gap = r.gaps()[0] * 1000
         rows.append({"gap": gap, "outside_vllm": gap - d["ttft"],
@@ -640,9 +642,9 @@ def d_share_parts(results: list[StreamResult]) -> dict[str, float] | None:
     rows = []
     for r in results:
         d = r.decode
-        if d is None or "x-xpyd-decode-ttfb-ms" not in r.headers:
+        if d is None or XPYD_DECODE_TTFB_MS not in r.headers:
             continue
-        share = float(r.headers["x-xpyd-decode-ttfb-ms"])
+        share = float(r.headers[XPYD_DECODE_TTFB_MS])
         rows.append({"d_share": share, "outside_vllm": share - d["ttft"] if d["ttft"] <= share else math.nan,
                      "frontend_engine": d["ttft"] - d["queue"] - d["prefill"], "engine_queue": d["queue"],
                      "kv_wait": d["kv_wait"], "load_steps": d["queue"] - d["kv_wait"],
@@ -727,16 +729,16 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
     for name in [dis] + ([ab] if ab else []) + gab:
         hd = [r.headers for r in tt[name]]
         try:
-            q = statistics.median(float(h["x-xpyd-queue-ms"]) for h in hd)
-            pre = statistics.median(float(h["x-xpyd-prefill-ms"]) for h in hd)
-            dttfb = statistics.median(float(h["x-xpyd-decode-ttfb-ms"]) for h in hd)
+            q = statistics.median(float(h[XPYD_QUEUE_MS]) for h in hd)
+            pre = statistics.median(float(h[XPYD_PREFILL_MS]) for h in hd)
+            dttfb = statistics.median(float(h[XPYD_DECODE_TTFB_MS]) for h in hd)
             total = statistics.median(r.ttft for r in tt[name]) * 1000
             lines.append(f"  {name} TTFT {total:.1f} ms, split (proxy timing headers, medians): proxy queue "
                          f"{q:.1f} ms, P answers the prefill {pre:.1f} ms, D's first byte {dttfb:.1f} ms later "
                          f"(D's share: HTTP + KV load + 1-token step), the rest (client<->proxy, relay) "
                          f"{total - q - pre - dttfb:.1f} ms")
         except (KeyError, ValueError, statistics.StatisticsError):
-            if all(r.headers.get("x-xpyd-first-token") == "prefill" for r in tt[name]):
+            if all(r.headers.get(XPYD_FIRST_TOKEN) == "prefill" for r in tt[name]):
                 lines.append(first_token_split(name, tt[name], statistics.median(t[p_ref.name]) * 1000))
             else:
                 lines.append(f"  {name}: no split of D's share (x-xpyd-decode-ttfb-ms absent)")
@@ -762,7 +764,7 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                          f"last byte) {parts['kv_arrival_lag']:.1f}")
     if ab:
         a, b = (statistics.median(r.ttft for r in tt[k]) for k in (dis, ab))
-        da, db = (statistics.median(float(r.headers.get("x-xpyd-decode-ttfb-ms", "nan")) for r in tt[k])
+        da, db = (statistics.median(float(r.headers.get(XPYD_DECODE_TTFB_MS, "nan")) for r in tt[k])
                   for k in (dis, ab))
         lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median {args.dispatch_default} (default) "
                      f"{a * 1000:.1f} ms, {ab.removeprefix('disagg-')} {b * 1000:.1f} ms ({b / a:.2f}x); "
@@ -820,8 +822,8 @@ def first_token_split(name: str, results: list[StreamResult], p_alone_ms: float)
     (against P hit straight), and the rest (client <-> proxy, the first event)."""
     med = statistics.median
     try:
-        q = med(float(r.headers["x-xpyd-queue-ms"]) for r in results)
-        pre = med(float(r.headers["x-xpyd-prefill-ms"]) for r in results)
+        q = med(float(r.headers[XPYD_QUEUE_MS]) for r in results)
+        pre = med(float(r.headers[XPYD_PREFILL_MS]) for r in results)
     except (KeyError, ValueError):
         return f"  {name}: no split (proxy timing headers absent)"
     total = med(r.ttft for r in results) * 1000
@@ -877,7 +879,7 @@ def short_table(args, short: dict, colo: str, dis: str) -> list[str]:
 def d_share_ms(results: list) -> float | None:
     """Median of the proxy's x-xpyd-decode-ttfb-ms (None when no answer had it: the first
     token came from P, so the headers went out before D answered)."""
-    shares = [float(r.headers["x-xpyd-decode-ttfb-ms"]) for r in results if "x-xpyd-decode-ttfb-ms" in r.headers]
+    shares = [float(r.headers[XPYD_DECODE_TTFB_MS]) for r in results if XPYD_DECODE_TTFB_MS in r.headers]
     return statistics.median(shares) if shares else None
 
 
@@ -903,7 +905,7 @@ def summary(args, res: dict, colo: str, dis: str, p_alone: str) -> dict:
         # (the default): D's share then falls between the first token and the second.
         "d_share_ms": d_share_ms(tt[dis]),
         # P's answer to the prefill request as the proxy timed it (x-xpyd-prefill-ms).
-        "prefill_answer_ms": _header_median(tt[dis], "x-xpyd-prefill-ms"),
+        "prefill_answer_ms": _header_median(tt[dis], XPYD_PREFILL_MS),
         "d_share_parts_ms": d_share_parts(tt[dis]),
         # The gap from the first token to the second (with the first token from P, D's share).
         "first_gap_ms": {"colocated": first_gap_ms(tt[colo]), "disaggregated": first_gap_ms(tt[dis])},
