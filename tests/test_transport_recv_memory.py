@@ -109,6 +109,16 @@ def test_a_stalled_peer_ends_at_the_deadline_and_gives_the_memory_back():
     assert mem.lent_bytes == 0
 
 
+def test_a_peer_that_stops_reading_ends_a_send_at_its_deadline():
+    """Sends block in the kernel (SO_SNDTIMEO) rather than poll: still bounded by the deadline."""
+    big = _bytes(64 << 20, 10)  # far more than the two socket buffers hold
+    with _tcp_pair() as (tx, rx):
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            stream.send_parts(tx, [big.numpy()], time.monotonic() + 0.3)
+        assert time.monotonic() - t0 < 5.0
+
+
 def test_reused_memory_never_shows_an_earlier_message():
     """Each message lands where the one before it did (the memory is reused), and what the
     receiver sees is exactly its own bytes: not the tail of a longer earlier one, nor what a
@@ -139,6 +149,16 @@ def test_reused_memory_never_shows_an_earlier_message():
         (c,) = stream.read_tensors(rx, _specs(10_000), time.monotonic() + 10, mem)
         assert c.data_ptr() == where and torch.equal(c, last)
     assert mem.fresh == 0
+
+
+def test_memory_a_message_cannot_have_is_a_transport_error():
+    """A transport without max_msg_bytes takes fresh memory for what does not fit the reused
+    one; a size no machine has (announced by a peer) fails as a TransportError, which callers
+    handle, not a MemoryError escaping ``call``."""
+    mem = stream.RecvMemory(1 << 16)
+    with pytest.raises(TransportError, match="no memory"):
+        mem.lend(1 << 60)
+    assert mem.lent_bytes == 0
 
 
 # ---------------------------------------------------------------------------- through the transport
