@@ -62,6 +62,7 @@ class ArrivalWriter:
         finally:
             os.close(fd)
         self._mm[: len(MAGIC)] = MAGIC
+        self._inode = os.stat(tmp).st_ino
         os.replace(tmp, path)  # readers never open a half-made board
 
     @property
@@ -79,7 +80,8 @@ class ArrivalWriter:
         with self._lock:
             self._mm.close()
         try:
-            self._path.unlink()
+            if os.stat(self._path).st_ino == self._inode:  # not a newer instance's board
+                self._path.unlink()
         except OSError:
             pass
 
@@ -93,31 +95,38 @@ class ArrivalReader:
     def __init__(self, path: Path) -> None:
         self._path = path
         self._mm: mmap.mmap | None = None
+        self._inode = -1  # of the board mapped
 
-    def _open(self) -> mmap.mmap | None:
+    def _open(self) -> bool:
+        self.close()
         try:
             fd = os.open(self._path, os.O_RDONLY)
         except OSError:
-            return None
+            return False
         try:
-            if os.fstat(fd).st_size != SIZE:
-                return None
+            st = os.fstat(fd)
+            if st.st_size != SIZE:
+                return False
             mm = mmap.mmap(fd, SIZE, prot=mmap.PROT_READ)
         except (OSError, ValueError):
-            return None
+            return False
         finally:
             os.close(fd)
         if mm[: len(MAGIC)] != MAGIC:
             mm.close()
-            return None
-        return mm
+            return False
+        self._mm, self._inode = mm, st.st_ino
+        return True
 
-    def arrived(self, key: str) -> bool:
-        if self._mm is None:
-            self._mm = self._open()
-            if self._mm is None:
-                return False
-        h = _digest(key)
+    def _replaced(self) -> bool:
+        """Another board took the name (the mapped one is a previous instance's)."""
+        try:
+            return os.stat(self._path).st_ino != self._inode
+        except OSError:
+            return False
+
+    def _find(self, h: bytes) -> bool:
+        assert self._mm is not None
         at = self._mm.find(h, len(MAGIC))
         for _ in range(SLOTS):  # a match across two slots is not one: look on (bounded)
             if at < 0:
@@ -127,7 +136,18 @@ class ArrivalReader:
             at = self._mm.find(h, at + 1)
         return False
 
+    def arrived(self, key: str) -> bool:
+        if self._mm is None and not self._open():
+            return False
+        h = _digest(key)
+        if self._find(h):
+            return True
+        # A miss costs one stat more: a board mapped before this instance's worker made its
+        # own (a stale file of the same name) is swapped for the live one.
+        return self._replaced() and self._open() and self._find(h)
+
     def close(self) -> None:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+            self._inode = -1

@@ -78,6 +78,29 @@ def test_no_board_or_another_layout_says_no(tmp_path):
         w.close()
 
 
+def test_a_stale_board_read_first_is_swapped_for_the_live_one(tmp_path):
+    """A previous instance's board under the same name (killed, never removed), mapped before
+    this instance's worker made its own: the reader moves to the live board on a miss."""
+    path = board_path("127.0.0.1:40007", str(tmp_path))
+    stale = ArrivalWriter(path)
+    stale.publish("old-transfer")
+    r = ArrivalReader(path)
+    try:
+        assert r.arrived("old-transfer") is True  # mapped the stale board
+        live = ArrivalWriter(path)  # replaces the name
+        try:
+            live.publish(KEY)
+            assert r.arrived(KEY) is True
+            assert r.arrived("old-transfer") is False
+            stale.close()  # the previous instance's late close leaves the live board
+            assert path.exists() and r.arrived(KEY) is True
+        finally:
+            live.close()
+        assert not path.exists()
+    finally:
+        r.close()
+
+
 def test_the_board_is_private_and_removed_on_close(tmp_path):
     path = board_path("127.0.0.1:40004", str(tmp_path))
     w = ArrivalWriter(path)
