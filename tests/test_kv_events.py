@@ -503,6 +503,8 @@ def test_split_endpoint_refusal_names_the_value():
     with pytest.raises(EventError, match="^endpoint 'tcp://a b:1' is not tcp://host:port$"):
         split_endpoint("tcp://a b:1")
     assert split_endpoint("tcp://[::1]:65535") == ("[::1]", 65535)
+    with pytest.raises(EventError, match="is not tcp://host:port"):
+        split_endpoint("tcp://h:65536")
 
 
 # ---------------------------------------------------------------- bounds, each side of each limit
@@ -583,3 +585,75 @@ def test_decode_endpoint_past_its_limits(value, why):
     with pytest.raises(EventError, match=f"^{why}$"):
         decode_endpoint(value)
     assert decode_endpoint({"endpoint": "tcp://h:1"}).topic == ""
+
+
+def test_group_idx_survives_the_test_publisher():
+    s = BlockStored((1,), None, (1, 2, 3, 4), BS, None, "GPU", 3)
+    r = BlockRemoved((1,), "GPU", 2)
+    back = decode_batch(encode_batch(EventBatch(0, 1.0, (s, r)))).events
+    assert (back[0].group_idx, back[1].group_idx) == (3, 2)
+
+
+def test_replay_request_is_vllms_frame_shape():
+    """vLLM's replay ROUTER reads [identity, b"", start seq as 8 big-endian bytes] (the DEALER
+    sends the last two)."""
+    from xpyd_wire.kv_events import replay_request
+
+    assert replay_request(5) == [b"", b"\0\0\0\0\0\0\0\x05"]
+
+
+def _frames(payload: bytes, topic: bytes = b"", seq: bytes = b"\0" * 8) -> list[bytes]:
+    return [topic, seq, payload]
+
+
+@pytest.mark.parametrize("frames, reason, why", [
+    ([b"", b"\0" * 8], MALFORMED, "2 frames, not 3"),
+    (_frames(_payload([]), seq=b"\0" * 7), MALFORMED, "seq frame of 7 bytes, not 8"),
+    (_frames(_payload([]), seq=b"\xff" * 8), MALFORMED, "negative seq"),
+    (_frames(_payload([]), topic=b"t" * 50), WRONG_TOPIC, "topic " + repr(b"t" * 40)),
+    (_frames(b"\xc1"), MALFORMED, "not msgpack: FormatError"),
+    (_frames(msgpack.packb([1.0])), MALFORMED, "payload is not a KVEventBatch array"),
+    (_frames(msgpack.packb([1.0, [], 0, 0])), MALFORMED, "payload is not a KVEventBatch array"),
+    (_frames(msgpack.packb([1.0, [{"type": "AllBlocksCleared", 1: 2}]])), MALFORMED,
+     "not msgpack: ValueError"),  # only string map keys
+    (_frames(msgpack.packb([1.0, [{**GOOD, "token_ids": [1] * 1_600_001}]])), MALFORMED,
+     "not msgpack: ValueError"),  # no array longer than MAX_BLOCKS_PER_EVENT * 16
+    (_frames(_payload([{**GOOD, "block_size": "4"}])), INVALID_EVENT, "block_size must be an int 1..4096"),
+    (_frames(_payload([{**GOOD, "token_ids": [1, 2, 3]}])), INVALID_EVENT,
+     "token_ids must hold block_size tokens per block hash"),
+    (_frames(_payload([{**GOOD, "token_ids": [1, 2, 3, 2**32]}])), INVALID_EVENT, "token ids must be ints 0..2**32-1"),
+    (_frames(_payload([{"type": "Nope"}])), INVALID_EVENT, "unknown event type 'Nope'"),
+])  # fmt: skip
+def test_refused_batches_say_why(frames, reason, why):
+    import re
+
+    with pytest.raises(EventError, match=f"^{re.escape(why)}$") as e:
+        decode_batch(frames)
+    assert e.value.reason == reason
+
+
+def test_batch_size_limit_both_sides():
+    from xpyd_wire.kv_events import MAX_BATCH_BYTES
+
+    def padded(n: int) -> bytes:  # a valid batch of exactly n bytes (the third field is ignored)
+        pad = n - len(msgpack.packb([1.0, [], b""]))  # then adjust for the longer bin header
+        for extra in range(-8, 9):
+            out = msgpack.packb([1.0, [], b"x" * (pad + extra)])
+            if len(out) == n:
+                return out
+        raise AssertionError(n)
+
+    assert decode_batch(_frames(padded(MAX_BATCH_BYTES))).events == ()
+    with pytest.raises(EventError, match=f"^payload of {MAX_BATCH_BYTES + 1} bytes$") as e:
+        decode_batch(_frames(padded(MAX_BATCH_BYTES + 1)))
+    assert e.value.reason == MALFORMED
+    # the vLLM of two fields (no data_parallel_rank) is a batch too
+    assert decode_batch(_frames(msgpack.packb([1.0, []]))).ts == 1.0
+
+
+def test_events_at_the_block_size_and_token_id_limits():
+    big = {**GOOD, "block_size": 4096, "token_ids": [2**32 - 1] * 4096}
+    assert _one(big).block_size == 4096
+    # 7000 blocks of 16 tokens: 112,000 token ids, past MAX_EVENTS_PER_BATCH but within the array bound
+    many = {**GOOD, "block_hashes": list(range(7000)), "block_size": 16, "token_ids": [1] * 112_000}
+    assert len(_one(many).token_ids) == 112_000
