@@ -7,6 +7,8 @@
 #   scripts/mutation.sh xpyd_wire/discovery.py connector/buffer.py
 #   JOBS=2 scripts/mutation.sh ...         # mutmut children (default 1: the dev box is shared)
 #   FRESH=1 scripts/mutation.sh ...        # forget earlier results (else mutmut reuses them)
+#   SCORE_ONLY=1 scripts/mutation.sh ...   # print the scores of the last runs, run nothing
+#   RECHECK=1 scripts/mutation.sh ...      # after adding tests: rerun only the mutants not yet killed
 #
 # Each module runs in its own work folder, .mutation/<module>/ (git-ignored): a copy of the tree
 # with a pyproject whose [tool.mutmut] mutates that one module and selects only that module's
@@ -31,19 +33,30 @@ declare -A TESTS=(
   [xpyd_wire/secret_file.py]="tests/test_connector_secret_files.py tests/test_proxy_secret_files.py"
   [xpyd_wire/kv_transfer.py]="tests/test_kv_transfer.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_protocol_version.py"
   [xpyd_wire/kv_events.py]="tests/test_kv_events.py tests/test_wire_vectors.py tests/test_wire_boundaries.py"
-  [xpyd_wire/discovery.py]="tests/test_proxy_discovery.py tests/test_fuzz_discovery.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_registration.py"
+  [xpyd_wire/discovery.py]="tests/test_proxy_discovery.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_registration.py"
   [connector/scheduler.py]="tests/test_connector_scheduler.py"
-  [connector/buffer.py]="tests/test_connector_units.py tests/test_connector_staging.py tests/test_connector_get_store.py"
+  [connector/buffer.py]="tests/test_connector_buffer.py tests/test_connector_units.py tests/test_connector_staging.py tests/test_connector_get_store.py"
   [connector/producer.py]="tests/test_connector_engine.py"
   [connector/consumer.py]="tests/test_connector_engine.py"
+  [proxy/registry.py]="tests/test_proxy_units.py tests/test_proxy_registrants.py tests/test_proxy_discovery.py"
+  [proxy/routing/kv_events.py]="tests/test_kv_events.py"
+  [proxy/dispatch/first_token.py]="tests/test_proxy_first_token.py"
 )
+# proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests.
+for m in call continuation decode disaggregated dispatcher local relay rescue rewrite; do
+  TESTS[proxy/dispatch/$m.py]="tests/test_proxy_dispatch.py tests/test_proxy_failures.py tests/test_proxy_io.py"
+done
 MODULES=(xpyd_wire/request_id.py xpyd_wire/secret_file.py xpyd_wire/kv_transfer.py xpyd_wire/kv_events.py
          xpyd_wire/discovery.py connector/scheduler.py connector/buffer.py connector/producer.py
-         connector/consumer.py)
+         connector/consumer.py proxy/registry.py proxy/routing/kv_events.py proxy/dispatch/first_token.py
+         proxy/dispatch/dispatcher.py proxy/dispatch/disaggregated.py proxy/dispatch/rescue.py proxy/dispatch/relay.py
+         proxy/dispatch/continuation.py proxy/dispatch/decode.py proxy/dispatch/local.py proxy/dispatch/call.py
+         proxy/dispatch/rewrite.py)
 
 # What the tests read besides the code (some read configs/, docs/, the compose file).
 TREE=(proxy connector xpyd_wire tests scripts configs docs docker-compose.yml README.md mkdocs.yml)
 
+main() {
 [ -x "$MUTMUT" ] || { echo "mutmut not found at $MUTMUT: pip install -e '.[mutation]'" >&2; exit 2; }
 [ $# -gt 0 ] && MODULES=("$@")
 
@@ -52,6 +65,8 @@ for mod in "${MODULES[@]}"; do
   tests="${TESTS[$mod]:-}"
   [ -n "$tests" ] || { echo "no tests listed for $mod in $0" >&2; exit 2; }
   work="$ROOT/.mutation/${mod//\//__}"
+  echo "== $mod (tests: $tests)"
+  if [ "${SCORE_ONLY:-0}" != 1 ]; then
   [ "${FRESH:-0}" = 1 ] && rm -rf "$work"
   mkdir -p "$work"
   # The tree as it is now (tracked and untracked files, no caches); mutmut notices changed functions.
@@ -77,9 +92,19 @@ use_git_change_detection = false
 """.replace("'", '"')
 open(dst, "w").write(text)
 EOF
-  echo "== $mod (tests: $tests)"
-  (cd "$work" && "$MUTMUT" run --max-children "$JOBS" >"$work/run.log" 2>&1) || {
+  names=()
+  if [ "${RECHECK:-0}" = 1 ] && [ -f "$work/mutants/$mod.meta" ]; then
+    # Only the mutants not killed last time (tests were added; a killed one stays killed while the
+    # module is unchanged). mutmut skips mutants that have a result unless named.
+    mapfile -t names < <("$PY" -c 'import json,sys; m=json.load(open(sys.argv[1]))["exit_code_by_key"]
+print("\n".join(k for k, v in m.items() if v not in (1, 3, -24, 24, 36, 152, 255)))' "$work/mutants/$mod.meta")
+    [ ${#names[@]} -gt 0 ] || names=("__none__")
+  fi
+  if [ "${names[0]:-}" != "__none__" ]; then
+  (cd "$work" && "$MUTMUT" run --max-children "$JOBS" "${names[@]}" >"$work/run.log" 2>&1) || {
     echo "mutmut failed for $mod, see $work/run.log" >&2; tail -20 "$work/run.log" >&2; exit 1; }
+  fi
+  fi
   line="$("$PY" - "$work" "$mod" "$EQUIV" <<'EOF'
 import json, subprocess, sys
 from pathlib import Path
@@ -124,3 +149,6 @@ done
 echo
 echo "== mutation score (killed / (total - equivalent)), unit tier"
 printf '%s\n' "${summary[@]}"
+}
+
+main "$@"  # the whole script is read before it runs: editing it meanwhile cannot derail a run
