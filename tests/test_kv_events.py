@@ -623,6 +623,12 @@ def _frames(payload: bytes, topic: bytes = b"", seq: bytes = b"\0" * 8) -> list[
      "token_ids must hold block_size tokens per block hash"),
     (_frames(_payload([{**GOOD, "token_ids": [1, 2, 3, 2**32]}])), INVALID_EVENT, "token ids must be ints 0..2**32-1"),
     (_frames(_payload([{"type": "Nope"}])), INVALID_EVENT, "unknown event type 'Nope'"),
+    (_frames(_payload([{"type": "BlockRemoved", "block_hashes": []}])), INVALID_EVENT,
+     "block_hashes must be a list of 1..100000"),
+    (_frames(msgpack.packb(["1.0", []])), MALFORMED, "batch ts must be a number"),
+    (_frames(msgpack.packb([1.0, "xy"])), MALFORMED, "batch events must be a list"),
+    (_frames(msgpack.packb([1.0, [{"type": "AllBlocksCleared"}] * 100_001])), MALFORMED,
+     "batch events must be a list"),  # at most MAX_EVENTS_PER_BATCH
 ])  # fmt: skip
 def test_refused_batches_say_why(frames, reason, why):
     import re
@@ -647,6 +653,7 @@ def test_batch_size_limit_both_sides():
     with pytest.raises(EventError, match=f"^payload of {MAX_BATCH_BYTES + 1} bytes$") as e:
         decode_batch(_frames(padded(MAX_BATCH_BYTES + 1)))
     assert e.value.reason == MALFORMED
+    assert len(decode_batch(_frames(msgpack.packb([1.0, [{"type": "AllBlocksCleared"}] * 100_000]))).events) == 100_000
     # the vLLM of two fields (no data_parallel_rank) is a batch too
     assert decode_batch(_frames(msgpack.packb([1.0, []]))).ts == 1.0
 
