@@ -34,11 +34,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,24 +209,46 @@ def start_all(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: str)
 
     ns = sorted(set(args.proxies))
     most = max(ns)
-    # The proxies and routers of the largest N; setup xK uses the first K of them.
-    px_ports = [(free_port(), free_port()) for _ in range(most)]  # (http, discovery)
-    rt_ports = [(free_port(), free_port()) for _ in range(most)] if args.router_bin else []
-    register = [f"127.0.0.1:{d}" for _, d in px_ports + rt_ports]
     checkout = os.path.abspath(args.checkout)
-    px_procs = []
-    for http, disc in px_ports:
-        px_procs.append(spawn([py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(http),
-                               "--discovery-host", "127.0.0.1", "--discovery-port", str(disc),
-                               "--log-level", "warning",
-                               # Every request P then D, as vllm-router does.
-                               "--local-prefill-threshold", "0", *args.proxy_arg], cwd=checkout))  # fmt: skip
-    rt_procs = []
-    for http, disc in rt_ports:
-        rt_procs.append(spawn([args.router_bin, "--host", "127.0.0.1", "--port", str(http),
-                               "--vllm-pd-disaggregation", "--vllm-discovery-address", f"127.0.0.1:{disc}",
-                               "--log-level", "warning", "--prometheus-port", str(free_port()),
-                               "--policy", args.router_policy]))  # fmt: skip
+
+    def listening(
+        cmd_for: Callable[[int, int], list[str]], cwd: str | None = None
+    ) -> tuple[subprocess.Popen, int, int]:
+        """Start a server on two fresh ports (HTTP, discovery) and wait until it accepts a
+        connection; a port another process took meanwhile (free_port only names one free
+        now) makes it exit: then again on other ports, three times at most."""
+        for _ in range(3):
+            http, disc = free_port(), free_port()
+            p = spawn(cmd_for(http, disc), cwd)
+            deadline = time.monotonic() + 60
+            while p.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", http), timeout=1).close()
+                    return p, http, disc
+                except OSError:
+                    time.sleep(0.1)
+            if p.poll() is None:
+                raise RuntimeError(f"{cmd_for(http, disc)[:3]} does not listen on {http} after 60 s")
+            procs.remove(p)  # exited: not this run's to stop or to report
+        raise RuntimeError(f"{cmd_for(0, 0)[:3]} exited three times (ports taken?)")
+
+    def proxy_cmd(http: int, disc: int) -> list[str]:
+        return [py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(http), "--discovery-host", "127.0.0.1",
+                "--discovery-port", str(disc), "--log-level", "warning",
+                # Every request P then D, as vllm-router does.
+                "--local-prefill-threshold", "0", *args.proxy_arg]  # fmt: skip
+
+    def router_cmd(http: int, disc: int) -> list[str]:
+        return [args.router_bin, "--host", "127.0.0.1", "--port", str(http), "--vllm-pd-disaggregation",
+                "--vllm-discovery-address", f"127.0.0.1:{disc}", "--log-level", "warning",
+                "--prometheus-port", str(free_port()), "--policy", args.router_policy]  # fmt: skip
+
+    # The proxies and routers of the largest N; setup xK uses the first K of them.
+    px = [listening(proxy_cmd, checkout) for _ in range(most)]
+    rt = [listening(router_cmd) for _ in range(most)] if args.router_bin else []
+    px_procs, rt_procs = [p for p, _, _ in px], [p for p, _, _ in rt]
+    px_ports, rt_ports = [(h, d) for _, h, d in px], [(h, d) for _, h, d in rt]
+    register = [f"127.0.0.1:{d}" for _, d in px_ports + rt_ports]
     fake_ports = {role: [free_port() for _ in range(args.instances)] for role in ("P", "D")}
     fakes = []
     for role, ports in fake_ports.items():
@@ -354,23 +378,22 @@ def report(setups: list[Setup], points: dict[tuple[str, int], list[Point]], args
                          "added_p99": add99, "cpu_vs_router": x_rt,
                          "rounds": [asdict(p) for p in points[(s.name, c)]]})  # fmt: skip
         print("-" * len(hdr))
-    # Growth from 1 proxy to the most: the ratio of each figure to the same kind's x1.
+    # Growth from 1 proxy to the most: req/s and CPU per request as ratios to the same kind's
+    # at x1; the added p99 in ms (a ratio of two small differences would mean little).
     ns = sorted(set(args.proxies))
     if len(ns) > 1:
-        print(f"\ngrowth from x{ns[0]} (each figure / the same kind's at x{ns[0]}, same concurrency)")
+        print(f"\ngrowth from x{ns[0]} (req/s and cpu per request / the same kind's at x{ns[0]}; +p99 in ms)")
         print(f"{'kind':<7} {'c':>4} " + " ".join(f"{'x' + str(n) + ' req/s':>10} {'+p99':>6} {'cpu':>5}" for n in ns))
         for c in args.concurrency:
             for kind in ("xpyd", "router"):
                 if (f"{kind} x{ns[0]}", c) not in points:
                     continue
                 one = _median(points[(f"{kind} x{ns[0]}", c)])
-                one99 = _added(points[(f"{kind} x{ns[0]}", c)], points[("lb->D", c)], "p99")
                 cells = []
                 for n in ns:
                     m = _median(points[(f"{kind} x{n}", c)])
                     a99 = _added(points[(f"{kind} x{n}", c)], points[("lb->D", c)], "p99")
-                    cells.append(f"{m.rps / one.rps:>10.2f} {a99 / one99 if one99 else float('nan'):>6.2f} "
-                                 f"{m.proxy_ms / one.proxy_ms:>5.2f}")  # fmt: skip
+                    cells.append(f"{m.rps / one.rps:>10.2f} {a99:>6.1f} {m.proxy_ms / one.proxy_ms:>5.2f}")
                 print(f"{kind:<7} {c:>4} " + " ".join(cells))
     print(
         "\nlg core = the load generator's CPU / its wall time (1.0 = one core: the bottleneck); "
