@@ -25,6 +25,14 @@ bottleneck), and the machine's busy share (/proc/stat: other people's processes 
 
 The load generator is bench_proxy.py's (keep-alive raw HTTP/1.1, streaming completions).
 Loopback only; every process it starts is stopped by PID at the end.
+
+Reading it: on a machine with fewer cores than processes (2 cores here: 16 fakes, the proxies,
+haproxy and the load generator) every setup shares the same cores, so req/s cannot grow with N
+and "busy" reads 1.0; what such a run shows is CPU per request and its ratio to the router's.
+Req/s growing with N (the goal: linear) needs a core per proxy beside the fakes' and the load
+generator's: on 16 cores, N = 4 gave 2.4-2.7x the req/s of N = 1 (issue 39).
+The load generator is one Python process: where "lg core" nears 1.0 (lb->D on many cores) it,
+not the setup, sets the req/s.
 """
 
 from __future__ import annotations
