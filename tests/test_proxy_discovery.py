@@ -504,3 +504,65 @@ async def test_transport_fallbacks_reach_instances():
         await p.send_raw(encode(Registration("P", p.http_address, p.zmq_address, kv_transport_fallbacks=2)))
         await wait_until(lambda: px.registry.live("P")[0].kv_transport_fallbacks == 2, what="fallbacks")
         assert await shown() == [2]
+
+
+# ---------------------------------------------------------------- wire rules, exactly
+
+
+@pytest.mark.parametrize("limits, requested, allowed", [
+    ((None, None), None, None),  # nothing caps it but the context
+    ((None, None), 100, 100),
+    ((50, None), None, 50),  # the generation config's default applies when the request sets none
+    ((50, None), 100, 100),  # ... and only then
+    ((None, 30), 100, 30),  # the override caps what is asked
+    ((None, 30), 10, 10),
+    ((None, 30), None, 30),
+    ((50, 30), None, 30),
+])
+def test_output_limits_is_the_least_cap(limits, requested, allowed):
+    from xpyd_wire.discovery import OutputLimits
+
+    assert OutputLimits(*limits).limit(requested) == allowed
+
+
+def test_kv_events_must_be_on_the_kv_host():
+    from xpyd_wire.discovery import ProtocolError, decode
+
+    v6 = decode(_msg(zmq_address="[::1]:21001", kv_events={"endpoint": "tcp://[::1]:5557",
+                                                           "replay_endpoint": "tcp://[::1]:5558"}))
+    assert v6.kv_events.replay_endpoint == "tcp://[::1]:5558"  # the host is all but the port
+    with pytest.raises(ProtocolError, match=r"^kv_events: 'tcp://10\.0\.0\.9:5558' is not on the KV host "
+                                            r"'127\.0\.0\.1'$"):
+        decode(_msg(kv_events={"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://10.0.0.9:5558"}))
+    with pytest.raises(ProtocolError, match="^kv_events: 'tcp://10.0.0.9:5557' is not on the KV host"):
+        decode(_msg(kv_events={"endpoint": "tcp://10.0.0.9:5557"}))
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"hmac": None}, "unsigned message (http_address='127.0.0.1:8100')"),
+    ({"hmac": "zz"}, "malformed hmac (http_address='127.0.0.1:8100')"),
+    ({"hmac": "0" * 64}, "bad signature (http_address='127.0.0.1:8100')"),
+    # the sender as the message says it, bounded: it is not validated before the signature
+    ({"hmac": None, "http_address": "h" * 100}, "unsigned message (http_address='" + "h" * 59 + "...)"),
+])
+def test_signed_message_refusals_name_the_sender(change, why):
+    """What the proxy logs for a refused registration: which sender, and why."""
+    import re
+
+    from xpyd_wire.discovery import UNAUTHORIZED, ProtocolError, decode
+
+    body = _signed(**change)
+    if body["hmac"] is None:
+        del body["hmac"]
+    with pytest.raises(ProtocolError, match=f"^{re.escape(why)}$") as e:
+        decode(msgpack.packb(body), secret="k")
+    assert e.value.reason == UNAUTHORIZED
+
+
+def test_replay_guard_remembers_a_nonce_until_its_window_ends_inclusive():
+    from xpyd_wire.discovery import ReplayGuard
+
+    guard = ReplayGuard(window_s=30.0, max_entries=10)
+    assert guard.check("a" * 32, ts=100.0, now=100.0) is None
+    assert guard.check("a" * 32, ts=100.0, now=130.0) == "nonce seen before"  # ts + window: still inside
+    assert guard.check("b" * 32, ts=130.5, now=130.5) is None and len(guard) == 1  # "a" forgotten after
