@@ -24,6 +24,7 @@ from e2e_client import (BLOCK, MAX_TOKENS, MODEL_DIR, answer_of, assert_greedy_d
                         generate, make_prompt, metric, poll, text_parting, with_logprobs)
 from e2e_cluster import E2ECluster
 
+from connector.arrivals import ArrivalReader, board_path
 from connector.transport import TransportRefused
 from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
 
@@ -224,6 +225,12 @@ def test_kv_that_came_first_is_loaded_in_the_step_that_schedules_the_request(sys
              {"X-Request-Id": rid})
     key = rid.rsplit("_", 1)[1] + "-0"  # the proxy's uuid and the prompt's index
     assert poll(lambda: sys_.kv_call(sys_.decode, {"op": "ready", "key": key})["ready"], timeout=10)
+    # D's worker wrote it on its arrival board too, where D's scheduler reads it first.
+    board = ArrivalReader(board_path(sys_.kv_addr(sys_.decode)))
+    try:
+        assert poll(lambda: board.arrived(key), timeout=10)
+    finally:
+        board.close()
     got, data = generate(sys_.decode.url, "completions",
                          {**body, "kv_transfer_params": {"xpyd_report_transfer_key": True}}, {"X-Request-Id": rid})
     assert_same_greedy(got, want)
