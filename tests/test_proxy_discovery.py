@@ -566,3 +566,39 @@ def test_replay_guard_remembers_a_nonce_until_its_window_ends_inclusive():
     assert guard.check("a" * 32, ts=100.0, now=100.0) is None
     assert guard.check("a" * 32, ts=100.0, now=130.0) == "nonce seen before"  # ts + window: still inside
     assert guard.check("b" * 32, ts=130.5, now=130.5) is None and len(guard) == 1  # "a" forgotten after
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"type": "X"}, "unknown type 'X'"),
+    ({"load": [1]}, "load must be a map"),
+    ({"load": {"running": "1"}}, "load.running must be an integer 0..10000000, got '1'"),
+    ({"load": {"waiting": 10_000_001}}, "load.waiting must be an integer 0..10000000, got 10000001"),
+    ({"load": {"kv_usage": 1.5}}, "load.kv_usage must be a number 0..1, got 1.5"),
+    ({"leave": "yes"}, "leave must be a boolean, got 'yes'"),
+    ({"kv_transport_fallbacks": -1}, "kv_transport_fallbacks must be an int 0..10000000, got -1"),
+    ({"output_limits": {"default": 0}}, "output_limits.default must be an int 1..2147483647, got 0"),
+    ({"generation": {"reasoning_parser": 1}}, "generation.reasoning_parser must be a boolean, got 1"),
+    ({"zmq_address": 5}, "zmq_address must be a 'host:port' string, got int"),
+    ({"zmq_address": "h:0"}, "zmq_address 'h:0': port must be 1..65535"),
+    ({"zmq_address": "a_b:1"}, "zmq_address 'a_b:1': host must be a DNS name, an IPv4 or a [IPv6] literal"),
+    # a value in a message is shown as its repr, cut at 80 characters
+    ({"leave": "x" * 100}, "leave must be a boolean, got '" + "x" * 79 + "..."),
+    ({"leave": "x" * 78}, "leave must be a boolean, got '" + "x" * 78 + "'"),  # 80 exactly: whole
+])
+def test_invalid_field_refusals_say_which_field_and_value(fields, why):
+    """The proxy logs this reason for a dropped registration (the operator's only clue)."""
+    import re
+
+    from xpyd_wire.discovery import INVALID_FIELD, ProtocolError, decode
+
+    with pytest.raises(ProtocolError, match=f"^{re.escape(why)}$") as e:
+        decode(_msg(**fields))
+    assert e.value.reason == INVALID_FIELD
+
+
+def test_instance_key_is_16_random_bytes_in_hex():
+    from xpyd_wire.discovery import INSTANCE_KEY_BYTES, new_instance_key
+
+    keys = {new_instance_key() for _ in range(64)}
+    assert len(keys) == 64 and INSTANCE_KEY_BYTES == 16
+    assert all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
