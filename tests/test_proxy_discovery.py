@@ -602,3 +602,24 @@ def test_instance_key_is_16_random_bytes_in_hex():
     keys = {new_instance_key() for _ in range(64)}
     assert len(keys) == 64 and INSTANCE_KEY_BYTES == 16
     assert all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
+
+
+def test_every_registration_field_survives_a_signed_round_trip():
+    """What a connector advertises (load, limits, generation defaults, events, fallbacks, key,
+    leave) is what the proxy reads, field by field."""
+    from xpyd_wire.discovery import GenerationDefaults, OutputLimits, decode, new_instance_key
+    from xpyd_wire.kv_events import EventsEndpoint
+
+    reg = Registration(
+        "D", "127.0.0.1:8200", "127.0.0.1:22001", load=Load(3, 4, 0.5, 0.25), leave=True, ts=time.time(),
+        kv_transport_fallbacks=2, kv_events=EventsEndpoint("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "t", 64),
+        output_limits=OutputLimits(default=None, override=7, context=4096),
+        generation=GenerationDefaults((("temperature", 0.6), ("top_p", 0.9)), reasoning_parser=True),
+        instance_key=new_instance_key(),
+    )
+    back = decode(encode(reg, "k"), secret="k")
+    assert back == Registration(**{**{f: getattr(reg, f) for f in reg.__dataclass_fields__},
+                                   "nonce": back.nonce})
+    assert reg.generation.to_wire() == {"sampling": {"temperature": 0.6, "top_p": 0.9}, "reasoning_parser": True}
+    wire = msgpack.unpackb(encode(reg))
+    assert wire["output_limits"] == {"override": 7, "context": 4096}  # None values stay off the wire
