@@ -623,3 +623,14 @@ def test_every_registration_field_survives_a_signed_round_trip():
     assert reg.generation.to_wire() == {"sampling": {"temperature": 0.6, "top_p": 0.9}, "reasoning_parser": True}
     wire = msgpack.unpackb(encode(reg))
     assert wire["output_limits"] == {"override": 7, "context": 4096}  # None values stay off the wire
+
+
+def test_load_fields_default_to_idle_and_are_bounded_in_number():
+    from xpyd_wire.discovery import MAX_FIELDS, ProtocolError, decode
+
+    assert decode(_msg(load={})).load == Load(0, 0, 0.0, 0.0)  # an older sender's partial load
+    assert decode(_msg(load={"kv_usage": 0.5})).load == Load(0, 0, 0.5, 0.0)
+    extra = {f"x{i}": 0 for i in range(MAX_FIELDS - 1)}
+    assert decode(_msg(load={"running": 1, **extra})).load.running == 1  # MAX_FIELDS fields: fine
+    with pytest.raises(ProtocolError, match="^load has too many fields$"):
+        decode(_msg(load={"running": 1, "waiting": 0, **extra}))
