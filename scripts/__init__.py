@@ -1,0 +1,1 @@
+"""Tools and benchmarks, run from the repository root as `python -m scripts.NAME`."""

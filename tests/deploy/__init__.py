@@ -1,0 +1,1 @@
+"""Deployment: docker compose, haproxy, prometheus, kubectl."""

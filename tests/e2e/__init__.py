@@ -1,0 +1,1 @@
+"""End to end on real vLLM (CPU build) servers."""

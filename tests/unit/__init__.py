@@ -1,0 +1,1 @@
+"""The fast tier: no vLLM server, no external binary (GPU tests skip without CUDA)."""
