@@ -25,11 +25,11 @@ setups take turns request by request (TTFT) or round by round (ITL) so drifting 
 other tenants of a shared machine hits them alike. The long prompts arrive open loop at
 the same rate for every setup (auto: the slowest setup busy ~60%).
 
-    .venv/bin/python scripts/bench_e2e.py            # full run (~5-7 min on 2 cores)
-    .venv/bin/python scripts/bench_e2e.py --quick    # fewer samples (~4 min)
-    .venv/bin/python scripts/bench_e2e.py --model tiny
-    .venv/bin/python scripts/bench_e2e.py --quick --dispatch-ab --json out.json
-    .venv/bin/python scripts/bench_e2e.py --quick --runs 5 --ttft-tokens 4000 --json out.json
+    .venv/bin/python -m scripts.bench_e2e            # full run (~5-7 min on 2 cores)
+    .venv/bin/python -m scripts.bench_e2e --quick    # fewer samples (~4 min)
+    .venv/bin/python -m scripts.bench_e2e --model tiny
+    .venv/bin/python -m scripts.bench_e2e --quick --dispatch-ab --json out.json
+    .venv/bin/python -m scripts.bench_e2e --quick --runs 5 --ttft-tokens 4000 --json out.json
 
 The disaggregated setup runs the proxy's shipped defaults (dispatch mode, local-prefill
 threshold); --dispatch-ab adds a second proxy on the same P and D with the other dispatch
@@ -91,9 +91,8 @@ from pathlib import Path
 from xpyd_wire.headers import XPYD_DECODE_TTFB_MS, XPYD_FIRST_TOKEN, XPYD_PREFILL_MS, XPYD_QUEUE_MS
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import cluster  # noqa: E402  (scripts/cluster.py)
+from tests.support import cluster  # noqa: E402  (tests/support/cluster.py)
 
 MODEL_NAME = "tiny-llama"  # cluster.start_vllm serves every model under this name
 # Proxies of the short-prompt sweep, beside the one with the shipped defaults.
@@ -110,7 +109,7 @@ BENCH_DIMS = {"hidden": 768, "intermediate": 2048, "layers": 4, "heads": 12, "kv
 def ensure_model(kind: str) -> Path:
     """The tiny test model, or a bigger random Llama built with make_tiny_model's code
     (same tokenizer, same weight recipe) under its own directory."""
-    import make_tiny_model as mtm  # scripts/make_tiny_model.py
+    from scripts import make_tiny_model as mtm  # scripts/make_tiny_model.py
 
     if kind == "tiny":
         out = cluster.DEFAULT_MODEL
@@ -127,8 +126,9 @@ class Prompts:
     each starts with a unique tag, so no two share even their first KV block."""
 
     def __init__(self, model_dir: Path, seed: int) -> None:
-        import make_tiny_model as mtm
         from transformers import AutoTokenizer
+
+        from scripts import make_tiny_model as mtm
 
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
         self.words = mtm._WORDS

@@ -5,7 +5,7 @@ in-memory transport serves keep-alive requests to a minimal ASGI app, interleave
 medians: the difference per request is what the edge adds (byte counting while a head is
 read, the phase stamps; its sweep runs once per interval, not per request).
 
-    .venv/bin/python scripts/bench_edge.py --requests 20000 --rounds 7
+    .venv/bin/python -m scripts.bench_edge --requests 20000 --rounds 7
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 """What KV-event intake costs the proxy (issue 17, part 1): its CPU per request with events
 flowing, against a proxy without events in the same run, and the index's memory.
 
-Two proxies route to the same fake P and D (tests/fake_vllm.py, given as static instances);
+Two proxies route to the same fake P and D (tests/support/fake_vllm.py, given as static instances);
 proxy "events" also subscribes to one KV-event publisher per instance (a double of vLLM's,
-tests/kv_publisher.py, in a process of its own) publishing --event-rate batches per second per
+tests/support/kv_publisher.py, in a process of its own) publishing --event-rate batches per second per
 instance of --blocks blocks each (BlockStored chained on the previous, BlockRemoved of the
 oldest beyond --resident blocks, so the index holds that many). Rounds interleave the two
 proxies (medians); the ratio events / baseline is the cost.
 
-    .venv/bin/python scripts/bench_kv_events.py                 # ~60 s
-    .venv/bin/python scripts/bench_kv_events.py --event-rate 500 --blocks 8 --rounds 5
+    .venv/bin/python -m scripts.bench_kv_events                 # ~60 s
+    .venv/bin/python -m scripts.bench_kv_events --event-rate 500 --blocks 8 --rounds 5
 
 Also printed: the proxy's CPU per applied batch (events alone, no requests) and its RSS with
 the index full against the baseline proxy's. Loopback only; every process it starts is stopped
@@ -28,15 +28,13 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests")]
 
-import bench_proxy as bp  # noqa: E402  (scripts/bench_proxy.py)
+from scripts import bench_proxy as bp  # noqa: E402  (scripts/bench_proxy.py)
 
 
 def publisher_main(args: argparse.Namespace) -> None:
     """Child mode: one publisher per instance; prints their endpoints, then publishes."""
-    from kv_publisher import Publisher
-
+    from tests.support.kv_publisher import Publisher
     from xpyd_wire.kv_events import BlockRemoved, BlockStored
 
     pubs = [Publisher() for _ in range(2)]
@@ -87,14 +85,14 @@ def bench(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     py = sys.executable
     try:
-        pub = subprocess.Popen([py, os.path.abspath(__file__), "--publisher", "--event-rate",
+        pub = subprocess.Popen([py, "-m", "scripts.bench_kv_events", "--publisher", "--event-rate",
                                 str(args.event_rate), "--blocks", str(args.blocks), "--resident",
                                 str(args.resident)], stdout=subprocess.PIPE, text=True)  # fmt: skip
         procs.append(pub)
         endpoints = json.loads(pub.stdout.readline())
         p_port, d_port = bp.free_port(), bp.free_port()
         for role, port in (("P", p_port), ("D", d_port)):
-            procs.append(subprocess.Popen([py, bp.FAKE, "--role", role, "--port", str(port), "--uvloop"],
+            procs.append(subprocess.Popen([py, *bp.FAKE, "--role", role, "--port", str(port), "--uvloop"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         proxies: dict[str, tuple[int, subprocess.Popen]] = {}
         for name in ("baseline", "events"):

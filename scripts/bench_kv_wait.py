@@ -17,8 +17,8 @@ Both servers run under vLLM's default CPU thread binding (what users get; on a 2
 both bind their OpenMP threads to the same cores), 127.0.0.1 only. P stays up; D is
 restarted per variant. Every process started here is stopped by its process group.
 
-    .venv/bin/python scripts/bench_kv_wait.py --model tiny --tokens 288 --samples 7
-    .venv/bin/python scripts/bench_kv_wait.py --variants '[{"idle_wait_ms": 0}, {"idle_wait_ms": 20}]'
+    .venv/bin/python -m scripts.bench_kv_wait --model tiny --tokens 288 --samples 7
+    .venv/bin/python -m scripts.bench_kv_wait --variants '[{"idle_wait_ms": 0}, {"idle_wait_ms": 20}]'
 
 The default variants are vLLM's behaviour (``idle_wait_ms: 0``) and the connector's default.
 Results on a 2-core EPYC are in the README (*Concurrent dispatch*).
@@ -38,12 +38,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
 
-import bench_e2e  # noqa: E402  (scripts/bench_e2e.py: the bench model and its prompts)
-import cluster  # noqa: E402
-
+from scripts import bench_e2e  # noqa: E402  (scripts/bench_e2e.py: the bench model and its prompts)
+from tests.support import cluster  # noqa: E402
 from xpyd_wire import request_id  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK")

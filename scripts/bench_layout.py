@@ -2,8 +2,8 @@
 """Benchmark KV block gather/scatter (connector/layout.py) against a plain copy of the
 same bytes on the same device, in the same run.
 
-    python scripts/bench_layout.py --device cpu                 # every KVCacheLayout, flash-like
-    python scripts/bench_layout.py --device cuda --shape mla --layers 32 --blocks 4096 --ids 1024
+    python -m scripts.bench_layout --device cpu                 # every KVCacheLayout, flash-like
+    python -m scripts.bench_layout --device cuda --shape mla --layers 32 --blocks 4096 --ids 1024
 
 Caches: ``--layers`` per-layer ``[B, H, N, C]`` views over one buffer, strided exactly as
 vLLM 0.32 lays out each ``KVCacheLayout`` (its ``compute_layout_strides`` for one
@@ -27,11 +27,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector import layout as kvlayout  # noqa: E402
 

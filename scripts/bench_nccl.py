@@ -5,9 +5,6 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector.tools.gpu_bench import main, run  # noqa: E402,F401  (bench_transport calls run)
 

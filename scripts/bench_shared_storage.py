@@ -13,9 +13,9 @@
 2. TTFT on vLLM CPU of a prompt whose blocks a producer stored vs the same-length
    prompt recomputed, on one consumer instance (P stores, D loads), medians.
 
-    .venv/bin/python scripts/bench_shared_storage.py                # both parts
-    .venv/bin/python scripts/bench_shared_storage.py --skip-ttft    # throughput only
-    flock /tmp/xpyd-vllm.lock .venv/bin/python scripts/bench_shared_storage.py --quick
+    .venv/bin/python -m scripts.bench_shared_storage                # both parts
+    .venv/bin/python -m scripts.bench_shared_storage --skip-ttft    # throughput only
+    flock /tmp/xpyd-vllm.lock .venv/bin/python -m scripts.bench_shared_storage --quick
 
 Loopback only; every process started here is stopped by its process group.
 """
@@ -32,8 +32,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 
@@ -163,11 +161,11 @@ def throughput(fs_name: str, base: Path, sizes_mib: list[int], reps: int) -> lis
 
 
 def ttft(args: argparse.Namespace) -> None:
-    import bench_e2e  # scripts/bench_e2e.py: the bench model and exact-length prompts
-    import cluster
     import httpx
 
     from connector.shared_storage.config import kv_transfer_config
+    from scripts import bench_e2e  # scripts/bench_e2e.py: the bench model and exact-length prompts
+    from tests.support import cluster
 
     model = bench_e2e.ensure_model(args.model)
     prompts = bench_e2e.Prompts(model, seed=7)

@@ -4,7 +4,7 @@ against Python's timeout mode (what they did before) and a raw socket, in one pr
 loopback: the measured side's thread CPU (user + sys), which a loaded machine disturbs far
 less than GB/s.
 
-    python scripts/bench_stream_io.py [--sizes 16,64,256] [--repeats 9]
+    python -m scripts.bench_stream_io [--sizes 16,64,256] [--repeats 9]
 
 recv: ``recv_whole`` (blocking, SO_RCVTIMEO from the deadline, MSG_WAITALL: one call per
 tensor) vs ``poll`` (``settimeout`` + ``recv_into`` until full: a poll and a recv per chunk
@@ -23,11 +23,8 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector.transport import stream  # noqa: E402
 

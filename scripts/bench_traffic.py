@@ -10,11 +10,11 @@ p50/p99 (time to the first SSE chunk carrying text) overall and for single vs ba
 (for batch also until both prompts have had text), client errors, and from the servers'
 logs how many KV loads succeeded, waited > 1 s or failed.
 
-    .venv/bin/python scripts/bench_traffic.py                        # 200 requests, c=8, D frozen 10 s
-    .venv/bin/python scripts/bench_traffic.py --requests 24 --concurrency 4 --freeze-s 3   # smoke
-    .venv/bin/python scripts/bench_traffic.py --bind nobind --json out.json --label "nobind"
+    .venv/bin/python -m scripts.bench_traffic                        # 200 requests, c=8, D frozen 10 s
+    .venv/bin/python -m scripts.bench_traffic --requests 24 --concurrency 4 --freeze-s 3   # smoke
+    .venv/bin/python -m scripts.bench_traffic --bind nobind --json out.json --label "nobind"
 
-All servers on 127.0.0.1 with free ports (scripts/cluster.py), logs kept in a temp dir; every
+All servers on 127.0.0.1 with free ports (tests/support/cluster.py), logs kept in a temp dir; every
 process started here is stopped by its process group at the end, also on error or Ctrl-C.
 """
 
@@ -39,10 +39,9 @@ import httpx
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 
-import cluster  # noqa: E402  (scripts/cluster.py)
-from bench_e2e import Prompts, pct  # noqa: E402  (exact-length distinct prompts; nearest-rank percentile)
+from scripts.bench_e2e import Prompts, pct  # noqa: E402  (exact-length distinct prompts; nearest-rank percentile)
+from tests.support import cluster  # noqa: E402  (tests/support/cluster.py)
 
 # What the connector logs (connector/engine.py); adjust here if the messages change.
 LOAD_OK_RE = re.compile(r"kv loaded .* wait_ms=([0-9.]+)")  # on D, one per successful load

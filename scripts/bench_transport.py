@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark the tcp transport between two processes on loopback against a memory copy.
 
-    python scripts/bench_transport.py [--sizes 1,4,16,64,256] [--repeats 5] [--auth none,mac,curve]
-    python scripts/bench_transport.py --device cuda   # NCCL, see scripts/bench_nccl.py
+    python -m scripts.bench_transport [--sizes 1,4,16,64,256] [--repeats 5] [--auth none,mac,curve]
+    python -m scripts.bench_transport --device cuda   # NCCL, see scripts/bench_nccl.py
 
 Payload: ``--layers`` bf16 tensors shaped like vLLM CPU KV-cache blocks
 ``[n_blocks, kv_heads, block_size, 2*head_dim]``, n_blocks chosen so the total is the
@@ -49,11 +49,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from connector.transport import KVAuth, TcpTransport, TransportError  # noqa: E402
 
@@ -158,7 +155,7 @@ def serve(args) -> None:
 
 def run(args) -> int:
     torch.set_num_threads(args.torch_threads)
-    cmd = [sys.executable, __file__, "--serve", *sys.argv[1:]]
+    cmd = [sys.executable, "-m", "scripts.bench_transport", "--serve", *sys.argv[1:]]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line: list[str] = []
@@ -328,7 +325,7 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.device == "cuda" and not args.serve:
-        import bench_nccl
+        from scripts import bench_nccl
 
         return bench_nccl.run(args)
     if not args.auth or any(m not in AUTH_MODES for m in args.auth) or len(set(args.auth)) != len(args.auth):

@@ -86,8 +86,8 @@ target, version, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
 import vllm
 assert vllm.__version__ == version and vllm.__file__.startswith(target), (vllm.__version__, vllm.__file__)
 import pytest
-rc = int(pytest.main(["-q", "-p", "no:cacheprovider", "tests/test_connector_scheduler.py",
-                      "tests/test_connector_units.py", "tests/test_connector_stats.py", *extra]))
+rc = int(pytest.main(["-q", "-p", "no:cacheprovider", "tests/unit/test_connector_scheduler.py",
+                      "tests/unit/test_connector_units.py", "tests/unit/test_connector_stats.py", *extra]))
 print(f"== pytest exit status {rc} (vllm {vllm.__version__} from {vllm.__file__})")
 sys.exit(rc)
 EOF

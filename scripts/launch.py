@@ -1,11 +1,11 @@
 """Run an xPyD topology from configs/topologies/ on this machine: start its proxies and vLLM
 instances, watch them, stop them.
 
-    python scripts/launch.py up 1p2d                        # proxy + 1 P + 2 D, until Ctrl-C / SIGTERM
-    python scripts/launch.py up 1p1d --once                 # answer one request through the proxy, then stop
-    python scripts/launch.py up multinode --only prefill-0  # this host's share of a multi-host layout
-    python scripts/launch.py commands 1p2d                  # print every process's command line
-    python scripts/launch.py list                           # the named topologies
+    python -m scripts.launch up 1p2d                        # proxy + 1 P + 2 D, until Ctrl-C / SIGTERM
+    python -m scripts.launch up 1p1d --once                 # answer one request through the proxy, then stop
+    python -m scripts.launch up multinode --only prefill-0  # this host's share of a multi-host layout
+    python -m scripts.launch commands 1p2d                  # print every process's command line
+    python -m scripts.launch list                           # the named topologies
 
 Every process runs in its own session with its output in <log-dir>/<name>.log. SIGINT
 (Ctrl-C) and SIGTERM only set a flag: whatever the launcher is doing (starting, waiting
@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import TextIO
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from topology import (  # noqa: E402  (scripts/topology.py)
+from scripts.topology import (  # noqa: E402  (scripts/topology.py)
     InstanceSpec,
     ProxySpec,
     Topology,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write a tiny random Llama checkpoint (+ tokenizer) that vLLM loads, without downloads.
 
-    python scripts/make_tiny_model.py --out .models/tiny-llama [--seed 0]
+    python -m scripts.make_tiny_model --out .models/tiny-llama [--seed 0]
 
 Why not vLLM's ``--load-format dummy``: its weights make the output depend only on the
 last token, so a corrupted or missing KV cache would go unnoticed. Here weights are

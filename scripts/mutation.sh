@@ -29,22 +29,22 @@ EQUIV="$ROOT/scripts/mutation_equivalent.txt"
 # module -> the unit tests that exercise it (run with -m unit; mutmut then runs, per mutant, only
 # the tests that called the mutated function).
 declare -A TESTS=(
-  [xpyd_wire/request_id.py]="tests/test_request_id.py tests/test_wire_vectors.py tests/test_wire_boundaries.py"
-  [xpyd_wire/secret_file.py]="tests/test_connector_secret_files.py tests/test_proxy_secret_files.py"
-  [xpyd_wire/kv_transfer.py]="tests/test_kv_transfer.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_protocol_version.py"
-  [xpyd_wire/kv_events.py]="tests/test_kv_events.py tests/test_wire_vectors.py tests/test_wire_boundaries.py"
-  [xpyd_wire/discovery.py]="tests/test_proxy_discovery.py tests/test_wire_vectors.py tests/test_wire_boundaries.py tests/test_connector_registration.py"
-  [connector/scheduler.py]="tests/test_connector_scheduler.py"
-  [connector/buffer.py]="tests/test_connector_buffer.py tests/test_connector_units.py tests/test_connector_staging.py tests/test_connector_get_store.py"
-  [connector/producer.py]="tests/test_connector_engine.py"
-  [connector/consumer.py]="tests/test_connector_engine.py"
-  [proxy/registry.py]="tests/test_proxy_units.py tests/test_proxy_registrants.py tests/test_proxy_discovery.py"
-  [proxy/routing/kv_events.py]="tests/test_kv_events.py"
-  [proxy/dispatch/first_token.py]="tests/test_proxy_first_token.py"
+  [xpyd_wire/request_id.py]="tests/unit/test_request_id.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py"
+  [xpyd_wire/secret_file.py]="tests/unit/test_connector_secret_files.py tests/unit/test_proxy_secret_files.py"
+  [xpyd_wire/kv_transfer.py]="tests/unit/test_kv_transfer.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py tests/unit/test_connector_protocol_version.py"
+  [xpyd_wire/kv_events.py]="tests/unit/test_kv_events.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py"
+  [xpyd_wire/discovery.py]="tests/unit/test_proxy_discovery.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py tests/unit/test_connector_registration.py"
+  [connector/scheduler.py]="tests/unit/test_connector_scheduler.py"
+  [connector/buffer.py]="tests/unit/test_connector_buffer.py tests/unit/test_connector_units.py tests/unit/test_connector_staging.py tests/unit/test_connector_get_store.py"
+  [connector/producer.py]="tests/unit/test_connector_engine.py"
+  [connector/consumer.py]="tests/unit/test_connector_engine.py"
+  [proxy/registry.py]="tests/unit/test_proxy_units.py tests/unit/test_proxy_registrants.py tests/unit/test_proxy_discovery.py"
+  [proxy/routing/kv_events.py]="tests/unit/test_kv_events.py"
+  [proxy/dispatch/first_token.py]="tests/unit/test_proxy_first_token.py"
 )
 # proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests.
 for m in call continuation decode disaggregated dispatcher local relay rescue rewrite; do
-  TESTS[proxy/dispatch/$m.py]="tests/test_proxy_dispatch.py tests/test_proxy_failures.py tests/test_proxy_io.py"
+  TESTS[proxy/dispatch/$m.py]="tests/unit/test_proxy_dispatch.py tests/unit/test_proxy_failures.py tests/unit/test_proxy_io.py"
 done
 MODULES=(xpyd_wire/request_id.py xpyd_wire/secret_file.py xpyd_wire/kv_transfer.py xpyd_wire/kv_events.py
          xpyd_wire/discovery.py connector/scheduler.py connector/buffer.py connector/producer.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fetch the real ``libnccl.so.2`` (and its ``nccl.h``) of the NVIDIA NCCL wheels the
-real-library tests (tests/test_nccl_real_lib.py) run our binding against, side by side:
+real-library tests (tests/unit/test_nccl_real_lib.py) run our binding against, side by side:
 
     .nccl-wheels/<dist>-<version>/libnccl.so.2
     .nccl-wheels/<dist>-<version>/include/nccl.h
@@ -12,8 +12,8 @@ what torch/vLLM resolved. Idempotent (a complete directory is reused) and safe t
 from two processes at once (a lock file; each version is unpacked into a temporary
 directory and renamed into place).
 
-    python scripts/nccl_wheels.py            # fetch all, print one JSON line per version
-    python scripts/nccl_wheels.py --check    # exit 1 if any is missing, fetch nothing
+    python -m scripts.nccl_wheels            # fetch all, print one JSON line per version
+    python -m scripts.nccl_wheels --check    # exit 1 if any is missing, fetch nothing
 """
 
 from __future__ import annotations

@@ -19,4 +19,4 @@ fi
 $PIP install -e ".[test,docs]"
 # haproxy and prometheus for two e2e tests (best effort: those tests skip without them).
 bash scripts/setup_system.sh
-"$VENV/bin/python" scripts/make_tiny_model.py --out .models/tiny-llama
+"$VENV/bin/python" -m scripts.make_tiny_model --out .models/tiny-llama

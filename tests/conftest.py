@@ -47,7 +47,7 @@ def find_tool(name: str) -> str | None:
 @pytest.fixture(scope="session")
 def tokenizer():
     """The tiny model's tokenizer (end-to-end tests)."""
-    from e2e_client import load_tokenizer
+    from tests.support.e2e_client import load_tokenizer
 
     return load_tokenizer()
 
@@ -57,11 +57,10 @@ def engines():
     """start(role, send_type, ...) -> a real KVEngine on a free loopback port, its transport
     built from the config as the worker builds it (caps, kv_secret); all closed afterwards.
     Shared by the engine, KV-auth and KV-fuzz tests."""
-    from test_connector_engine import free_port, make_caches, make_cfg
-
     from connector import layout as kvlayout
     from connector.engine import KVEngine
     from connector.transport import TransportError
+    from tests.support.kv_engines import free_port, make_caches, make_cfg
 
     started: list[KVEngine] = []
 
@@ -153,7 +152,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Where CI=true, a test skipped because a tool CI is meant to have is missing is a failure,
     however its module spells the skip (a reason "<tool> is not installed", as
-    tests/haproxy_helpers.py's SKIP_REASON that the multinode module's skipif uses)."""
+    tests/support/haproxy_helpers.py's SKIP_REASON that the multinode module's skipif uses)."""
     report = yield
     if report.skipped and in_ci() and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2])

@@ -6,6 +6,6 @@
   ``[topic, seq, KVEventBatch]`` frames, the replay request) and the chained block keys.
 
 ``proxy/`` and ``connector/`` import from here and never from each other
-(tests/test_wire_boundaries.py enforces it). Nothing here imports torch, vLLM or asyncio,
+(tests/unit/test_wire_boundaries.py enforces it). Nothing here imports torch, vLLM or asyncio,
 so vLLM's processes and the proxy load it cheaply.
 """

@@ -2,7 +2,7 @@
 processes, against the tcp transport (host staging) between the same processes and a plain
 device-to-device copy of the same bytes, all measured in the same run.
 
-    python scripts/bench_transport.py --device cuda [--sizes 1,4,16,64,256] [--repeats 5]
+    python -m scripts.bench_transport --device cuda [--sizes 1,4,16,64,256] [--repeats 5]
 
 On one GPU the two processes are made two NCCL "hosts" (different NCCL_HOSTID,
 NCCL_SOCKET_IFNAME=lo, NCCL_IB_DISABLE=1), so NCCL uses its socket transport over loopback:

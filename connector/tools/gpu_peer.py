@@ -1,7 +1,7 @@
 """One side (prefill or decode) of the two-process engine test: a real KVEngine over KV
 caches laid out as a vLLM KVCacheLayout, talking to the other process over the transport
 the config names (nccl with the real library on a GPU machine). Needs torch, not vLLM. Run
-by ``run_pair`` (tests/test_gpu_nccl_engine.py, ``xpyd doctor``):
+by ``run_pair`` (tests/unit/test_gpu_nccl_engine.py, ``xpyd doctor``):
 
     python -m connector.tools.gpu_peer --role d --port P --peer-port Q --layout BLHNC --send-type PUT_ASYNC
 

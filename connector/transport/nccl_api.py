@@ -2,7 +2,7 @@
 
 Two real implementations live in ``nccl_lib.py`` (vLLM's ``NCCLLibrary`` when importable,
 else our own ctypes binding over the ``libnccl.so.2`` torch ships); the tests' double
-(``tests/nccl_double.py``) implements the same protocol on host memory. Everything above
+(``tests/support/nccl_double.py``) implements the same protocol on host memory. Everything above
 this protocol (handshake, deadlines, abort, staging, layouts) is the transport's own code
 and runs unchanged over either.
 

@@ -14,7 +14,7 @@ Without vLLM (the GPU test machine has torch and NCCL only) the library is found
 ``XPYD_NCCL_LIBRARY``, the copy torch ships (the ``nvidia-nccl-cu*`` wheel, or torch/lib),
 then the loader's search path.
 
-Checked against the real libraries (tests/test_nccl_real_lib.py, every CI run, no GPU):
+Checked against the real libraries (tests/unit/test_nccl_real_lib.py, every CI run, no GPU):
 the nvidia-nccl-cu12/cu13 wheels 2.18.1, 2.21.5, 2.26.2, 2.27.5, 2.29.7, 2.30.7, 2.32.3.
 
 Where this path differs from vLLM's GPU path, and why (``pynccl.py`` / ``pynccl_wrapper.py``
@@ -106,7 +106,7 @@ class ncclUniqueId(ctypes.Structure):
 class ncclConfig(ctypes.Structure):
     """The first fields of ``ncclConfig_t``: x86-64, 48 bytes. Checked against nccl.h and
     init.cc (parseCommConfig) of NCCL 2.18.1 and 2.30.7 (NVIDIA/nccl), and, by compiling
-    against each wheel's nccl.h in tests/test_nccl_real_lib.py, 2.18.1, 2.21.5, 2.26.2,
+    against each wheel's nccl.h in tests/unit/test_nccl_real_lib.py, 2.18.1, 2.21.5, 2.26.2,
     2.27.5, 2.29.7, 2.30.7 and 2.32.3: same offsets, same NCCL_CONFIG_INITIALIZER values.
     ``trafficClass`` (2.26 on) fills what was tail padding in 2.18's 44-byte struct: 2.26.x
     reads it from our 48 bytes without a version check, so it must be INT_MIN, not 0."""

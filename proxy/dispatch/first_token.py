@@ -49,7 +49,7 @@ _OURS = (PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM)  # set by the proxy, ne
 
 # Every field of vLLM 0.32's CompletionRequest and ChatCompletionRequest this path lets
 # through, and how. A field named nowhere here keeps the request on D's first token, so a
-# field a newer vLLM adds cannot change an answer unnoticed (tests/test_proxy_first_token.py
+# field a newer vLLM adds cannot change an answer unnoticed (tests/unit/test_proxy_first_token.py
 # feeds every field of vLLM's request models through these tables).
 #
 # SAME: means the same to P's one token and to D's continuation (both servers apply it

@@ -17,7 +17,7 @@ body, using the model's own Hugging Face tokenizer (the object vLLM itself uses)
 What it does not reproduce raises `Unsupported`, so a caller falls back (to the instance's
 own `/tokenize`, or to the character estimate): `tools`, non-text content (images, audio),
 `prompt_embeds`, `truncate_prompt_tokens`. Equality with vLLM's `/tokenize` is tested on a
-real vLLM server (tests/test_e2e_kv_events.py); the cost per request is measured by
+real vLLM server (tests/e2e/test_e2e_kv_events.py); the cost per request is measured by
 scripts/bench_prompt_keys.py.
 
 A request's own chat template (top-level `chat_template` or `chat_template_kwargs.chat_template`)

@@ -78,7 +78,7 @@ class AiohttpUpstream:
             use_dns_cache=True,
             ttl_dns_cache=10,
         )
-        # No public hook for the protocol class; tests/test_proxy_clients.py fails if
+        # No public hook for the protocol class; tests/unit/test_proxy_clients.py fails if
         # this stops taking effect.
         connector._factory = functools.partial(_Handler, loop=asyncio.get_running_loop())
         self._session = aiohttp.ClientSession(

@@ -19,12 +19,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from proxy_helpers import free_port
+
+from tests.support.proxy_helpers import free_port
 
 # Also `vllm`: it starts vLLM servers (in containers), so `-m "not vllm"` runs skip it too.
 pytestmark = [pytest.mark.docker, pytest.mark.vllm]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "The capital of France is a city where"
 BUILD_TIMEOUT_S = 45 * 60
 UP_TIMEOUT_S = 15 * 60

@@ -15,21 +15,19 @@ import json
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from e2e_client import MODEL_DIR, metric, poll
-from haproxy_helpers import HAPROXY, SKIP_REASON, Balancer, any_free_port
-from launcher_helpers import READY_LINE, ROOT, LauncherRun, free_port_offset, in_groups
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from cluster import port_free  # noqa: E402  (scripts/cluster.py)
-from haproxy_cfg import LB_HOST, render  # noqa: E402  (scripts/haproxy_cfg.py)
-from topology import load_topology  # noqa: E402  (scripts/topology.py)
+from scripts.haproxy_cfg import LB_HOST, render  # noqa: E402  (scripts/haproxy_cfg.py)
+from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from tests.support.cluster import port_free  # noqa: E402  (tests/support/cluster.py)
+from tests.support.e2e_client import MODEL_DIR, metric, poll
+from tests.support.haproxy_helpers import HAPROXY, SKIP_REASON, Balancer, any_free_port
+from tests.support.launcher_helpers import READY_LINE, LauncherRun, free_port_offset, in_groups
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(HAPROXY is None, reason=SKIP_REASON)]
 

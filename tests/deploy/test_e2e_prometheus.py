@@ -1,7 +1,7 @@
 """A real Prometheus scrapes a running 1P1D system, and every panel of the Grafana dashboard
 (configs/grafana/xpyd-dashboard.json) has data.
 
-`python scripts/launch.py up 1p1d` (proxy + 1 P + 1 D, vLLM CPU build, tiny model) on free
+`python -m scripts.launch up 1p1d` (proxy + 1 P + 1 D, vLLM CPU build, tiny model) on free
 ports, and Debian's `prometheus` binary on 127.0.0.1 scraping the proxy and both instances
 every second with the config scripts/compose.py renders for the compose file's monitoring
 profile (same function, loopback addresses instead of service names). A concurrent load of
@@ -24,20 +24,18 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from e2e_client import MODEL_DIR, WORDS
-from launcher_helpers import DASHBOARD, READY_LINE, ROOT, LauncherRun, free_port_offset
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import compose  # noqa: E402  (scripts/compose.py)
-from cluster import free_port  # noqa: E402  (scripts/cluster.py)
-from topology import load_topology  # noqa: E402  (scripts/topology.py)
+from scripts import compose  # noqa: E402  (scripts/compose.py)
+from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from tests.support.cluster import free_port  # noqa: E402  (tests/support/cluster.py)
+from tests.support.e2e_client import MODEL_DIR, WORDS
+from tests.support.launcher_helpers import DASHBOARD, READY_LINE, LauncherRun, free_port_offset
 
 PROMETHEUS = shutil.which("prometheus") or next(
     (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if Path(p).exists()), None)

@@ -17,16 +17,25 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import e2e_cluster
 import httpx
 import pytest
-from e2e_client import BLOCK, MODEL_DIR, answer_of, assert_same_greedy, body_for, generate, make_prompt, with_logprobs
-from e2e_cluster import free_port, free_port_pair
 
-from xpyd_wire import request_id
 from connector.transport import TcpTransport
 from proxy.config import ProxyConfig
 from proxy.openai_api import estimate_prompt_tokens
+from tests.support import e2e_cluster
+from tests.support.e2e_client import (
+    BLOCK,
+    MODEL_DIR,
+    answer_of,
+    assert_same_greedy,
+    body_for,
+    generate,
+    make_prompt,
+    with_logprobs,
+)
+from tests.support.e2e_cluster import free_port, free_port_pair
+from xpyd_wire import request_id
 from xpyd_wire.headers import XPYD_PATH
 
 cluster = e2e_cluster.cluster

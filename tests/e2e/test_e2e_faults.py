@@ -20,12 +20,12 @@ import time
 import uuid
 from pathlib import Path
 
-import e2e_cluster
 import pytest
-from e2e_client import BLOCK, assert_same_greedy, body_for, generate, make_prompt, poll
-from e2e_cluster import free_port, free_port_pair
 
 from connector.transport import KVAuth, TcpTransport
+from tests.support import e2e_cluster
+from tests.support.e2e_client import BLOCK, assert_same_greedy, body_for, generate, make_prompt, poll
+from tests.support.e2e_cluster import free_port, free_port_pair
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm

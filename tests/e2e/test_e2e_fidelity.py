@@ -5,7 +5,7 @@ sampling, penalties, stop strings and tokens, logprobs, echo, usage options, str
 output, batches, vLLM's own refusals) goes once to a colocated vLLM server and once through
 the proxy, on prompts that are not ASCII too (emoji, CJK, combining marks, and prompts
 whose first generated token is part of a character). The answers must be equal: status,
-error type, tokens and their logprobs (tests/e2e_client.py's comparator), text, finish
+error type, tokens and their logprobs (tests/support/e2e_client.py's comparator), text, finish
 reasons, usage, and the fields of every event (its shape). Each request's path through the
 proxy (x-xpyd-path, x-xpyd-first-token) is recorded, and the last test checks that the
 matrix covered every path it is meant to.
@@ -35,11 +35,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import e2e_cluster
 import httpx
 import pytest
-from e2e_client import LOGPROB_TOL, MODEL_DIR, Answer, answer_of, parting_step, stream_answers, text_parting
 
+from tests.support import e2e_cluster
+from tests.support.e2e_client import (
+    LOGPROB_TOL,
+    MODEL_DIR,
+    Answer,
+    answer_of,
+    parting_step,
+    stream_answers,
+    text_parting,
+)
 from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
 
 pytestmark = pytest.mark.vllm

@@ -10,10 +10,11 @@ import json
 import time
 from pathlib import Path
 
-import e2e_cluster
 import pytest
-from e2e_client import BLOCK, body_for, generate, load_tokenizer, make_prompt, poll
-from e2e_cluster import free_port, free_port_pair
+
+from tests.support import e2e_cluster
+from tests.support.e2e_client import BLOCK, body_for, generate, load_tokenizer, make_prompt, poll
+from tests.support.e2e_cluster import free_port, free_port_pair
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm
@@ -123,9 +124,8 @@ def _vllm_tokens(p: cluster.Server, body: dict) -> list[int]:
 
 @pytest.mark.parametrize("case", list(TOKENIZE_CASES))
 def test_prompt_token_ids_equal_vllms(system, case: str):
-    from e2e_client import MODEL_DIR
-
     from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
+    from tests.support.e2e_client import MODEL_DIR
 
     servers, _, _ = system
     body = TOKENIZE_CASES[case]
@@ -135,9 +135,8 @@ def test_prompt_token_ids_equal_vllms(system, case: str):
 
 
 def test_batch_prompt_token_ids_equal_vllms_per_element(system):
-    from e2e_client import MODEL_DIR
-
     from proxy.routing.prompt_keys import COMPLETIONS, PromptTokenizer
+    from tests.support.e2e_client import MODEL_DIR
 
     servers, _, _ = system
     batch = ["river stone", "東京 maple", "quiet " * 50]
@@ -153,9 +152,8 @@ def test_batch_prompt_token_ids_equal_vllms_per_element(system):
                          ids=["text", "token-ids"])
 def test_prompt_token_ids_equal_what_vllm_served(system, prompt):
     """The ids vLLM really ran (echoed back as token ids), not only what /tokenize says."""
-    from e2e_client import MODEL_DIR
-
     from proxy.routing.prompt_keys import COMPLETIONS, PromptTokenizer
+    from tests.support.e2e_client import MODEL_DIR
 
     servers, _, _ = system
     (ours,) = PromptTokenizer(MODEL_DIR).token_ids(COMPLETIONS, {"prompt": prompt})

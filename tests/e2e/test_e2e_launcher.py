@@ -1,4 +1,4 @@
-"""The launcher as users run it: `python scripts/launch.py up 1p2d` brings up the proxy
+"""The launcher as users run it: `python -m scripts.launch up 1p2d` brings up the proxy
 and 1 P + 2 D real vLLM (CPU build) servers from configs/topologies/1p2d.yaml, `vllm bench
 serve` (its own code, scripts/bench_serve.py) sends 20 requests through the proxy, and a
 SIGTERM to the launcher stops every process it started. Also: an instance that cannot start
@@ -19,8 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from e2e_client import MODEL_DIR, metric
-from launcher_helpers import (
+
+from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from tests.support.e2e_client import MODEL_DIR, metric
+from tests.support.launcher_helpers import (
     READY_LINE,
     ROOT,
     LauncherRun,
@@ -31,9 +33,6 @@ from launcher_helpers import (
     in_groups,
     still_running,
 )
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from topology import load_topology  # noqa: E402  (scripts/topology.py)
 
 pytestmark = pytest.mark.vllm
 BENCH_PROMPTS = 20
@@ -68,7 +67,7 @@ def test_vllm_bench_serve_through_proxy(launched, tmp_path: Path):
     proxy = topo.proxies[0]
     before = {d.name: metric(d.url, "vllm:prompt_tokens_cached_by_source_total", {"source": "p2p"})
               for d in topo.by_role("D")}
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--backend", "openai",
+    cmd = [sys.executable, "-m", "scripts.bench_serve", "--backend", "openai",
            "--base-url", proxy.url, "--model", topo.served_model_name, "--tokenizer", str(MODEL_DIR),
            "--dataset-name", "random", "--random-input-len", "400", "--random-output-len", "16",
            "--num-prompts", str(BENCH_PROMPTS), "--max-concurrency", "4", "--ignore-eos", "--seed", "1",

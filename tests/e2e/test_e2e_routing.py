@@ -19,15 +19,25 @@ import json
 import time
 from pathlib import Path
 
-import e2e_cluster
 import httpx
 import pytest
-from e2e_client import (BLOCK, MODEL_DIR, answer_of, assert_same_greedy, body_for, generate, make_prompt, metric, poll,
-                        with_logprobs)
-from e2e_cluster import free_port, free_port_pair
-from haproxy_helpers import HAPROXY, Balancer, any_free_port
-from haproxy_cfg import render_servers
 
+from scripts.haproxy_cfg import render_servers
+from tests.support import e2e_cluster
+from tests.support.e2e_client import (
+    BLOCK,
+    MODEL_DIR,
+    answer_of,
+    assert_same_greedy,
+    body_for,
+    generate,
+    make_prompt,
+    metric,
+    poll,
+    with_logprobs,
+)
+from tests.support.e2e_cluster import free_port, free_port_pair
+from tests.support.haproxy_helpers import HAPROXY, Balancer, any_free_port
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
 
 cluster = e2e_cluster.cluster

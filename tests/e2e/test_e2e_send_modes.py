@@ -8,10 +8,11 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-import e2e_cluster
 import pytest
-from e2e_client import assert_same_greedy, body_for, generate, make_prompt
-from e2e_cluster import free_port, free_port_pair
+
+from tests.support import e2e_cluster
+from tests.support.e2e_client import assert_same_greedy, body_for, generate, make_prompt
+from tests.support.e2e_cluster import free_port, free_port_pair
 
 cluster = e2e_cluster.cluster
 pytestmark = pytest.mark.vllm

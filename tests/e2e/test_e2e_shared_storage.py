@@ -14,14 +14,23 @@ import struct
 import time
 from pathlib import Path
 
-import e2e_shared_storage as ess
 import pytest
 import torch
-from e2e_client import (BLOCK, MODEL_DIR, assert_greedy_differs, assert_same_greedy, body_for, generate, make_prompt,
-                        metric, poll)
 
-from xpyd_wire import request_id
 from connector.shared_storage.store import BlockStore, FileMeta
+from tests.support import e2e_shared_storage as ess
+from tests.support.e2e_client import (
+    BLOCK,
+    MODEL_DIR,
+    assert_greedy_differs,
+    assert_same_greedy,
+    body_for,
+    generate,
+    make_prompt,
+    metric,
+    poll,
+)
+from xpyd_wire import request_id
 
 pytestmark = pytest.mark.vllm
 

@@ -17,15 +17,28 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import e2e_cluster
 import httpx
 import pytest
-from e2e_client import (BLOCK, MAX_TOKENS, MODEL_DIR, answer_of, assert_greedy_differs, assert_same_greedy, body_for,
-                        generate, make_prompt, metric, poll, text_parting, with_logprobs)
-from e2e_cluster import E2ECluster
 
 from connector.arrivals import ArrivalReader, board_path
 from connector.transport import TransportRefused
+from tests.support import e2e_cluster
+from tests.support.e2e_client import (
+    BLOCK,
+    MAX_TOKENS,
+    MODEL_DIR,
+    answer_of,
+    assert_greedy_differs,
+    assert_same_greedy,
+    body_for,
+    generate,
+    make_prompt,
+    metric,
+    poll,
+    text_parting,
+    with_logprobs,
+)
+from tests.support.e2e_cluster import E2ECluster
 from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
 
 pytestmark = pytest.mark.vllm
@@ -349,7 +362,7 @@ def test_power_corrupted_kv_changes_output(sys_: E2ECluster, tokenizer, endpoint
 def sent_first(sys_: E2ECluster, endpoint: str, body: dict) -> bool:
     """Whether the colocated server's greedy first token for this request is text it sends
     (not part of a character, which vLLM holds back: P's token then cannot start the answer
-    and the proxy leaves it to D's first token, tests/test_e2e_fidelity.py)."""
+    and the proxy leaves it to D's first token, tests/e2e/test_e2e_fidelity.py)."""
     probe = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")}
     probe.update(max_tokens=1, stream=False)
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
@@ -373,7 +386,7 @@ def first_token_prompt(sys_: E2ECluster, tokenizer, endpoint: str, n_tokens: int
 def first_token_proxy(sys_: E2ECluster):
     """The cluster's proxy: the first token from P is its default, for requests its D's
     heartbeat makes eligible (a static instance advertises nothing: a proxy with static
-    instances keeps D's first token, tests/test_proxy_first_token.py)."""
+    instances keeps D's first token, tests/unit/test_proxy_first_token.py)."""
     return sys_.proxy
 
 

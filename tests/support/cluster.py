@@ -6,8 +6,8 @@ The README's bring-up is the launcher (scripts/launch.py); `up` forwards to it.
 Every server listens on 127.0.0.1; every process we start runs in its own
 session and is stopped by its PID (process group), nothing else is touched.
 
-    python scripts/cluster.py up            # = python scripts/launch.py up 1p1d
-    python scripts/cluster.py up --once     # = python scripts/launch.py up 1p1d --once
+    python -m scripts.cluster up            # = python -m scripts.launch up 1p1d
+    python -m scripts.cluster up --once     # = python -m scripts.launch up 1p1d --once
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import subprocess
 import sys
 import time
 import urllib.error
-from collections.abc import Iterator
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / ".models" / "tiny-llama"
 HOST = "127.0.0.1"
 
@@ -267,10 +267,9 @@ def wait_until(servers: list[Server], path: str, timeout: float) -> None:
 
 def up(args: argparse.Namespace) -> int:
     """Kept for old command lines: the launcher (scripts/launch.py, configs/topologies/1p1d.yaml) does this now."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from launch import main as launch
+    from scripts.launch import main as launch
 
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), "--out", str(DEFAULT_MODEL)],
+    subprocess.run([sys.executable, "-m", "scripts.make_tiny_model", "--out", str(DEFAULT_MODEL)],
                    check=True)
     argv = ["up", "1p1d", "--log-dir", args.log_dir, "--timeout", str(args.timeout)]
     return launch(argv + (["--once"] if args.once else []))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import time
 
-import e2e_cluster
 import httpx
+
+from tests.support import e2e_cluster
 
 MODEL_DIR = e2e_cluster.ROOT / ".models" / "tiny-llama"
 BLOCK = 128
@@ -46,7 +47,7 @@ def body_for(endpoint: str, prompt: str, stream: bool, max_tokens: int = MAX_TOK
 # more than this (the power tests check that it shows).
 NEAR_TIE = 0.04  # logprob; ~10 bf16 ulps of this model's logits; same-box reruns differ by <= 3e-5
 # Where the tokens agree, their logprobs must too, within this, where a test asks for it
-# (tests/test_e2e_fidelity.py, every answer). On one box a colocated server and D continuing
+# (tests/e2e/test_e2e_fidelity.py, every answer). On one box a colocated server and D continuing
 # from P's KV agreed bit for bit over that suite's matrix, but a prefill split differently
 # (a partial load recomputed from a block on, D alone vs D after a load) moved a logprob by
 # one bf16 step of these logits (2**-8 = 0.0039, seen in a CI-like run): the tolerance

@@ -4,18 +4,15 @@ baseline, all vLLM CPU-build servers on 127.0.0.1 with free ports."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import cluster  # noqa: E402  (scripts/cluster.py)
-from cluster import free_port, free_port_pair  # noqa: E402,F401  (re-exported to tests)
+ROOT = Path(__file__).resolve().parents[2]
 
 from connector.transport import KVAuth, TcpTransport  # noqa: E402
+from tests.support import cluster  # noqa: E402  (tests/support/cluster.py)
+from tests.support.cluster import free_port, free_port_pair  # noqa: E402,F401  (re-exported to tests)
 
 # The connector's own send_timeout_s default, and a load deadline above it: a transfer that
 # stalls a few seconds on a saturated 2-core box (three vLLM servers busy-waiting; seen in CI

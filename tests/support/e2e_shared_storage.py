@@ -8,10 +8,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import e2e_cluster
-from e2e_cluster import cluster, free_port, free_port_pair
-
 from connector.shared_storage import config as ss_config
+from tests.support import e2e_cluster
+from tests.support.e2e_cluster import cluster, free_port, free_port_pair
 
 KV_LOAD_TIMEOUT_S = 6.0  # D's wait for a block file P has not written yet
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks

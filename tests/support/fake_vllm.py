@@ -7,7 +7,7 @@ shapes (stream and not), /v1/models and /health, records every request, and can 
 to fail: a status, a delay, a hang, a broken or stalled stream, a stream's error event.
 
 In-process:  fake = FakeVLLM("P", proxy="127.0.0.1:5555"); await fake.start() ... await fake.stop()
-Subprocess:  python tests/fake_vllm.py --role D --port 8200 --proxy 127.0.0.1:5555
+Subprocess:  python tests/support/fake_vllm.py --role D --port 8200 --proxy 127.0.0.1:5555
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -29,7 +28,6 @@ import zmq.asyncio
 try:
     from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 except ImportError:  # run as a script from a checkout that is not installed
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
 
@@ -531,7 +529,7 @@ class FakeVLLM:
 
     def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
         """A whole answer, field for field as vLLM 0.32 writes it (checked against the real
-        server by tests/test_e2e_fidelity.py)."""
+        server by tests/e2e/test_e2e_fidelity.py)."""
         start = generated_before(body)
         text = "".join(f" t{start + i}" for i in range(n)) if self.first_text is None else self.first_text
         prompt = prompt_tokens(chat, body)

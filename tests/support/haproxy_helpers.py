@@ -9,15 +9,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import httpx
-from e2e_client import poll
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-from haproxy_cfg import BACKEND  # noqa: E402  (scripts/haproxy_cfg.py)
+from scripts.haproxy_cfg import BACKEND  # noqa: E402  (scripts/haproxy_cfg.py)
+from tests.support.e2e_client import poll
 
 
 def _find_haproxy() -> str | None:

@@ -1,7 +1,7 @@
 """A double of vLLM's ZmqEventPublisher (vllm/distributed/kv_events.py) for the proxy's
 event-intake tests: the same sockets (PUB, ROUTER replay), frames, seq numbering and replay
 buffer, bound on 127.0.0.1 (vLLM binds only `tcp://*:PORT`). Payloads are encoded with
-xpyd_wire.kv_events.encode_batch, which tests/test_kv_events.py checks decodes exactly like
+xpyd_wire.kv_events.encode_batch, which tests/unit/test_kv_events.py checks decodes exactly like
 vLLM's own msgspec encoding. Knobs for faults: lose batches (a gap), restart (seq from 0),
 go silent, send raw frames."""
 

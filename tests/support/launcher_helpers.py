@@ -1,4 +1,4 @@
-"""Drive `python scripts/launch.py up` the way a user's shell does: a child process,
+"""Drive `python -m scripts.launch up` the way a user's shell does: a child process,
 its output read line by line, signals sent to its PID, and a look at /proc for anything
 it left behind."""
 
@@ -14,11 +14,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from cluster import port_free  # noqa: E402  (scripts/cluster.py)
-from topology import Topology  # noqa: E402  (scripts/topology.py)
+from scripts.topology import Topology  # noqa: E402  (scripts/topology.py)
+from tests.support.cluster import port_free  # noqa: E402  (tests/support/cluster.py)
 
 READY_LINE = "running; Ctrl-C or SIGTERM stops everything"
 
@@ -99,7 +98,7 @@ class LauncherRun:
     @classmethod
     def start(cls, args: list[str]) -> LauncherRun:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "launch.py"), *args], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "scripts.launch", *args], cwd=ROOT, env=env,
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         run = cls(args, proc)
         run._reader = threading.Thread(target=run._read, daemon=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -15,12 +14,9 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from fake_vllm import FakeVLLM, Fault  # noqa: E402
-
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.serving.server import ProxyServer  # noqa: E402
+from tests.support.fake_vllm import FakeVLLM, Fault  # noqa: E402
 
 __all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port", "relayed"]
 

@@ -13,7 +13,11 @@ import time
 import msgpack
 import pytest
 import torch
-from test_connector_engine import (
+
+from connector.transport import KVAuth, TcpTransport, TransportError
+from connector.transport.auth import MacAuth
+from tests.support.kv_auth import SECRET, kv_put_frames, refused
+from tests.support.kv_engines import (
     KEY,
     ZERO,
     assert_untouched,
@@ -25,24 +29,7 @@ from test_connector_engine import (
     save_spec,
     snapshot,
 )
-from test_transport_auth import Raw, signed
-
-from connector.engine import KVEngine
-from connector.transport import KVAuth, TcpTransport, TransportError
-from connector.transport.auth import MacAuth
-
-SECRET = "kv-secret-for-tests"
-
-
-def refused(eng: KVEngine) -> dict[str, int]:
-    return {k: v for k, v in eng.refusals().items() if v}
-
-
-def kv_put_frames(eng: KVEngine, key: str = KEY) -> tuple[dict, list[torch.Tensor]]:
-    """A well-formed put of two blocks for eng's caches (what a producer would send)."""
-    header = {"op": "put", "key": key, "num_tokens": 2 * 16, "num_blocks": 2, "layers": list(eng.caches),
-              "runs": [2], **eng.block_layout.describe()}
-    return header, [torch.ones((2, *eng.block_layout.block_shape), dtype=torch.bfloat16)] * len(eng.caches)
+from tests.support.kv_frames import Raw, signed
 
 
 @pytest.mark.parametrize("send_type", ["PUT_ASYNC", "PUT", "GET"])
@@ -204,7 +191,8 @@ def test_refusals_reach_vllm_metrics(engines):
     """A real refusal, taken with the worker's per-step stats, lands on vLLM's
     /metrics series vllm:xpyd_kv_refused_messages_total{reason}."""
     from prometheus_client import CollectorRegistry
-    from test_connector_stats import p2p_config, registry_prom
+
+    from tests.support.connector_stats import p2p_config, registry_prom
 
     cons = engines("kv_consumer", "PUT_ASYNC", kv_secret=SECRET)
     with TcpTransport(auth=KVAuth.from_secret("wrong")) as bad, TcpTransport() as plain:

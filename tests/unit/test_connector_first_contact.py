@@ -4,17 +4,23 @@ its own that a loaded box's ordinary stall outlasts."""
 
 from __future__ import annotations
 
-import logging
 import re
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-from test_connector_engine import (SRC_IDS, assert_loaded, load_spec, plan_load, poll_until, rank0, save_spec,
-                                   snapshot, wait_for)
 
 from connector.metadata import P2pConnectorMetadata
 from connector.transport.tcp import TcpTransport
+from tests.support.connector_log import connector_log
+from tests.support.kv_engines import (
+    SRC_IDS,
+    assert_loaded,
+    load_spec,
+    plan_load,
+    poll_until,
+    rank0,
+    save_spec,
+    snapshot,
+    wait_for,
+)
 
 
 class SlowHello:
@@ -42,9 +48,8 @@ class SlowHello:
 
 
 def test_scheduler_announces_peers_of_new_requests_once_per_step():
-    from test_connector_engine import make_cfg
-
     from connector.scheduler import P2pScheduler
+    from tests.support.kv_engines import make_cfg
 
     class Req:  # the fields on_new_request reads
         def __init__(self, rid: str) -> None:
@@ -124,30 +129,6 @@ def test_worker_prepares_contacts_from_the_metadata(engines):
     worker.engine = prod
     worker.prepare(P2pConnectorMetadata(contacts=[rank0(cons)]))
     wait_for(lambda: prod.producer.peer(rank0(cons)).contacted)
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@contextmanager
-def connector_log(module: str = "producer") -> Iterator[_Lines]:
-    """A connector module's INFO lines (the producer's: its 'kv sent' lines) while the block runs."""
-    lines = _Lines()
-    log = logging.getLogger(f"vllm.xpyd.connector.{module}")
-    log.addHandler(lines)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        log.removeHandler(lines)
-        log.setLevel(level)
 
 
 def test_a_sends_log_line_counts_from_the_forward_end_including_its_wait_in_the_queue(engines):

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import torch
-from test_connector_auth import SECRET, kv_put_frames, refused
-from test_connector_engine import ZERO, load_and_check, rank0, save_spec, snapshot, wait_for
-from test_transport_auth import Raw, signed
 
 from connector.engine import KVEngine
 from connector.transport import KVAuth
 from connector.transport.auth import REQ_AUTH_LEN, REQ_MAGIC, MacAuth
+from tests.support.kv_auth import SECRET, kv_put_frames, refused
+from tests.support.kv_engines import ZERO, load_and_check, rank0, save_spec, snapshot, wait_for
+from tests.support.kv_frames import Raw, signed
 
 SEED = 20261122
 MAX_MESSAGES = 400

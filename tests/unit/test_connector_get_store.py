@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 import torch
-from test_connector_engine import SRC_IDS, load_spec, make_caches, plan_load, poll_until, rank0, save_spec
 
 from connector.buffer import KVBuffer, Payload
+from tests.support.kv_engines import SRC_IDS, load_spec, make_caches, plan_load, poll_until, rank0, save_spec
 
 
 def payload(n: int) -> Payload:

@@ -9,15 +9,24 @@ import time
 
 import pytest
 import torch
-from test_connector_engine import (KEY, SRC_IDS, ZERO, assert_loaded, load_spec, plan_load, poll_until, rank0,
-                                   save_spec, snapshot, wait_for)
-
-from test_connector_first_contact import connector_log
 
 from connector.assembly import PartAssembler
 from connector.buffer import GONE, KVBuffer, tensor_bytes
-
-LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+from tests.support.connector_log import connector_log
+from tests.support.kv_engines import (
+    KEY,
+    SRC_IDS,
+    ZERO,
+    assert_loaded,
+    load_spec,
+    plan_load,
+    poll_until,
+    rank0,
+    save_spec,
+    snapshot,
+    wait_for,
+)
+from tests.support.layerwise import LAYERS
 
 
 def layerwise(engines, **over):

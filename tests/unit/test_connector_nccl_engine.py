@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_connector_engine import (
+
+from connector.transport.nccl import NcclTransport
+from tests.support.kv_engines import (
     SRC_IDS,
     load_and_check,
     load_spec,
@@ -16,9 +18,7 @@ from test_connector_engine import (
     save_spec,
     snapshot,
 )
-
-from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl
+from tests.support.nccl_double import Fabric, FakeNccl
 
 CPU = torch.device("cpu")
 
@@ -80,7 +80,7 @@ def test_nccl_producer_falls_back_to_inline_for_a_tcp_decode(nccl_engines, engin
 
 
 def test_layout_mismatch_over_nccl_fails_the_load_not_the_cache(nccl_engines):
-    from test_connector_engine import make_caches
+    from tests.support.kv_engines import make_caches
 
     prod = nccl_engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = nccl_engines("kv_consumer", "PUT_ASYNC", caches=make_caches(2, dtype=torch.float16))

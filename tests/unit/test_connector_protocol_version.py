@@ -8,11 +8,20 @@ import logging
 from collections.abc import Callable
 
 import pytest
-from test_connector_engine import (SRC_IDS, assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec,
-                                   snapshot, wait_for)
-from test_connector_first_contact import connector_log
 
 from connector.transport.tcp import TcpTransport
+from tests.support.connector_log import connector_log
+from tests.support.kv_engines import (
+    SRC_IDS,
+    assert_untouched,
+    load_spec,
+    plan_load,
+    poll_until,
+    rank0,
+    save_spec,
+    snapshot,
+    wait_for,
+)
 from xpyd_wire.kv_transfer import KV_PROTOCOL_VERSION, VERSION_KEY, Hello, Op, version_mismatch
 
 Rewrite = Callable[[dict], dict]
@@ -118,7 +127,7 @@ def test_a_decode_refuses_a_hello_of_another_protocol_version(engines, caplog):
 
 def test_the_same_pair_ships_kv_once_the_versions_agree(engines):
     """The relay itself changes nothing: with the version left alone the KV arrives through it."""
-    from test_connector_engine import assert_loaded
+    from tests.support.kv_engines import assert_loaded
 
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)

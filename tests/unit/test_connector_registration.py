@@ -115,7 +115,7 @@ def test_signed_heartbeat_verifies_with_the_secret_only(health_server, router):
 async def test_registrar_keeps_a_signing_proxy_registered_and_leaves(health_server):
     """The real sender against a real proxy with a secret: accepted every time (a fresh nonce
     per heartbeat, nothing counted as replayed), and its signed leave removes it."""
-    from proxy_helpers import running_proxy, wait_until
+    from tests.support.proxy_helpers import running_proxy, wait_until
 
     http_port, healthy = health_server
     healthy.set()
@@ -210,9 +210,8 @@ async def test_registrar_advertises_events_and_the_proxy_subscribes(health_serve
     """The connector's heartbeat (kv_events from vLLM's config, bind address -> kv host) reaches a
     real proxy, which subscribes: its /instances shows the index known and growing; the
     instance leaves and the proxy unsubscribes."""
-    from kv_publisher import Publisher
-    from proxy_helpers import running_proxy, wait_until
-
+    from tests.support.kv_publisher import Publisher
+    from tests.support.proxy_helpers import running_proxy, wait_until
     from xpyd_wire.kv_events import BlockStored
 
     http_port, healthy = health_server

@@ -339,7 +339,7 @@ async def test_two_real_proxies_behind_one_name_both_list_the_instance(http_port
     """The issue's scenario end to end: two proxy replicas on one port behind one name."""
     import asyncio
 
-    from proxy_helpers import running_proxy, wait_until
+    from tests.support.proxy_helpers import running_proxy, wait_until
 
     port = 0
     for _attempt in range(20):  # bounded: a port free on both addresses

@@ -5,22 +5,29 @@ anyway; the launcher, compose and k8s manifests pass secrets through the environ
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
-from test_connector_engine import SRC_IDS, assert_loaded, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
 from connector.config import ConnectorConfig
 from connector.transport import KVAuth, TcpTransport
+from tests.support.kv_engines import (
+    SRC_IDS,
+    assert_loaded,
+    load_spec,
+    plan_load,
+    poll_until,
+    rank0,
+    save_spec,
+    snapshot,
+)
 
 # Over the 64 KiB a secret file may hold (a token, not a document).
 TOO_BIG = 64 * 1024 + 1
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SECRET_ENV = ("XPYD_DISCOVERY_SECRET", "XPYD_KV_SECRET", "XPYD_DISCOVERY_SECRET_FILE", "XPYD_KV_SECRET_FILE")
 
 
@@ -139,8 +146,7 @@ def test_k8s_manifests_take_secrets_from_the_secret_through_env():
 
 
 def _launch():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import launch
+    from scripts import launch
 
     return launch
 

@@ -309,7 +309,7 @@ class _DeliversOnDevice(TcpTransport):
 def test_decode_on_gpu_stages_overflow_in_pinned_memory_and_loads_it(engines):
     """CUDA caches: the second of two payloads exceeds D's device share and is staged in
     the pinned pool; both load byte-identical."""
-    from test_connector_engine import SRC_IDS, load_spec, make_caches, plan_load, poll_until, rank0, save_spec
+    from tests.support.kv_engines import SRC_IDS, load_spec, make_caches, plan_load, poll_until, rank0, save_spec
 
     prod_caches = {k: v.cuda() for k, v in make_caches(1).items()}
     cons_caches = {k: v.cuda() for k, v in make_caches(2).items()}

@@ -6,26 +6,24 @@ KVConnectorProm / KVConnectorLogging build from them via the connector class."""
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
-import test_connector_engine as te
-import test_shared_storage_engine as tse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from test_connector_first_contact import connector_log
-from test_connector_layerwise import LAYERS
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+from prometheus_client import CollectorRegistry
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
 from connector.connector import P2pNcclConnector
 from connector.shared_storage.connector import SharedStorageConnector
 from connector.shared_storage.metadata import FetchSpec, StoreSpec
 from connector.stats import LOAD_WAIT_BUCKETS, StatsRecorder, XpydPromMetrics, XpydStats
+from tests.support import kv_engines as te
+from tests.support import shared_storage_engines as tse
+from tests.support.connector_log import connector_log
+from tests.support.connector_stats import p2p_config, registry_prom
+from tests.support.layerwise import LAYERS
 
 
 def step(rank=0, used=0, cap=1000, sent=(), loaded=(), failed=(), sent_bytes=0, recv_bytes=0) -> XpydStats:
@@ -239,20 +237,6 @@ def test_shared_storage_store_load_and_miss_are_counted(tmp_path: Path):
 # ================================================================ Prometheus and the log line, as vLLM builds them
 
 
-def registry_prom(reg: CollectorRegistry) -> type[KVConnectorProm]:
-    class Prom(KVConnectorProm):  # vLLM's class, with metrics on a private registry
-        _gauge_cls = functools.partial(Gauge, registry=reg)
-        _counter_cls = functools.partial(Counter, registry=reg)
-        _histogram_cls = functools.partial(Histogram, registry=reg)
-
-    return Prom
-
-
-def p2p_config(module_path: str = "connector", name: str = "P2pNcclConnector") -> SimpleNamespace:
-    return SimpleNamespace(kv_transfer_config=KVTransferConfig(
-        kv_connector=name, kv_connector_module_path=module_path, kv_role="kv_both"))
-
-
 @pytest.mark.parametrize("name", ["P2pNcclConnector", "SharedStorageConnector"])
 def test_vllm_prom_logger_exposes_the_connector_series(name):
     reg = CollectorRegistry()
@@ -318,8 +302,9 @@ def test_vllm_log_line_sums_an_interval():
 def test_every_connector_series_the_dashboard_queries_is_exposed():
     """The Grafana dashboard's vllm:xpyd_* names against what build_prom_metrics
     registers (the launcher e2e test checks the same against live instances)."""
-    from launcher_helpers import dashboard_metrics, exposed_metrics
     from prometheus_client import generate_latest
+
+    from tests.support.launcher_helpers import dashboard_metrics, exposed_metrics
 
     reg = CollectorRegistry()
     registry_prom(reg)(p2p_config(), ["model_name", "engine"], {0: ["tiny", "0"]})

@@ -112,7 +112,8 @@ def test_first_contact_refuses_a_decode_with_another_block_layout(engines):
     """D runs another KV dtype: P's first send to it fails at once with the reason (and D's
     load fails at once, told by P), without shipping a byte; D's cache is untouched."""
     import torch
-    from test_connector_engine import load_spec, make_caches, plan_load, poll_until, rank0, save_spec, snapshot
+
+    from tests.support.kv_engines import load_spec, make_caches, plan_load, poll_until, rank0, save_spec, snapshot
 
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", caches=make_caches(2, dtype=torch.float16))
@@ -148,7 +149,17 @@ def test_get_load_from_a_prefill_with_another_tp_fails_even_when_block_shapes_ma
     head per rank (P replicates), so block shapes match, but D rank r needs head r and P rank r
     holds head r//2: the load must fail with the reason, never copy the wrong head."""
     import torch
-    from test_connector_engine import SHAPE, load_spec, make_caches, plan_load, poll_until, rank0, save_spec, snapshot
+
+    from tests.support.kv_engines import (
+        SHAPE,
+        load_spec,
+        make_caches,
+        plan_load,
+        poll_until,
+        rank0,
+        save_spec,
+        snapshot,
+    )
 
     one_head = (SHAPE[0], 1, *SHAPE[2:])
     prod = engines("kv_producer", "GET", caches=make_caches(1, shape=one_head), tp_side=TpSide(8, 4))
@@ -175,11 +186,11 @@ def _instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, bl
     """The ranks of one instance: engines at kv_port + r, each with its share of the heads
     (``dtypes``: rank -> another KV dtype than bfloat16; ``transport(cfg)``: instead of tcp)."""
     import torch
-    from test_connector_engine import SHAPE, free_port, make_caches, make_cfg
 
     from connector import layout as kvlayout
     from connector.engine import KVEngine
     from connector.transport import TransportError
+    from tests.support.kv_engines import SHAPE, free_port, make_caches, make_cfg
 
     shape = (SHAPE[0], blocks_heads, *SHAPE[2:])
     for _ in range(5):
@@ -231,7 +242,8 @@ def _check_decode(d_ranks: list, p_ranks: list, before: list, dst=(7, 2, 11), sr
     """Every decode rank's dst blocks hold exactly its heads of the prefill's src blocks,
     byte for byte; nothing else changed."""
     import torch
-    from test_connector_engine import SRC_IDS, bits
+
+    from tests.support.kv_engines import SRC_IDS, bits
 
     src = src or SRC_IDS[2:]
     side = d_ranks[0]._tp
@@ -248,7 +260,7 @@ def _check_decode(d_ranks: list, p_ranks: list, before: list, dst=(7, 2, 11), sr
 def _send_one_and_check(prod, dec) -> None:
     """One prompt from a single prefill rank to every decode rank: each loads without
     failure, and each got exactly its heads (nothing else changed)."""
-    from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+    from tests.support.kv_engines import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
     before = [snapshot(d.caches) for d in dec]
     for d in dec:
@@ -266,7 +278,7 @@ def _send_one_and_check(prod, dec) -> None:
 @pytest.mark.parametrize("send_type, granularity", [("PUT_ASYNC", "request"), ("PUT", "request"),
                                                     ("PUT_ASYNC", "layer")])
 def test_prefill_tp1_to_decode_tp2_each_rank_gets_its_heads(instances, send_type, granularity):
-    from test_connector_engine import poll_until
+    from tests.support.kv_engines import poll_until
 
     (prod,) = instances("kv_producer", send_type, 1, 4, seed=1, blocks_heads=4, send_granularity=granularity)
     dec = instances("kv_consumer", send_type, 2, 4, seed=2, blocks_heads=2)
@@ -285,7 +297,7 @@ def test_head_slices_over_the_nccl_transport(instances, granularity):
     import torch
 
     from connector.transport.nccl import NcclTransport
-    from tests.nccl_double import Fabric, FakeNccl
+    from tests.support.nccl_double import Fabric, FakeNccl
 
     fabric = Fabric()
     libs: list = []
@@ -313,7 +325,7 @@ def test_prefill_tp2_to_decode_tp1_waits_for_every_piece(instances):
     before the second piece came; then every head is right."""
     import time
 
-    from test_connector_engine import assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+    from tests.support.kv_engines import assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
     p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 4, seed=1, blocks_heads=2)
     (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 4, seed=2, blocks_heads=4)
@@ -337,7 +349,7 @@ def test_prefill_tp2_to_decode_tp1_waits_for_every_piece(instances):
 def test_replicated_heads_come_from_one_prefill_rank(instances):
     """1 KV head, P tp=2 (both ranks hold it), D tp=1: rank 0 sends, rank 1 sends nothing
     and still finishes its send at once."""
-    from test_connector_engine import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+    from tests.support.kv_engines import load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
     p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 1, seed=1, blocks_heads=1)
     (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 1, seed=2, blocks_heads=1)
@@ -360,7 +372,8 @@ def test_a_piece_that_will_not_come_fails_the_load_at_once(instances):
     import time
 
     import torch
-    from test_connector_engine import assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
+
+    from tests.support.kv_engines import assert_untouched, load_spec, plan_load, poll_until, rank0, save_spec, snapshot
 
     p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 4, seed=1, blocks_heads=2, dtypes={1: torch.float16})
     (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 4, seed=2, blocks_heads=4, kv_load_timeout_s=30.0)
@@ -379,7 +392,7 @@ def test_a_piece_that_will_not_come_fails_the_load_at_once(instances):
 def test_get_refuses_heterogeneous_tp_at_the_load(instances):
     """GET pulls whole blocks from the rank of the same number: a decode of another TP
     size fails its load with the reason, cache untouched."""
-    from test_connector_engine import (
+    from tests.support.kv_engines import (
         KEY,
         assert_untouched,
         load_spec,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from connector import layout as kvlayout
-from xpyd_wire import request_id
-from xpyd_wire.discovery import OutputLimits
 from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig, output_limits
+from xpyd_wire import request_id
+from xpyd_wire.discovery import OutputLimits
 
 KEY = "0123456789abcdef0123456789abcdef"
 P_ADDR = "127.0.0.1:21001"
@@ -96,7 +96,7 @@ def test_config_defaults():
     assert cfg.kv_load_timeout_s > 0 and cfg.send_timeout_s > 0 and cfg.buffer_ttl_s > 0
 
 
-TINY_MODEL = Path(__file__).resolve().parent.parent / ".models" / "tiny-llama"
+TINY_MODEL = Path(__file__).resolve().parents[2] / ".models" / "tiny-llama"
 
 
 def test_output_limits_as_vllm_serves_them(tmp_path):

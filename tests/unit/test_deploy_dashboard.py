@@ -1,6 +1,6 @@
 """The Grafana dashboard (configs/grafana/xpyd-dashboard.json) only queries metrics that
 exist: the proxy's names against a real proxy's /metrics here; the vLLM instances' names
-against live instances in tests/test_e2e_launcher.py."""
+against live instances in tests/e2e/test_e2e_launcher.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import sys
 import time
 
 import httpx
-from launcher_helpers import DASHBOARD, ROOT, dashboard_metrics, exposed_metrics
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from cluster import free_port  # noqa: E402
+from tests.support.cluster import free_port  # noqa: E402
+from tests.support.launcher_helpers import DASHBOARD, ROOT, dashboard_metrics, exposed_metrics
 
 
 def test_dashboard_is_valid_and_covers_proxy_and_connector():

@@ -4,17 +4,15 @@ lines and kv-transfer configs derived from them. No servers started."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from launch import main as launch_main  # noqa: E402  (scripts/launch.py)
-from topology import TopologyError, all_topologies, load_topology, topology_from_dict  # noqa: E402
+from scripts.launch import main as launch_main  # noqa: E402  (scripts/launch.py)
+from scripts.topology import TopologyError, all_topologies, load_topology, topology_from_dict  # noqa: E402
 
 BASE = yaml.safe_load((ROOT / "configs/topologies/1p1d.yaml").read_text())
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ROOT / "docs" / "reference" / "flags.md"
 MAX_LINE = 200  # characters, README and docs pages alike
 README_MAX_LINES = 250
@@ -30,7 +30,7 @@ def test_flag_reference_is_generated_from_the_config():
     and the connector's config modules today: a new, renamed or re-defaulted flag or key fails here."""
     rendered = _gen_flags().render()
     assert FLAGS.read_text(encoding="utf-8") == rendered, (
-        "docs/reference/flags.md is stale: run `python scripts/gen_flags.py` and commit it")
+        "docs/reference/flags.md is stale: run `python -m scripts.gen_flags` and commit it")
 
 
 def test_flag_reference_covers_every_proxy_flag_and_connector_key():

@@ -16,7 +16,7 @@ import torch
 
 from connector.tools import doctor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("nccl_wheels", REPO / "scripts" / "nccl_wheels.py")
 nccl_wheels = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(nccl_wheels)

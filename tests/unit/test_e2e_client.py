@@ -4,7 +4,8 @@ both answers at the step where they part (no server needed)."""
 from __future__ import annotations
 
 import pytest
-from e2e_client import (
+
+from tests.support.e2e_client import (
     LOGPROB_TOL,
     NEAR_TIE,
     Answer,

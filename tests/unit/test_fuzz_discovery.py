@@ -28,9 +28,9 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-from proxy_helpers import running_proxy, wait_until
 
 from proxy.membership.discovery import LOG_BURST, LOG_WINDOW_S
+from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.discovery import (
     DROP_REASONS,
     MAX_LOAD_COUNT,

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from proxy_helpers import running_proxy, wait_until
+
+from tests.support.proxy_helpers import running_proxy, wait_until
 
 # Other seeds and more cases for a longer hunt: XPYD_FUZZ_SEED=7 XPYD_FUZZ_CASES=3000.
 SEED = int(os.environ.get("XPYD_FUZZ_SEED", "10"))

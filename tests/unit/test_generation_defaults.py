@@ -13,7 +13,7 @@ import pytest
 from connector.config import generation_defaults
 from xpyd_wire.discovery import GenerationDefaults, ProtocolError, Registration, check_generation, decode, encode
 
-TINY_MODEL = Path(__file__).resolve().parent.parent / ".models" / "tiny-llama"
+TINY_MODEL = Path(__file__).resolve().parents[2] / ".models" / "tiny-llama"
 
 
 def test_sampling_defaults_as_vllm_applies_them(tmp_path):

@@ -1,6 +1,6 @@
 """KV-event intake (issue 17, part 1): the wire format against vLLM's own encoder, the block
 index (keys, bounds, eviction), and the proxy's subscriber on real ZMQ sockets against a
-double of vLLM's publisher (tests/kv_publisher.py): gaps and replay, an engine restart, a
+double of vLLM's publisher (tests/support/kv_publisher.py): gaps and replay, an engine restart, a
 silent publisher, garbage, an instance leaving."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import tracemalloc
 
 import msgpack
 import pytest
-from kv_publisher import Publisher
 
 from proxy.metrics import Metrics
 from proxy.registry import Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
 from proxy.routing.kv_index import ApplyStats, IndexState, InstanceIndex
+from tests.support.kv_publisher import Publisher
+from tests.support.waiting import wait_until
 from xpyd_wire import discovery
 from xpyd_wire.kv_events import (
     INVALID_EVENT,
@@ -241,14 +242,6 @@ def test_index_memory_per_block():
 
 
 # ---------------------------------------------------------------- subscriber
-
-
-async def wait_until(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 class Harness:

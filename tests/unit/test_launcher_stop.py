@@ -11,11 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 
-from launch import Launcher, LaunchOptions  # noqa: E402  (scripts/launch.py)
-from topology import load_topology  # noqa: E402  (scripts/topology.py)
+from scripts.launch import Launcher, LaunchOptions  # noqa: E402  (scripts/launch.py)
+from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
 
 # Ignores SIGTERM, as does its child (an ignored signal stays ignored across fork and exec).
 STUBBORN = """

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("proxy", "connector", "xpyd_wire")
 # Imported at load time by modules that only run where their package is there anyway.
 NOT_REQUIRED = {

@@ -5,9 +5,9 @@ is tested against a real vLLM server in test_e2e_kv_events.py."""
 from __future__ import annotations
 
 import pytest
-from e2e_client import MODEL_DIR
 
 from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer, Unsupported
+from tests.support.e2e_client import MODEL_DIR
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ import asyncio
 import time
 
 import httpx
-from proxy_helpers import Fault, running_proxy, wait_until
-from test_proxy_failures import assert_error, open_raw
 
 from proxy.config import ProxyConfig
 from proxy.errors import ProxyError
@@ -16,6 +14,8 @@ from proxy.metrics import Metrics
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.routing.selection import Selector
+from tests.support.proxy_errors import assert_error, open_raw
+from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from xpyd_wire.discovery import Registration
 
 

@@ -8,8 +8,8 @@ import json
 import re
 
 import pytest
-from proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
 
+from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
 from xpyd_wire.headers import (
     XPYD_DECODE_INSTANCE,
     XPYD_DECODE_TTFB_MS,
@@ -256,10 +256,10 @@ async def test_fastapi_app_serves_completions_without_fast_path():
     """create_app() alone is a complete app: the completion routes are mounted in FastAPI
     too (fast_path() only lets uvicorn skip Starlette's routing for them)."""
     import httpx
-    from proxy_helpers import FakeVLLM
 
     from proxy.config import ProxyConfig
     from proxy.serving.app import create_app
+    from tests.support.proxy_helpers import FakeVLLM
     from xpyd_wire.discovery import Registration
 
     app = create_app(ProxyConfig())

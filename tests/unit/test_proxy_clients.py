@@ -9,11 +9,12 @@ import json
 from contextlib import asynccontextmanager
 
 import pytest
-from proxy_helpers import Fault, relayed, running_proxy, wait_until
-from test_proxy_httpclient import RawServer, read_request, reset
 
 from proxy.upstream.base import UpstreamError
 from proxy.upstream.factory import make_upstream
+from tests.support.proxy_helpers import Fault, relayed, running_proxy, wait_until
+from tests.support.raw_instance import HEAD, RawInstance
+from tests.support.raw_server import RawServer, read_request, reset
 
 
 @pytest.mark.parametrize("client", ["aiohttp", "httpx"])
@@ -69,7 +70,6 @@ async def test_alternative_upstream_client(client):
 # ---------------------------------------------------------------- every client, raw upstream
 
 CLIENTS = ["native", "aiohttp", "httpx"]
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
 # (what the instance sends, then: "fin" a clean close, "rst" a reset) -> the body, or None
 # when it must be an error ("disconnect").
 ENDINGS = {
@@ -262,53 +262,8 @@ async def test_an_endless_response_head_is_refused(client):
 
 # ---------------------------------------------------------------- through a running proxy
 
-MODELS = b'{"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "vllm"}]}'
 SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
 EVENT = b'data: {"choices": [{"text": " t"}]}\n\n'
-
-
-class RawInstance:
-    """A vLLM stand-in on a raw socket: /health and /v1/models answered properly, each POST
-    with answer(request) -> (parts, ending): the parts written a moment apart, then the
-    connection closed ("fin") or reset ("rst")."""
-
-    def __init__(self, answer, models: bytes = MODELS) -> None:
-        self.answer = answer
-        self.models = models
-        self.posts: list[bytes] = []
-        self.server = RawServer(self._handle)
-
-    async def __aenter__(self) -> RawInstance:
-        await self.server.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.server.__aexit__(*exc)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    async def _handle(self, reader, writer) -> None:
-        for _ in range(1000):  # keep-alive: probes reuse the connection
-            try:
-                req = await read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
-            if req.startswith(b"POST"):
-                self.posts.append(req)
-                parts, ending = self.answer(req)
-                for part in parts:
-                    writer.write(part)
-                    await writer.drain()
-                    await asyncio.sleep(0.02)
-                if ending == "rst":
-                    reset(writer)
-                return
-            body = self.models if b" /v1/models " in req.split(b"\r\n", 1)[0] else b"{}"
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-            await writer.drain()
 
 
 def chunk(data: bytes) -> bytes:

@@ -11,7 +11,7 @@ import pytest
 
 from proxy.config import ConfigError, ProxyConfig, load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # Every default as documented (docs/reference/flags.md, and the pages that say why): a

@@ -8,8 +8,8 @@ import time
 
 import msgpack
 import pytest
-from proxy_helpers import running_proxy, wait_until
 
+from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.discovery import Load, Registration, encode
 
 

@@ -12,10 +12,10 @@ import socket
 import time
 
 import pytest
-from fake_vllm import DISAGGREGATED_ID
-from proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_until
 
 from proxy.config import ProxyConfig
+from tests.support.fake_vllm import DISAGGREGATED_ID
+from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_until
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH

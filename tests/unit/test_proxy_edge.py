@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-from proxy_helpers import free_port, running_proxy, wait_until
 
 from proxy.config import ProxyConfig
 from proxy.serving.edge import fd_capped
+from tests.support.proxy_helpers import free_port, running_proxy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PARSERS = ["httptools", "h11"]
 # Sweep granularity (a quarter of the shortest deadline, at most 1 s) plus a loaded 2-core box.
 SLACK_S = 3.0

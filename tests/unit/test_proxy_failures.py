@@ -7,22 +7,13 @@ import asyncio
 import json
 
 import pytest
-from proxy_helpers import Fault, running_proxy, wait_until
 
+from tests.support.proxy_errors import assert_error, open_raw
+from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_PATH, XPYD_PREFILL_INSTANCE
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
-
-
-def assert_error(resp, status: int, code=None) -> dict:
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith("application/json")
-    err = resp.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"}
-    if code is not None:
-        assert err["code"] == code
-    return err
 
 
 async def register_dead(px, role: str, models: bool = True) -> str:
@@ -37,20 +28,6 @@ async def register_dead(px, role: str, models: bool = True) -> str:
     await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
     await gone.stop()
     return addr
-
-
-async def open_raw(px, path: str, body: dict):
-    """A raw client connection with one request sent, for disconnect tests."""
-    host, port = px.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    data = json.dumps(body).encode()
-    writer.write(
-        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(data)}\r\n\r\n".encode()
-        + data
-    )
-    await writer.drain()
-    return reader, writer
 
 
 # ---------------------------------------------------------------- bad input

@@ -13,13 +13,20 @@ import time
 import httpx
 import orjson
 import pytest
-from fake_vllm import DISAGGREGATED_ID, FINGERPRINT, FIRST_TOKEN_ID, Fault, chat_prompt_token_ids, prompt_token_ids
-from proxy_helpers import running_proxy, wait_until
 
 from proxy.dispatch import first_token
 from proxy.dispatch.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.request import RouteRequest
+from tests.support.fake_vllm import (
+    DISAGGREGATED_ID,
+    FINGERPRINT,
+    FIRST_TOKEN_ID,
+    Fault,
+    chat_prompt_token_ids,
+    prompt_token_ids,
+)
+from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE
 from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM

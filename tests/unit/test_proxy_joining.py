@@ -17,10 +17,10 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
-from proxy_helpers import FakeVLLM, running_proxy, wait_until
-from test_proxy_shutdown import start_proxy, stop, wait_ready
 
 from proxy.config import ConfigError, ProxyConfig, load_config
+from tests.support.proxy_helpers import FakeVLLM, running_proxy, wait_until
+from tests.support.proxy_process import start_proxy, stop, wait_ready
 from xpyd_wire.discovery import Registration, encode
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from xpyd_wire.headers import XPYD_PREFIX
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"
 
 ROOT_MODULES = {

@@ -6,9 +6,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from proxy_helpers import running_proxy, wait_until
-from test_proxy_failures import assert_error
 
+from tests.support.proxy_errors import assert_error
+from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.headers import XPYD_PATH
 
 
@@ -138,9 +138,8 @@ async def test_models_answers_are_bounded(monkeypatch):
     """A probe reads at most PROBE_MAX_BYTES (or max_response_bytes when smaller) of
     /v1/models; the proxy's own /v1/models relays one instance's answer up to
     max_response_bytes, and answers a 502 in OpenAI error JSON past it."""
-    from test_proxy_clients import HEAD, RawInstance
-
     import proxy.membership.probe
+    from tests.support.raw_instance import HEAD, RawInstance
 
     monkeypatch.setattr(proxy.membership.probe, "PROBE_MAX_BYTES", 4096)
     cards = b",".join(b'{"id": "m%04d", "object": "model", "owned_by": "vllm"}' % i

@@ -7,7 +7,8 @@ import re
 
 import openai
 import pytest
-from proxy_helpers import running_proxy
+
+from tests.support.proxy_helpers import running_proxy
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ async def test_openai_client(proxy_and_client):
 
 async def test_openai_client_sees_errors(proxy_and_client):
     px, p, d, client = proxy_and_client
-    from proxy_helpers import Fault
+    from tests.support.proxy_helpers import Fault
 
     p.fault = d.fault = Fault(status=400)  # a request vLLM refuses: P does, and so does D (its verdict)
     with pytest.raises(openai.BadRequestError) as exc:

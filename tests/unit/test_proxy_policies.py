@@ -7,7 +7,6 @@ import collections
 
 import orjson
 import pytest
-from proxy_helpers import running_proxy
 
 from proxy.config import ConfigError, ProxyConfig
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens
@@ -18,6 +17,7 @@ from proxy.routing.policies.base import load_score
 from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings, PrefixIndex
 from proxy.routing.policies.factory import make_policy
 from proxy.routing.policies.power_of_two import PowerOfTwo
+from tests.support.proxy_helpers import running_proxy
 from xpyd_wire.discovery import Load, Registration
 from xpyd_wire.headers import XPYD_PREFILL_INSTANCE
 

@@ -1,6 +1,6 @@
 """The `precise` policies (issue 17, part 3): instances' own KV events decide.
 
-The events come from doubles of vLLM's publisher over real ZMQ (tests/kv_publisher.py), the
+The events come from doubles of vLLM's publisher over real ZMQ (tests/support/kv_publisher.py), the
 proxy is real (its intake, index, tokenizer and policy), and so are its HTTP clients; the
 instances on the other side of the proxy are fake vLLM servers. That the proxy's token ids
 equal vLLM's own is tested against a real vLLM server in test_e2e_kv_events.py."""
@@ -11,10 +11,6 @@ import asyncio
 import time
 
 import pytest
-from e2e_client import MODEL_DIR
-from fake_vllm import FakeVLLM
-from kv_publisher import Publisher
-from proxy_helpers import running_proxy, wait_until
 
 from proxy.config import ConfigError, ProxyConfig
 from proxy.metrics import Metrics
@@ -25,6 +21,10 @@ from proxy.routing.kv_events import EventsConfig, KVEvents
 from proxy.routing.kv_index import IndexState
 from proxy.routing.policies.precise import Precise
 from proxy.routing.prompt_keys import COMPLETIONS, PromptTokenizer
+from tests.support.e2e_client import MODEL_DIR
+from tests.support.fake_vllm import FakeVLLM
+from tests.support.kv_publisher import Publisher
+from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire import discovery
 from xpyd_wire.kv_events import BlockStored, EventsEndpoint
 

@@ -15,13 +15,13 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-from kv_publisher import Publisher
-from proxy_helpers import running_proxy, wait_until
 
 from proxy.metrics import Metrics
 from proxy.registry import RegistrationRefused, Registry
 from proxy.routing.kv_events import MAX_MESSAGE_BYTES, EventsConfig, KVEvents
 from proxy.routing.kv_index import IndexState
+from tests.support.kv_publisher import Publisher
+from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.discovery import OutputLimits, ProtocolError, Registration, decode, encode, new_instance_key
 from xpyd_wire.kv_events import AllBlocksCleared, BlockStored, EventsEndpoint, chain_block_keys
 

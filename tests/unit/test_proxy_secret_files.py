@@ -13,13 +13,13 @@ import urllib.error
 import urllib.request
 
 import pytest
-from proxy_helpers import free_port
 
 from proxy.config import ConfigError, load_config
+from tests.support.proxy_helpers import free_port
 
 # Over the 64 KiB a secret file may hold (a token, not a document).
 TOO_BIG = 64 * 1024 + 1
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _file(tmp_path, name: str, text: str | bytes) -> str:

@@ -11,10 +11,10 @@ import random
 import re
 
 import pytest
-from proxy_helpers import REQUEST_ID_RE, Fault, free_port, relayed, running_proxy, wait_until
 
 from proxy.dispatch.relay import at_event_boundary
 from proxy.dispatch.rewrite import IdRewrite
+from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, free_port, relayed, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE, XPYD_PREFILL_MS
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 4}
@@ -418,12 +418,8 @@ async def test_mid_stream_error_starts_a_fresh_event(case, expose):
 
 @pytest.mark.parametrize("expose", [False, True])
 async def test_launcher_sees_registrations_with_or_without_addresses(expose):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from launch import registered
-    from topology import InstanceSpec, ProxySpec
+    from scripts.launch import registered
+    from scripts.topology import InstanceSpec, ProxySpec
 
     async with running_proxy(expose_routing_headers=expose) as px:
         p, d = await px.pd()

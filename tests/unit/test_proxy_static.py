@@ -10,10 +10,10 @@ import time
 from collections import Counter
 
 import pytest
-from proxy_helpers import REQUEST_ID_RE, FakeVLLM, running_proxy, wait_until
 
 from proxy.config import ConfigError, load_config
 from proxy.membership.static import DEFAULT_KV_PORT, parse_static
+from tests.support.proxy_helpers import REQUEST_ID_RE, FakeVLLM, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE
 
 BODY = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
@@ -160,7 +160,7 @@ def test_parse_static_kv_events_option():
 
 
 async def test_static_instance_with_events_is_subscribed():
-    from kv_publisher import Publisher
+    from tests.support.kv_publisher import Publisher
 
     pub = Publisher()
     try:

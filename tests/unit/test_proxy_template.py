@@ -15,12 +15,12 @@ from pathlib import Path
 
 import orjson
 import pytest
-from e2e_client import MODEL_DIR
-from proxy_helpers import running_proxy
 
 from proxy.routing.prompt_keys import CHAT, COMPLETIONS, PromptTokenizer
+from tests.support.e2e_client import MODEL_DIR
+from tests.support.proxy_helpers import running_proxy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # vLLM 0.32's answer, word for word (vllm/renderers/online_renderer.py validate_chat_template
 # through create_error_response: 400, type BadRequestError, code 400).
 VLLM_REFUSAL = {"error": {

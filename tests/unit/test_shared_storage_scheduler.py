@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from test_connector_scheduler import BS, D_ADDR, FakeKVCacheManager, kv_blocks, make_cfg, pd_id, sched_out
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.v1.request import Request
@@ -18,6 +17,7 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, StoreSpec
 from connector.shared_storage.scheduler import SharedStorageScheduler
 from connector.shared_storage.store import block_path
+from tests.support.scheduler import BS, D_ADDR, FakeKVCacheManager, kv_blocks, make_cfg, pd_id, sched_out
 from xpyd_wire.discovery import Load
 
 MODEL = "tiny"

@@ -1,5 +1,5 @@
 """NcclTransport over real ZMQ control sockets on 127.0.0.1, with the NCCL library object
-replaced by the host-memory double (tests/nccl_double.py) — the lowest boundary only.
+replaced by the host-memory double (tests/support/nccl_double.py) — the lowest boundary only.
 
 What runs here is the transport's own code: communicator set-up over the control socket,
 rank assignment, serialisation, reply tensors, deadlines, abort and re-creation, the
@@ -18,7 +18,7 @@ import torch
 
 from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl, rand_bytes
+from tests.support.nccl_double import Fabric, FakeNccl, rand_bytes
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")
@@ -327,7 +327,7 @@ def test_engine_and_transports_import_without_vllm():
             "import connector.engine, connector.layout, connector.transport.nccl, connector.transport.nccl_api\n"
             "from connector.transport import make_transport\n"
             "print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl, rand_bytes, until
+from tests.support.nccl_double import Fabric, FakeNccl, rand_bytes, until
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")

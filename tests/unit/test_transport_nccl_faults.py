@@ -1,4 +1,4 @@
-"""The nccl transport's failure paths, on the host-memory NCCL double (tests/nccl_double.py),
+"""The nccl transport's failure paths, on the host-memory NCCL double (tests/support/nccl_double.py),
 one test (at least) per defect of issue 20's review: set-up budget, clean-up of incoming
 communicators, unique ids, freed communicators and buffers, abort off the serving thread
 with a deadline, a server that keeps answering during a long receive, NCCL versions.
@@ -22,7 +22,7 @@ import torch
 
 from connector.transport import TcpTransport, TransportError
 from connector.transport.nccl import NcclTransport
-from tests.nccl_double import Fabric, FakeNccl, rand_bytes, until
+from tests.support.nccl_double import Fabric, FakeNccl, rand_bytes, until
 
 HOST = "127.0.0.1"
 CPU = torch.device("cpu")

@@ -23,7 +23,7 @@ from connector.transport import TcpTransport, TransportError, stream
 from connector.transport.wire import TensorSpec, decode_header
 
 HOST = "127.0.0.1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:

@@ -19,8 +19,9 @@ import torch
 import zmq
 
 from connector.transport import TcpTransport, TransportError, make_transport
+from tests.support.ports import free_port as _free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 
 
@@ -37,12 +38,6 @@ def _random_tensor(shape, dtype, gen) -> torch.Tensor:
     n = torch.Size(shape).numel() * dtype.itemsize
     raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
     return raw.view(dtype).reshape(shape)
-
-
-def _free_port() -> int:
-    with zmq.Context.instance().socket(zmq.ROUTER) as s:
-        s.setsockopt(zmq.LINGER, 0)
-        return s.bind_to_random_port(f"tcp://{HOST}")
 
 
 def _echo(header, tensors):
@@ -236,7 +231,7 @@ def test_malformed_requests_get_error_replies(server):
         [msgpack.packb({"tensors": [], "_id": 8}), b"extra"],  # frame not announced
         [msgpack.packb({"tensors": good_meta, "_id": 9}), b"\x00" * 7],  # size mismatch
         [msgpack.packb({"tensors": [{"dtype": "complex7", "shape": [1]}]}), b"\x00"],
-        # unhashable dtypes once crashed the server thread (found by tests/test_connector_fuzz.py)
+        # unhashable dtypes once crashed the server thread (found by tests/unit/test_connector_fuzz.py)
         [msgpack.packb({"tensors": [{"dtype": {"a": 1}, "shape": [1]}]}), b"\x00"],
         [msgpack.packb({"tensors": [{"dtype": [1], "shape": [1]}]}), b"\x00"],
         [msgpack.packb({"tensors": [{"dtype": "int8", "shape": [-1]}]}), b""],
