@@ -1,23 +1,15 @@
-#!/usr/bin/env python3
-"""Start and stop a local xPyD system: proxy + prefill + decode vLLM (CPU build).
-
-Helpers for the end-to-end tests and the benchmarks (free ports, one server at a time).
-The README's bring-up is the launcher (scripts/launch.py); `up` forwards to it.
+"""Start and stop vLLM (CPU build) servers and proxies for the end-to-end tests and the
+benchmarks: the one process spawner they share (spare ports, one server at a time).
 Every server listens on 127.0.0.1; every process we start runs in its own
 session and is stopped by its PID (process group), nothing else is touched.
-
-    python -m scripts.cluster up            # = python -m scripts.launch up 1p1d
-    python -m scripts.cluster up --once     # = python -m scripts.launch up 1p1d --once
-"""
+The operators' bring-up is the launcher (scripts/launch.py; `python -m scripts.cluster up`
+forwards to it)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +18,8 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.ports import port_free, spare_port  # noqa: F401  (port_free: re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = ROOT / ".models" / "tiny-llama"
@@ -79,63 +73,14 @@ class Server:
         self.proc.wait(timeout=10)
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-class _PortPicker:
-    """Free loopback ports outside the kernel's ephemeral range.
-
-    A server is often started minutes after its port is picked (a proxy whose instances are
-    already heartbeating to it). A port from bind(0) is an ephemeral one: in that window the
-    kernel may hand it to anyone else's bind(0) (vLLM's get_open_port, gloo's store) or use it
-    as the source of an outgoing connection, and the late bind fails with EADDRINUSE (seen in
-    CI). Ports outside the range are never handed out that way. Ports given once in this
-    process are not given again."""
-
-    def __init__(self) -> None:
-        low, high = _ephemeral_range()
-        # Below the range when there is room (Linux's default 32768-60999), else above it.
-        self._span = (10000, low - 2) if low - 2 - 10000 >= 2000 else (high + 1, 65533)
-        self._given: set[int] = set()
-        self._rng = random.Random(os.getpid() ^ time.monotonic_ns())
-
-    def pick(self, width: int = 1) -> int:
-        """A port p with p..p+width-1 all free."""
-        for _ in range(500):
-            p = self._rng.randint(*self._span)
-            ports = range(p, p + width)
-            if any(q in self._given for q in ports) or not all(port_free(HOST, q) for q in ports):
-                continue
-            self._given.update(ports)
-            return p
-        raise RuntimeError(f"no free port in {self._span}")
-
-
-def port_free(host: str, port: int) -> bool:
-    """Whether `port` on `host` can be bound right now."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-_PORTS = _PortPicker()  # test/benchmark helper state: which ports this process handed out
-
-
 def free_port() -> int:
-    return _PORTS.pick()
+    """A spare port (outside the ephemeral range: the servers here bind it later)."""
+    return spare_port()
 
 
 def free_port_pair() -> int:
-    """A free port p with p+1 free too (kv_port + rank for two ranks)."""
-    return _PORTS.pick(2)
+    """A spare port p with p+1 free too (kv_port + rank for two ranks)."""
+    return spare_port(2)
 
 
 def kv_transfer_config(
@@ -263,30 +208,3 @@ def wait_until(servers: list[Server], path: str, timeout: float) -> None:
             raise TimeoutError(f"not ready after {timeout}s: {[s.name for s in pending]}")
         if pending:
             time.sleep(0.5)
-
-
-def up(args: argparse.Namespace) -> int:
-    """Kept for old command lines: the launcher (scripts/launch.py, configs/topologies/1p1d.yaml) does this now."""
-    from scripts.launch import main as launch
-
-    subprocess.run([sys.executable, "-m", "scripts.make_tiny_model", "--out", str(DEFAULT_MODEL)],
-                   check=True)
-    argv = ["up", "1p1d", "--log-dir", args.log_dir, "--timeout", str(args.timeout)]
-    return launch(argv + (["--once"] if args.once else []))
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    u = sub.add_parser("up", help="proxy + 1 prefill + 1 decode on 127.0.0.1 (= scripts/launch.py up 1p1d)")
-    u.add_argument("--log-dir", default=str(ROOT / ".logs"))
-    u.add_argument("--timeout", type=float, default=300)
-    u.add_argument("--once", action="store_true", help="stop after the first answer")
-    args = ap.parse_args()
-    if args.cmd == "up":
-        return up(args)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ shapes (stream and not), /v1/models and /health, records every request, and can 
 to fail: a status, a delay, a hang, a broken or stalled stream, a stream's error event.
 
 In-process:  fake = FakeVLLM("P", proxy="127.0.0.1:5555"); await fake.start() ... await fake.stop()
-Subprocess:  python tests/support/fake_vllm.py --role D --port 8200 --proxy 127.0.0.1:5555
+Subprocess:  python -m tests.support.fake_vllm --role D --port 8200 --proxy 127.0.0.1:5555
 """
 
 from __future__ import annotations
@@ -25,10 +25,7 @@ import httptools
 import zmq
 import zmq.asyncio
 
-try:
-    from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
-except ImportError:  # run as a script from a checkout that is not installed
-    from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
+from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
 
 

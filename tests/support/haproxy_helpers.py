@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +15,7 @@ import httpx
 
 from scripts.haproxy_cfg import BACKEND  # noqa: E402  (scripts/haproxy_cfg.py)
 from tests.support.e2e_client import poll
+from tests.support.ports import free_port as any_free_port  # noqa: F401  (the tests' name for it)
 
 
 def _find_haproxy() -> str | None:
@@ -27,12 +27,6 @@ def _find_haproxy() -> str | None:
 HAPROXY = _find_haproxy()
 # "<tool> is not installed": where CI=true tests/conftest.py turns this skip into a failure.
 SKIP_REASON = "haproxy is not installed (scripts/setup_system.sh installs it: apt-get install haproxy)"
-
-
-def any_free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 LOG_LINE = re.compile(r"\[(?P<date>[^\]]+)\] \S+ \S+/(?P<server>\S+) -?\d+/-?\d+/-?\d+/-?\d+/(?P<ta>\d+) "

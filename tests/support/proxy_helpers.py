@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +15,8 @@ import httpx
 from proxy.config import ProxyConfig  # noqa: E402
 from proxy.serving.server import ProxyServer  # noqa: E402
 from tests.support.fake_vllm import FakeVLLM, Fault  # noqa: E402
+from tests.support.ports import free_port
+from tests.support.waiting import wait_until
 
 __all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port", "relayed"]
 
@@ -30,26 +30,6 @@ def relayed(rec) -> bytes:
     id replaced by its uuid hex (the neutral id; --expose-routing-headers keeps it)."""
     rid = rec.request_id.encode()
     return bytes(rec.sent).replace(rid, rid[-32:])
-
-
-async def wait_until(
-    predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01, what: str = ""
-) -> Any:
-    """Poll predicate until truthy; fail the test after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        await asyncio.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

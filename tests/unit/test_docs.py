@@ -81,11 +81,11 @@ def test_flag_reader_finds_keys_and_defaults_in_source(tmp_path, monkeypatch):
 def test_gen_flags_check_mode_reports_a_stale_file(tmp_path):
     stale = tmp_path / "flags.md"
     stale.write_text("# old\n")
-    script = str(ROOT / "scripts" / "gen_flags.py")
-    done = subprocess.run([sys.executable, script, "--check", "-o", str(stale)], capture_output=True, text=True,
+    script = ["-m", "scripts.gen_flags"]
+    done = subprocess.run([sys.executable, *script, "--check", "-o", str(stale)], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 1 and "stale" in done.stderr
-    done = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, *script, "--check"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
 
 
