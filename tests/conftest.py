@@ -1,5 +1,5 @@
-"""Shared fixtures. The tests' helper modules (e2e_cluster, e2e_client,
-proxy_helpers, fake_vllm) live beside the tests and import as top-level modules."""
+"""Shared fixtures and the tiers' rules. The tests' shared code is the tests.support package
+(tests/support/), imported from the repository root (pyproject's pythonpath)."""
 
 from __future__ import annotations
 
