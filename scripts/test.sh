@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The test suite, in two tiers (tests/conftest.py marks them):
 #   unit  (`pytest -m unit`): every test that needs no vLLM server, no external binary
-#         (haproxy, prometheus, kubectl, docker) and no GPU;
-#   rest  (`pytest -m "not unit"`): the real-vLLM e2e modules, the external tools, Docker, GPU.
+#         (haproxy, prometheus, kubectl, docker, NVIDIA's libnccl) and no GPU;
+#   rest  (`pytest -m "not unit"`): the real-vLLM e2e modules, the external tools, Docker,
+#         the real-libnccl tests (the doctor's no-GPU run among them), GPU.
 #
 #   bash scripts/test.sh          install (scripts/setup.sh, idempotent), the unit tier, and
 #                                 only if it passed, the rest: what CI runs (.ci/run)
 #   bash scripts/test.sh --unit   the unit tier alone, no install (development; run
 #                                 scripts/setup.sh once first)
-# Further arguments go to pytest in each tier (e.g. `--unit -k registry`, `tests/test_x.py`).
+# Further arguments go to pytest in each tier (e.g. `--unit -k registry`, `tests/unit`,
+# `tests/unit/test_x.py`); the tiers select by marker, the folders (tests/unit, e2e, deploy) follow them.
 # A tier that selects no test (pytest's exit 5) is not a failure; any failed test is.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -18,9 +18,10 @@ import pytest
 # a missing package is an error, as it should be.
 _MISSING_IMPORT = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 
-# Tiers. A test with none of these markers needs no vLLM server, no external binary and no GPU:
-# it gets the `unit` marker, so `pytest -m unit` is the fast tier and `-m "not unit"` the rest.
-NOT_UNIT = ("vllm", "docker", "tool", "gpu")
+# Tiers. A test with none of these markers needs no vLLM server, no external binary (NVIDIA's
+# libnccl included) and no GPU: it gets the `unit` marker, so `pytest -m unit` is the fast tier
+# and `-m "not unit"` the rest.
+NOT_UNIT = ("vllm", "docker", "tool", "gpu", "nccl")
 # Per-test time limits (pytest-timeout; the default, 300 s, is in pyproject.toml). pytest-timeout
 # counts fixture set-up in the test's time, so the first test of a module that starts vLLM
 # servers in a module fixture (several minutes on a loaded 2-core box) carries their start-up.

@@ -33,6 +33,7 @@ def newest_libnccl() -> Path:
     return Path(row["path"]) / "libnccl.so.2"
 
 
+@pytest.mark.nccl  # NVIDIA's libnccl (and the doctor imports vLLM): the rest tier
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU run; a GPU machine runs the full doctor")
 def test_doctor_without_a_gpu_runs_the_device_free_checks_and_exits_3(newest_libnccl, tmp_path):
     out = tmp_path / "doctor.json"

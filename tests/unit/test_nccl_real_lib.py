@@ -41,6 +41,8 @@ _SPEC = importlib.util.spec_from_file_location("nccl_wheels", REPO / "scripts" /
 nccl_wheels = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(nccl_wheels)
 
+pytestmark = pytest.mark.nccl  # NVIDIA's libraries: the rest tier (tests/conftest.py's NOT_UNIT)
+
 VERSIONS = [version for _, version, _ in nccl_wheels.WHEELS]
 VLLM_MIN = (2, 29, 7)  # vLLM 0.32's NCCLLibrary raises without ncclCommSuspend below this
 CHILD_TIMEOUT_S = 120

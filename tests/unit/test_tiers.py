@@ -39,9 +39,11 @@ def test_unit_marker_selects_the_tests_that_need_no_server_tool_or_gpu(inner):
         def test_binary(): pass
         @pytest.mark.gpu
         def test_cuda(): pass
+        @pytest.mark.nccl
+        def test_real_libnccl(): pass
     """)
     unit = _run(inner, "-m", "unit", "test_t.py")
-    unit.assert_outcomes(passed=1, deselected=4)
+    unit.assert_outcomes(passed=1, deselected=5)
     unit.stdout.fnmatch_lines(["PASSED test_t.py::test_plain"])
     rest = _run(inner, "-m", "not unit", "test_t.py")
     assert rest.parseoutcomes()["deselected"] == 1
