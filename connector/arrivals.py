@@ -7,13 +7,19 @@ control socket costs a round trip through two processes on vLLM's scheduling thr
 no system call. The worker rank writes, the scheduler reads, both on the same host (the
 probe's own condition): a small file in /dev/shm named after the rank's KV address.
 
-Layout: a 16-byte magic, then ``SLOTS`` slots of 16 bytes, each a 128-bit BLAKE2b digest
+Layout: a 16-byte magic, the writer's pid (8 bytes, little-endian), 8 reserved bytes, then
+``SLOTS`` slots of 16 bytes, each a 128-bit BLAKE2b digest
 of a transfer key whose whole payload was stored (every piece, for heterogeneous TP),
 written round-robin. The board only ever says "it arrived" (a reader asks the worker when
 it does not): a payload dropped since (its TTL) fails a synchronous load as it would fail
 an asynchronous one (the blocks go to vLLM's kv_load_failure_policy), and keys are
 per-request uuids, so an old or stale entry never names a new request's transfer. A torn
 slot (read while written) matches nothing: the worker is asked then.
+
+vLLM may end a worker without closing its connector (a signal), which leaves its board
+behind: a writer starting up removes the boards (and half-made ones) of this user whose
+writer is no longer alive, so what is left over is bounded by one board per dead instance
+until the next one starts.
 """
 
 from __future__ import annotations
@@ -29,10 +35,13 @@ from connector.log import get_logger
 
 logger = get_logger(__name__)
 
-MAGIC = b"xpyd-arrivals-v1"  # 16 bytes: this layout
+MAGIC = b"xpyd-arrivals-v2"  # 16 bytes: this layout
+HEADER = 32  # the magic, the writer's pid, reserved
 DIGEST = 16
-SLOTS = 4096  # the last 4,096 arrivals: far more than a receive buffer holds at once
-SIZE = len(MAGIC) + SLOTS * DIGEST
+SLOTS = 1024  # the last 1,024 arrivals: far more than wait to be planned at once
+SIZE = HEADER + SLOTS * DIGEST
+_PREFIX = "xpyd-arrivals-"
+_SWEEP_MAX = 1024  # directory entries a sweep looks at
 
 
 def _digest(key: str) -> bytes:
@@ -44,7 +53,57 @@ def board_path(kv_address: str, directory: str | None = None) -> Path:
     user: the writer and its readers derive the same name."""
     base = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     safe = "".join(c if c.isalnum() or c in ".-" else "_" for c in kv_address)
-    return Path(base) / f"xpyd-arrivals-{os.getuid()}-{safe}"
+    return Path(base) / f"{_PREFIX}{os.getuid()}-{safe}"
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists (another user's): not ours to judge
+        return True
+    return True
+
+
+def _owner(path: Path) -> int | None:
+    """The pid that wrote a board (or a half-made one, from its name); None: not a board."""
+    if path.name.endswith(".tmp"):
+        pid = path.name.rsplit(".", 2)[-2]
+        return int(pid) if pid.isdigit() else None
+    try:
+        with path.open("rb") as f:
+            head = f.read(HEADER)
+    except OSError:
+        return None
+    if len(head) != HEADER or head[: len(MAGIC)] != MAGIC:
+        return None
+    return int.from_bytes(head[len(MAGIC):len(MAGIC) + 8], "little")
+
+
+def sweep(directory: Path) -> list[Path]:
+    """Remove this user's boards whose writer is gone; returns what was removed."""
+    mine = f"{_PREFIX}{os.getuid()}-"
+    gone: list[Path] = []
+    try:
+        with os.scandir(directory) as it:
+            for n, entry in enumerate(it):
+                if n >= _SWEEP_MAX:
+                    break
+                if not entry.name.startswith(mine) or not entry.is_file(follow_symlinks=False):
+                    continue
+                pid = _owner(Path(entry.path))
+                if pid is not None and pid != os.getpid() and not _alive(pid):
+                    try:
+                        os.unlink(entry.path)
+                        gone.append(Path(entry.path))
+                    except OSError:
+                        pass
+    except OSError:
+        pass
+    return gone
 
 
 class ArrivalWriter:
@@ -54,6 +113,9 @@ class ArrivalWriter:
         self._path = path
         self._lock = threading.Lock()  # transport threads publish concurrently
         self._next = 0
+        removed = sweep(path.parent)
+        if removed:
+            logger.info("kv arrival boards of ended instances removed: %d", len(removed))
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -62,6 +124,7 @@ class ArrivalWriter:
         finally:
             os.close(fd)
         self._mm[: len(MAGIC)] = MAGIC
+        self._mm[len(MAGIC):len(MAGIC) + 8] = os.getpid().to_bytes(8, "little")
         self._inode = os.stat(tmp).st_ino
         os.replace(tmp, path)  # readers never open a half-made board
 
@@ -72,7 +135,7 @@ class ArrivalWriter:
     def publish(self, key: str) -> None:
         h = _digest(key)
         with self._lock:
-            at = len(MAGIC) + (self._next % SLOTS) * DIGEST
+            at = HEADER + (self._next % SLOTS) * DIGEST
             self._next += 1
             self._mm[at:at + DIGEST] = h
 
@@ -127,11 +190,11 @@ class ArrivalReader:
 
     def _find(self, h: bytes) -> bool:
         assert self._mm is not None
-        at = self._mm.find(h, len(MAGIC))
+        at = self._mm.find(h, HEADER)
         for _ in range(SLOTS):  # a match across two slots is not one: look on (bounded)
             if at < 0:
                 return False
-            if (at - len(MAGIC)) % DIGEST == 0:
+            if (at - HEADER) % DIGEST == 0:
                 return True
             at = self._mm.find(h, at + 1)
         return False

@@ -4,6 +4,7 @@ worker rank's side and read by the scheduler's, as in two processes (each side m
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_a_digest_across_two_slots_is_no_match(tmp_path):
     r = ArrivalReader(path)
     try:
         h = arrivals._digest(KEY)
-        at = len(arrivals.MAGIC) + arrivals.DIGEST // 2  # half in slot 0, half in slot 1
+        at = arrivals.HEADER + arrivals.DIGEST // 2  # half in slot 0, half in slot 1
         w._mm[at:at + arrivals.DIGEST] = h
         assert r.arrived(KEY) is False
         w.publish(KEY)
@@ -109,6 +110,39 @@ def test_the_board_is_private_and_removed_on_close(tmp_path):
     w.close()
     assert not path.exists()
     assert list(tmp_path.iterdir()) == []  # no temporary file left either
+
+
+def test_boards_of_ended_writers_are_removed_when_a_writer_starts(tmp_path):
+    """vLLM can end a worker without closing its connector: the next writer removes the
+    boards (and half-made ones) whose writer is gone, and no other file."""
+    alive = ArrivalWriter(board_path("127.0.0.1:40012", str(tmp_path)))  # this process: alive
+    ended = _ended_pid()
+    dead = board_path("127.0.0.1:40010", str(tmp_path))
+    made = dead.with_name("made")
+    w = ArrivalWriter(made)
+    w._mm[len(arrivals.MAGIC):len(arrivals.MAGIC) + 8] = ended.to_bytes(8, "little")
+    w._mm.close()
+    made.rename(dead)  # as a writer that died in process `ended` left it
+    half = tmp_path / f"{board_path('127.0.0.1:40011', str(tmp_path)).name}.{ended}.tmp"
+    half.write_bytes(b"")
+    other_user = tmp_path / f"xpyd-arrivals-{os.getuid() + 1}-127.0.0.1_40013"
+    other_user.write_bytes(b"")
+    not_a_board = tmp_path / f"xpyd-arrivals-{os.getuid()}-notes"
+    not_a_board.write_bytes(b"something else")
+    assert dead.exists() and half.exists()
+    new = ArrivalWriter(board_path("127.0.0.1:40014", str(tmp_path)))
+    try:
+        assert not dead.exists() and not half.exists()
+        assert alive.path.exists() and other_user.exists() and not_a_board.exists()
+    finally:
+        new.close()
+        alive.close()
+
+
+def _ended_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def test_board_path_is_one_name_per_address_and_user():
