@@ -678,3 +678,142 @@ def test_producer_sends_each_prompt_once_whatever_n():
     assert sorted((x.req_id, x.transfer_key) for x in meta.saves) == [
         (ids[0], f"{KEY}-0"), (ids[2], f"{KEY}-1")]
     assert s.request_finished(make_req(ids[1], 200), [])[1] is None  # the sibling sent nothing
+
+
+# ======================================================================== exact figures
+
+
+def test_plan_lines_are_exact(caplog):
+    """bench_e2e and operators read these lines (mode, blocks, probe time): their fields."""
+    import logging
+    import re
+
+    rid = pd_id()
+    kvm = FakeKVCacheManager(blocks={rid: [4, 5, 6]})
+    p = producer(kvm=kvm)
+    req = make_req(rid, 300, {"xpyd_skip_tokens": 128})
+    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.scheduler"):
+        p.on_new_request(req)
+        (save,) = p.build_connector_meta(sched_out(new=[(rid, 0, 300)])).saves
+        assert p.build_connector_meta(sched_out(preempted={rid})).preempted == [rid]
+        (again,) = p.build_connector_meta(sched_out(new=[(rid, 0, 300)])).saves
+        probe = ArrivalDouble({TK})
+        d = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False, probe=probe)
+        sync, plain = make_req(rid, 300), make_req(pd_id(key=KEY2), 300)
+        d.on_new_request(sync)
+        d.on_new_request(plain)
+        admit(d, sync, 128, [11, 4, 6])
+        consumer_only = consumer()
+        consumer_only.on_new_request(plain)
+        admit(consumer_only, plain, 0, [1, 2, 3])
+    # the re-planned send starts where the first did: D's own blocks are still skipped
+    assert (save.first_block, again.first_block, again.block_ids) == (1, 1, (5, 6))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:3] == [
+        f"kv send planned req={rid} transfer={TK} tokens=300 blocks=2 skipped=1 to={D_ADDR} mode=PUT_ASYNC",
+        f"kv send re-planned after preemption req={rid} transfer={TK}",
+        f"kv send planned req={rid} transfer={TK} tokens=300 blocks=2 skipped=1 to={D_ADDR} mode=PUT_ASYNC",
+    ]
+    assert re.fullmatch(rf"kv load planned req={re.escape(rid)} transfer={TK} local_hit=128 external=171 blocks=2 "
+                        r"mode=sync probe_ms=\d+\.\d\d", lines[3]), lines[3]
+    assert lines[4] == (f"kv load planned req={plain.request_id} transfer={KEY2}-0 local_hit=0 external=299 "
+                        "blocks=3 mode=async")
+
+
+@pytest.mark.parametrize("params, first_block", [
+    (None, 0), ({"xpyd_skip_tokens": 0}, 0), ({"xpyd_skip_tokens": 1}, 1), ({"xpyd_skip_tokens": -1}, 0),
+    ({"xpyd_skip_tokens": "3"}, 0), ({"xpyd_skip_tokens": 100}, 8),  # never past token n-2 (n = 10)
+])
+def test_skip_tokens_at_block_size_1(params, first_block):
+    """vLLM allows a block size of 1: every skipped token is a skipped block."""
+    rid = pd_id()
+    s = P2pScheduler(make_cfg("kv_producer"), 1, start_registrar=False)
+    s.bind(FakeKVCacheManager(blocks={rid: list(range(10))}))
+    s.on_new_request(make_req(rid, 10, params))
+    (save,) = s.build_connector_meta(sched_out(new=[(rid, 0, 10)])).saves
+    assert save.first_block == first_block and save.block_ids == tuple(range(first_block, 10))
+
+
+def test_a_two_token_prompt_skips_nothing_at_block_size_1():
+    rid = pd_id()
+    s = P2pScheduler(make_cfg("kv_producer"), 1, start_registrar=False)
+    s.bind(FakeKVCacheManager(blocks={rid: [7, 8]}))
+    s.on_new_request(make_req(rid, 2, {"xpyd_skip_tokens": 5}))
+    (save,) = s.build_connector_meta(sched_out(new=[(rid, 0, 2)])).saves
+    assert (save.first_block, save.block_ids) == (0, (7, 8))
+
+
+def test_consumer_loads_a_single_missing_token():
+    s = consumer()
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert admit(s, req, 298, [1, 2, 3]) == (1, True)
+    (spec,) = s.build_connector_meta(sched_out()).loads
+    assert spec.num_tokens == 1
+
+
+def test_invalid_blocks_fail_only_the_synchronous_load_that_owns_them():
+    """vLLM reports a failed synchronous load by its blocks; asynchronous loads fail by request id."""
+    probe = ArrivalDouble({TK})
+    s = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False, probe=probe)
+    sync, other_sync, late = make_req(pd_id(), 300), make_req(pd_id(key=KEY2), 300), make_req(pd_id(key="a" * 32), 300)
+    probe.here.add(f"{KEY2}-0")
+    for r in (sync, other_sync, late):
+        s.on_new_request(r)
+    admit(s, sync, 0, [1, 2, 3])
+    admit(s, other_sync, 0, [4, 5, 6])
+    probe.here.clear()
+    admit(s, late, 0, [7, 8, 9])  # asynchronous
+    s.update_connector_output(set(), None, {2, 9})
+    got = {r.request_id: s.request_finished(r, [])[1]["xpyd"]["load_failed"] for r in (sync, other_sync, late)}
+    assert got == {sync.request_id: True, other_sync.request_id: False, late.request_id: False}
+
+
+def test_transport_fallbacks_add_up_across_steps():
+    s = consumer()
+    for _ in range(2):
+        st = XpydStats.of(0, 0, 1000)
+        st.data["fallbacks"] = {"nccl_error": 2, "peer": 1}
+        s.update_connector_output(set(), st)
+    s.update_connector_output(set(), XpydStats.of(0, 0, 1000))  # none this step
+    assert s.fallbacks_total() == 6
+
+
+def test_producer_key_is_free_again_once_its_owner_finished():
+    """A retry of the same transfer (same key) after the first attempt finished is sent."""
+    rid = pd_id()
+    retry = pd_id(suffix="5e6f7a8b")
+    kvm = FakeKVCacheManager(blocks={rid: [1, 2, 3], retry: [4, 5, 6]})
+    s = producer(kvm=kvm)
+    s.on_new_request(make_req(rid, 300))
+    s.build_connector_meta(sched_out(new=[(rid, 0, 300)]))
+    s.request_finished(make_req(rid, 300), [])
+    s.on_new_request(make_req(retry, 300))
+    (save,) = s.build_connector_meta(sched_out(new=[(retry, 0, 300)])).saves
+    assert save.req_id == retry and save.block_ids == (4, 5, 6)
+
+
+@pytest.mark.parametrize("send_type, contacts", [("PUT_ASYNC", [D_ADDR]), ("PUT", []), ("GET", [])])
+def test_only_put_async_announces_first_contact(send_type, contacts):
+    s = producer(send_type=send_type)
+    s.on_new_request(make_req(pd_id(), 300))
+    assert s.build_connector_meta(sched_out()).contacts == contacts
+
+
+def test_released_keys_are_remembered_up_to_the_bound_oldest_forgotten_first():
+    from connector.scheduler import _RELEASED_MEMORY
+
+    s = consumer()
+    keys = [f"{i:032x}" for i in range(_RELEASED_MEMORY + 1)]
+    for k in keys:
+        r = make_req(pd_id(key=k), 4)
+        s.on_new_request(r)
+        admit(s, r, 0, [1])
+        s.request_finished(r, [])
+    def loads_again(k):
+        r = make_req(pd_id(key=k, suffix="99999999"), 4)
+        s.on_new_request(r)
+        return s.get_num_new_matched_tokens(r, 0) != (0, False)
+    # the oldest key fell out: a late sibling of it would load (and fail fast at D's buffer);
+    # the next oldest and the newest are still known as released: recomputed instead
+    assert [loads_again(keys[0]), loads_again(keys[1]), loads_again(keys[-1])] == [True, False, False]
