@@ -634,3 +634,116 @@ def test_load_fields_default_to_idle_and_are_bounded_in_number():
     assert decode(_msg(load={"running": 1, **extra})).load.running == 1  # MAX_FIELDS fields: fine
     with pytest.raises(ProtocolError, match="^load has too many fields$"):
         decode(_msg(load={"running": 1, "waiting": 0, **extra}))
+
+
+@pytest.mark.parametrize("data, why", [
+    ("text", "payload must be bytes, got str"),
+    (b"\x00" * (64 * 1024 + 1), "message of 65537 bytes > 65536"),
+    (b"\xc1", "not msgpack: FormatError"),
+    (msgpack.packb({1: "a"}), "not msgpack: ValueError"),  # only string keys
+    (msgpack.packb([1]), "message is a list, not a map"),
+    (msgpack.packb({f"k{i}": 0 for i in range(25)}), "message has 25 fields > 24"),
+    (msgpack.packb({"k" * 65: 0}), "field name '" + "k" * 39 + "... is not a short string"),
+])
+def test_malformed_messages_say_why(data, why):
+    import re
+
+    from xpyd_wire.discovery import MALFORMED, ProtocolError, decode
+
+    with pytest.raises(ProtocolError, match=f"^{re.escape(why)}$") as e:
+        decode(data)
+    assert e.value.reason == MALFORMED
+
+
+def test_message_size_and_field_limits_accept_their_maximum():
+    from xpyd_wire.discovery import decode
+
+    base = msgpack.unpackb(_msg())
+    fields = {**base, **{f"x{i}": 0 for i in range(24 - len(base))}}
+    assert len(decode(msgpack.packb(fields)).extra) == 24 - len(base)  # 24 fields
+    assert decode(_msg(**{"k" * 64: 1})).extra == {"k" * 64: 1}  # the longest field name
+    pad = 64 * 1024 - len(_msg(p=""))
+    for extra in range(-6, 1):
+        data = _msg(p="x" * (pad + extra))
+        if len(data) == 64 * 1024:
+            assert decode(data).http_address == "127.0.0.1:8100"
+            break
+    else:
+        raise AssertionError("no message of exactly 64 KiB")
+
+
+@pytest.mark.parametrize("value, ok", [
+    ({"default": 1}, True), ({"override": 2**31 - 1}, True), ({"default": 2**31}, False), ({"context": 0}, False),
+    ({"default": True}, False), ({"other": 1}, False), ([1], False),
+])
+def test_output_limits_bounds(value, ok):
+    from xpyd_wire.discovery import ProtocolError, check_output_limits
+
+    if ok:
+        assert check_output_limits(value) is not None
+    else:
+        with pytest.raises(ProtocolError):
+            check_output_limits(value)
+
+
+@pytest.mark.parametrize("value, ok", [
+    ({"sampling": {f"a{'b' * i}": 1.0 for i in range(16)}}, True),  # MAX_SAMPLING_DEFAULTS entries
+    ({"sampling": {f"a{'b' * i}": 1.0 for i in range(17)}}, False),
+    ({"sampling": {"temperature": float("inf")}}, False), ({"sampling": {"Temp": 1.0}}, False),
+    ({"sampling": {"temperature": "1"}}, False), ({"sampling": {3: 1.0}}, False), ({"sampling": [1]}, False),
+    ({"reasoning_parser": True}, True), ({"other": True}, False), ("x", False), ([], False),
+])
+def test_generation_bounds(value, ok):
+    from xpyd_wire.discovery import ProtocolError, check_generation
+
+    if ok:
+        assert check_generation(value) is not None
+    else:
+        with pytest.raises(ProtocolError):
+            check_generation(value)
+
+
+def test_generation_messages_and_defaults():
+    import re
+
+    from xpyd_wire.discovery import GenerationDefaults, ProtocolError, check_generation
+
+    assert check_generation({}) == GenerationDefaults((), False)  # reasoning_parser absent: False
+    with pytest.raises(ProtocolError, match="^generation must be a map of sampling, reasoning_parser$"):
+        check_generation({"x": 1})
+    with pytest.raises(ProtocolError, match="^generation.sampling must be a map of at most 16 entries$"):
+        check_generation({"sampling": [1]})
+    with pytest.raises(ProtocolError, match=re.escape("generation.sampling has an invalid entry 'top_p': 'x'")):
+        check_generation({"sampling": {"top_p": "x"}})
+    with pytest.raises(ProtocolError, match=re.escape("output_limits must be a map of default, override, context")):
+        from xpyd_wire.discovery import check_output_limits
+
+        check_output_limits({"x": 1})
+
+
+def test_clock_skew_limit_both_sides_and_ts_refusals():
+    import re
+
+    from xpyd_wire.discovery import UNAUTHORIZED, ProtocolError, decode
+
+    now = 1_000_000.0
+    assert decode(msgpack.packb(_signed(ts=now - 30.0)), secret="k", now=now).ts == now - 30.0
+    with pytest.raises(ProtocolError, match=re.escape("stale or future ts (+30.5s, http_address='127.0.0.1:8100')")) as e:
+        decode(msgpack.packb(_signed(ts=now - 30.5)), secret="k", now=now)
+    assert e.value.reason == UNAUTHORIZED
+    with pytest.raises(ProtocolError, match="^signed message without ts"):
+        decode(msgpack.packb(_signed(ts=_ABSENT)), secret="k", now=now)
+    with pytest.raises(ProtocolError, match="^signed message without nonce"):
+        decode(msgpack.packb(_signed(ts=now, nonce=_ABSENT)), secret="k", now=now)
+    with pytest.raises(ProtocolError, match="^ts must be a finite number$"):
+        decode(_msg(ts="1"))
+
+
+@pytest.mark.parametrize("address", ["", "h" * 257 + ":80"])  # 0 and 260 characters
+def test_address_length_refusal_names_the_field(address):
+    from xpyd_wire.discovery import ProtocolError, decode
+
+    with pytest.raises(ProtocolError, match="^http_address must be 1..259 characters$"):
+        decode(_msg(http_address=address))
+    with pytest.raises(ProtocolError, match="^zmq_address must be 1..259 characters$"):
+        decode(_msg(zmq_address=address))
