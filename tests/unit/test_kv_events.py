@@ -570,7 +570,8 @@ def test_decode_endpoint_at_its_limits(value):
 
 
 @pytest.mark.parametrize("value, why", [
-    ({"endpoint": "tcp://h:1", "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7, "h": 8}, "kv_events must be a small map"),
+    ({"endpoint": "tcp://h:1", "a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6, "g": 7, "h": 8},
+     "kv_events must be a small map"),
     ({"endpoint": "tcp://h:1", "topic": "t" * 257}, "kv_events.topic must be a string of <= 256 characters"),
     ({"endpoint": "tcp://h:1", "blocks": (1 << 32) + 1}, "kv_events.blocks must be an int 1..4294967296"),
 ])

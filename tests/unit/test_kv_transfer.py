@@ -120,7 +120,8 @@ def test_refusal_round_trips_each_flag(refusal):
 
 
 def test_is_mla_survives_the_wire():
-    hello = Hello(rank=0, tp_size=1, num_kv_heads=1, is_mla=True, layout="LBNC", dtype="bfloat16", block_shape=(16, 576))
+    hello = Hello(rank=0, tp_size=1, num_kv_heads=1, is_mla=True, layout="LBNC", dtype="bfloat16",
+                  block_shape=(16, 576))
     assert Hello.decode(msgpack.unpackb(_bytes(hello.encode()), raw=False)).is_mla is True
     header = _header(is_mla=True)
     assert PutHeader.decode(msgpack.unpackb(_bytes(header.encode()), raw=False)).is_mla is True
