@@ -748,3 +748,17 @@ def test_address_length_refusal_names_the_field(address):
         decode(_msg(http_address=address))
     with pytest.raises(ProtocolError, match="^zmq_address must be 1..259 characters$"):
         decode(_msg(zmq_address=address))
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"nonce": "XYZ"}, "nonce must be 16..64 lowercase hex digits"),
+    ({"instance_key": 5}, "instance_key must be 32..64 lowercase hex digits"),
+    ({"instance_key": "G" * 32}, "instance_key must be 32..64 lowercase hex digits"),
+    ({"kv_transport_fallbacks": 10_000_001}, "kv_transport_fallbacks must be an int 0..10000000, got 10000001"),
+])
+def test_identity_field_refusals(fields, why):
+    from xpyd_wire.discovery import ProtocolError, decode
+
+    with pytest.raises(ProtocolError, match=f"^{why}$"):
+        decode(_msg(**fields))
+    assert decode(_msg(kv_transport_fallbacks=10_000_000)).kv_transport_fallbacks == 10_000_000
