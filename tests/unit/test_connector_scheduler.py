@@ -817,3 +817,93 @@ def test_released_keys_are_remembered_up_to_the_bound_oldest_forgotten_first():
     # the oldest key fell out: a late sibling of it would load (and fail fast at D's buffer);
     # the next oldest and the newest are still known as released: recomputed instead
     assert [loads_again(keys[0]), loads_again(keys[1]), loads_again(keys[-1])] == [True, False, False]
+
+
+# ======================================================================== the arrival probe, on real sockets
+
+
+class _Rank:
+    """A worker rank's control socket (real tcp): answers ``ready`` from a set of keys."""
+
+    def __init__(self, port: int, here: set[str], ready_value=True) -> None:
+        from connector.transport import TcpTransport
+
+        self.asked: list[dict] = []
+        self._here, self._value = here, ready_value
+        self.t = TcpTransport()
+        self.t.start("127.0.0.1", port, self._handle)
+
+    def _handle(self, header, tensors):
+        self.asked.append(dict(header))
+        return {"ok": True, "ready": self._value if header.get("key") in self._here else False}, []
+
+
+def _probe_setup(ranks: int, here: set[str], ready_value=True):
+    from connector.scheduler import ArrivalProbe
+    from tests.support.ports import spare_port
+
+    base = spare_port(ranks)
+    cfg = make_cfg("kv_consumer", addr=f"127.0.0.1:{base}")
+    servers = [_Rank(base + r, here, ready_value) for r in range(ranks)]
+    return ArrivalProbe(cfg, ranks), servers, [f"127.0.0.1:{base + r}" for r in range(ranks)]
+
+
+def test_arrival_probe_reads_every_ranks_board_then_asks_every_rank():
+    from connector.arrivals import ArrivalWriter, board_path
+
+    probe, servers, addrs = _probe_setup(2, {TK})
+    boards = [ArrivalWriter(board_path(a)) for a in addrs]
+    try:
+        boards[0].publish(TK)  # on one board only: every rank is asked
+        assert probe.arrived(TK) is True
+        assert [[h["op"], h["key"]] for s in servers for h in s.asked] == [["ready", TK], ["ready", TK]]
+        assert probe.arrived(f"{KEY2}-0") is False  # no rank has it
+        for s in servers:
+            s.asked.clear()
+        boards[1].publish(TK)  # on every board: nobody is asked
+        assert probe.arrived(TK) is True
+        assert [s.asked for s in servers] == [[], []]
+    finally:
+        probe.close()
+        for b in boards:
+            b.close()
+        for s in servers:
+            s.t.close()
+
+
+def test_arrival_probe_needs_every_rank_and_a_true_answer():
+    probe, servers, _ = _probe_setup(2, {TK})
+    servers[1]._here = set()  # rank 1 lacks it
+    try:
+        assert probe.arrived(TK) is False
+    finally:
+        probe.close()
+        for s in servers:
+            s.t.close()
+    probe, servers, _ = _probe_setup(1, {TK}, ready_value=1)  # a truthy non-True answer is doubt
+    try:
+        assert probe.arrived(TK) is False
+    finally:
+        probe.close()
+        for s in servers:
+            s.t.close()
+
+
+def test_arrival_probe_of_a_silent_rank_says_no_within_its_bound(caplog):
+    import logging
+    import time
+
+    from connector.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
+    from tests.support.ports import spare_port
+
+    base = spare_port(1)
+    probe = ArrivalProbe(make_cfg("kv_consumer", addr=f"127.0.0.1:{base}"), 1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.scheduler"):
+            t0 = time.monotonic()
+            assert probe.arrived(TK) is False
+            assert time.monotonic() - t0 < ARRIVAL_PROBE_TIMEOUT_S + 0.5
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"kv arrival probe of 127.0.0.1:{base} failed (loads stay asynchronous): ")
+    finally:
+        probe.close()
