@@ -28,6 +28,7 @@ NOT_UNIT = ("vllm", "docker", "tool", "gpu", "nccl")
 SERVER_TIMEOUT_S = 1200  # tests marked vllm or docker
 SLOW_SETUP_TIMEOUT_S = {  # unit modules whose module fixture may take long on a fresh machine
     "test_nccl_real_lib.py": 1200,  # fetches 1.7 GB of NCCL wheels once (scripts/nccl_wheels.py)
+    "test_doctor.py": 900,  # the doctor's no-GPU run: ~105 s idle, over 300 s at load 12-15 (engine pairs ~63 s each)
 }
 # External binaries that CI is meant to have (scripts/setup_system.sh installs them from Debian's
 # packages). Where CI=true a test that finds one missing fails instead of skipping.
