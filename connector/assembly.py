@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from connector.buffer import GONE, KVBuffer, Payload, tensor_bytes
-from xpyd_wire.kv_transfer import PART_KEY, is_part
+from xpyd_wire.kv_transfer import PART_KEY
 
 # Header fields that differ between the parts of one payload.
 _PART_FIELDS = (PART_KEY,)

@@ -38,11 +38,11 @@ from connector.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import LoadSpec
-from xpyd_wire.kv_transfer import FINAL_KEY, OK_KEY, OP_KEY, Op
-from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
+from xpyd_wire.kv_transfer import FINAL_KEY, OK_KEY, OP_KEY, Op
+from xpyd_wire.request_id import rank_address
 
 logger = get_logger(__name__)
 

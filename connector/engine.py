@@ -44,14 +44,25 @@ from connector.consumer import Consumer
 from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
 from connector.producer import Producer
-from xpyd_wire.kv_transfer import (KEYED_OPS, KV_PROTOCOL_VERSION, OP_KEY, VERSION_KEY, Hello, Op, PutHeader, Refusal,
-                                   is_part, ok, version_mismatch)
-from xpyd_wire.request_id import rank_address
 from connector.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport
-from connector.transport.wire import printable
 from connector.transport import make_transport as transport_factory
+from connector.transport.wire import printable
+from xpyd_wire.kv_transfer import (
+    KEYED_OPS,
+    KV_PROTOCOL_VERSION,
+    OP_KEY,
+    VERSION_KEY,
+    Hello,
+    Op,
+    PutHeader,
+    Refusal,
+    is_part,
+    ok,
+    version_mismatch,
+)
+from xpyd_wire.request_id import rank_address
 
 logger = get_logger(__name__)
 

@@ -36,11 +36,22 @@ from connector.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
-from xpyd_wire.kv_transfer import (ERROR_KEY, GONE_KEY, OK_KEY, OP_KEY, REFUSED_KEY, UNKNOWN_OP_KEY, VERSION_KEY, Hello,
-                                   Op, ok, version_mismatch)
-from xpyd_wire.request_id import rank_address
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError, TransportRefused
+from xpyd_wire.kv_transfer import (
+    ERROR_KEY,
+    GONE_KEY,
+    OK_KEY,
+    OP_KEY,
+    REFUSED_KEY,
+    UNKNOWN_OP_KEY,
+    VERSION_KEY,
+    Hello,
+    Op,
+    ok,
+    version_mismatch,
+)
+from xpyd_wire.request_id import rank_address
 
 logger = get_logger(__name__)
 

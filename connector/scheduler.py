@@ -15,9 +15,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from xpyd_wire import request_id
-from xpyd_wire.kv_transfer import (DEBUG_CORRUPT_KV_PARAM, OP_KEY, PREFILL_PROMPT_TOKENS_PARAM, REPORT_KEY_PARAM,
-                                   RESPONSE_KEY, SKIP_TOKENS_PARAM, Op)
 from connector.arrivals import ArrivalReader, board_path
 from connector.config import ConnectorConfig, _flag
 from connector.log import get_logger
@@ -26,7 +23,17 @@ from connector.registration import Registrar, heartbeat_load
 from connector.stats import XpydStats
 from connector.transport import KVAuth, TcpTransport, TransportError
 from connector.transport.auth import RateLimitedLog
+from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
+from xpyd_wire.kv_transfer import (
+    DEBUG_CORRUPT_KV_PARAM,
+    OP_KEY,
+    PREFILL_PROMPT_TOKENS_PARAM,
+    REPORT_KEY_PARAM,
+    RESPONSE_KEY,
+    SKIP_TOKENS_PARAM,
+    Op,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

@@ -20,8 +20,6 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from xpyd_wire import request_id
-from xpyd_wire.kv_transfer import RESPONSE_KEY
 from connector.log import get_logger
 from connector.registration import Registrar, heartbeat_load
 from connector.scheduler import tokens_computed_before
@@ -30,7 +28,9 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec
 from connector.shared_storage.store import block_path
 from connector.stats import XpydStats
+from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
+from xpyd_wire.kv_transfer import RESPONSE_KEY
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

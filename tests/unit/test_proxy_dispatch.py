@@ -308,7 +308,7 @@ async def test_rescue_goes_to_a_d_not_tried_yet():
     reporting a heavy load: picked without the exclusion, the rescue would land on the
     failed D again."""
     async with running_proxy(first_token="decode", decode_retries=0, decode_policy="least_loaded") as px:
-        p = await px.fake("P")
+        await px.fake("P")
         idle = await px.fake("D")
         busy = await px.fake("D", load=Load(running=50))
         idle.fault, busy.fault = kv_load_fails(), kv_load_fails()  # disaggregated requests only

@@ -242,7 +242,7 @@ async def test_answering_instance_becomes_a_candidate_promptly(capsys):
     """Registration -> join probe -> candidate, timed; also when /v1/models fails but
     /health answers, and when the HTTP server comes up only after the first heartbeat."""
     async with running_proxy(health_interval=0.2) as px:
-        p = await px.fake("P")
+        await px.fake("P")
         times = []
         for _ in range(5):
             d = await px.fake("D", register=False)
