@@ -762,3 +762,4 @@ def test_identity_field_refusals(fields, why):
     with pytest.raises(ProtocolError, match=f"^{why}$"):
         decode(_msg(**fields))
     assert decode(_msg(kv_transport_fallbacks=10_000_000)).kv_transport_fallbacks == 10_000_000
+    assert decode(_msg()).kv_transport_fallbacks == 0  # a sender that never fell back says nothing
