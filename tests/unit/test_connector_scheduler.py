@@ -907,3 +907,28 @@ def test_arrival_probe_of_a_silent_rank_says_no_within_its_bound(caplog):
         assert line.startswith(f"kv arrival probe of 127.0.0.1:{base} failed (loads stay asynchronous): ")
     finally:
         probe.close()
+
+
+@pytest.mark.parametrize("kv_auth, byte_stream", [("mac", True), ("curve", True), ("mac", False)])
+def test_arrival_probe_speaks_the_instances_kv_auth_and_framing(kv_auth, byte_stream):
+    """With kv_secret set, the worker's control socket refuses an unauthenticated call: the
+    probe must use the instance's secret, auth mode and framing, or every load is asynchronous."""
+    import dataclasses
+
+    from connector.scheduler import ArrivalProbe
+    from connector.transport import KVAuth, TcpTransport
+    from tests.support.ports import spare_port
+
+    secret = "s" * 32
+    base = spare_port(1)
+    cfg = dataclasses.replace(make_cfg("kv_consumer", addr=f"127.0.0.1:{base}"), kv_secret=secret, kv_auth=kv_auth,
+                              byte_stream=byte_stream)
+    server = TcpTransport(auth=KVAuth.from_secret(secret, kv_auth), byte_stream=byte_stream)
+    server.start("127.0.0.1", base, lambda h, t: ({"ok": True, "ready": h.get("key") == TK}, []))
+    probe = ArrivalProbe(cfg, 1)
+    try:
+        assert probe.arrived(TK) is True
+        assert probe.arrived(f"{KEY2}-0") is False
+    finally:
+        probe.close()
+        server.close()
