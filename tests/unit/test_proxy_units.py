@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
+import socket
+import time
 
 import pytest
 
 from proxy.errors import ProxyError, upstream_error_body
 from proxy.openai_api import CHAT, COMPLETIONS, estimate_prompt_tokens, prefill_body, validate_body
-from proxy.registry import Registry
+from proxy.registry import RegistrationRefused, Registry
 from proxy.request import RouteRequest
 from proxy.routing.policies.factory import make_policy
 from proxy.routing.policies.least_loaded import LeastLoaded
 from proxy.routing.policies.round_robin import RoundRobin
 from xpyd_wire import request_id
-from xpyd_wire.discovery import Load, Registration
+from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, new_instance_key
+from xpyd_wire.kv_events import EventsEndpoint
 
 
 def reg(role: str, port: int, zmq: int | None = None, load: Load | None = None) -> Registration:
@@ -77,6 +82,186 @@ def test_registry_heartbeat_keeps_load():
         "kv_usage": 0.5,
         "kv_buffer_usage": 0.75,
     }
+
+
+def test_registry_static_instance_lives_by_its_health_check_never_by_heartbeats():
+    r = Registry(heartbeat_timeout=10)
+    joined: list = []
+    r.listeners.append(lambda i: 1 / 0)  # a listener's bug never breaks the registry
+    r.listeners.append(joined.append)
+    ep = EventsEndpoint("tcp://127.0.0.1:23001")
+    s = r.add_static("D", "127.0.0.1:9", "127.0.0.1:19", kv_events=ep)
+    assert (s.role, s.http_address, s.zmq_address, s.url) == ("D", "127.0.0.1:9", "127.0.0.1:19", "http://127.0.0.1:9")
+    assert s.static and not s.healthy and not s.pending and not s.bound and s.kv_events == ep
+    assert s.last_heartbeat == math.inf and abs(s.registered_at - time.time()) < 60
+    assert r.live("D") == [] and r.every() == [s] and r.holds(s)
+    r.set_healthy(s, True)
+    assert s.healthy and r.live("D") == [s] and r.count("D") == 1 and joined == [s]
+    r.set_healthy(s, True)  # no change: no second join
+    assert joined == [s]
+    # Never expired, never removed by discovery (a leave or a timeout): the prober decides.
+    assert r.expire(now=1e12) == [] and r.remove("D", "127.0.0.1:9", "leave") is False
+    assert r.live("D") == [s]
+    r.set_healthy(s, False)
+    assert not s.healthy and r.live("D") == [] and r.every() == [s] and joined == [s]
+    # An instance no longer held changes its flag, never the live list.
+    other = r.upsert(reg("D", 2), now=0)
+    r.admit(other)
+    r.remove("D", other.http_address, "leave")
+    r.set_healthy(other, False)
+    r.set_healthy(other, True)
+    assert r.live("D") == [] and joined == [s, other]
+
+
+def test_registry_static_instance_is_bound_by_its_first_registration():
+    r = Registry(heartbeat_timeout=10)
+    s = r.add_static("P", "10.0.0.5:8100", "10.0.0.5:1")
+    key = new_instance_key()
+    mine = Registration("P", "10.0.0.5:8100", "10.0.0.5:2", instance_key=key)
+    assert r.upsert(mine, now=0.0, source="10.0.0.5") is s
+    assert s.bound and s.source == "10.0.0.5" and s.key_digest == hashlib.sha256(key.encode()).digest()
+    assert s.zmq_address == "10.0.0.5:2" and s.static and not s.pending
+    with pytest.raises(RegistrationRefused) as e:
+        r.upsert(Registration("P", "10.0.0.5:8100", "10.0.0.5:3"), now=1.0, source="10.0.0.5")
+    assert e.value.reason == "conflict" and str(e.value).startswith("10.0.0.5:8100 belongs to another")
+    # Its owner silent for timeout / 2: a new owner rebinds it in place (never removed).
+    stranger = Registration("P", "10.0.0.5:8100", "10.0.0.5:4")
+    assert r.upsert(stranger, now=5.0, source="10.0.0.6") is s
+    assert s.source == "10.0.0.6" and s.key_digest is None and s.bound and r.every() == [s]
+
+
+def test_registry_bounds_per_role_and_per_source_refuse_and_free_on_removal():
+    r = Registry(heartbeat_timeout=10, max_per_role=3, max_per_source=2)
+    r.upsert(reg("D", 1), now=0, source="10.0.0.1")
+    r.upsert(reg("D", 2), now=0, source="10.0.0.1")
+    with pytest.raises(RegistrationRefused) as e:
+        r.upsert(reg("D", 3), now=0, source="10.0.0.1")
+    assert e.value.reason == "source_limit" and str(e.value) == "2 instances registered from 10.0.0.1"
+    r.upsert(reg("D", 3), now=0, source="10.0.0.2")  # another source: its own bound
+    with pytest.raises(RegistrationRefused) as e:
+        r.upsert(reg("D", 4), now=0)  # the role is full, whatever the source
+    assert e.value.reason == "role_limit" and str(e.value) == "3 D instances registered already"
+    r.upsert(reg("P", 4), now=0, source="10.0.0.2")  # the other role: its own bound
+    assert r._per_role == {"P": 1, "D": 3} and r._per_source == {"10.0.0.1": 2, "10.0.0.2": 2}
+    # A heartbeat of a known instance is never refused by the bounds.
+    assert r.upsert(reg("D", 1), now=1, source="10.0.0.1").last_heartbeat == 1
+    assert r.leave(Registration("D", "127.0.0.1:1", "x", leave=True), source="10.0.0.1")
+    assert r.leave(Registration("D", "127.0.0.1:1", "x", leave=True), source="10.0.0.1") is False
+    assert r._per_role == {"P": 1, "D": 2} and r._per_source == {"10.0.0.1": 1, "10.0.0.2": 2}
+    r.upsert(reg("D", 5), now=1, source="10.0.0.1")
+    assert r.remove("D", "127.0.0.1:5", "leave") and r.remove("D", "127.0.0.1:2", "leave")
+    assert r._per_source == {"10.0.0.2": 2}  # no empty entries kept
+    assert r.remove("X", "127.0.0.1:2", "leave") is False
+
+
+def test_registry_expiry_and_rebind_are_measured_from_the_last_heartbeat():
+    r = Registry(heartbeat_timeout=10)
+    assert r.rebind_after_s == 5
+    a = join(r, reg("D", 1), now=100)
+    assert r.expire(now=110) == [] and r.live("D") == [a]  # exactly the timeout: still there
+    assert r.expire(now=110.01) == [a] and r.live("D") == [] and not r.holds(a)
+    b = r.upsert(reg("D", 2), now=100, source="10.0.0.1")
+    other = Registration("D", "127.0.0.1:2", "127.0.0.1:1002")
+    with pytest.raises(RegistrationRefused):
+        r.upsert(other, now=104.99, source="10.0.0.2")
+    assert r.conflicts == 1
+    c = r.upsert(other, now=105, source="10.0.0.2")  # silent exactly timeout / 2: taken over
+    assert c is not b and c.source == "10.0.0.2" and r._per_source == {"10.0.0.2": 1}
+    # Without a time given, both read the monotonic clock.
+    r = Registry(heartbeat_timeout=10)
+    old, new = r.upsert(reg("P", 3), now=time.monotonic() - 11), r.upsert(reg("P", 4))
+    assert r.expire() == [old] and r.holds(new) and not r.holds(old)
+
+
+def test_registry_pending_listeners_pending_list_and_admission():
+    r = Registry(heartbeat_timeout=10)
+    seen: list = []
+    r.pending_listeners.append(lambda i: 1 / 0)
+    r.pending_listeners.append(seen.append)
+    a = r.upsert(reg("P", 1), now=0)
+    b = r.upsert(reg("D", 2), now=0)
+    assert seen == [a, b] and r.pending() == [a, b] and r.count_pending("D") == 1
+    b.probe_error = "connect"
+    r.admit(b)
+    assert not b.pending and b.probe_error is None and r.live("D") == [b] and r.pending() == [a]
+    r.admit(b)  # twice: nothing more
+    assert r.live("D") == [b]
+    r.remove("P", a.http_address, "leave")  # a pending one: never live, the lists stand
+    assert r.every() == [b]
+    r.admit(a)  # answered after it left: not a candidate
+    assert not a.pending and r.live("P") == [] and r.all() == [b]
+
+
+def test_registry_pools_and_models_follow_what_instances_serve():
+    r = Registry(heartbeat_timeout=10)
+    a, b, c = (join(r, reg("D", p), now=0) for p in (1, 2, 3))
+    p = join(r, reg("P", 4), now=0)
+    r.set_models(a, {"m1": {"id": "m1", "by": "a"}})
+    r.set_models(b, {"m2": {"id": "m2"}, "m1": {"id": "m1", "by": "b"}})
+    # c's models are not known yet: eligible for any model.
+    assert r.pool("D", None) == [a, b, c] and r.pool("D", "m1") == [a, b, c] and r.pool("D", "m2") == [b, c]
+    assert r.pool("D", "nope") == [c] and ("D", "nope") not in r._pools  # a client's name is not cached
+    assert r.pool("D", "m2") is r.pool("D", "m2")
+    r.set_models(c, {"m3": {"id": "m3"}})
+    assert r.pool("D", "m2") == [b] and r.pool("D", "nope") == []
+    assert list(r.models()) == ["m1", "m2", "m3"] and r.models()["m1"]["by"] == "a"
+    assert r.models() is r.models()
+    r.set_models(p, {"m0": {"id": "m0"}})
+    assert list(r.models()) == ["m0", "m1", "m2", "m3"] and r.pool("P", "m0") == [p]
+    r.set_models(a, {"m1": {"id": "m1", "by": "a2"}})  # the same ids: the card is replaced
+    assert a.models == {"m1": {"id": "m1", "by": "a2"}} and r.pool("D", "m1") == [a, b]
+    r.set_healthy(a, False)  # out of the live list: out of the pools and the models
+    assert r.pool("D", "m1") == [b] and r.models()["m1"]["by"] == "b"
+
+
+def test_instance_to_json_shows_its_state():
+    r = Registry(heartbeat_timeout=10)
+    ol, gen = OutputLimits(default=16, override=None, context=4096), GenerationDefaults((("temperature", 0.5),), True)
+    i = r.upsert(Registration("D", "10.0.0.5:8200", "10.0.0.5:1", kv_transport_fallbacks=2,
+                              output_limits=ol, generation=gen), now=0, source="10.0.0.5")
+    i.probe_error, i.in_flight, i.in_flight_tokens, i.served = "timeout", 3, 40, 7
+    j = i.to_json(now_wall=i.last_heartbeat_wall + 1.23456)
+    assert j == {
+        "role": "D", "http_address": "10.0.0.5:8200", "zmq_address": "10.0.0.5:1",
+        "registered_at": i.registered_at, "last_heartbeat": i.last_heartbeat_wall, "heartbeat_age_s": 1.235,
+        "in_flight": 3, "in_flight_tokens": 40, "served": 7, "cooling_down": False, "models": None,
+        "static": False, "healthy": True, "kv_transport_fallbacks": 2, "pending": True,
+        "probe_error": "timeout", "source": "10.0.0.5",
+        "output_limits": {"default": 16, "override": None, "context": 4096},
+        "generation": {"sampling": {"temperature": 0.5}, "reasoning_parser": True}, "load": None,
+    }
+    i.cooldown_until = time.monotonic() + 60
+    r.set_models(i, {"b": {}, "a": {}})
+    j = i.to_json(now_wall=i.last_heartbeat_wall - 5)  # a wall clock stepped back: age 0
+    assert j["heartbeat_age_s"] == 0.0 and j["cooling_down"] is True and j["models"] == ["a", "b"]
+    assert 0 < i.to_json(now_wall=i.last_heartbeat_wall + 0.5)["heartbeat_age_s"] < 1
+
+
+def _own_address(family: int, probe: str) -> str:
+    """This machine's address on the route to a documentation address (no packet is sent)."""
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))
+            return s.getsockname()[0]
+    except OSError:
+        pytest.skip(f"no route to {probe} from this machine")
+
+
+@pytest.mark.parametrize("family,probe,far", [(socket.AF_INET, "192.0.2.1", "203.0.113.9"),
+                                              (socket.AF_INET6, "2001:db8::1", "2001:db8:ffff::9")])
+def test_event_endpoint_on_a_local_non_loopback_address_stands_for_a_loopback_source(family, probe, far):
+    """A registrant on this machine may name any address of this machine, loopback or not."""
+    own = _own_address(family, probe)
+    if own == far:
+        pytest.skip("the far address is this machine's")
+    r = Registry(heartbeat_timeout=10)
+    host = f"[{own}]" if family == socket.AF_INET6 else own
+    far_host = f"[{far}]" if family == socket.AF_INET6 else far
+    for port, (advertised, expected) in enumerate(((host, host), (far_host, "127.0.0.1"))):
+        ep = EventsEndpoint(f"tcp://{advertised}:23001")
+        inst = r.upsert(Registration("P", f"127.0.0.1:{port}", "127.0.0.1:1", kv_events=ep), source="127.0.0.1")
+        assert inst.kv_events == EventsEndpoint(f"tcp://{expected}:23001")
+        assert inst.advertised_events == ep
 
 
 # ---------------------------------------------------------------- policies
