@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import socket
@@ -235,6 +236,23 @@ def test_instance_to_json_shows_its_state():
     j = i.to_json(now_wall=i.last_heartbeat_wall - 5)  # a wall clock stepped back: age 0
     assert j["heartbeat_age_s"] == 0.0 and j["cooling_down"] is True and j["models"] == ["a", "b"]
     assert 0 < i.to_json(now_wall=i.last_heartbeat_wall + 0.5)["heartbeat_age_s"] < 1
+
+
+def test_registry_logs_what_an_operator_greps_for(caplog):
+    """Removal reasons and an owner's address change are lines of their own (the /instances
+    page only shows the present)."""
+    r = Registry(heartbeat_timeout=10)
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
+    r.upsert(Registration("P", "10.0.0.9:8000", "10.0.0.9:1"), now=0, source="10.0.0.9")
+    r.upsert(Registration("P", "10.0.0.9:8000", "10.0.0.9:2", kv_events=EventsEndpoint("tcp://10.0.0.9:23001")),
+             now=1, source="10.0.0.9")
+    r.upsert(Registration("P", "10.0.0.9:8000", "10.0.0.9:2"), now=2, source="10.0.0.9")
+    r.expire(now=13)
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert "instance addresses changed by its owner role=P http=10.0.0.9:8000 zmq=10.0.0.9:1->10.0.0.9:2 "\
+           "kv_events=none->tcp://10.0.0.9:23001" in lines
+    assert any(x.endswith("kv_events=tcp://10.0.0.9:23001->none") for x in lines)
+    assert "instance removed role=P http=10.0.0.9:8000 reason=heartbeat_timeout" in lines
 
 
 def _own_address(family: int, probe: str) -> str:
