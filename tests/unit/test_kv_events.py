@@ -6,6 +6,7 @@ silent publisher, garbage, an instance leaving."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
@@ -658,3 +659,176 @@ def test_events_at_the_block_size_and_token_id_limits():
     # 7000 blocks of 16 tokens: 112,000 token ids, past MAX_EVENTS_PER_BATCH but within the array bound
     many = {**GOOD, "block_hashes": list(range(7000)), "block_size": 16, "token_ids": [1] * 112_000}
     assert len(_one(many).token_ids) == 112_000
+
+
+# ---------------------------------------------------------------- the sequence rules, no sockets
+# KVEvents.handle() and reconcile() on a proxy that has not started (no ZMQ context): every
+# replay ask fails at once, as for an instance without a replay endpoint.
+
+
+class Direct:
+    def __init__(self, blocks: int | None = None, clock=time.monotonic, **cfg) -> None:
+        self.registry = Registry(heartbeat_timeout=30)
+        self.metrics = Metrics(self.registry)
+        self.events = KVEvents(self.registry, self.metrics, EventsConfig(**cfg), clock=clock)
+        self.ep = EventsEndpoint("tcp://127.0.0.1:23001", None, "", blocks)
+        reg = discovery.Registration("D", "127.0.0.1:18001", "127.0.0.1:14579", kv_events=self.ep)
+        self.inst = self.registry.upsert(reg)
+        self.registry.admit(self.inst)
+        self.events.reconcile()
+        self.stream = self.events.streams()[0]
+
+    async def send(self, seq: int, *events) -> None:
+        await self.events.handle(self.stream, encode_batch(EventBatch(seq, 1.0, tuple(events))))
+
+    def metric(self, name, **labels):
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def _blocks(first: int, n: int = 1):
+    """n chained one-block BlockStored events' worth of blocks, hashes first, first+1, ..."""
+    return stored(range(first, first + n), range(first * BS, (first + n) * BS), None)
+
+
+async def test_first_batch_at_seq_0_is_everything_and_the_next_ones_apply():
+    d = Direct()
+    s = d.stream
+    assert d.events.state(d.inst) is IndexState.UNKNOWN and s.next_seq is None and s.last_digest is None
+    await d.send(0, _blocks(10, 2))
+    assert d.events.state(d.inst) is IndexState.KNOWN and len(s.index) == 2 and s.next_seq == 1
+    assert s.stats.batches == 1 and s.stats.gaps == 0 and s.last_digest is not None
+    assert d.metric("xpyd_kv_events_total", result="applied") == 1
+    digest = s.last_digest
+    await d.send(1, _blocks(20))
+    assert s.next_seq == 2 and len(s.index) == 3 and s.last_digest != digest and s.stats.batches == 2
+    assert d.metric("xpyd_kv_event_gaps_total") == 0 and d.metric("xpyd_kv_event_restarts_total") == 0
+    assert s.last_heard > 0 and s.index.live
+
+
+async def test_a_gap_without_replay_rebuilds_from_the_batch_after_it():
+    d = Direct()
+    s = d.stream
+    await d.send(0, _blocks(10, 2))
+    await d.send(5, _blocks(20))  # 1..4 missed, nothing to replay them from
+    assert s.stats.gaps == 1 and d.metric("xpyd_kv_event_gaps_total") == 1
+    assert d.events.state(d.inst) is IndexState.PARTIAL and len(s.index) == 1 and s.next_seq == 6
+    assert s.stats.restarts == 0 and s.stats.replays_failed == 0  # no replay endpoint: no ask
+    # A first batch after seq 0 is a gap too: what came before is not known.
+    d2 = Direct()
+    await d2.send(3, _blocks(10))
+    assert d2.stream.stats.gaps == 1 and d2.events.state(d2.inst) is IndexState.PARTIAL
+    assert d2.stream.next_seq == 4
+
+
+async def test_a_seq_going_back_is_an_engine_restart_unless_a_replay_brought_it():
+    d = Direct()
+    s = d.stream
+    for seq in range(3):
+        await d.send(seq, _blocks(10 + seq))
+    assert len(s.index) == 3
+    # Duplicates of batches a replay applied (seq in [replayed_from, next_seq)): skipped.
+    s.replayed_from = 1
+    await d.send(1, _blocks(50))
+    await d.send(2, _blocks(51))
+    assert s.next_seq == 3 and len(s.index) == 3 and s.stats.restarts == 0 and s.stats.batches == 3
+    # Below the replayed range: the engine restarted (its seq starts again near 0).
+    await d.send(0, _blocks(60))
+    assert s.stats.restarts == 1 and d.metric("xpyd_kv_event_restarts_total") == 1
+    assert list(s.index._by_hash) == [60]  # only what came after the restart
+    assert d.events.state(d.inst) is IndexState.KNOWN and s.next_seq == 1 and s.replayed_from is None
+    # A restart whose seq 0 was missed: the index restarts as a subset.
+    await d.send(7, _blocks(70))
+    await d.send(2, _blocks(80))
+    assert s.stats.restarts == 2 and s.stats.gaps == 2 and list(s.index._by_hash) == [80]
+    assert d.events.state(d.inst) is IndexState.PARTIAL and s.next_seq == 3
+    assert d.events.view(d.inst) == {
+        "state": "partial", "blocks": 1, "cap": 262_144, "next_seq": 3, "gaps": 2, "replays_ok": 0,
+        "replays_failed": 0, "restarts": 2, "dropped": 0, "reconnects": 0, "failures": 0}
+
+
+async def test_garbage_is_dropped_and_counted_by_reason(caplog):
+    d = Direct()
+    await d.send(0, _blocks(10))
+    for frames in ([b"x"], [b"", b"\0" * 8, b"\xc1"], [b"other", b"\0" * 8, _payload([])],
+                   [b"", (1).to_bytes(8, "big"), _payload([{"type": "Nope"}])]):
+        await d.events.handle(d.stream, frames)
+    s = d.stream
+    assert s.stats.dropped == 4 and s.next_seq == 1 and len(s.index) == 1 and s.stats.batches == 1
+    assert d.metric("xpyd_kv_events_total", result="malformed") == 2
+    assert d.metric("xpyd_kv_events_total", result="wrong_topic") == 1
+    assert d.metric("xpyd_kv_events_total", result="invalid_event") == 1
+    assert any("kv event dropped reason=wrong_topic http=127.0.0.1:18001 (3 so far)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_cap_is_the_advertised_capacity_never_above_the_flag():
+    assert Direct().stream.index.cap == 262_144
+    assert Direct(blocks=100).stream.index.cap == 100
+    assert Direct(blocks=10**9, default_cap=500).stream.index.cap == 500
+    assert Direct(default_cap=500).stream.index.cap == 500
+
+
+def test_reconcile_follows_admission_departure_and_endpoint_changes(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
+    d = Direct()
+    ev, reg = d.events, d.registry
+    first = d.stream
+    assert ev.index(d.inst) is first.index and ev.view(d.inst)["state"] == "unknown"
+    # A pending instance (not answered yet) is not subscribed; no endpoint: nothing to follow.
+    other_ep = EventsEndpoint("tcp://127.0.0.1:23002")
+    p = reg.upsert(discovery.Registration("P", "127.0.0.1:18002", "127.0.0.1:1", kv_events=other_ep))
+    reg.upsert(discovery.Registration("P", "127.0.0.1:18003", "127.0.0.1:1"))
+    ev.reconcile()
+    assert ev.streams() == [first] and ev.index(p) is None and ev.view(p) is None
+    assert ev.state(p) is IndexState.UNKNOWN
+    reg.admit(p)
+    ev.reconcile()
+    assert [s.inst for s in ev.streams()] == [d.inst, p] and ev.streams()[1].endpoint == other_ep
+    ev.reconcile()  # nothing changed: the same streams
+    assert ev.streams()[0] is first
+    # The owner moved its endpoint: a new stream on the new one.
+    moved = EventsEndpoint("tcp://127.0.0.1:23009")
+    reg.upsert(discovery.Registration("D", "127.0.0.1:18001", "127.0.0.1:14579", kv_events=moved))
+    ev.reconcile()
+    now = {s.inst: s for s in ev.streams()}
+    assert now[d.inst] is not first and now[d.inst].endpoint == moved
+    reg.remove("P", p.http_address, "leave")
+    ev.reconcile()
+    assert [s.inst for s in ev.streams()] == [d.inst] and ev.index(p) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert "kv events unsubscribe role=D http=127.0.0.1:18001 reason=endpoint_changed" in lines
+    assert "kv events unsubscribe role=P http=127.0.0.1:18002 reason=left" in lines
+    assert ("kv events subscribe role=D http=127.0.0.1:18001 endpoint=tcp://127.0.0.1:23009 "
+            "replay=None cap=262144") in lines
+
+
+def test_context_sized_for_every_instance_the_registry_may_hold():
+    d = Direct()
+    assert d.events.max_sockets() == 4 * (2 * 1024 + 64) + 64
+    d.registry.max_per_role = 10
+    assert d.events.max_sockets() == 4 * (2 * 10 + 64) + 64
+    assert Direct(max_sockets=77).events.max_sockets() == 77
+
+
+async def test_index_size_and_state_per_instance_at_scrape_time():
+    d = Direct()
+    await d.send(0, _blocks(10, 3))
+    labels = {"role": "D", "instance": "127.0.0.1:18001"}
+    assert d.metric("xpyd_kv_index_blocks", **labels) == 3
+    assert d.metric("xpyd_kv_index_state", state="known", **labels) == 1
+    assert d.metrics.registry.get_sample_value("xpyd_kv_index_state", {**labels, "state": "unknown"}) is None
+
+
+async def test_silence_makes_the_index_unknown_after_silence_s(caplog):
+    now = [100.0]
+    d = Direct(clock=lambda: now[0], silence_s=10.0)
+    await d.send(0, _blocks(10))
+    assert d.stream.last_heard == 100.0
+    now[0] = 110.0
+    await d.events._probe(d.stream)  # exactly silence_s: still known
+    assert d.events.state(d.inst) is IndexState.KNOWN
+    now[0] = 110.5
+    await d.events._probe(d.stream)
+    assert d.events.state(d.inst) is IndexState.UNKNOWN and len(d.stream.index) == 1
+    assert any(r.getMessage() == "kv events silent for 10s, index unknown http=127.0.0.1:18001"
+               for r in caplog.records)
