@@ -124,7 +124,9 @@ def test_registry_static_instance_is_bound_by_its_first_registration():
     assert s.zmq_address == "10.0.0.5:2" and s.static and not s.pending
     with pytest.raises(RegistrationRefused) as e:
         r.upsert(Registration("P", "10.0.0.5:8100", "10.0.0.5:3"), now=1.0, source="10.0.0.5")
-    assert e.value.reason == "conflict" and str(e.value).startswith("10.0.0.5:8100 belongs to another")
+    assert e.value.reason == "conflict" and str(e.value) == (
+        "10.0.0.5:8100 belongs to another instance (source 10.0.0.5, keyed; this one: source 10.0.0.5, "
+        "no key), heard from 1.0s ago")
     # Its owner silent for timeout / 2: a new owner rebinds it in place (never removed).
     stranger = Registration("P", "10.0.0.5:8100", "10.0.0.5:4")
     assert r.upsert(stranger, now=5.0, source="10.0.0.6") is s
@@ -155,19 +157,23 @@ def test_registry_bounds_per_role_and_per_source_refuse_and_free_on_removal():
     assert r.remove("X", "127.0.0.1:2", "leave") is False
 
 
-def test_registry_expiry_and_rebind_are_measured_from_the_last_heartbeat():
+def test_registry_expiry_and_rebind_are_measured_from_the_last_heartbeat(caplog):
     r = Registry(heartbeat_timeout=10)
     assert r.rebind_after_s == 5
     a = join(r, reg("D", 1), now=100)
     assert r.expire(now=110) == [] and r.live("D") == [a]  # exactly the timeout: still there
     assert r.expire(now=110.01) == [a] and r.live("D") == [] and not r.holds(a)
     b = r.upsert(reg("D", 2), now=100, source="10.0.0.1")
-    other = Registration("D", "127.0.0.1:2", "127.0.0.1:1002")
-    with pytest.raises(RegistrationRefused):
-        r.upsert(other, now=104.99, source="10.0.0.2")
-    assert r.conflicts == 1
+    other = Registration("D", "127.0.0.1:2", "127.0.0.1:1002", instance_key=new_instance_key())
+    with pytest.raises(RegistrationRefused) as e:
+        r.upsert(other, now=104.75, source="10.0.0.2")
+    assert r.conflicts == 1 and str(e.value) == (
+        "127.0.0.1:2 belongs to another instance (source 10.0.0.1, no key; this one: source 10.0.0.2, "
+        "keyed), heard from 4.8s ago")
     c = r.upsert(other, now=105, source="10.0.0.2")  # silent exactly timeout / 2: taken over
     assert c is not b and c.source == "10.0.0.2" and r._per_source == {"10.0.0.2": 1}
+    assert ("instance address taken over by a new owner after 5.0s of silence (restart?) role=D "
+            "http=127.0.0.1:2 source=10.0.0.1->10.0.0.2") in [x.getMessage() for x in caplog.records]
     # Without a time given, both read the monotonic clock.
     r = Registry(heartbeat_timeout=10)
     old, new = r.upsert(reg("P", 3), now=time.monotonic() - 11), r.upsert(reg("P", 4))
