@@ -85,7 +85,8 @@ def test_registry_heartbeat_keeps_load():
     }
 
 
-def test_registry_static_instance_lives_by_its_health_check_never_by_heartbeats():
+def test_registry_static_instance_lives_by_its_health_check_never_by_heartbeats(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
     r = Registry(heartbeat_timeout=10)
     joined: list = []
     r.listeners.append(lambda i: 1 / 0)  # a listener's bug never breaks the registry
@@ -103,6 +104,7 @@ def test_registry_static_instance_lives_by_its_health_check_never_by_heartbeats(
     # Never expired, never removed by discovery (a leave or a timeout): the prober decides.
     assert r.expire(now=1e12) == [] and r.remove("D", "127.0.0.1:9", "leave") is False
     assert r.live("D") == [s]
+    assert "static instance kept role=D http=127.0.0.1:9 reason=leave" in [x.getMessage() for x in caplog.records]
     r.set_healthy(s, False)
     assert not s.healthy and r.live("D") == [] and r.every() == [s] and joined == [s]
     # An instance no longer held changes its flag, never the live list.
