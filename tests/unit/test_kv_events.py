@@ -17,7 +17,7 @@ import pytest
 
 from proxy.metrics import Metrics
 from proxy.registry import Registry
-from proxy.routing.kv_events import EventsConfig, KVEvents
+from proxy.routing.kv_events import MAX_MESSAGE_BYTES, EventsConfig, KVEvents, _dropped, _raise_fd_limit
 from proxy.routing.kv_index import ApplyStats, IndexState, InstanceIndex
 from tests.support.kv_publisher import Publisher
 from tests.support.waiting import wait_until
@@ -832,3 +832,72 @@ async def test_silence_makes_the_index_unknown_after_silence_s(caplog):
     assert d.events.state(d.inst) is IndexState.UNKNOWN and len(d.stream.index) == 1
     assert any(r.getMessage() == "kv events silent for 10s, index unknown http=127.0.0.1:18001"
                for r in caplog.records)
+
+
+async def test_failed_replay_probes_back_off_doubling_to_the_most():
+    now = [0.0]
+    d = Direct(clock=lambda: now[0], probe_s=2.0, backoff_s=(0.1, 10.0))
+    d.stream.endpoint = EventsEndpoint("tcp://127.0.0.1:23001", "tcp://127.0.0.1:23002")
+    waits = []
+    for _ in range(5):
+        now[0] = d.stream.next_probe
+        await d.events._probe(d.stream)
+        waits.append(d.stream.next_probe - now[0])
+    assert waits == [2.0, 4.0, 8.0, 10.0, 10.0] and d.stream.replay_fails == 5
+    now[0] = d.stream.next_probe - 0.01  # before the next ask is due: none
+    await d.events._probe(d.stream)
+    assert d.stream.replay_fails == 5
+    await d.events._probe(d.stream, force=True)  # a reconnect asks at once
+    assert d.stream.replay_fails == 6
+
+
+def test_a_dropped_connection_is_read_from_the_monitor_and_logged(caplog):
+    import zmq
+
+    d = Direct()
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://mon")
+        b.connect("inproc://mon")
+        assert not _dropped(b, d.stream)  # nothing reported: still connected
+        a.send_multipart([zmq.EVENT_CLOSED.to_bytes(2, "little") + b"\0" * 4, b"tcp://127.0.0.1:23001"])
+        assert _dropped(b, d.stream) and not _dropped(b, d.stream)  # drained
+        for event in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
+            a.send_multipart([event.to_bytes(2, "little") + b"\0" * 4, b"tcp://127.0.0.1:23001"])
+        assert _dropped(b, d.stream)
+        d.stream.stats.reconnects = 10  # the 11th: not logged (10 first, then every 100th)
+        a.send(b"\x01")
+        assert _dropped(b, d.stream)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+    lines = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
+    assert lines == [
+        f"kv events connection lost http=127.0.0.1:18001 endpoint=tcp://127.0.0.1:23001 ({what}; the "
+        f"publisher went away, closed it, or sent a message over {MAX_MESSAGE_BYTES} bytes): reconnect 1 in 0.1s"
+        for what in ("connect failed", "disconnected")]
+
+
+def test_the_open_file_limit_is_raised_toward_what_the_sockets_need(caplog):
+    import resource
+
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
+    was, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 1000:
+        pytest.skip("needs a finite hard open-file limit of 1000 or more")
+    soft = hard - 100  # lowering the soft limit needs no privilege; raising it back to hard neither
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        _raise_fd_limit(soft)  # enough already: unchanged
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)
+        _raise_fd_limit(soft + 10)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft + 10, hard)
+        _raise_fd_limit(hard + 5)  # beyond the hard limit: up to it, and said
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (was, hard))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"open-file limit raised {soft} -> {soft + 10} for KV-event streams",
+                     f"open-file limit {hard} (hard) is below the {hard + 5} KV-event streams may need"]
