@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -244,6 +245,33 @@ def test_instance_to_json_shows_its_state():
     j = i.to_json(now_wall=i.last_heartbeat_wall - 5)  # a wall clock stepped back: age 0
     assert j["heartbeat_age_s"] == 0.0 and j["cooling_down"] is True and j["models"] == ["a", "b"]
     assert 0 < i.to_json(now_wall=i.last_heartbeat_wall + 0.5)["heartbeat_age_s"] < 1
+
+
+def test_registry_heartbeat_refreshes_what_the_owner_reports(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
+    r = Registry(heartbeat_timeout=10)
+    ol, gen, ep = OutputLimits(default=8), GenerationDefaults((("top_p", 0.9),)), EventsEndpoint("tcp://10.0.0.5:23001")
+    first = Registration("D", "10.0.0.5:8200", "10.0.0.5:1", load=Load(1, 2), kv_transport_fallbacks=1,
+                         kv_events=ep, output_limits=ol, generation=gen, instance_key=new_instance_key())
+    before = time.time()
+    i = r.upsert(first, now=3.0, source="10.0.0.5")
+    assert (i.url, i.last_heartbeat, i.load, i.kv_transport_fallbacks) == ("http://10.0.0.5:8200", 3.0, Load(1, 2), 1)
+    assert (i.kv_events, i.advertised_events, i.output_limits, i.generation) == (ep, ep, ol, gen)
+    assert before <= i.registered_at == i.last_heartbeat_wall <= time.time() and i.pending and i.bound
+    assert ("instance registered, pending until it answers role=D http=10.0.0.5:8200 zmq=10.0.0.5:1 "
+            "source=10.0.0.5 keyed=True") in [x.getMessage() for x in caplog.records]
+    registered = i.registered_at
+    ol2, gen2 = OutputLimits(override=4), GenerationDefaults((), True)
+    beat = dataclasses.replace(first, load=Load(5, 6), kv_transport_fallbacks=3, output_limits=ol2, generation=gen2)
+    assert r.upsert(beat, now=4.0, source="10.0.0.5") is i
+    assert (i.last_heartbeat, i.load, i.kv_transport_fallbacks, i.output_limits, i.generation) == (
+        4.0, Load(5, 6), 3, ol2, gen2)
+    assert i.registered_at == registered and i.last_heartbeat_wall >= registered and i.kv_events == ep
+    # What it stopped reporting is not known any more (load is the exception: kept).
+    r.upsert(dataclasses.replace(first, load=None, kv_transport_fallbacks=0, kv_events=None, output_limits=None,
+                                 generation=None), now=5.0, source="10.0.0.5")
+    assert (i.load, i.kv_transport_fallbacks, i.kv_events, i.advertised_events, i.output_limits, i.generation) == (
+        Load(5, 6), 0, None, None, None, None)
 
 
 def test_registry_logs_what_an_operator_greps_for(caplog):
