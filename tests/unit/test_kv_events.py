@@ -901,3 +901,37 @@ def test_the_open_file_limit_is_raised_toward_what_the_sockets_need(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"open-file limit raised {soft} -> {soft + 10} for KV-event streams",
                      f"open-file limit {hard} (hard) is below the {hard + 5} KV-event streams may need"]
+
+
+async def test_a_failing_stream_is_retried_with_a_doubling_backoff_reset_by_a_stable_connection(caplog):
+    """_run's policy, with the connection itself (_follow) replaced: it fails, or lasts."""
+    now = [0.0]
+    d = Direct(clock=lambda: now[0], backoff_s=(0.001, 0.004), stable_s=10.0)
+    s, outcomes, retries = d.stream, ["fail", "fail", "fail", "fail", "stable", "end", "fail"], []
+
+    async def follow(stream, first):
+        retries.append((stream.retry_s, first))
+        what = outcomes.pop(0) if outcomes else "hang"
+        if what == "fail":
+            raise RuntimeError("boom")
+        if what == "stable":
+            now[0] += 10.0  # the connection lasted stable_s
+        if what == "hang":
+            await asyncio.Event().wait()
+
+    d.events._follow = follow
+    s.index.live = True
+    task = asyncio.get_running_loop().create_task(d.events._run(s))
+    try:
+        await wait_until(lambda: not outcomes and len(retries) == 8, timeout=5)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert retries == [(0.001, True), (0.002, False), (0.004, False), (0.004, False), (0.004, False),
+                       (0.002, False), (0.004, False), (0.004, False)]
+    assert s.stats.failures == 5 and s.stats.reconnects == 7 and not s.index.live
+    assert d.metric("xpyd_kv_event_reconnects_total", reason="failed") == 5
+    assert d.metric("xpyd_kv_event_reconnects_total", reason="disconnected") == 2
+    assert "kv events stream failed http=127.0.0.1:18001 (1 so far), retry in 0.0s: RuntimeError: boom" in [
+        r.getMessage() for r in caplog.records]
