@@ -45,8 +45,10 @@ declare -A TESTS=(
 )
 # The marker expression per module (default "unit"). discovery: its sync tests only; the async ones
 # drive a whole proxy over ZMQ (seconds each) and would make a run take an hour on 2 cores.
+# registry: the same; its sync tests (tests/unit/test_proxy_units.py) drive every rule directly.
 declare -A MARKS=(
   [xpyd_wire/discovery.py]="unit and not asyncio"
+  [proxy/registry.py]="unit and not asyncio"
 )
 # proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests.
 for m in call continuation decode disaggregated dispatcher local relay rescue rewrite; do

@@ -95,7 +95,8 @@ def test_registry_static_instance_lives_by_its_health_check_never_by_heartbeats(
     ep = EventsEndpoint("tcp://127.0.0.1:23001")
     s = r.add_static("D", "127.0.0.1:9", "127.0.0.1:19", kv_events=ep)
     assert (s.role, s.http_address, s.zmq_address, s.url) == ("D", "127.0.0.1:9", "127.0.0.1:19", "http://127.0.0.1:9")
-    assert s.static and not s.healthy and not s.pending and not s.bound and s.kv_events == ep
+    assert s.static and s.healthy is False and not s.pending and not s.bound and s.kv_events == ep
+    assert s.to_json(now_wall=s.last_heartbeat_wall + 2)["heartbeat_age_s"] == 2.0
     assert s.last_heartbeat == math.inf and abs(s.registered_at - time.time()) < 60
     assert r.live("D") == [] and r.every() == [s] and r.holds(s)
     r.set_healthy(s, True)
@@ -115,9 +116,17 @@ def test_registry_static_instance_lives_by_its_health_check_never_by_heartbeats(
     r.set_healthy(other, False)
     r.set_healthy(other, True)
     assert r.live("D") == [] and joined == [s, other]
+    lines = [x.getMessage() for x in caplog.records]
+    for line in ("static instance added role=D http=127.0.0.1:9 zmq=127.0.0.1:19",
+                 "instance healthy role=D http=127.0.0.1:9", "instance unhealthy role=D http=127.0.0.1:9",
+                 "instance answered, now a candidate role=D http=127.0.0.1:2",
+                 "registry listener failed instance=127.0.0.1:9"):
+        assert line in lines, line
+    assert "instance healthy role=D http=127.0.0.1:2" not in lines  # not held: nothing to say
 
 
-def test_registry_static_instance_is_bound_by_its_first_registration():
+def test_registry_static_instance_is_bound_by_its_first_registration(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
     r = Registry(heartbeat_timeout=10)
     s = r.add_static("P", "10.0.0.5:8100", "10.0.0.5:1")
     key = new_instance_key()
@@ -125,6 +134,8 @@ def test_registry_static_instance_is_bound_by_its_first_registration():
     assert r.upsert(mine, now=0.0, source="10.0.0.5") is s
     assert s.bound and s.source == "10.0.0.5" and s.key_digest == hashlib.sha256(key.encode()).digest()
     assert s.zmq_address == "10.0.0.5:2" and s.static and not s.pending
+    assert ("static instance bound to its registration role=P http=10.0.0.5:8100 source=10.0.0.5 keyed=True"
+            in [x.getMessage() for x in caplog.records])
     with pytest.raises(RegistrationRefused) as e:
         r.upsert(Registration("P", "10.0.0.5:8100", "10.0.0.5:3"), now=1.0, source="10.0.0.5")
     assert e.value.reason == "conflict" and str(e.value) == (
@@ -133,7 +144,9 @@ def test_registry_static_instance_is_bound_by_its_first_registration():
     # Its owner silent for timeout / 2: a new owner rebinds it in place (never removed).
     stranger = Registration("P", "10.0.0.5:8100", "10.0.0.5:4")
     assert r.upsert(stranger, now=5.0, source="10.0.0.6") is s
-    assert s.source == "10.0.0.6" and s.key_digest is None and s.bound and r.every() == [s]
+    assert s.source == "10.0.0.6" and s.key_digest is None and s.bound is True and r.every() == [s]
+    assert ("static instance bound to its registration role=P http=10.0.0.5:8100 source=10.0.0.6 keyed=False"
+            in [x.getMessage() for x in caplog.records])
 
 
 def test_registry_bounds_per_role_and_per_source_refuse_and_free_on_removal():
@@ -158,9 +171,28 @@ def test_registry_bounds_per_role_and_per_source_refuse_and_free_on_removal():
     assert r.remove("D", "127.0.0.1:5", "leave") and r.remove("D", "127.0.0.1:2", "leave")
     assert r._per_source == {"10.0.0.2": 2}  # no empty entries kept
     assert r.remove("X", "127.0.0.1:2", "leave") is False
+    one = Registry(heartbeat_timeout=10, max_per_source=1)
+    one.upsert(reg("D", 1), now=0, source="10.0.0.1")  # the first from a source: below its bound
+    with pytest.raises(RegistrationRefused):
+        one.upsert(reg("D", 2), now=0, source="10.0.0.1")
+
+
+def test_registry_leave_from_another_owner_is_refused_and_counted(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
+    r = Registry(heartbeat_timeout=10)
+    r.upsert(reg("P", 1), now=0, source="10.0.0.1")
+    bye = Registration("P", "127.0.0.1:1", "x", leave=True)
+    for n in (1, 2):
+        with pytest.raises(RegistrationRefused) as e:
+            r.leave(bye, source="10.0.0.2")
+        assert e.value.reason == "conflict" and r.conflicts == n
+        assert str(e.value) == "leave for 127.0.0.1:1 from another owner (source 10.0.0.2)"
+    assert r.count_pending("P") == 1 and r.leave(bye, source="10.0.0.1") and r.every() == []
+    assert "instance removed role=P http=127.0.0.1:1 reason=leave" in [x.getMessage() for x in caplog.records]
 
 
 def test_registry_expiry_and_rebind_are_measured_from_the_last_heartbeat(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
     r = Registry(heartbeat_timeout=10)
     assert r.rebind_after_s == 5
     a = join(r, reg("D", 1), now=100)
@@ -177,13 +209,14 @@ def test_registry_expiry_and_rebind_are_measured_from_the_last_heartbeat(caplog)
     assert c is not b and c.source == "10.0.0.2" and r._per_source == {"10.0.0.2": 1}
     assert ("instance address taken over by a new owner after 5.0s of silence (restart?) role=D "
             "http=127.0.0.1:2 source=10.0.0.1->10.0.0.2") in [x.getMessage() for x in caplog.records]
+    assert "instance removed role=D http=127.0.0.1:2 reason=new_owner" in [x.getMessage() for x in caplog.records]
     # Without a time given, both read the monotonic clock.
     r = Registry(heartbeat_timeout=10)
     old, new = r.upsert(reg("P", 3), now=time.monotonic() - 11), r.upsert(reg("P", 4))
     assert r.expire() == [old] and r.holds(new) and not r.holds(old)
 
 
-def test_registry_pending_listeners_pending_list_and_admission():
+def test_registry_pending_listeners_pending_list_and_admission(caplog):
     r = Registry(heartbeat_timeout=10)
     seen: list = []
     r.pending_listeners.append(lambda i: 1 / 0)
@@ -191,9 +224,11 @@ def test_registry_pending_listeners_pending_list_and_admission():
     a = r.upsert(reg("P", 1), now=0)
     b = r.upsert(reg("D", 2), now=0)
     assert seen == [a, b] and r.pending() == [a, b] and r.count_pending("D") == 1
+    assert [x.getMessage() for x in caplog.records if x.levelno == logging.ERROR] == [
+        "registry listener failed instance=127.0.0.1:1", "registry listener failed instance=127.0.0.1:2"]
     b.probe_error = "connect"
     r.admit(b)
-    assert not b.pending and b.probe_error is None and r.live("D") == [b] and r.pending() == [a]
+    assert b.pending is False and b.probe_error is None and r.live("D") == [b] and r.pending() == [a]
     r.admit(b)  # twice: nothing more
     assert r.live("D") == [b]
     r.remove("P", a.http_address, "leave")  # a pending one: never live, the lists stand
@@ -202,7 +237,8 @@ def test_registry_pending_listeners_pending_list_and_admission():
     assert not a.pending and r.live("P") == [] and r.all() == [b]
 
 
-def test_registry_pools_and_models_follow_what_instances_serve():
+def test_registry_pools_and_models_follow_what_instances_serve(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.registry")
     r = Registry(heartbeat_timeout=10)
     a, b, c = (join(r, reg("D", p), now=0) for p in (1, 2, 3))
     p = join(r, reg("P", 4), now=0)
@@ -222,6 +258,10 @@ def test_registry_pools_and_models_follow_what_instances_serve():
     assert a.models == {"m1": {"id": "m1", "by": "a2"}} and r.pool("D", "m1") == [a, b]
     r.set_healthy(a, False)  # out of the live list: out of the pools and the models
     assert r.pool("D", "m1") == [b] and r.models()["m1"]["by"] == "b"
+    r.set_models(b, {"m4": {"id": "m4"}})  # other ids: the cached pools and models are dropped
+    assert r.pool("D", "m1") == [] and r.pool("D", "m2") == [] and list(r.models()) == ["m0", "m3", "m4"]
+    lines = [x.getMessage() for x in caplog.records if x.getMessage().startswith("instance models")]
+    assert lines[1] == "instance models role=D http=127.0.0.1:2 models=m1,m2" and len(lines) == 5
 
 
 def test_instance_to_json_shows_its_state():
@@ -289,6 +329,19 @@ def test_registry_logs_what_an_operator_greps_for(caplog):
            "kv_events=none->tcp://10.0.0.9:23001" in lines
     assert any(x.endswith("kv_events=tcp://10.0.0.9:23001->none") for x in lines)
     assert "instance removed role=P http=10.0.0.9:8000 reason=heartbeat_timeout" in lines
+
+
+def test_an_event_endpoint_moved_to_the_source_host_is_said_once(caplog):
+    r = Registry(heartbeat_timeout=10)
+    far = EventsEndpoint("tcp://10.0.0.5:23001", "tcp://10.0.0.5:23002")
+    r.upsert(Registration("P", "10.0.0.5:8000", "10.0.0.5:1", kv_events=far), now=0, source="10.0.0.9")
+    r.upsert(Registration("P", "10.0.0.5:8000", "10.0.0.5:1", kv_events=far), now=1, source="10.0.0.9")
+    near = EventsEndpoint("tcp://10.0.0.8:23001")
+    same_host = Registration("P", "10.0.0.8:8000", "10.0.0.8:1", kv_events=near)
+    assert r.upsert(same_host, source="10.0.0.8").kv_events is near
+    assert [x.getMessage() for x in caplog.records if "moved" in x.getMessage()] == [
+        "kv events endpoint moved to the registration's source host source=10.0.0.9 "
+        "tcp://10.0.0.5:23001->tcp://10.0.0.9:23001"]
 
 
 def _own_address(family: int, probe: str) -> str:
