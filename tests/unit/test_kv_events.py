@@ -720,7 +720,8 @@ async def test_a_gap_without_replay_rebuilds_from_the_batch_after_it():
     assert d2.stream.next_seq == 4
 
 
-async def test_a_seq_going_back_is_an_engine_restart_unless_a_replay_brought_it():
+async def test_a_seq_going_back_is_an_engine_restart_unless_a_replay_brought_it(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
     d = Direct()
     s = d.stream
     for seq in range(3):
@@ -744,6 +745,9 @@ async def test_a_seq_going_back_is_an_engine_restart_unless_a_replay_brought_it(
     assert d.events.view(d.inst) == {
         "state": "partial", "blocks": 1, "cap": 262_144, "next_seq": 3, "gaps": 2, "replays_ok": 0,
         "replays_failed": 0, "restarts": 2, "dropped": 0, "reconnects": 0, "failures": 0}
+    assert [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()] == [
+        f"kv events: engine restarted (seq went back {a} -> {b}), index reset http=127.0.0.1:18001"
+        for a, b in ((3, 0), (8, 2))]
 
 
 async def test_garbage_is_dropped_and_counted_by_reason(caplog):
@@ -935,3 +939,56 @@ async def test_a_failing_stream_is_retried_with_a_doubling_backoff_reset_by_a_st
     assert d.metric("xpyd_kv_event_reconnects_total", reason="disconnected") == 2
     assert "kv events stream failed http=127.0.0.1:18001 (1 so far), retry in 0.0s: RuntimeError: boom" in [
         r.getMessage() for r in caplog.records]
+
+
+async def test_dropped_messages_are_logged_ten_then_every_thousandth(caplog):
+    d = Direct()
+    for _ in range(2000):
+        await d.events.handle(d.stream, [b"x"])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv event dropped")]
+    assert [line.split("(")[1].split(" ")[0] for line in lines] == [*map(str, range(1, 11)), "1000", "2000"]
+    assert lines[0] == ("kv event dropped reason=malformed http=127.0.0.1:18001 (1 so far): "
+                        "1 frames, not 3")
+    assert d.stream.stats.dropped == 2000 and d.metric("xpyd_kv_events_total", result="malformed") == 2000
+
+
+async def test_a_large_payload_is_decoded_on_the_worker_thread(monkeypatch):
+    import concurrent.futures
+    import threading
+
+    import proxy.routing.kv_events as mod
+
+    threads = []
+
+    def spy(frames, topic=""):
+        threads.append((threading.current_thread().name, len(frames[2])))
+        return decode_batch(frames, topic)
+
+    monkeypatch.setattr(mod, "decode_batch", spy)
+    d = Direct()
+    d.events._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xpyd-kv-decode")
+    try:
+        await d.send(0, _blocks(10))
+        big = encode_batch(EventBatch(1, 1.0, (_blocks(100, 6000),)))
+        assert len(big[2]) > mod.INLINE_DECODE_BYTES
+        await d.events.handle(d.stream, big)
+        await d.events.handle(d.stream, [b"other", *big[1:]])  # refused on the worker too
+    finally:
+        d.events._decoder.shutdown()
+    (inline, small), (worker, large), (worker2, _) = threads
+    assert inline == threading.current_thread().name and small < mod.INLINE_DECODE_BYTES
+    assert worker.startswith("xpyd-kv-decode") and worker2.startswith("xpyd-kv-decode")
+    assert large > mod.INLINE_DECODE_BYTES and d.stream.next_seq == 2 and len(d.stream.index) == 6001
+    assert d.metric("xpyd_kv_events_total", result="wrong_topic") == 1
+
+
+async def test_stop_waits_for_the_streams_it_closed():
+    async with Harness(Publisher()) as h:
+        stream = h.stream
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        h.registry.remove("P", h.inst.http_address, "test")
+        h.events.reconcile()  # closes the stream: its task is cancelled, not finished yet
+        assert not h.events.streams() and stream.task in h.events._closing
+        await h.events.stop()
+        await asyncio.sleep(0)  # the task's done callbacks run
+        assert stream.task.done() and not h.events._closing
