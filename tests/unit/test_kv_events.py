@@ -992,3 +992,20 @@ async def test_stop_waits_for_the_streams_it_closed():
         await h.events.stop()
         await asyncio.sleep(0)  # the task's done callbacks run
         assert stream.task.done() and not h.events._closing
+
+
+async def test_a_restart_seen_after_its_first_batch_was_lost_replays_from_zero():
+    """The engine restarted and its seq 0 was lost: seq 1 arrives live, below what was
+    expected. The index is reset and the replay asked from 0, so it is complete again."""
+    toks = list(range(40))
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:16], 1)])
+        h.pub.publish([BlockRemoved((1,), "GPU")])
+        await wait_until(lambda: h.stream.next_seq == 2)
+        h.pub.restart()
+        h.pub.publish([seq_blocks(toks[20:28], 50)], send=False)  # seq 0: lost
+        h.pub.publish([seq_blocks(toks[28:32], 60, parent=51)])  # seq 1
+        await wait_until(lambda: h.stream.stats.restarts == 1 and h.stream.next_seq == 2)
+        assert h.index.state is IndexState.KNOWN and len(h.index) == 3
+        assert h.index.longest_prefix(chain_block_keys(toks[20:32], BS)) == 3
