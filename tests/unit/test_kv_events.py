@@ -667,11 +667,11 @@ def test_events_at_the_block_size_and_token_id_limits():
 
 
 class Direct:
-    def __init__(self, blocks: int | None = None, clock=time.monotonic, **cfg) -> None:
+    def __init__(self, blocks: int | None = None, clock=time.monotonic, topic: str = "", **cfg) -> None:
         self.registry = Registry(heartbeat_timeout=30)
         self.metrics = Metrics(self.registry)
         self.events = KVEvents(self.registry, self.metrics, EventsConfig(**cfg), clock=clock)
-        self.ep = EventsEndpoint("tcp://127.0.0.1:23001", None, "", blocks)
+        self.ep = EventsEndpoint("tcp://127.0.0.1:23001", None, topic, blocks)
         reg = discovery.Registration("D", "127.0.0.1:18001", "127.0.0.1:14579", kv_events=self.ep)
         self.inst = self.registry.upsert(reg)
         self.registry.admit(self.inst)
@@ -679,7 +679,7 @@ class Direct:
         self.stream = self.events.streams()[0]
 
     async def send(self, seq: int, *events) -> None:
-        await self.events.handle(self.stream, encode_batch(EventBatch(seq, 1.0, tuple(events))))
+        await self.events.handle(self.stream, encode_batch(EventBatch(seq, 1.0, tuple(events)), self.ep.topic))
 
     def metric(self, name, **labels):
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
@@ -763,6 +763,18 @@ async def test_garbage_is_dropped_and_counted_by_reason(caplog):
     assert d.metric("xpyd_kv_events_total", result="invalid_event") == 1
     assert any("kv event dropped reason=wrong_topic http=127.0.0.1:18001 (3 so far)" in r.getMessage()
                for r in caplog.records)
+
+
+async def test_orphans_and_evictions_add_up_over_batches_and_the_topic_is_checked():
+    d = Direct(blocks=1, topic="kv")
+    await d.send(0, _blocks(10, 2))  # two blocks, cap 1: one evicted
+    await d.send(1, _blocks(20, 2), stored([30], range(4), parent=999))  # and an orphan
+    s = d.stream
+    assert (s.stats.evicted, s.stats.orphans, s.next_seq) == (3, 1, 2)
+    await d.send(2, stored([31], range(4), parent=998))
+    assert (s.stats.evicted, s.stats.orphans, s.next_seq) == (3, 2, 3)
+    await d.events.handle(s, encode_batch(EventBatch(3, 1.0, (_blocks(40),))))  # topic "": not ours
+    assert s.stats.dropped == 1 and s.next_seq == 3
 
 
 def test_cap_is_the_advertised_capacity_never_above_the_flag():
@@ -853,6 +865,13 @@ async def test_failed_replay_probes_back_off_doubling_to_the_most():
     assert d.stream.replay_fails == 5
     await d.events._probe(d.stream, force=True)  # a reconnect asks at once
     assert d.stream.replay_fails == 6
+    # The exponent stops at 16: with no most, the 18th failure waits as long as the 17th.
+    far = Direct(clock=lambda: now[0], probe_s=1.0, backoff_s=(0.1, 1e9))
+    far.stream.endpoint = d.stream.endpoint
+    far.stream.replay_fails = 16
+    for fails in (17, 18):
+        await far.events._probe(far.stream, force=True)
+        assert far.stream.replay_fails == fails and far.stream.next_probe - now[0] == 2.0**16
 
 
 def test_a_dropped_connection_is_read_from_the_monitor_and_logged(caplog):
@@ -1009,3 +1028,14 @@ async def test_a_restart_seen_after_its_first_batch_was_lost_replays_from_zero()
         await wait_until(lambda: h.stream.stats.restarts == 1 and h.stream.next_seq == 2)
         assert h.index.state is IndexState.KNOWN and len(h.index) == 3
         assert h.index.longest_prefix(chain_block_keys(toks[20:32], BS)) == 3
+
+
+async def test_a_batch_lost_while_idle_is_found_by_the_probe_and_a_good_probe_resets_the_backoff():
+    async with Harness(Publisher()) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN and h.stream.next_seq == 0)
+        h.stream.replay_fails = 3  # as after failed asks
+        h.pub.publish([seq_blocks(list(range(8)), 1)], send=False)  # seq 0, lost on the way
+        await wait_until(lambda: h.stream.next_seq == 1)  # the probe's replay, from 0, brought it
+        await wait_until(lambda: h.stream.replay_fails == 0)
+        assert h.stream.next_probe <= time.monotonic() and len(h.index) == 2
+        assert h.index.state is IndexState.KNOWN
