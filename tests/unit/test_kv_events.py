@@ -984,11 +984,11 @@ async def test_a_large_payload_is_decoded_on_the_worker_thread(monkeypatch):
         return decode_batch(frames, topic)
 
     monkeypatch.setattr(mod, "decode_batch", spy)
-    d = Direct()
+    d = Direct(topic="kv")
     d.events._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xpyd-kv-decode")
     try:
         await d.send(0, _blocks(10))
-        big = encode_batch(EventBatch(1, 1.0, (_blocks(100, 6000),)))
+        big = encode_batch(EventBatch(1, 1.0, (_blocks(100, 6000),)), "kv")
         assert len(big[2]) > mod.INLINE_DECODE_BYTES
         await d.events.handle(d.stream, big)
         await d.events.handle(d.stream, [b"other", *big[1:]])  # refused on the worker too
@@ -1028,6 +1028,7 @@ async def test_a_restart_seen_after_its_first_batch_was_lost_replays_from_zero()
         await wait_until(lambda: h.stream.stats.restarts == 1 and h.stream.next_seq == 2)
         assert h.index.state is IndexState.KNOWN and len(h.index) == 3
         assert h.index.longest_prefix(chain_block_keys(toks[20:32], BS)) == 3
+        assert h.stream.stats.failures == 0  # recovered by the rules, not by a crash and a retry
 
 
 async def test_a_batch_lost_while_idle_is_found_by_the_probe_and_a_good_probe_resets_the_backoff():
@@ -1039,3 +1040,8 @@ async def test_a_batch_lost_while_idle_is_found_by_the_probe_and_a_good_probe_re
         await wait_until(lambda: h.stream.replay_fails == 0)
         assert h.stream.next_probe <= time.monotonic() and len(h.index) == 2
         assert h.index.state is IndexState.KNOWN
+        # A DEALER that read its answers to the end is kept for the next ask.
+        dealer, asked = h.stream.dealer, h.pub.replay_requests
+        assert dealer is not None
+        await wait_until(lambda: h.pub.replay_requests > asked + 1)
+        assert h.stream.dealer is dealer
