@@ -231,9 +231,26 @@ def summary(events: list, chat: bool) -> dict:
                 c["logprobs"][k] = c["logprobs"].get(k, []) + (v or [])
             if ch.get("finish_reason") is not None:
                 c["finish_reason"], c["stop_reason"] = ch["finish_reason"], ch.get("stop_reason")
-    return {"choices": choices, "usage": usage, "kinds": sorted({repr(_shape(e)) for e in events[:-1]}),
+    middle = [e for e in events[:-1]
+              if e.get("choices") and all(ch.get("finish_reason") is None for ch in e["choices"])]
+    ends = [e for e in events[:-1] if not any(e is m for m in middle)]
+    return {"choices": choices, "usage": usage,
+            # Events before any choice finished, and the rest (a finish, the usage event).
+            "kinds": {"middle": sorted({repr(_shape(e)) for e in middle}),
+                      "ends": sorted({repr(_shape(e)) for e in ends})},
             "last": sorted(events[-2]) if len(events) > 1 and isinstance(events[-2], dict) else None,
             "done": events[-1] if events else None}
+
+
+def comparable(got: dict, want: dict) -> tuple[dict, dict]:
+    """Two stream summaries as far as grouping leaves them comparable: a short answer that a
+    busy API process merged into its finishing event has no event before the finish (seen in
+    a CI-like run: two tokens and the stop in one event through D, two events colocated), so
+    the kinds of those events are compared only where both streams have some."""
+    if not got["kinds"]["middle"] or not want["kinds"]["middle"]:
+        got = {**got, "kinds": {**got["kinds"], "middle": None}}
+        want = {**want, "kinds": {**want["kinds"], "middle": None}}
+    return got, want
 
 
 def _parted_at_a_near_tie(got: dict[int, Answer], want: dict[int, Answer], s: System, path: str,
@@ -283,7 +300,7 @@ def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok:
         return head
     chat = path.endswith("chat/completions")
     if isinstance(want, list) and isinstance(got, list):  # streams
-        d = diff(summary(got, chat), summary(want, chat))
+        d = diff(*comparable(summary(got, chat), summary(want, chat)))
     else:
         d = diff(got, want)
     if d is not None and tied_ok and isinstance(body, dict):
