@@ -1032,7 +1032,8 @@ async def test_a_restart_seen_after_its_first_batch_was_lost_replays_from_zero()
 
 
 async def test_a_batch_lost_while_idle_is_found_by_the_probe_and_a_good_probe_resets_the_backoff():
-    async with Harness(Publisher()) as h:
+    # A replay that timed out would take a new DEALER: 5 s, not the harness's 0.5 s, on a loaded box.
+    async with Harness(Publisher(), replay_timeout_s=5.0) as h:
         await wait_until(lambda: h.index.state is IndexState.KNOWN and h.stream.next_seq == 0)
         h.stream.replay_fails = 3  # as after failed asks
         h.pub.publish([seq_blocks(list(range(8)), 1)], send=False)  # seq 0, lost on the way
