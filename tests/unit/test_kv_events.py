@@ -366,14 +366,19 @@ async def test_gap_without_replay_rebuilds_as_partial():
         await wait_until(lambda: h.index.state is IndexState.KNOWN)
 
 
+async def two_batches_then_restart(h: Harness, toks: list[int]) -> None:
+    """Seq 0 (blocks of toks[:16]) and seq 1 (one removal) applied, then the engine restarts."""
+    await wait_until(lambda: h.index.state is IndexState.KNOWN)
+    await publish_until_received(h, [seq_blocks(toks[:16], 1)])
+    h.pub.publish([BlockRemoved((1,), "GPU")])
+    await wait_until(lambda: h.stream.next_seq == 2)
+    h.pub.restart()
+
+
 async def test_engine_restart_resets_the_index():
     toks = list(range(40))
     async with Harness(Publisher()) as h:
-        await wait_until(lambda: h.index.state is IndexState.KNOWN)
-        await publish_until_received(h, [seq_blocks(toks[:16], 1)])
-        h.pub.publish([BlockRemoved((1,), "GPU")])
-        await wait_until(lambda: h.stream.next_seq == 2)
-        h.pub.restart()
+        await two_batches_then_restart(h, toks)
         h.pub.publish([seq_blocks(toks[20:28], 50)])  # seq 0 again
         await wait_until(lambda: h.stream.stats.restarts == 1)
         await wait_until(lambda: h.stream.next_seq == 1)
@@ -387,11 +392,7 @@ async def test_silent_restart_is_caught_by_the_replay_probe():
     hold the batch last applied any more, so the index is reset and replayed from 0."""
     toks = list(range(40))
     async with Harness(Publisher()) as h:
-        await wait_until(lambda: h.index.state is IndexState.KNOWN)
-        await publish_until_received(h, [seq_blocks(toks[:16], 1)])
-        h.pub.publish([BlockRemoved((1,), "GPU")])
-        await wait_until(lambda: h.stream.next_seq == 2)
-        h.pub.restart()
+        await two_batches_then_restart(h, toks)
         h.pub.publish([seq_blocks(toks[20:28], 50)], send=False)
         await wait_until(lambda: h.stream.stats.restarts == 1)
         await wait_until(lambda: h.index.longest_prefix(chain_block_keys(toks[20:28], BS)) == 2)
@@ -1018,11 +1019,7 @@ async def test_a_restart_seen_after_its_first_batch_was_lost_replays_from_zero()
     expected. The index is reset and the replay asked from 0, so it is complete again."""
     toks = list(range(40))
     async with Harness(Publisher()) as h:
-        await wait_until(lambda: h.index.state is IndexState.KNOWN)
-        await publish_until_received(h, [seq_blocks(toks[:16], 1)])
-        h.pub.publish([BlockRemoved((1,), "GPU")])
-        await wait_until(lambda: h.stream.next_seq == 2)
-        h.pub.restart()
+        await two_batches_then_restart(h, toks)
         h.pub.publish([seq_blocks(toks[20:28], 50)], send=False)  # seq 0: lost
         h.pub.publish([seq_blocks(toks[28:32], 60, parent=51)])  # seq 1
         await wait_until(lambda: h.stream.stats.restarts == 1 and h.stream.next_seq == 2)
