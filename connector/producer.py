@@ -224,6 +224,7 @@ class PeerSender:
         self._notices: dict[str, dict[str, str]] = {}  # address -> transfer key -> why it will not come
         self._thread: threading.Thread | None = None
         self.dead_since: float | None = None  # monotonic; None while the peer answers
+        self._unawaited = False  # the peer thread is in a call close() does not wait for
         self._contact_wanted = False  # prepare() asked for first contact ahead of a send
         # Set by the worker thread whenever a layer-wise send of this peer has more layers.
         self.layers_written = threading.Event()
@@ -267,8 +268,10 @@ class PeerSender:
         self.layers_written.set()  # a layer-wise send waiting for the forward pass looks again
 
     def join(self, timeout: float) -> None:
+        """Wait for the peer thread to stop, but not through a probe or an abort notice to a
+        dead peer (``_call_unawaited``): that would hold close() for up to its timeout."""
         t = self._thread
-        if t is not None:
+        if t is not None and not self._unawaited:
             t.join(timeout)
 
     def send_now(self, send: Send) -> None:
@@ -310,6 +313,10 @@ class PeerSender:
                 early, self._contact_wanted = self._contact_wanted, False
             if notices:
                 self._deliver(notices)
+                if self._stop.is_set():  # closing: close() may not have waited for the delivery
+                    if send is not None:
+                        self._fail([send], "kv engine closing")
+                    return
             if early and send is None:
                 self._early_contact()  # (a queued send makes first contact itself)
             if send is not None and send.layers is not None:
@@ -320,13 +327,24 @@ class PeerSender:
 
     def _probe(self) -> bool:
         try:
-            self._transport.call(self.peer, {OP_KEY: Op.PING}, timeout_s=PROBE_TIMEOUT_S)
+            self._call_unawaited(self.peer, {OP_KEY: Op.PING}, PROBE_TIMEOUT_S)
         except TransportError:
             return False
+        if self._stop.is_set():
+            return False  # closing: close() may not have waited for this probe (join); send nothing
         logger.info("kv peer %s answers again after %.1fs", self.peer, time.monotonic() - (self.dead_since or 0))
         self.dead_since = None
         self._contact = None  # it may have restarted with another configuration
         return True
+
+    def _call_unawaited(self, addr: str, header: dict[str, Any], timeout_s: float) -> None:
+        """A call that reads no KV cache (a probe, abort notices): close() does not wait for it,
+        since the transport lets a call in flight end after its own close."""
+        self._unawaited = True
+        try:
+            self._transport.call(addr, header, timeout_s=timeout_s)
+        finally:
+            self._unawaited = False
 
     def _mark_dead(self, err: Exception) -> None:
         if self.dead_since is None:
@@ -361,8 +379,8 @@ class PeerSender:
     def _deliver(self, notices: dict[str, dict[str, str]]) -> None:
         for i, (addr, keys) in enumerate(notices.items()):
             try:
-                self._transport.call(addr, {OP_KEY: Op.ABORT, "keys": keys},
-                                     timeout_s=min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
+                self._call_unawaited(addr, {OP_KEY: Op.ABORT, "keys": keys},
+                                     min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
             except TransportError as e:
                 with self._cond:  # keep them for when the peer answers again
                     for a, ks in list(notices.items())[i:]:
@@ -578,8 +596,8 @@ class PeerSender:
             took = time.monotonic() - send.created if layers is None else layers.lag_ms(time.monotonic()) / 1e3
             # Layer-wise: how many layers vLLM reported before the forward pass ended (while it
             # is still running, this send's were all reported and shipped before it ended).
-            reported = "" if layers is None else (f" layers_reported={layers.reported if layers.sealed_at else layers.layers}"
-                                                  f"/{layers.layers}")
+            reported = "" if layers is None else (
+                f" layers_reported={layers.reported if layers.sealed_at else layers.layers}/{layers.layers}")
             logger.log(logging.WARNING if took > SLOW_SEND_S else logging.INFO,
                        "kv sent%s req=%s transfer=%s tokens=%d blocks=%d bytes=%d peer=%s ranks=%d ms=%.1f "
                        "phases_ms=%s%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,

@@ -424,6 +424,9 @@ class TcpTransport(Transport):
     def _on_resolved(self, deferred: Deferred) -> None:
         """Any thread: a deferred reply is ready; wake the server thread."""
         self._resolved.put(deferred)
+        self._wake_server()
+
+    def _wake_server(self) -> None:
         wake = self._wake
         try:
             if wake is not None:
@@ -862,6 +865,7 @@ class TcpTransport(Transport):
             idle_streams = [s for socks in self._stream_idle.values() for s in socks]
             self._stream_idle.clear()
         self._stop.set()
+        self._wake_server()  # it polls with a timeout: without this, close waits up to poll_interval_s
         for s in idle:
             s.close(linger=0)
         for s in idle_streams:

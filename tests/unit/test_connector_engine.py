@@ -181,7 +181,8 @@ def test_skipped_leading_blocks(engines, send_type, skip, d_first, ok):
     # Only the shipped blocks went over the wire (headers add a few hundred bytes).
     block = sum(c[0].numel() * c.element_size() for c in prod.caches.values())
     wait_for(lambda: cons.xfer_stats.peek().nbytes("received") > 0)
-    assert (len(SRC_IDS) - skip) * block <= cons.xfer_stats.peek().nbytes("received") < (len(SRC_IDS) - skip + 1) * block
+    received = cons.xfer_stats.peek().nbytes("received")
+    assert (len(SRC_IDS) - skip) * block <= received < (len(SRC_IDS) - skip + 1) * block
 
 
 def test_rank_addressing(engines):
@@ -866,6 +867,44 @@ def test_close_is_prompt(engines):
     assert time.monotonic() - t0 < 5.0
 
 
+def test_close_wakes_the_transport_threads(engines):
+    """close() wakes the transport's server thread and its byte stream's accept loop instead of
+    waiting out their timeouts (raised to 30 s here, so that a close that waits shows)."""
+    eng = engines("kv_consumer", "PUT_ASYNC", transport=lambda cfg: TcpTransport(poll_interval_s=30.0))
+    eng._transport._stream_server._listener.settimeout(30.0)
+    time.sleep(0.3)  # the accept loop's next accept() takes the 30 s timeout (it had 0.2 s)
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 1.0  # each thread's join would give up after 2 s
+
+
+class _CallSeen(TcpTransport):
+    """The real transport; tells when a call of one op has started (to close during it)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op, self.started = op, threading.Event()
+
+    def call(self, peer, header, tensors=(), timeout_s=5.0):
+        if header.get("op") == self.op:
+            self.started.set()
+        return super().call(peer, header, tensors, timeout_s)
+
+
+@pytest.mark.parametrize("send_type, op, send_timeout", [("PUT_ASYNC", "ping", 0.3), ("PUT", "abort", 1.0)],
+                         ids=["probe", "abort-notice"])
+def test_close_does_not_wait_for_a_call_to_a_dead_peer(engines, send_type, op, send_timeout):
+    """A probe of a dead D (PUT_ASYNC, after its send failed) or the abort notice for a failed
+    send (PUT) reads no KV: close() returns without waiting out its 1 s timeout."""
+    seen = _CallSeen(op)
+    prod = engines("kv_producer", send_type, seed=1, send_timeout_s=send_timeout, transport=lambda cfg: seen)
+    prod.save(save_spec(prod, f"{HOST}:{free_port()}", delay_free=send_type != "PUT"))
+    assert seen.started.wait(WAIT_S)
+    t0 = time.monotonic()
+    prod.close()
+    assert time.monotonic() - t0 < 0.5
+
+
 # ================================================================ added by the lead
 
 
@@ -976,7 +1015,8 @@ def test_sender_giving_up_fails_the_load_at_once(engines):
 def test_dead_decode_does_not_delay_a_healthy_one(engines):
     """Per-peer queues: while sends to an unreachable D wait out their deadline, a
     healthy D's transfers go through at once."""
-    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=3.0)
+    send_timeout = 2.0
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=send_timeout)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     dead = f"{HOST}:{free_port()}"
     for i in range(3):
@@ -984,13 +1024,15 @@ def test_dead_decode_does_not_delay_a_healthy_one(engines):
     t0 = time.monotonic()
     prod.save(save_spec(prod, rank0(cons)))
     wait_for(lambda: cons.stats()["recv_items"] == 1)
-    assert time.monotonic() - t0 < 2.0  # not behind the dead peer's 3 s deadline
+    # Not behind the dead peer's deadline: its first send is still waiting for it.
+    assert prod.producer.peer(dead).dead_since is None
+    assert time.monotonic() - t0 < send_timeout
     load_and_check(cons, prod, snapshot(cons.caches))
     # The dead peer: the first send waits its deadline, then the peer is marked dead
-    # and the queued ones fail at once.
+    # and the queued ones fail (after one probe).
     res, t_done = poll_until(prod, lambda r: {"dead-0", "dead-1", "dead-2", "P-req"} <= r.finished_sending,
                              finished={"dead-0", "dead-1", "dead-2", "P-req"})
-    assert t_done - t0 < 3.0 + 2.0
+    assert t_done - t0 < send_timeout + 2.0
     assert prod.producer.peer(dead).dead_since is not None
 
 
