@@ -8,6 +8,7 @@ only the KV cache manager is a double (``get_block_ids(req_id)`` and ``usage``).
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -848,50 +849,84 @@ def _probe_setup(ranks: int, here: set[str], ready_value=True):
     return ArrivalProbe(cfg, ranks), servers, [f"127.0.0.1:{base + r}" for r in range(ranks)]
 
 
-def test_arrival_probe_reads_every_ranks_board_then_asks_every_rank():
+@pytest.fixture
+def probe_of():
+    """probe_of(ranks, here, ready_value=True) -> (probe, ranks' servers, their addresses); all closed after."""
+    made = []
+
+    def make(ranks: int, here: set[str], ready_value=True):
+        made.append(_probe_setup(ranks, here, ready_value))
+        return made[-1]
+
+    yield make
+    for probe, servers, _ in made:
+        probe.close()
+        for s in servers:
+            s.t.close()
+
+
+def _arrives(probe, key: str, within_s: float = 10.0) -> bool:
+    """True once the probe says the key is here. The probe says no on any doubt, a slow answer
+    included (its bound is 50 ms: a first connection on a loaded box can take longer), so a
+    test of a yes asks again, over the connection the first call left open."""
+    deadline = time.monotonic() + within_s
+    while not probe.arrived(key):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_arrival_probe_reads_every_ranks_board_then_asks_every_rank(probe_of):
     from connector.arrivals import ArrivalWriter, board_path
 
-    probe, servers, addrs = _probe_setup(2, {TK})
+    probe, servers, addrs = probe_of(2, {TK})
     boards = [ArrivalWriter(board_path(a)) for a in addrs]
     try:
         boards[0].publish(TK)  # on one board only: every rank is asked
-        assert probe.arrived(TK) is True
-        assert [[h["op"], h["key"]] for s in servers for h in s.asked] == [["ready", TK], ["ready", TK]]
+        assert _arrives(probe, TK)
+        assert all(s.asked for s in servers)
+        assert {(h["op"], h["key"]) for s in servers for h in s.asked} == {("ready", TK)}
+        for s in servers:
+            s.asked.clear()
         assert probe.arrived(f"{KEY2}-0") is False  # no rank has it
+        assert [(h["op"], h["key"]) for h in servers[0].asked] == [("ready", f"{KEY2}-0")]  # said no, not timed out
         for s in servers:
             s.asked.clear()
         boards[1].publish(TK)  # on every board: nobody is asked
         assert probe.arrived(TK) is True
         assert [s.asked for s in servers] == [[], []]
     finally:
-        probe.close()
         for b in boards:
             b.close()
-        for s in servers:
-            s.t.close()
 
 
-def test_arrival_probe_needs_every_rank_and_a_true_answer():
-    probe, servers, _ = _probe_setup(2, {TK})
+def _says_no(probe, key: str, caplog, within_s: float = 10.0) -> bool:
+    """The probe's no, from an answer: a call that timed out (it logs why) is asked again."""
+    import logging
+
+    deadline = time.monotonic() + within_s
+    with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.scheduler"):
+        while time.monotonic() < deadline:
+            caplog.clear()
+            if probe.arrived(key):
+                return False
+            if not any("kv arrival probe" in r.getMessage() for r in caplog.records):
+                return True
+    return False
+
+
+def test_arrival_probe_needs_every_rank_and_a_true_answer(probe_of, caplog):
+    probe, servers, _ = probe_of(2, {TK})
+    assert _arrives(probe, TK)  # both ranks have it
     servers[1]._here = set()  # rank 1 lacks it
-    try:
-        assert probe.arrived(TK) is False
-    finally:
-        probe.close()
-        for s in servers:
-            s.t.close()
-    probe, servers, _ = _probe_setup(1, {TK}, ready_value=1)  # a truthy non-True answer is doubt
-    try:
-        assert probe.arrived(TK) is False
-    finally:
-        probe.close()
-        for s in servers:
-            s.t.close()
+    assert _says_no(probe, TK, caplog)
+    probe, servers, _ = probe_of(1, {TK}, ready_value=1)  # a truthy non-True answer is doubt
+    assert _says_no(probe, TK, caplog)
 
 
 def test_arrival_probe_of_a_silent_rank_says_no_within_its_bound(caplog):
     import logging
-    import time
 
     from connector.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
     from tests.support.ports import spare_port
@@ -927,7 +962,7 @@ def test_arrival_probe_speaks_the_instances_kv_auth_and_framing(kv_auth, byte_st
     server.start("127.0.0.1", base, lambda h, t: ({"ok": True, "ready": h.get("key") == TK}, []))
     probe = ArrivalProbe(cfg, 1)
     try:
-        assert probe.arrived(TK) is True
+        assert _arrives(probe, TK)
         assert probe.arrived(f"{KEY2}-0") is False
     finally:
         probe.close()
