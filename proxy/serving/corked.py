@@ -15,6 +15,7 @@ now: each request's ``scope["state"][FLUSH]`` (ASGI has no message for it).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.config import HTTP_PROTOCOLS
@@ -23,6 +24,10 @@ from uvicorn.importer import import_from_string
 from proxy.serving.edge import Edge, guarded_protocol
 
 FLUSH = "xpyd.flush"  # scope["state"] key: a callable that sends what the connection holds
+# scope["state"] key: watch(on_lost) calls on_lost() once if the client leaves (at once if it
+# has left); it returns the function that stops watching. ASGI says so only through
+# receive(), which a request must then keep a task waiting on, a task per request.
+WATCH = "xpyd.watch"
 
 
 class CorkedTransport:
@@ -72,6 +77,10 @@ class CorkedTransport:
         return getattr(self._transport, name)
 
 
+def _nothing() -> None:
+    pass
+
+
 def corked_protocol(http: str, edge: Edge | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class ``http`` (auto, httptools, h11), whose connections
     write through a CorkedTransport (and, with `edge`, keep its limits: proxy/serving/edge.py)."""
@@ -82,12 +91,41 @@ def corked_protocol(http: str, edge: Edge | None = None) -> type[asyncio.Protoco
         base = guarded_protocol(base, edge, issubclass(base, H11Protocol))
 
     class Corked(base):  # type: ignore[misc,valid-type]
+        _on_lost: Callable[[], None] | None = None
+        _gone = False  # the client left (or was refused mid-request)
+
         def connection_made(self, transport: asyncio.Transport) -> None:
             corked = CorkedTransport(transport, asyncio.get_running_loop())
             super().connection_made(corked)
             # Every request's scope["state"] is a copy of app_state (both parsers): this
-            # connection's requests find its flush there.
-            self.app_state = {**self.app_state, FLUSH: corked.flush}
+            # connection's requests find its flush and watch there.
+            self.app_state = {**self.app_state, FLUSH: corked.flush, WATCH: self.watch_client}
+
+        def watch_client(self, on_lost: Callable[[], None]) -> Callable[[], None]:
+            if self._gone:
+                on_lost()
+                return _nothing
+            self._on_lost = on_lost
+            # As uvicorn's receive() does while it waits: reading may be paused (a large
+            # body), and the client's leaving is only seen by reading.
+            if self.flow is not None:
+                self.flow.resume_reading()
+
+            def unwatch() -> None:
+                if self._on_lost is on_lost:  # not the next request's (pipelining)
+                    self._on_lost = None
+
+            return unwatch
+
+        def client_lost(self) -> None:
+            self._gone = True
+            on_lost, self._on_lost = self._on_lost, None
+            if on_lost is not None:
+                on_lost()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            self.client_lost()
 
     Corked.__name__ = Corked.__qualname__ = f"Corked{base.__name__}"
     return Corked

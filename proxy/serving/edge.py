@@ -220,6 +220,9 @@ def guarded_protocol(base: type[asyncio.Protocol], edge: Edge, h11_parser: bool)
                 # would still send is dropped (uvicorn's disconnected cycle).
                 cycle.disconnected = True
                 cycle.message_event.set()
+                lost = getattr(self, "client_lost", None)  # the corked protocol's watch
+                if lost is not None:
+                    lost()
                 if cycle.response_started:  # mid-response: only the close can tell
                     transport.close()
                     return

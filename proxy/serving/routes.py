@@ -24,7 +24,7 @@ from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
 from proxy.routing.selection import Selector
-from proxy.serving.corked import FLUSH
+from proxy.serving.corked import FLUSH, WATCH
 from proxy.upstream.base import Upstream
 from xpyd_wire.headers import XPYD_PREFIX_RAW
 
@@ -54,6 +54,20 @@ DROP_REQUEST_HEADERS = frozenset(
 )
 
 
+def _header_name(k: bytes) -> str:
+    """A timing header's name for the log: without the xpyd prefix."""
+    return k.decode()[len(XPYD_PREFIX_RAW) :] if k.startswith(XPYD_PREFIX_RAW) else k.decode()
+
+
+def _client_left(flight: Flight) -> None:
+    """The client's connection closed: cancel its request, unless its answer is all sent
+    (as watch_disconnect does)."""
+    if not flight.done:
+        flight.disconnected = True
+        if flight.task is not None:
+            flight.task.cancel()
+
+
 class _Endpoint:
     """A raw ASGI app for one route. An object, not a function: Starlette wraps plain
     functions as request/response endpoints but mounts other callables as ASGI apps."""
@@ -70,7 +84,11 @@ class _Endpoint:
 
 class Router:
     def __init__(
-        self, cfg: ProxyConfig, registry: Registry, metrics: Metrics, upstream: Upstream,
+        self,
+        cfg: ProxyConfig,
+        registry: Registry,
+        metrics: Metrics,
+        upstream: Upstream,
         events: KVEvents | None = None,
     ) -> None:
         self.cfg = cfg
@@ -85,6 +103,7 @@ class Router:
         if not forwards_client_auth(cfg):
             self._drop = DROP_REQUEST_HEADERS | {b"authorization"}
         self._base_headers = {"content-type": "application/json"}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         if upstream_key is not None:
             self._base_headers["authorization"] = upstream_key
 
@@ -130,21 +149,30 @@ class Router:
 
     async def handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
-        task = asyncio.current_task()
+        # The loop found once: on Python 3.11 each lookup costs a getpid() system call.
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         assert task is not None  # the server runs each request in a task
         flight = Flight(task)
         watcher: asyncio.Task | None = None
+        unwatch: Callable[[], None] | None = None
         status = 500
         try:
             req = await self._read(path, scope, receive)
             if not req.verdict and not self.selector.check_model(req):
                 req.verdict, req.model = True, None  # any D: its vLLM's 404 names what it serves
             # From here on the request waits on upstreams: watch for the client leaving.
-            loop = task.get_loop()
-            watcher = loop.create_task(_watch(receive, flight))
             state = scope.get("state")
-            status = await self.dispatcher.run(Call(req, send, flight, t0, loop,
-                                                    flush=state.get(FLUSH) if state else None))
+            watch = state.get(WATCH) if state else None
+            if watch is not None:  # the proxy's own server: told by the connection
+                unwatch = watch(lambda: _client_left(flight))
+            else:  # any other ASGI server: a task waits on receive()
+                watcher = loop.create_task(_watch(receive, flight))
+            status = await self.dispatcher.run(
+                Call(req, send, flight, t0, loop, flush=state.get(FLUSH) if state else None)
+            )
         except ProxyError as e:
             status = e.status
             if not flight.started:
@@ -171,15 +199,12 @@ class Router:
                 await send_error(send, err, flight.extra)
         finally:
             flight.done = True
+            if unwatch is not None:
+                unwatch()
             if watcher is not None and not watcher.done():
                 watcher.cancel()
             elapsed = time.perf_counter() - t0
             self.metrics.observe_request(path, status, elapsed)
             if log.isEnabledFor(logging.DEBUG):
-                timing = " ".join(
-                    f"{k.decode()[len(XPYD_PREFIX_RAW):] if k.startswith(XPYD_PREFIX_RAW) else k.decode()}={v.decode()}"
-                    for k, v in flight.extra
-                )
-                log.debug(
-                    "request path=%s status=%d ms=%.2f %s", path, status, elapsed * 1e3, timing
-                )
+                timing = " ".join(f"{_header_name(k)}={v.decode()}" for k, v in flight.extra)
+                log.debug("request path=%s status=%d ms=%.2f %s", path, status, elapsed * 1e3, timing)

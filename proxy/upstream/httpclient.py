@@ -48,8 +48,11 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future | None = None
         self._reset()
 
-    def _reset(self) -> None:
-        self.parser = httptools.HttpResponseParser(self)
+    def _reset(self, parser: bool = True) -> None:
+        # A pooled connection's parser is left between messages (its last exchange was
+        # complete and kept alive): it reads the next response as it is.
+        if parser:
+            self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.content_type = "application/json"
         self.head_done = False
@@ -85,6 +88,12 @@ class _Conn(asyncio.Protocol):
             if self.head_bytes > MAX_HEAD:
                 self._fail(UpstreamError("protocol", f"response head larger than {MAX_HEAD} bytes"))
                 self.transport.close()
+                return
+        # Once per read, not per parser callback: a stream's read often holds a dozen
+        # chunks, each an on_body.
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -102,6 +111,12 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # Bytes past the end of the answer: never pooled (the parser, kept for the next
+            # exchange, would be inside this stray message).
+            self.keep_alive = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
         lname = name.lower()
         if lname == b"content-type":
@@ -117,21 +132,22 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         if self.status in (204, 304):
             self.sized = True
-        self.head_done = True
-        self._wake()
+        self.head_done = True  # data_received wakes the waiter (as for the two below)
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return  # a stray message's, after the answer: not part of it
         self.buf.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self.paused:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
+        if self.complete:
+            return  # a stray message after the answer (on_message_begin refused it)
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
-        self._wake()
 
     # -- helpers
 
@@ -192,19 +208,11 @@ class NativeResponse:
             raise _too_large(conn, limit, f"sent {conn.buffered} bytes")
         return conn.take() if conn.buf else b""
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; each item is all that was buffered at that moment."""
         conn = self._conn
         assert conn is not None, "response already closed"
-        while True:
-            if conn.buf:
-                yield conn.take()
-            elif conn.complete:
-                return
-            elif conn.error is not None:
-                raise conn.error
-            else:
-                await conn.wait()
+        return _Chunks(conn)
 
     def at_eof(self) -> bool:
         conn = self._conn
@@ -220,6 +228,30 @@ class NativeResponse:
         elif not conn.lost:
             # Unfinished: closing the connection is how vLLM learns to abort the request.
             conn.transport.close()
+
+
+class _Chunks:
+    """NativeResponse.chunks(): an iterator object rather than an async generator, which
+    the event loop's hooks would track (a WeakSet entry per response)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: _Conn) -> None:
+        self._conn = conn
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        while True:
+            if conn.buf:
+                return conn.take()
+            if conn.complete:
+                raise StopAsyncIteration
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait()
 
 
 def _too_large(conn: _Conn, limit: int, what: str) -> UpstreamError:
@@ -293,17 +325,13 @@ class NativeUpstream:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await loop.create_connection(lambda: _Conn(pool, loop), pool.host, pool.port)
         except TimeoutError:
-            raise UpstreamError(
-                "connect_timeout", f"connect to {pool.hostport} timed out"
-            ) from None
+            raise UpstreamError("connect_timeout", f"connect to {pool.hostport} timed out") from None
         except OSError as e:
             raise UpstreamError("connect", f"cannot connect to {pool.hostport}: {e}") from None
         pool.all.add(conn)
         return conn
 
-    async def request(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str]
-    ) -> NativeResponse:
+    async def request(self, method: str, url: str, body: bytes | None, headers: Mapping[str, str]) -> NativeResponse:
         # url is "http://host:port/path" (instances are always plain HTTP).
         rest = url[7:] if url.startswith("http://") else url
         slash = rest.find("/")
@@ -335,7 +363,7 @@ class NativeUpstream:
         self, conn: _Conn, method: str, path: str, body: bytes | None, headers: Mapping[str, str]
     ) -> NativeResponse:
         """Send one request on `conn` and wait for the head of its response."""
-        conn._reset()
+        conn._reset(parser=False)  # fresh, or pooled after a complete exchange
         conn.active = True
         hostport = conn.pool.hostport
         parts = [f"{method} {path} HTTP/1.1\r\nhost: {hostport}\r\n"]
