@@ -6,7 +6,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,12 @@ mtm = _load_script()
 def model_dir(tmp_path_factory) -> Path:
     """Built once through the CLI, as scripts/setup.sh does."""
     out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    t0 = time.monotonic()
+    # No time assertion: ~5 s on an idle box, 24 s seen with the unit tier's 4 workers on 2 cores.
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(out), "--seed", "0"],
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stderr
-    assert time.monotonic() - t0 < 20
     return out
 
 
@@ -114,11 +112,9 @@ def test_deterministic_and_idempotent(model_dir, tmp_path):
     assert mtm.make_model(again, seed=0) is True
     assert _files(again) == _files(model_dir)
 
-    # Up to date: returns quickly without rewriting.
+    # Up to date: returns without rewriting (False, the file untouched).
     mtime = (again / "model.safetensors").stat().st_mtime_ns
-    t0 = time.monotonic()
     assert mtm.make_model(again, seed=0) is False
-    assert time.monotonic() - t0 < 1.0
     assert (again / "model.safetensors").stat().st_mtime_ns == mtime
 
     # A damaged file is noticed and the model is rebuilt identically.
