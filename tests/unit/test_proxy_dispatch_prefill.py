@@ -1,0 +1,168 @@
+"""The disaggregated path's prefill failures, as clients and operators see them: a P whose
+connection attempts time out, the messages of the errors P's failures end in, the log line
+of each failed attempt, and the abandoned D answer of a concurrent dispatch. Real proxy,
+fake instances over real HTTP and ZMQ (the mutation survivors of proxy/dispatch/disaggregated.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from contextlib import contextmanager
+
+from tests.support.proxy_errors import assert_error
+from tests.support.proxy_helpers import Fault, running_proxy, wait_until
+from xpyd_wire.discovery import Load, OutputLimits
+from xpyd_wire.headers import XPYD_PATH, XPYD_PREFILL_INSTANCE
+
+COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
+STREAM = {**COMPLETION, "stream": True}
+
+
+@contextmanager
+def blackholed(port: int):
+    """127.0.0.1:port accepts no new connection and refuses none: a listener (backlog 0)
+    whose one queued slot is taken and never accepted, so the kernel drops every further
+    SYN and a connect attempt waits until its own deadline (as to a host gone silent)."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(0)
+    filler = socket.create_connection(("127.0.0.1", port), timeout=2)
+    try:
+        yield
+    finally:
+        filler.close()
+        listener.close()
+
+
+async def register_silent(px, role: str) -> tuple[str, int]:
+    """An instance that registered (and answered its join probe), then went silent: its
+    address takes no connection. Returns (http address, port); its registration lives on
+    until the heartbeat timeout. Blackhole it with `blackholed(port)`."""
+    gone = await px.fake(role, register=False)
+    await gone.send_registration()
+    addr = gone.http_address
+    await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
+    await gone.stop()
+    return addr, int(addr.rsplit(":", 1)[1])
+
+
+async def test_prefill_connect_timeout_cools_p_down_and_counts_as_unreachable():
+    """A P that cannot be connected to in connect_timeout is the same as one that refuses:
+    it cools down (the next requests skip it), and when it was the only P, D alone serves
+    the request (fallback_to_decode), or the client gets 504 prefill_timeout without it."""
+    async with running_proxy(connect_timeout=0.3, heartbeat_timeout=30, expose_routing_headers=True) as px:
+        addr, port = await register_silent(px, "P")  # first in the table: round robin tries it first
+        p, d = await px.pd()
+        with blackholed(port):
+            for _ in range(3):
+                resp = await px.client.post("/v1/completions", json=COMPLETION)
+                assert resp.status_code == 200, resp.text
+                assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
+        # Round robin would have sent the third request to the silent P again: only its
+        # cooldown kept it away.
+        assert await px.metric("xpyd_upstream_errors_total", role="P", instance=addr, kind="connect_timeout") == 1
+        assert len(p.completions()) == 3 and len(d.completions()) == 3
+    async with running_proxy(connect_timeout=0.3, heartbeat_timeout=30, prefill_retries=0) as px:
+        addr, port = await register_silent(px, "P")
+        d = await px.fake("D")
+        with blackholed(port):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers[XPYD_PATH] == "local_no_prefill"
+        assert d.completions()[0].request_id.startswith("xpyd-local-")
+    async with running_proxy(connect_timeout=0.3, heartbeat_timeout=30, prefill_retries=0,
+                             fallback_to_decode=False) as px:  # fmt: skip
+        addr, port = await register_silent(px, "P")
+        d = await px.fake("D")
+        with blackholed(port):
+            err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 504, "prefill_timeout")
+        assert err["message"].startswith("prefill failed on 1 attempt(s), last: ")
+        assert "timed out" in err["message"] and not d.completions()
+
+
+async def test_prefill_errors_say_how_many_attempts_failed_and_the_last_failure():
+    # A P that timed out is never tried again for the request, even with retries left.
+    async with running_proxy(prefill_timeout=0.3, prefill_retries=1) as px:
+        p, d = await px.pd()
+        p.fault = Fault(hang=True)
+        err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 504, "prefill_timeout")
+        assert err["message"] == "prefill failed on 1 attempt(s), last: timed out after 0.3s"
+        assert len(p.completions()) == 1
+        assert not d.completions()
+    async with running_proxy(prefill_retries=2, fallback_to_decode=False, heartbeat_timeout=30) as px:
+        dead = await px.fake("P", register=False)
+        await dead.send_registration()
+        await wait_until(lambda: px.registry.live("P"), what="P registered")
+        await dead.stop()
+        await px.fake("D")
+        err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 502, "prefill_unreachable")
+        # One P, tried three times (each retry takes the P that merely refused again).
+        assert err["message"].startswith("no prefill instance could be reached after 3 attempt(s), last: ")
+
+
+async def test_each_failed_prefill_attempt_is_logged(caplog):
+    """The operator's record of a prefill that failed: which P, how, which attempt, why."""
+    async with running_proxy(prefill_timeout=0.3, expose_routing_headers=True) as px:
+        slow, fast = await px.fake("P"), await px.fake("P")
+        await px.fake("D")
+        slow.fault = Fault(hang=True)
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers[XPYD_PREFILL_INSTANCE] == fast.http_address
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefill failed")]
+    assert lines == [f"prefill failed instance={slow.http_address} kind=timeout attempt=1 error=timed out after 0.3s"]
+
+
+async def test_concurrent_dispatch_waits_for_p_with_one_request_waiting():
+    """One request waiting on P (its heartbeat) is already a queue: D is asked after P."""
+    async with running_proxy(dispatch="concurrent") as px:
+        p = await px.fake("P", load=Load(running=1, waiting=1))
+        d = await px.fake("D")
+        p.fault = Fault(delay=0.4)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200
+        (pre,), (dec,) = p.completions(), d.completions()
+        assert dec.received_at >= pre.received_at + 0.35
+
+
+async def test_concurrent_dispatch_closes_ds_opened_answer_when_p_fails():
+    """D answered (its stream's first event) before P failed: that open answer is closed at
+    once, so vLLM aborts the request instead of decoding for nobody."""
+    async with running_proxy(dispatch="concurrent", first_token="decode", prefill_retries=0) as px:
+        p, d = await px.pd()
+        d.fault = Fault(stall_after=1)  # one event, then nothing until the proxy leaves
+        p.fault = Fault(status=500, delay=0.3)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 500 and resp.json()["error"]["message"] == "fake P failure"
+        (dec,) = d.completions()
+        assert dec.received_at < p.completions()[0].received_at + 0.25  # D was open before P failed
+        await wait_until(lambda: dec.cancelled, timeout=2, what="D aborted")
+
+
+async def test_a_server_capping_the_answer_at_one_token_gets_it_from_p_alone():
+    """D's vLLM caps every answer at one token (--override-generation-config
+    max_new_tokens=1): the client's max_tokens 5 is one token, so P's answer is all of it,
+    under a plain request id (P ships no KV) and D is not asked."""
+    limits = OutputLimits(override=1, context=8192)
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd(output_limits=limits)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "prefill_alone"
+        (pre,) = p.completions()
+        assert pre.request_id.startswith("xpyd-local-") and d.completions() == []
+        assert resp.text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_retried_prefill_goes_to_a_p_not_tried_yet():
+    """least_loaded would pick the idle P again: the retry excludes the P that failed, so
+    the busier one prefills."""
+    async with running_proxy(prefill_timeout=0.3, prefill_policy="least_loaded", expose_routing_headers=True) as px:
+        idle = await px.fake("P")
+        busy = await px.fake("P", load=Load(running=50))
+        await px.fake("D")
+        idle.fault = Fault(hang=True)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers[XPYD_PREFILL_INSTANCE] == busy.http_address
+        assert len(idle.completions()) == 1 and len(busy.completions()) == 1
