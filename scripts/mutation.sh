@@ -56,7 +56,7 @@ declare -A MARKS=(
 # for one token, the precise policy's skip, the lead and the neutral id's pure functions.
 for m in call continuation decode disaggregated dispatcher local relay rescue rewrite; do
   TESTS[proxy/dispatch/$m.py]="tests/unit/test_proxy_dispatch_prefill.py tests/unit/test_proxy_dispatch_paths.py
-    tests/unit/test_proxy_dispatch_rescue.py
+    tests/unit/test_proxy_dispatch_rescue.py tests/unit/test_proxy_dispatch_relay.py
     tests/unit/test_proxy_dispatch.py tests/unit/test_proxy_failures.py tests/unit/test_proxy_io.py
     tests/unit/test_proxy_first_token.py::test_one_token_is_all_from_p_and_d_is_not_asked
     tests/unit/test_proxy_first_token.py::test_one_token_chat_is_all_from_p_without_a_transfer

@@ -166,3 +166,16 @@ async def test_a_retried_prefill_goes_to_a_p_not_tried_yet():
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 200 and resp.headers[XPYD_PREFILL_INSTANCE] == busy.http_address
         assert len(idle.completions()) == 1 and len(busy.completions()) == 1
+
+
+async def test_concurrent_dispatch_asks_d_after_p_when_the_first_token_is_ps():
+    """With the first token from P, D's request is the continuation of P's token: it cannot
+    go out before P answered, whatever the dispatch mode."""
+    async with running_proxy(dispatch="concurrent", first_token="prefill") as px:
+        p, d = await px.pd()
+        p.fault = Fault(delay=0.3)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        (pre,), (dec,) = p.completions(), d.completions()
+        assert dec.received_at >= pre.received_at + 0.25
+        assert dec.json["prompt"] != STREAM["prompt"]  # the prompt's ids and P's token

@@ -5,10 +5,16 @@ proxy/dispatch/rescue.py and the paths that lead to it)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import time
+
 from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
+STREAM = {**COMPLETION, "stream": True}
 
 
 async def register_dead(px, role: str) -> str:
@@ -39,3 +45,49 @@ async def test_rescue_after_a_concurrent_attempt_whose_d_refused_before_p_answer
         (alone,) = d.completions()
         assert alone.request_id.startswith("xpyd-local-") and alone.json == COMPLETION
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+
+
+# vLLM 0.32's answer to a disaggregated request whose KV load failed (kv_load_failure_policy=fail).
+KV_ERROR = {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+KV_LOAD_FAILED = Fault(status=500, id_prefix="___prefill_addr_", error_body=json.dumps({"error": KV_ERROR}).encode())
+
+
+async def test_rescue_is_logged_with_the_failure_it_mends(caplog):
+    async with running_proxy(first_token="decode", decode_retries=0, expose_routing_headers=True) as px:
+        p, d = await px.pd()
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "times": 1})
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_rescue"
+        assert resp.headers[XPYD_DECODE_INSTANCE] == d.http_address
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
+    assert lines == [f"decode rescue: D alone instance={d.http_address} attempt=2 failed_status=500 "
+                     "error=decode failed: HTTP 500 in its answer"]  # fmt: skip
+
+
+async def test_rescue_without_a_free_d_before_the_deadline_relays_the_failure(caplog):
+    """The only other D is full (decode_max_in_flight 1) past the failed attempt's
+    first-byte deadline: no rescue, the client gets D's own error when that deadline ends,
+    and the full D is not asked."""
+    async with running_proxy(first_token="decode", decode_retries=0, decode_max_in_flight=1,
+                             decode_ttfb_timeout=1.0) as px:  # fmt: skip
+        await px.fake("P")
+        d1, d2 = await px.fake("D"), await px.fake("D")
+        d1.fault = d2.fault = Fault(stall_after=1)  # another client's stream: one token, then a pause
+        loop = asyncio.get_running_loop()
+        blocker = loop.create_task(px.client.post("/v1/completions", json=STREAM))
+        busy = await wait_until(lambda: (d1.completions() and d1) or (d2.completions() and d2), what="D busy")
+        free = d2 if busy is d1 else d1
+        free.fault = KV_LOAD_FAILED
+        try:
+            with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+                t0 = time.monotonic()
+                resp = await px.client.post("/v1/completions", json=COMPLETION)
+                elapsed = time.monotonic() - t0
+            assert resp.status_code == 500 and resp.json()["error"]["message"] == "Internal server error"
+            assert 0.9 < elapsed < 2.5, elapsed
+            assert len(busy.completions()) == 1 and len(free.completions()) == 1
+        finally:
+            blocker.cancel()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
+    assert lines == ["decode rescue skipped attempt=2 reason=no_slot error="]
