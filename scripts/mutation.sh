@@ -50,17 +50,16 @@ declare -A MARKS=(
   [xpyd_wire/discovery.py]="unit and not asyncio"
   [proxy/registry.py]="unit and not asyncio"
 )
-# proxy/dispatch/*.py (the dispatcher, split in modules): the tests written for their mutants first
-# (a survivor of the others is killed in seconds on RECHECK, not after every older test), the
-# dispatch and failure tests, and the few tests elsewhere that drive a path these miss: P alone
-# for one token, the precise policy's skip, the lead and the neutral id's pure functions.
+# proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests, the tests
+# written for their mutants (tests/unit/test_proxy_dispatch_*.py), and the few tests elsewhere that
+# drive a path these miss: P alone for one token, the lead and the
+# neutral id's pure functions. Changing this list makes mutmut forget a module's results.
 for m in call continuation decode disaggregated dispatcher local relay rescue rewrite; do
   TESTS[proxy/dispatch/$m.py]="tests/unit/test_proxy_dispatch_prefill.py tests/unit/test_proxy_dispatch_paths.py
     tests/unit/test_proxy_dispatch_rescue.py tests/unit/test_proxy_dispatch_relay.py
     tests/unit/test_proxy_dispatch.py tests/unit/test_proxy_failures.py tests/unit/test_proxy_io.py
     tests/unit/test_proxy_first_token.py::test_one_token_is_all_from_p_and_d_is_not_asked
     tests/unit/test_proxy_first_token.py::test_one_token_chat_is_all_from_p_without_a_transfer
-    tests/unit/test_proxy_precise.py::test_two_proxies_route_every_prompt_to_its_holder
     tests/unit/test_proxy_units.py::test_judge_lead tests/unit/test_proxy_units.py::test_judge_lead_parses_no_more_than_its_cap
     tests/unit/test_proxy_units.py::test_relay_error_event_starts_on_an_event_boundary
     tests/unit/test_proxy_security.py::test_rewrite_whole_body_and_every_split_of_the_id

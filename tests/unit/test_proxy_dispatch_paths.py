@@ -4,10 +4,14 @@ instances over real HTTP and ZMQ (mutation survivors of proxy/dispatch/*.py)."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 
-from tests.support.proxy_helpers import Fault, running_proxy
-from xpyd_wire.headers import XPYD_DECODE_TTFB_MS, XPYD_PATH, XPYD_PREFILL_MS, XPYD_QUEUE_MS
+from tests.support.proxy_errors import assert_error
+from tests.support.proxy_helpers import Fault, running_proxy, wait_until
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_DECODE_TTFB_MS, XPYD_PATH, XPYD_PREFILL_MS, XPYD_QUEUE_MS
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -101,3 +105,100 @@ async def test_a_body_nested_deeper_than_the_proxy_can_write_is_refused():
         }
         assert resp.json() == {"error": want}
         assert p.completions() == [] and d.completions() == []
+
+
+# ---------------------------------------------------------------- D's answer before its first byte
+
+
+async def register_dead(px, role: str) -> str:
+    """An instance that registered (and answered its join probe), then stopped: its port
+    refuses connections while its registration lives on (heartbeat_timeout)."""
+    gone = await px.fake(role, register=False)
+    await gone.send_registration()
+    addr = gone.http_address
+    await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
+    await gone.stop()
+    return addr
+
+
+@pytest.mark.parametrize("expose", [False, True])
+async def test_a_d_silent_past_its_first_byte_deadline_is_a_504(expose, caplog):
+    async with running_proxy(decode_ttfb_timeout=0.3, expose_routing_headers=expose) as px:
+        p, d = await px.pd()
+        d.fault = Fault(hang=True)
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 504, "decode_timeout")
+        where = f"decode instance {d.http_address}" if expose else "decode instance"
+        assert err["message"] == f"{where} sent nothing for 0.3s"
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d.http_address, kind="timeout") == 1
+    assert f"decode sent nothing instance={d.http_address} for=0.3s" in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("expose", [False, True])
+async def test_an_unreachable_d_cools_down_and_the_client_is_told_how_it_failed(expose):
+    async with running_proxy(heartbeat_timeout=30, decode_retries=0, expose_routing_headers=expose) as px:
+        await px.fake("P")
+        dead = await register_dead(px, "D")
+        err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 502, "decode_unreachable")
+        if expose:
+            assert err["message"].startswith(f"decode instance {dead} failed before answering: cannot connect")
+        else:
+            assert err["message"] == "decode instance failed before answering: connection refused or unreachable"
+        refused = await px.metric("xpyd_upstream_errors_total", role="D", instance=dead, kind="connect")
+        assert refused == 2  # the request, then D alone on the only D
+        # Cooling down, the refusing D is skipped while a live one serves.
+        d = await px.fake("D")
+        for _ in range(2):
+            assert (await px.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=dead, kind="connect") == refused
+        assert len(d.completions()) == 2
+
+
+async def test_an_oversized_d_answer_is_named_in_the_error_and_the_log(caplog):
+    async with running_proxy(max_response_bytes=1000, first_token="decode") as px:
+        p, d = await px.pd()
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json={**COMPLETION, "max_tokens": 300})
+        err = assert_error(resp, 502, "upstream_response_too_large")
+        assert err["message"].startswith("decode instance's ") and err["message"].endswith(
+            ", over the proxy's max_response_bytes"
+        )
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d.http_address,
+                               kind="too_large") == 1  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("answer too large")]
+    assert line.startswith(f"answer too large phase=decode instance={d.http_address} error=")
+
+
+async def test_ds_stream_error_event_is_logged_as_such(caplog):
+    async with running_proxy(first_token="decode", decode_retries=1) as px:
+        await px.fake("P")
+        d1, _ = await px.fake("D"), await px.fake("D")
+        d1.fault = Fault(stream_error=503, id_prefix="___prefill_addr_")  # round robin asks d1 first
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and "error" not in resp.text
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d1.http_address,
+                               kind="http_503") == 1  # fmt: skip
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode failed")] == [
+        f"decode failed before first byte instance={d1.http_address} attempt=1 "
+        "error=decode failed: HTTP 503 in its stream's error event"
+    ]
+
+
+@pytest.mark.parametrize("expose", [False, True])
+async def test_the_request_id_clients_see(expose):
+    """Exposed: the id P and D were sent, also where an instance's error quotes it; else its
+    uuid hex, in the header and in the relayed error alike."""
+    quoting = json.dumps({"error": {"message": "failed ({request_id})", "type": "InternalServerError",
+                                    "param": None, "code": 500}}).encode()  # fmt: skip
+    async with running_proxy(expose_routing_headers=expose) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        rid = d.completions()[0].request_id
+        assert resp.headers["x-request-id"] == (rid if expose else rid[-32:])
+        assert (XPYD_DECODE_INSTANCE in resp.headers) is expose
+        p.fault = Fault(status=500, error_body=quoting)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        rid = p.completions()[-1].request_id
+        assert resp.status_code == 500 and resp.json()["error"]["message"] == f"failed ({rid if expose else rid[-32:]})"
+        assert resp.headers["x-request-id"] == (rid if expose else rid[-32:])

@@ -91,3 +91,36 @@ async def test_rescue_without_a_free_d_before_the_deadline_relays_the_failure(ca
             blocker.cancel()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
     assert lines == ["decode rescue skipped attempt=2 reason=no_slot error="]
+
+
+async def test_rescue_when_every_d_left_meanwhile_relays_the_failure(caplog):
+    async with running_proxy(first_token="decode", decode_retries=0) as px:
+        p, d = await px.pd()
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "delay": 0.5})
+        task = asyncio.get_running_loop().create_task(px.client.post("/v1/completions", json=COMPLETION))
+        await wait_until(lambda: d.completions(), what="D asked")
+        d.stop_heartbeats()
+        await d.send_registration(leave=True)
+        await wait_until(lambda: not px.registry.live("D"), what="D left")
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await task
+        assert resp.status_code == 500 and resp.json() == {"error": KV_ERROR}
+        assert len(d.completions()) == 1  # no D alone
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
+    assert lines == ["decode rescue skipped attempt=2 reason=no_instance"]
+
+
+async def test_a_rescue_that_fails_too_is_logged_with_the_status_relayed(caplog):
+    async with running_proxy(first_token="decode", decode_retries=0) as px:
+        p, d = await px.pd()
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "id_prefix": None})  # D alone fails too
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 500 and resp.json() == {"error": KV_ERROR}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
+    assert lines == [
+        f"decode rescue: D alone instance={d.http_address} attempt=2 failed_status=500 "
+        "error=decode failed: HTTP 500 in its answer",
+        f"decode rescue failed instance={d.http_address} attempt=2 error=decode failed: HTTP 500 in its answer "
+        "relaying_status=500",
+    ]
