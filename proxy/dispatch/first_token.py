@@ -308,14 +308,16 @@ _PLACEHOLDER = -1  # no token id: where the cut-out ids were, for the check that
 _SHAPE = bytes(48 if 48 <= c <= 57 else 44 if c == 44 else 120 for c in range(256))  # "0", ",", "x"
 # A token id is an int32 in every vLLM tokenizer; vLLM's `created` is seconds since 1970.
 _MAX_ID = 2**31 - 1
-_LONG_ID = b"0" * 11  # in the shape: over 10 digits, past any int32
+# In the shape: 10 digits or more. Past 999,999,999, beyond any vocabulary, and some of them
+# past int32: such an answer is parsed whole, where each id's range is checked.
+_LONG_ID = b"0" * 10
 _MAX_CREATED = 2**53
 
 
 def _cut_prompt_ids(data: bytes) -> tuple[bytes, PromptIds] | None:
     """P's answer with its first ``prompt_token_ids`` array replaced by the placeholder,
     and that array, when it is compact JSON of digits and commas (as vLLM writes it) with no
-    number of more than 10 digits; else None (the whole answer is then parsed). The array
+    number of 10 digits or more; else None (the whole answer is then parsed). The array
     cannot reach past its first "]", so D's request gets an array whatever P sent."""
     start = data.find(_PROMPT_IDS_KEY)
     if start < 0:

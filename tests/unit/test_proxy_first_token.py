@@ -29,7 +29,7 @@ from tests.support.fake_vllm import (
 from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE
-from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM
+from xpyd_wire.request_id import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
 
 PROMPT = "Tell me about the sea"
 STREAM = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 5, "stream": True}
@@ -132,6 +132,10 @@ CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": P
     ({"min_tokens": 6}, False),
     ({"mm_processor_kwargs": {"x": 1}}, False),
     ({"return_prompt_text": True}, False),
+    ({"messages": ["hi"]}, False),  # not a message object
+    ({"messages": [{"role": "user", "content": 5}]}, False),  # content neither text, parts nor null
+    ({"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]}, False),
+    ({"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}]}, True),
 ])
 def test_chat_eligible(change, ok):
     assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, GEN) is ok
@@ -670,7 +674,7 @@ def test_an_answer_this_mode_cannot_use_falls_back(choice):
     assert first_token.parse(json.dumps({"id": "x", "choices": [ok]}).encode()).prompt_ids == PromptIds(b"[1,2]", 2)
 
 
-@pytest.mark.parametrize("created", [1e300, -1, 2**60, "1", True, None, 1.5])
+@pytest.mark.parametrize("created", [1e300, -1, 2**60, 2**53, "1", True, None, 1.5])
 def test_an_answer_with_a_created_vllm_does_not_write_falls_back(created):
     """A P answering "created": 1e300 made every request a 500 (orjson cannot write the int)."""
     ok = {"text": " a", "token_ids": [5], "prompt_token_ids": [1, 2]}
@@ -686,7 +690,10 @@ def test_prompt_ids_of_more_than_ten_digits_are_not_cut_through():
 
 
 @pytest.mark.parametrize("inner, cut", [
-    (b"4,1234567890,6", True),  # ten digits: passed on (parse checks the int32 range)
+    (b"4,123456789,6", True),  # nine digits: cut out
+    # Ten digits: parsed whole, where the int32 range is checked (the cut path passed
+    # 2147483648 on to D, whose tokenizer has no such id, while spaced JSON was refused).
+    (b"4,1234567890,6", False), (b"2147483648", False),
     (b"4,12345678901,6", False), (b"12345678901", False), (b"4,6,99999999999", False),
     (b"4, 5", False), (b"4,-5", False), (b"4,5.0", False), (b"4,5e3", False), (b"4,\xd9\xa1", False),
     (b"", False),
@@ -907,3 +914,393 @@ async def test_chat_continuation_keeps_the_requests_own_neutral_values():
         assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         cont = d.completions()[-1].json
         assert cont["presence_penalty"] == 0 and cont["frequency_penalty"] == 0.0 and cont["n"] == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_continuous_usage_stats_on_ps_events_are_vllms(chat):
+    """stream_options.continuous_usage_stats: vLLM 0.32 puts usage on every event; on P's it
+    counts P's token (chat: the role chunk first, with 0 generated and
+    completion_tokens_details null). The stream is data events and nothing else."""
+    opts = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with running_proxy() as px:
+        p, _ = await px.pd()
+        if chat:
+            resp = await px.client.post("/v1/chat/completions", json={**CHAT_STREAM, **opts})
+            n = len(chat_prompt_token_ids(CHAT_STREAM["messages"]))
+        else:
+            resp = await px.client.post("/v1/completions", json={**STREAM, **opts})
+            n = len(prompt_token_ids(PROMPT))
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        assert "stream_options" not in p.completions()[0].json  # P's request is not a stream
+        blocks = resp.text.split("\n\n")
+        assert blocks[-1] == "" and all(b.startswith("data: ") for b in blocks[:-1])
+        assert blocks[-2] == "data: [DONE]"
+        got = events(resp.text)
+        if chat:
+            role, token = got[0], got[1]
+            head = {
+                "id": role["id"],
+                "object": "chat.completion.chunk",
+                "created": role["created"],
+                "model": "fake-model",
+            }
+            assert role == {
+                **head,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+                "prompt_token_ids": None,
+                "prompt_text": None,
+                "usage": {
+                    "prompt_tokens": n,
+                    "completion_tokens": 0,
+                    "total_tokens": n,
+                    "completion_tokens_details": None,
+                },
+            }
+            assert token == {
+                **head,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": " t0"},
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "token_ids": None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": n,
+                    "completion_tokens": 1,
+                    "total_tokens": n + 1,
+                    "completion_tokens_details": None,
+                },
+            }
+        else:
+            token = got[0]
+            assert token == {
+                "id": token["id"],
+                "object": "text_completion",
+                "created": token["created"],
+                "model": "fake-model",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": " t0",
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                        "prompt_token_ids": None,
+                        "token_ids": None,
+                    }
+                ],
+                "usage": {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1},
+            }
+
+
+async def test_without_continuous_usage_stats_ps_events_carry_no_usage():
+    async with running_proxy() as px:
+        await px.pd()
+        for opts in ({"include_usage": True}, {"include_usage": True, "continuous_usage_stats": False}):
+            got = events((await px.client.post("/v1/completions", json={**STREAM, "stream_options": opts})).text)
+            assert got[0]["object"] == "text_completion" and "usage" not in got[0]
+            assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == 5
+
+
+def test_role_chunk_counts_when_ps_usage_has_no_prompt_tokens():
+    """P's usage is input too: without prompt_tokens (not vLLM's) the role chunk's usage
+    still counts 0 generated, 0 in all."""
+    first = first_token.parse(
+        json.dumps(_p_answer([4, 5, 6], chat=True, usage={"completion_tokens": 1})).encode(), True
+    )
+    assert first is not None and first.usage == {"completion_tokens": 1}
+    role = events(first_token.first_events(first, False, (True, True)).decode())[0]
+    assert role["usage"] == {"completion_tokens": 0, "total_tokens": 0, "completion_tokens_details": None}
+
+
+@pytest.mark.parametrize("min_tokens, want", [(0, 0), (1, 0), (3, 2)])
+async def test_continuation_request_is_the_clients_less_ps_token(min_tokens, want):
+    """D's continuation: min_tokens one fewer (P's token counts), the client's own fields
+    (logprobs, its kv_transfer_params) kept, the prompt-shaping ones dropped (P's ids are
+    already cut and have the special tokens). D alone gets the client's kv_transfer_params
+    without the proxy's."""
+    body = {
+        **STREAM,
+        "min_tokens": min_tokens,
+        "logprobs": 1,
+        "truncate_prompt_tokens": 8,
+        "truncation_side": "left",
+        "add_special_tokens": False,
+        "kv_transfer_params": {"x": 1},
+    }
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500, times=1)  # the continuation fails before its first byte: D alone
+        resp = await px.client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        assert events(resp.text)[-1] == "[DONE]"
+        (pre,) = p.completions()
+        assert pre.json["truncate_prompt_tokens"] == 8 and pre.json["add_special_tokens"] is False
+        assert pre.json["min_tokens"] == min(min_tokens, 1)  # P's one token: no EOS when the client said so
+        cont, alone = d.completions()
+        n = len(prompt_token_ids(PROMPT))
+        assert cont.json["min_tokens"] == want and cont.json["logprobs"] == 1
+        assert not {"truncate_prompt_tokens", "truncation_side", "add_special_tokens"} & set(cont.json)
+        assert cont.json["kv_transfer_params"] == {"x": 1, PREFILL_PROMPT_TOKENS_PARAM: n}
+        assert alone.json["kv_transfer_params"] == {"x": 1}
+        assert alone.json["min_tokens"] == want and alone.json["prompt"] == cont.json["prompt"]
+
+
+@pytest.mark.parametrize(
+    "logprobs, want",
+    [
+        (None, 0),
+        ({"text_offset": [0], "token_logprobs": [-0.1], "tokens": [" a"], "top_logprobs": [{" a": -0.1}]}, 2),
+        ({"text_offset": [3, 5, 9], "tokens": ["a", "bcd", "ef"]}, 11),  # after the last token
+        ({"text_offset": [0], "tokens": ["caf\u00e9"]}, 4),  # characters, as vLLM counts them
+        # Not vLLM's shape (P is input too): no shift rather than a failure.
+        ({"text_offset": [None], "tokens": ["a"]}, 0),
+        ({"text_offset": None, "tokens": ["a"]}, 0),
+        ({"tokens": ["a"]}, 0),
+        ({"text_offset": [0], "tokens": "ab"}, 0),
+        ({"text_offset": [0]}, 0),
+        ({"text_offset": [], "tokens": ["a"]}, 0),
+        ({"text_offset": [0], "tokens": []}, 0),
+        ({"text_offset": [0], "tokens": [5]}, 0),
+    ],
+)
+def test_text_offset_after_ps_token(logprobs, want):
+    """D's logprobs text offsets start where P's token ends: its offset plus its length."""
+    answer = _p_answer([4, 5, 6])
+    answer["choices"][0]["logprobs"] = logprobs
+    first = first_token.parse(_compact(answer))
+    assert first is not None and first.logprobs == logprobs
+    assert first_token.text_offset_after(first) == want
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuation_events_carry_ps_created_across_any_split(chat):
+    """vLLM stamps a stream's events with one `created`: D's (a second later, say) becomes P's."""
+    obj = '"object":"text_completion","created":1700000007,"model":"m"'
+    stream = (
+        b'data: {"id":"cmpl-x",' + obj.encode() + b',"choices":[{"index":0,"text":" a","logprobs":null,'
+        b'"finish_reason":null,"stop_reason":null}]}\n\n'
+        b'data: {"id":"cmpl-x",' + obj.encode() + b',"choices":[],"usage":{"prompt_tokens":9,'
+        b'"total_tokens":11,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    )
+    for cut in range(len(stream)):
+        shift = first_token.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000005)
+        out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
+        got = events(out.decode())
+        assert [e["created"] for e in got[:-1]] == [1700000005] * 2 and got[-1] == "[DONE]", cut
+        assert b"1700000007" not in out
+        assert got[1]["usage"]["completion_tokens"] == 3
+    same = first_token.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000007).feed(stream)
+    assert [e["created"] for e in events(same.decode())[:-1]] == [1700000007] * 2
+    kept = first_token.ContinuationEvents(0, "cmpl-p", chat=chat).feed(stream)  # created None: D's stays
+    assert [e["created"] for e in events(kept.decode())[:-1]] == [1700000007] * 2
+
+
+def test_chat_translation_keeps_a_choices_index():
+    """A chunk the JSON path translates (usage on it) keeps D's index; one without an index
+    (not vLLM's) gets vLLM's 0."""
+    usage = ',"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}'
+    for choice, index in (
+        ('{"index":1,"text":" a","logprobs":null,"finish_reason":null}', 1),
+        ('{"text":" a","logprobs":null,"finish_reason":null}', 0),
+    ):
+        chunk = f'data: {{"id":"cmpl-x","object":"text_completion","choices":[{choice}]{usage}}}\n\n'.encode()
+        (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk).decode())
+        assert got["choices"] == [
+            {"index": index, "delta": {"content": " a"}, "logprobs": None, "finish_reason": None, "token_ids": None}
+        ]
+        assert got["usage"] == {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+            "completion_tokens_details": None,
+        }
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_events_nothing_is_rewritten_in_pass_byte_for_byte(offset):
+    """An event with no usage, and no offsets to move, passes as D wrote it (its \\u escapes
+    too), also when another event of the same piece is rewritten."""
+    plain = b'data: {"id":"cmpl-p","choices":[{"index":0,"text":"caf\\u00e9","logprobs":null}]}\n\n'
+    usage = b'data: {"id":"cmpl-p","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+    out = first_token.ContinuationEvents(offset, "cmpl-p").feed(plain + usage)
+    assert out.startswith(plain) and b'"prompt_tokens":2' in out[len(plain) :]
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # Not vLLM's one-line event (a JSON value across lines: LF, or CR, which SSE reads as a
+        # line end too): as it is.
+        b'data: {"usage":{"prompt_tokens":3,\n"completion_tokens":1}}',
+        b'data: {"usage":{"prompt_tokens":3,\r"completion_tokens":1}}',
+    ],
+)
+def test_continuation_events_rewrite_only_one_line_events(event):
+    out = first_token.ContinuationEvents(3, "cmpl-p").feed(event + b"\n\n")
+    assert out == event + b"\n\n"
+
+
+def test_an_extra_blank_line_does_not_hide_an_event_from_the_rewrite():
+    usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}'
+    out = first_token.ContinuationEvents(0, "cmpl-p").feed(usage + b"\n\n\n")
+    assert out == b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n\n'
+
+
+def test_continuation_events_survive_choices_not_vllms():
+    """D is input too: choices that are not objects, logprobs null, offsets null or not ints
+    pass; the int offsets move."""
+    event = (
+        b'data: {"choices":["x",{"logprobs":null},{"logprobs":{"text_offset":null}},'
+        b'{"logprobs":{"text_offset":[null,2,"7"]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+    )
+    out = first_token.ContinuationEvents(3, "cmpl-p").feed(event)
+    (got,) = events(out.decode())
+    assert got["choices"] == [
+        "x",
+        {"logprobs": None},
+        {"logprobs": {"text_offset": None}},
+        {"logprobs": {"text_offset": [None, 5, "7"]}},
+    ]
+    assert got["usage"] == {"prompt_tokens": 2, "completion_tokens": 2}
+
+
+def test_chat_events_that_carry_an_error_are_not_made_chunks():
+    error = (
+        b'data: {"error":{"message":"x","type":"BadRequestError","param":null,"code":400},"choices":[],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
+    )
+    (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(error).decode())
+    assert "object" not in got and got["choices"] == [] and got["error"]["code"] == 400
+
+
+def test_chat_usage_event_without_an_object_is_counted_and_made_a_chunk():
+    usage = b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n'
+    (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(usage).decode())
+    assert got == {
+        "id": "chatcmpl-p",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+    }
+
+
+def test_an_event_is_held_up_to_the_bound_then_passed():
+    """An event still arriving waits up to _HOLD_MAX bytes; past that it goes on unchanged."""
+    shift = first_token.ContinuationEvents(0, "cmpl-p")
+    part = b'data: {"usage":{"x":"' + b"y" * (first_token._HOLD_MAX - 21)
+    assert len(part) == first_token._HOLD_MAX
+    assert shift.feed(part) == b""
+    assert shift.feed(b"z") == part + b"z"
+    assert shift.flush() == b""
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("final", [False, True])
+def test_first_events_are_vllms_for_a_stop_and_for_a_token_that_goes_on(chat, final):
+    """P's token with a stop reason (a stop token id) ends the answer: vLLM's last chunk says
+    why (finish and stop reason); a token that goes on has neither, whatever P's own
+    answer said (it was cut at one token)."""
+    answer = _p_answer([4, 5, 6], chat, system_fingerprint="fp")
+    answer["choices"][0] |= {"finish_reason": "stop", "stop_reason": 13}
+    first = first_token.parse(_compact(answer), chat)
+    assert first is not None and (first.finish_reason, first.stop_reason) == ("stop", 13)
+    got = events(first_token.first_events(first, final, (False, False)).decode())
+    head = {
+        "id": "cmpl-1",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 1,
+        "model": "m",
+    }
+    if chat:
+        choice = {
+            "index": 0,
+            "delta": {"content": " a"},
+            "logprobs": None,
+            "finish_reason": "stop" if final else None,
+            **({"stop_reason": 13} if final else {}),
+            "token_ids": None,
+        }
+        token = got[1]
+    else:
+        choice = {
+            "index": 0,
+            "text": " a",
+            "logprobs": None,
+            "finish_reason": "stop" if final else None,
+            "stop_reason": 13 if final else None,
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
+        token = got[0]
+    assert token == {**head, "choices": [choice], **({"system_fingerprint": "fp"} if final else {})}
+    assert (got[-1] == "[DONE]") is final
+
+
+def test_p_answer_fields_are_read_as_vllm_writes_them():
+    """What parse keeps of P's answer: its id, model, created (0 when absent), usage and
+    logprobs only as objects, the stop reason; chat logprobs are not read (this path does
+    not translate them)."""
+    answer = _p_answer([4, 5, 6])
+    answer["choices"][0]["stop_reason"] = "</s>"
+    first = first_token.parse(_compact(answer))
+    assert (first.id, first.model, first.created, first.stop_reason) == ("cmpl-1", "m", 1, "</s>")
+    bare = {k: v for k, v in answer.items() if k not in ("id", "model", "created")}
+    first = first_token.parse(_compact(bare))
+    assert (first.id, first.model, first.created) == ("", "", 0)
+    odd = {**answer, "usage": [1]}
+    odd["choices"][0]["logprobs"] = [1]
+    first = first_token.parse(_compact(odd))
+    assert first is not None and first.usage is None and first.logprobs is None
+    chat = _p_answer([4, 5, 6], chat=True)
+    chat["choices"][0]["logprobs"] = {"content": []}
+    assert first_token.parse(_compact(chat), True).logprobs is None
+
+
+@pytest.mark.parametrize(
+    "message, usable",
+    [
+        ({"role": "assistant", "content": " a"}, True),
+        ({"role": "assistant", "content": " a", "tool_calls": []}, True),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}, False),
+        ({"role": "assistant", "content": " a", "reasoning_content": ""}, False),  # vLLM before 0.32's "reasoning"
+        ({"role": "assistant", "content": " a", "reasoning": "r"}, False),
+    ],
+)
+def test_a_chat_answer_a_server_side_parser_read_is_not_ps_token(message, usable):
+    answer = _p_answer([4, 5, 6], chat=True)
+    answer["choices"][0]["message"] = message
+    assert (first_token.parse(_compact(answer), True) is not None) is usable
+
+
+@pytest.mark.parametrize(
+    "ids, token, usable",
+    [
+        ([0, 2**31 - 1], 0, True),  # the int32 range's ends: ids
+        ([5], 2**31 - 1, True),
+        ([5, 2**31], 5, False),
+        ([5], 2**31, False),
+    ],
+)
+def test_int32_ids_at_their_bounds(ids, token, usable):
+    """Spaced JSON (parsed whole, each id checked) and compact (cut out) alike."""
+    answer = _p_answer(ids)
+    answer["choices"][0]["token_ids"] = [token]
+    for raw in (json.dumps(answer).encode(), _compact(answer)):
+        first = first_token.parse(raw)
+        assert (first is not None) is usable, raw
+        if usable:
+            assert first.token_ids == [token] and first.prompt_ids.raw == _compact(ids)
+
+
+def test_ps_request_asks_for_the_token_ids_and_ships_only_what_d_lacks():
+    body = {**STREAM, "min_tokens": 3, "kv_transfer_params": {"x": 1}}
+    pre = first_token.prefill_request(COMPLETIONS, body, 32)
+    assert pre["return_token_ids"] is True and pre["max_tokens"] == 1 and pre["min_tokens"] == 1
+    assert pre["kv_transfer_params"] == {"x": 1, SKIP_TOKENS_PARAM: 32}
+    assert "kv_transfer_params" not in first_token.prefill_request(COMPLETIONS, STREAM)
