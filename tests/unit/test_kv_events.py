@@ -23,6 +23,7 @@ from tests.support.kv_publisher import Publisher
 from tests.support.waiting import wait_until
 from xpyd_wire import discovery
 from xpyd_wire.kv_events import (
+    END_SEQ,
     INVALID_EVENT,
     MALFORMED,
     WRONG_TOPIC,
@@ -327,6 +328,7 @@ async def test_gap_is_replayed():
         assert h.index.state is IndexState.KNOWN
         assert h.stream.stats.gaps == 1 and h.metric("xpyd_kv_event_gaps_total") == 1
         assert h.metric("xpyd_kv_event_replays_total", result="ok") >= 2
+        assert h.stream.stats.failures == 0  # by the rules, not by a crash and a retry
 
 
 async def test_live_batches_a_replay_already_applied_are_not_a_restart():
@@ -1043,3 +1045,220 @@ async def test_a_batch_lost_while_idle_is_found_by_the_probe_and_a_good_probe_re
         assert dealer is not None
         await wait_until(lambda: h.pub.replay_requests > asked + 1)
         assert h.stream.dealer is dealer
+
+
+# ---------------------------------------------------------------- replay asks, answer by answer
+
+
+class ScriptedReplay:
+    """A replay endpoint (a ROUTER, as vLLM's) that answers the n-th ask with answers[n]: the
+    messages to send after the asker's id, or None for no answer (asks past the list: the
+    last entry again). `delay`: seconds before each answer. For what vLLM's publisher
+    (tests/support/kv_publisher.py) cannot be made to do: answer late, wrongly, or not at all."""
+
+    END = [b"", b"", END_SEQ, b""]  # vLLM's end marker, as the DEALER reads it
+
+    def __init__(self, answers: list[list[list[bytes]] | None], delay: float = 0.0) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.answers, self.delay, self.asks = answers, delay, []
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            client, _, start = await self._sock.recv_multipart()
+            self.asks.append(int.from_bytes(start, "big"))
+            answer = self.answers[min(len(self.asks), len(self.answers)) - 1]
+            await asyncio.sleep(self.delay)
+            for message in answer or ():
+                await self._sock.send_multipart([client, *message])
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+def _message(seq: int, *events, topic: str = "") -> list[bytes]:
+    """A batch as a replay answer carries it (after the empty delimiter)."""
+    return [b"", *encode_batch(EventBatch(seq, 1.0, tuple(events)), topic)]
+
+
+@pytest.mark.parametrize("answer", [
+    [b"x", b"", END_SEQ, b""],  # the end marker but for its delimiter
+    [b"x", *encode_batch(EventBatch(0, 1.0, (_blocks(10),)))],  # a batch but for its delimiter
+    [b"", b"", END_SEQ],  # three frames
+])  # fmt: skip
+async def test_replay_answers_not_vllms_fail_the_ask_and_are_counted(answer):
+    replay = ScriptedReplay([[answer]])
+    try:
+        async with Harness(Publisher(replay=False), replay=replay.endpoint) as h:
+            await wait_until(lambda: h.stream.stats.replays_failed >= 1)
+            assert h.metric("xpyd_kv_events_total", result="malformed") >= 1 and h.stream.stats.dropped >= 1
+            assert h.stream.stats.replays_ok == 0 and len(h.index) == 0 and h.stream.next_seq is None
+            assert h.index.state is IndexState.UNKNOWN
+    finally:
+        await replay.close()
+
+
+async def test_an_unanswered_replay_times_out_and_says_so(caplog):
+    caplog.set_level(logging.WARNING, logger="xpyd.proxy.kv_events")
+    replay = ScriptedReplay([None])
+    try:
+        async with Harness(Publisher(replay=False), replay=replay.endpoint) as h:
+            await wait_until(lambda: h.stream.stats.replays_failed >= 1)
+            assert replay.asks[0] == 0 and h.index.state is IndexState.UNKNOWN
+    finally:
+        await replay.close()
+    assert "kv events replay timed out http=127.0.0.1:18000 start=0" in [r.getMessage() for r in caplog.records]
+
+
+async def test_a_kept_dealer_whose_endpoint_went_away_fails_its_ask_at_the_deadline(caplog):
+    """The DEALER read its answers to the end and was kept; then the replay endpoint goes
+    away. libzmq's reconnecting is off, so the DEALER has no peer and its send blocks: the
+    ask gives up at the replay deadline and says so. Answers that take a while (0.2 s, far
+    within the deadline) are waited for."""
+    caplog.set_level(logging.WARNING, logger="xpyd.proxy.kv_events")
+    replay = ScriptedReplay([[ScriptedReplay.END]], delay=0.2)
+    try:
+        async with Harness(Publisher(replay=False), replay=replay.endpoint, silence_s=30.0) as h:
+            await wait_until(lambda: h.stream.stats.replays_ok >= 2 and h.stream.dealer is not None)
+            assert h.stream.stats.replays_failed == 0 and h.index.state is IndexState.KNOWN
+            await replay.close()
+            unreachable = "kv events replay endpoint unreachable http=127.0.0.1:18000"
+            await wait_until(lambda: unreachable in [r.getMessage() for r in caplog.records])
+            assert h.stream.stats.replays_failed >= 1
+            assert not any("replay timed out" in r.getMessage() for r in caplog.records)
+    finally:
+        await replay.close()
+
+
+async def test_a_restart_whose_replay_from_zero_fails_leaves_the_index_partial():
+    """The probe's replay no longer holds the batch applied last (the engine restarted): the
+    index is reset, and stays a subset (PARTIAL) while the replay from 0 does not answer."""
+    first = [_message(0, _blocks(10)), ScriptedReplay.END]
+    replay = ScriptedReplay([first, [ScriptedReplay.END], None])
+    try:
+        async with Harness(Publisher(replay=False), replay=replay.endpoint, silence_s=30.0) as h:
+            await wait_until(lambda: h.stream.stats.restarts == 1 and h.stream.stats.replays_failed >= 1)
+            assert replay.asks[:3] == [0, 0, 0]  # from 0; the check of batch 0; from 0 again
+            assert h.stream.next_seq is None and len(h.index) == 0
+            assert h.index.state is IndexState.PARTIAL
+    finally:
+        await replay.close()
+
+
+@pytest.mark.parametrize("batches, failed", [(5, 0), (6, 1)])
+async def test_a_replay_reads_at_most_max_replay_batches(monkeypatch, batches, failed):
+    """A replay of MAX_REPLAY_BATCHES batches and its end marker is read whole; one more
+    batch and the ask stops there (failed: the next probe goes on from what was applied)."""
+    import proxy.routing.kv_events as mod
+
+    monkeypatch.setattr(mod, "MAX_REPLAY_BATCHES", 5)
+    pub = Publisher()
+    for i in range(batches):
+        pub.publish([_blocks(10 + i)], send=False)  # before the proxy subscribed
+    async with Harness(pub, silence_s=30.0) as h:
+        await wait_until(lambda: h.stream.next_seq == batches and h.stream.stats.replays_ok >= 1)
+        assert h.stream.stats.replays_failed == failed and len(h.index) == batches
+        assert h.index.state is IndexState.KNOWN
+
+
+async def test_a_replay_under_a_topic_is_applied():
+    pub = Publisher(topic="kv")
+    pub.publish([_blocks(10, 3)], send=False)
+    async with Harness(pub) as h:
+        await wait_until(lambda: h.stream.next_seq == 1)
+        assert len(h.index) == 3 and h.index.state is IndexState.KNOWN
+        assert h.stream.stats.replays_failed == 0 and h.stream.stats.dropped == 0
+
+
+async def test_a_replay_that_ends_just_before_the_live_batch_applies_the_live_batch():
+    """The replay for a gap brings everything up to the live batch that showed the gap, but
+    not that batch (a publisher that buffers a batch after sending it): the live batch is
+    applied next, not taken for one the replay brought."""
+    toks = list(range(40))
+    async with Harness(Publisher(), silence_s=30.0) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [seq_blocks(toks[:8], 1)])
+        h.pub.publish([stored([3], toks[8:12], parent=2)], send=False)  # seq 1: lost, buffered
+        h.pub.send_raw(encode_batch(EventBatch(2, 1.0, (stored([4], toks[12:16], parent=3),))))  # not buffered
+        await wait_until(lambda: h.stream.next_seq == 3)
+        assert h.index.longest_prefix(chain_block_keys(toks, BS)) == 4 and h.index.state is IndexState.KNOWN
+        assert h.stream.stats.gaps == 1 and h.stream.stats.failures == 0
+
+
+@pytest.mark.parametrize("budget_s", [0.0, 60.0])
+async def test_a_large_batch_gives_the_loop_back_only_past_its_budget(budget_s):
+    """Applied in steps of APPLY_STEP_BLOCKS blocks: past the budget each step lets the loop
+    run (at once, not after a pause); within it the batch is applied in one go."""
+    from proxy.routing.kv_index import APPLY_STEP_BLOCKS
+
+    d = Direct(budget_s=budget_s)
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(ticker())
+    await asyncio.sleep(0)
+    try:
+        events = [_blocks(1000 * (i + 1), APPLY_STEP_BLOCKS) for i in range(8)]
+        before, t0 = turns, time.monotonic()
+        await d.send(0, *events)
+        during, took = turns - before, time.monotonic() - t0
+    finally:
+        task.cancel()
+    assert len(d.stream.index) == 8 * APPLY_STEP_BLOCKS and d.stream.next_seq == 1
+    if budget_s:
+        assert during == 0
+    else:  # seven steps, each a loop turn (a pause of a second each would take 7 s)
+        assert during >= 7 and took < 3.0, (during, took)
+
+
+@pytest.mark.parametrize("extra, worker", [(0, False), (1, True)])
+async def test_payloads_up_to_inline_decode_bytes_are_decoded_inline(monkeypatch, extra, worker):
+    """The bound is the payload's size: exactly INLINE_DECODE_BYTES inline, one byte more on
+    the worker."""
+    import concurrent.futures
+    import threading
+
+    import proxy.routing.kv_events as mod
+
+    def frames_of(size: int) -> list[bytes]:
+        """A batch whose payload is `size` bytes: 15 blocks of 4096 token ids, each id 1
+        (one byte in msgpack) or 200 (two)."""
+        tokens = [1] * (15 * 4096)
+        frames = encode_batch(EventBatch(0, 1.0, (BlockStored(tuple(range(15)), None, tuple(tokens), 4096),)), "kv")
+        grow = size - len(frames[2])
+        tokens[:grow] = [200] * grow
+        return encode_batch(EventBatch(0, 1.0, (BlockStored(tuple(range(15)), None, tuple(tokens), 4096),)), "kv")
+
+    frames = frames_of(mod.INLINE_DECODE_BYTES + extra)
+    assert len(frames[2]) == mod.INLINE_DECODE_BYTES + extra
+    threads = []
+
+    def spy(frames, topic):
+        threads.append(threading.current_thread().name)
+        return decode_batch(frames, topic)
+
+    monkeypatch.setattr(mod, "decode_batch", spy)
+    d = Direct(topic="kv")
+    d.events._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xpyd-kv-decode")
+    try:
+        await d.events.handle(d.stream, frames)
+    finally:
+        d.events._decoder.shutdown()
+    assert threads[0].startswith("xpyd-kv-decode") is worker and d.stream.next_seq == 1
