@@ -52,8 +52,8 @@ declare -A MARKS=(
 )
 # proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests, the tests
 # written for their mutants (tests/unit/test_proxy_dispatch_*.py), and the few tests elsewhere that
-# drive a path these miss: P alone for one token, the lead and the
-# neutral id's pure functions. Changing this list makes mutmut forget a module's results.
+# drive a path these miss: P alone for one token, the stream lead's and the neutral id's pure
+# functions. Changing this list makes mutmut forget a module's results.
 for m in call continuation decode disaggregated dispatcher local relay rescue rewrite; do
   TESTS[proxy/dispatch/$m.py]="tests/unit/test_proxy_dispatch_prefill.py tests/unit/test_proxy_dispatch_paths.py
     tests/unit/test_proxy_dispatch_rescue.py tests/unit/test_proxy_dispatch_relay.py
@@ -66,6 +66,8 @@ for m in call continuation decode disaggregated dispatcher local relay rescue re
     tests/unit/test_proxy_security.py::test_rewrite_holds_back_only_a_proper_prefix_of_the_id
     tests/unit/test_proxy_security.py::test_event_boundary"
 done
+# continuation.py is the first-token path's D side: the first-token tests drive it.
+TESTS[proxy/dispatch/continuation.py]+=" tests/unit/test_proxy_first_token.py"
 MODULES=(xpyd_wire/request_id.py xpyd_wire/secret_file.py xpyd_wire/kv_transfer.py xpyd_wire/kv_events.py
          xpyd_wire/discovery.py connector/scheduler.py connector/buffer.py connector/producer.py
          connector/consumer.py proxy/registry.py proxy/routing/kv_events.py proxy/dispatch/first_token.py

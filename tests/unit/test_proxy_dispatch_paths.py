@@ -202,3 +202,23 @@ async def test_the_request_id_clients_see(expose):
         rid = p.completions()[-1].request_id
         assert resp.status_code == 500 and resp.json()["error"]["message"] == f"failed ({rid if expose else rid[-32:]})"
         assert resp.headers["x-request-id"] == (rid if expose else rid[-32:])
+
+
+async def test_instances_count_the_requests_they_served():
+    async with running_proxy(expose_routing_headers=True) as px:
+        p, d = await px.pd()
+        for body in (COMPLETION, STREAM):
+            assert (await px.client.post("/v1/completions", json=body)).status_code == 200
+        view = {i["http_address"]: i for i in (await px.client.get("/instances")).json()}
+        assert (view[p.http_address]["served"], view[d.http_address]["served"]) == (2, 2)
+        assert view[p.http_address]["in_flight"] == view[d.http_address]["in_flight"] == 0
+
+
+async def test_no_decode_instance_is_a_503_that_says_so():
+    async with running_proxy() as px:
+        await px.fake("P")
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 503
+        want = {"message": "no decode instance is available", "type": "service_unavailable", "param": None,
+                "code": "no_decode_instance"}  # fmt: skip
+        assert resp.json() == {"error": want}
