@@ -35,7 +35,7 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "pool", "loop", "transport", "parser", "lost", "active", "idle_since", "status",
         "content_type", "head_done", "complete", "keep_alive", "error", "buf", "buffered",
-        "paused", "waiter", "sized", "got_data", "length", "head_bytes",
+        "paused", "waiter", "sized", "got_data", "length", "head_bytes", "on_body", "body_end",
     )  # fmt: skip
 
     def __init__(self, pool: _Pool, loop: asyncio.AbstractEventLoop) -> None:
@@ -46,6 +46,10 @@ class _Conn(asyncio.Protocol):
         self.active = False
         self.idle_since = 0.0
         self.waiter: asyncio.Future | None = None
+        # The parser hands each body piece (a stream's every chunk) straight to the list:
+        # a C call, not a Python one per chunk. The list is never replaced.
+        self.buf: list[bytes] = []
+        self.on_body = self.buf.append
         self._reset()
 
     def _reset(self, parser: bool = True) -> None:
@@ -63,8 +67,9 @@ class _Conn(asyncio.Protocol):
         self.head_bytes = 0  # bytes received before the head was complete
         self.got_data = False  # any byte of this exchange's response arrived
         self.error: UpstreamError | None = None
-        self.buf: list[bytes] = []
-        self.buffered = 0
+        self.buf.clear()
+        self.buffered = 0  # bytes in buf
+        self.body_end = -1  # len(buf) when the answer ended within the read being parsed
         self.paused = False
 
     # -- asyncio.Protocol
@@ -77,12 +82,26 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
             return
         self.got_data = True
+        buf = self.buf
+        before = len(buf)
+        stray = self.complete  # the answer is all in: nothing this read holds is part of it
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(UpstreamError("protocol", f"bad HTTP response: {e}"))
             self.transport.close()
             return
+        if stray:
+            del buf[before:]
+        elif self.body_end >= 0:  # the answer ended in this read: what followed is not its
+            del buf[self.body_end :]
+            self.body_end = -1
+        n = len(buf)
+        if n > before:
+            self.buffered += len(buf[before]) if n == before + 1 else sum(map(len, buf[before:]))
+            if self.buffered > HIGH_WATER and not self.paused:
+                self.paused = True
+                self.transport.pause_reading()
         if not self.head_done:
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEAD:
@@ -134,20 +153,12 @@ class _Conn(asyncio.Protocol):
             self.sized = True
         self.head_done = True  # data_received wakes the waiter (as for the two below)
 
-    def on_body(self, body: bytes) -> None:
-        if self.complete:
-            return  # a stray message's, after the answer: not part of it
-        self.buf.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
-
     def on_message_complete(self) -> None:
         if self.complete:
             return  # a stray message after the answer (on_message_begin refused it)
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
+        self.body_end = len(self.buf)
 
     # -- helpers
 
@@ -171,7 +182,7 @@ class _Conn(asyncio.Protocol):
     def take(self) -> bytes:
         buf = self.buf
         data = buf[0] if len(buf) == 1 else b"".join(buf)
-        self.buf = []
+        buf.clear()
         self.buffered = 0
         if self.paused:
             self.paused = False
@@ -258,7 +269,7 @@ def _too_large(conn: _Conn, limit: int, what: str) -> UpstreamError:
     """Give up on an answer over the limit: drop what is buffered and the connection."""
     error = too_large(limit, what)
     conn._fail(error)
-    conn.buf = []
+    conn.buf.clear()
     conn.buffered = 0
     if not conn.lost:
         conn.transport.close()

@@ -305,13 +305,13 @@ async def test_read_buffers_at_most_the_limit_and_one_socket_read(client, monkey
     """Past the limit the native client stops: what it held never exceeded the limit plus
     one socket read (asyncio reads at most 256 KiB at a time)."""
     most = [0]
-    on_body = _Conn.on_body
+    data_received = _Conn.data_received
 
-    def recording(self, body):
-        on_body(self, body)
+    def recording(self, data):  # what is held after each socket read (it grows within one)
+        data_received(self, data)
         most[0] = max(most[0], self.buffered)
 
-    monkeypatch.setattr(_Conn, "on_body", recording)
+    monkeypatch.setattr(_Conn, "data_received", recording)
     limit = 1024 * 1024
     sent = [0]
     block = b"x" * 65536
