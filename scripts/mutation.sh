@@ -37,8 +37,8 @@ declare -A TESTS=(
   [xpyd_wire/discovery.py]="tests/unit/test_proxy_discovery.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py tests/unit/test_connector_registration.py"
   [connector/scheduler.py]="tests/unit/test_connector_scheduler.py"
   [connector/buffer.py]="tests/unit/test_connector_buffer.py tests/unit/test_connector_units.py tests/unit/test_connector_staging.py tests/unit/test_connector_get_store.py"
-  [connector/producer.py]="tests/unit/test_connector_engine.py"
-  [connector/consumer.py]="tests/unit/test_connector_engine.py"
+  [connector/producer.py]="tests/unit/test_connector_producer.py tests/unit/test_connector_engine.py tests/unit/test_connector_layerwise.py tests/unit/test_connector_first_contact.py tests/unit/test_connector_tp.py"
+  [connector/consumer.py]="tests/unit/test_connector_consumer.py tests/unit/test_connector_engine.py tests/unit/test_connector_tp.py"
   [proxy/registry.py]="tests/unit/test_proxy_units.py tests/unit/test_proxy_registrants.py tests/unit/test_proxy_discovery.py"
   [proxy/routing/kv_events.py]="tests/unit/test_kv_events.py"
   [proxy/dispatch/first_token.py]="tests/unit/test_proxy_first_token.py"
@@ -49,6 +49,13 @@ declare -A TESTS=(
 declare -A MARKS=(
   [xpyd_wire/discovery.py]="unit and not asyncio"
   [proxy/registry.py]="unit and not asyncio"
+)
+# Modules whose tests leave threads and zmq/torch state behind: mutmut forks each mutant from a fork
+# server that never ran a test (mutmut's default forks from its own process after the stats run,
+# and those children crashed, counted as segfaults, not verdicts).
+declare -A ISOLATION=(
+  [connector/producer.py]=forkserver
+  [connector/consumer.py]=forkserver
 )
 # proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests, the tests
 # written for their mutants (tests/unit/test_proxy_dispatch_*.py), and the few tests elsewhere that
@@ -96,9 +103,9 @@ for mod in "${MODULES[@]}"; do
     rm -rf "${work:?}/$d" && cp -a "$ROOT/$d" "$work/$d"
   done
   find "$work" -path "$work/mutants" -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
-  "$PY" - "$ROOT/pyproject.toml" "$work/pyproject.toml" "$mod" "${TREE[*]}" "${MARKS[$mod]:-unit}" $tests <<'EOF'
+  "$PY" - "$ROOT/pyproject.toml" "$work/pyproject.toml" "$mod" "${TREE[*]}" "${MARKS[$mod]:-unit}" "${ISOLATION[$mod]:-fork}" $tests <<'EOF'
 import re, sys
-src, dst, mod, tree, marks, *tests = sys.argv[1:]
+src, dst, mod, tree, marks, isolation, *tests = sys.argv[1:]
 tree = tree.split()
 text = open(src).read()
 text = re.sub(r"(?ms)^\[tool\.mutmut\].*?(?=^\[|\Z)", "", text)  # ours replaces any in the tree
@@ -111,6 +118,7 @@ only_mutate = ["{mod}"]
 also_copy = {[p for p in tree if p != pkg and p != "tests"]!r}
 pytest_add_cli_args_test_selection = {sel!r}
 use_git_change_detection = false
+process_isolation = "{isolation}"
 """.replace("'", '"')
 open(dst, "w").write(text)
 EOF

@@ -150,6 +150,8 @@ def test_get_roundtrip(engines, consumer_first):
             for d, s in zip((7, 2, 11), SRC_IDS[2:]):
                 assert torch.equal(bits(cache[d]), bits(src[name][s]))
     assert prod.poll({"P-req"}).finished_sending == set()
+    # D's fetch thread tells P to release its copy after storing it, so the load may complete first.
+    wait_for(lambda: prod.stats()["send_items"] == 0)
     assert prod.stats() == ZERO and cons.stats() == ZERO
 
 
