@@ -10,6 +10,8 @@ import logging
 import socket
 from contextlib import contextmanager
 
+import pytest
+
 from tests.support.proxy_errors import assert_error
 from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from xpyd_wire.discovery import Load, OutputLimits
@@ -179,3 +181,36 @@ async def test_concurrent_dispatch_asks_d_after_p_when_the_first_token_is_ps():
         (pre,), (dec,) = p.completions(), d.completions()
         assert dec.received_at >= pre.received_at + 0.25
         assert dec.json["prompt"] != STREAM["prompt"]  # the prompt's ids and P's token
+
+
+@pytest.mark.parametrize("status", [404, 422])
+async def test_ps_verdicts_on_the_request_go_to_d_to_judge(status):
+    """vLLM's 404 (a model it does not serve) and 422 (a body its schema refuses) on P's
+    cut-down request: D judges the client's own request (here it accepts it)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        p.fault = Fault(status=status, times=1)
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_verdict"
+        (dec,) = d.completions()
+        assert dec.json == COMPLETION and dec.request_id.startswith("xpyd-local-")
+        assert await px.metric("xpyd_upstream_errors_total", role="P", instance=p.http_address,
+                               kind=f"http_{status}") == 1  # fmt: skip
+
+
+async def test_an_oversized_prefill_answer_is_a_502_not_retried(caplog):
+    """P's one-token answer over max_response_bytes would be as large from any P."""
+    async with running_proxy(max_response_bytes=200) as px:
+        p1, p2 = await px.fake("P"), await px.fake("P")
+        d = await px.fake("D")
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        err = assert_error(resp, 502, "upstream_response_too_large")
+        assert err["message"].startswith("prefill instance's ")
+        assert err["message"].endswith(", over the proxy's max_response_bytes")
+        assert len(p1.completions()) + len(p2.completions()) == 1 and not d.completions()
+        (p,) = [f for f in (p1, p2) if f.completions()]
+        assert await px.metric("xpyd_upstream_errors_total", role="P", instance=p.http_address,
+                               kind="too_large") == 1  # fmt: skip
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("answer too large")]
+    assert line.startswith(f"answer too large phase=prefill instance={p.http_address} error=")
