@@ -222,3 +222,17 @@ async def test_no_decode_instance_is_a_503_that_says_so():
         want = {"message": "no decode instance is available", "type": "service_unavailable", "param": None,
                 "code": "no_decode_instance"}  # fmt: skip
         assert resp.json() == {"error": want}
+
+
+async def test_ps_held_back_token_leaves_the_answer_to_d():
+    """vLLM answers "" for a token that is part of a character: D answers the client's own
+    request (from P's KV), and the metric says why P's token did not start the answer."""
+    async with running_proxy(first_token="prefill") as px:
+        p, d = await px.pd()
+        p.first_text = ""
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
+        (dec,) = d.completions()
+        assert dec.json == STREAM and dec.request_id == p.completions()[0].request_id
+        assert await px.metric("xpyd_first_token_to_decode_total", reason="held_back") == 1
+        assert await px.metric("xpyd_first_token_to_decode_total", reason="unusable") == 0

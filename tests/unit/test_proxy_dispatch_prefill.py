@@ -93,15 +93,19 @@ async def test_prefill_errors_say_how_many_attempts_failed_and_the_last_failure(
         assert err["message"] == "prefill failed on 1 attempt(s), last: timed out after 0.3s"
         assert len(p.completions()) == 1
         assert not d.completions()
-    async with running_proxy(prefill_retries=2, fallback_to_decode=False, heartbeat_timeout=30) as px:
-        dead = await px.fake("P", register=False)
-        await dead.send_registration()
-        await wait_until(lambda: px.registry.live("P"), what="P registered")
-        await dead.stop()
-        await px.fake("D")
-        err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 502, "prefill_unreachable")
-        # One P, tried three times (each retry takes the P that merely refused again).
-        assert err["message"].startswith("no prefill instance could be reached after 3 attempt(s), last: ")
+    for expose in (False, True):
+        async with running_proxy(prefill_retries=2, fallback_to_decode=False, heartbeat_timeout=30,
+                                 expose_routing_headers=expose) as px:  # fmt: skip
+            addr, port = await register_silent(px, "P")  # its port now refuses
+            await px.fake("D")
+            err = assert_error(await px.client.post("/v1/completions", json=COMPLETION), 502, "prefill_unreachable")
+            # One P, tried three times (each retry takes the P that merely refused again); the
+            # client reads how it failed, the address only when exposed.
+            head = "no prefill instance could be reached after 3 attempt(s), last: "
+            if expose:
+                assert err["message"].startswith(f"{head}cannot connect to {addr}: ")
+            else:
+                assert err["message"] == f"{head}connection refused or unreachable"
 
 
 async def test_each_failed_prefill_attempt_is_logged(caplog):
