@@ -48,6 +48,7 @@ GEN = GenerationDefaults()
 @pytest.mark.parametrize("change, ok", [
     ({}, True),
     ({"prompt": [1, 2, 3]}, True),
+    ({"prompt": [7]}, True),  # one token id
     ({"stream_options": {"include_usage": True}}, True),
     ({"temperature": 0.7, "top_p": 0.9, "min_tokens": 2, "ignore_eos": True, "n": 1, "stop": []}, True),
     ({"stream": False}, False),  # a whole answer: no first token to hurry
@@ -59,6 +60,7 @@ GEN = GenerationDefaults()
     ({"frequency_penalty": 0.1}, False),
     ({"seed": 7}, False),
     ({"logprobs": 1}, True),
+    ({"logprobs": 0}, True),  # the sampled token's own logprob
     ({"logprobs": -1}, False),
     ({"echo": True}, False),
     ({"kv_transfer_params": {"x": 1}}, True),
@@ -133,6 +135,7 @@ CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": P
     ({"mm_processor_kwargs": {"x": 1}}, False),
     ({"return_prompt_text": True}, False),
     ({"messages": ["hi"]}, False),  # not a message object
+    ({"logprobs": False, "n": 2}, False),  # a neutral chat field, then one that is not
     ({"messages": [{"role": "user", "content": 5}]}, False),  # content neither text, parts nor null
     ({"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]}, False),
     ({"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}]}, True),
@@ -1267,7 +1270,7 @@ def test_p_answer_fields_are_read_as_vllm_writes_them():
     [
         ({"role": "assistant", "content": " a"}, True),
         ({"role": "assistant", "content": " a", "tool_calls": []}, True),
-        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]}, False),
+        ({"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]}, False),
         ({"role": "assistant", "content": " a", "reasoning_content": ""}, False),  # vLLM before 0.32's "reasoning"
         ({"role": "assistant", "content": " a", "reasoning": "r"}, False),
     ],
@@ -1304,3 +1307,13 @@ def test_ps_request_asks_for_the_token_ids_and_ships_only_what_d_lacks():
     assert pre["return_token_ids"] is True and pre["max_tokens"] == 1 and pre["min_tokens"] == 1
     assert pre["kv_transfer_params"] == {"x": 1, SKIP_TOKENS_PARAM: 32}
     assert "kv_transfer_params" not in first_token.prefill_request(COMPLETIONS, STREAM)
+
+
+def test_only_completions_and_chat_take_the_path_and_min_tokens_is_held_to_ds_cap():
+    """A path other than the two (say /v1/responses) keeps D's first token; min_tokens above
+    the answer's limit as D's server caps it (its override, not the client's max_tokens) is
+    vLLM's 400, which only D's first token relays as a status."""
+    assert not first_token.eligible(route(STREAM, "/v1/responses"), LIMITS, GEN)
+    capped = OutputLimits(override=3, context=4096)
+    assert first_token.eligible(route({**STREAM, "min_tokens": 3}), capped, GEN)
+    assert not first_token.eligible(route({**STREAM, "min_tokens": 4}), capped, GEN)
