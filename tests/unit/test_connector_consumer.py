@@ -5,9 +5,11 @@ D's buffer never asks P."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
+from connector.engine import PollResult
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
@@ -23,6 +25,7 @@ from tests.support.kv_engines import (
     snapshot,
     wait_for,
 )
+from tests.support.ports import free_port
 
 DST = (7, 2, 11)
 
@@ -99,7 +102,131 @@ def test_a_get_that_does_not_fit_the_buffer_never_asks_the_prefill(engines):
     cons = engines("kv_consumer", "GET", seed=2, kv_buffer_size=1024)
     prod.save(save_spec(prod, rank0(cons), delay_free=False))
     assert prod.stats()["send_items"] == 1
-    plan_load(cons, load_spec(rank0(prod), DST, 2))
-    res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    with connector_log("consumer") as lines:
+        plan_load(cons, load_spec(rank0(prod), DST, 2))
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
     assert res.failed_recving == {"D-req"}
     assert prod.stats()["send_items"] == 1  # never fetched nor released
+    said = [x for x in lines.lines if x.startswith("kv get not started ")]
+    assert len(said) == 1 and said[0].startswith(f"kv get not started transfer={KEY} reason="), said
+    assert said[0].partition(" reason=")[2] not in ("", "None")
+
+
+# ---- asynchronous loads: what each outcome counts and logs (operators grep these lines)
+
+
+def _async_load(cons, prod, corrupt=False):
+    plan_load(cons, load_spec(rank0(prod), DST, 2, corrupt=corrupt))
+
+
+def test_an_asynchronous_load_logs_what_it_loaded(engines):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod.save(save_spec(prod, rank0(cons)))
+    with connector_log("consumer") as lines:
+        _async_load(cons, prod)
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set()
+    n = load_spec("x", DST, 2).num_tokens
+    loaded = [x for x in lines.lines if x.startswith("kv loaded ")]
+    assert len(loaded) == 1 and re.fullmatch(
+        rf"kv loaded req=D-req transfer={KEY} tokens={n} blocks=3 wait_ms=\d+\.\d apply_ms=\d+\.\d\d", loaded[0]
+    ), loaded
+    assert cons.xfer_stats.peek().transfers("load", "ok") == 1
+
+
+def test_a_corrupted_test_load_says_so(engines):
+    """allow_debug_corruption: the zeroed load is marked in its log line."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod.save(save_spec(prod, rank0(cons)))
+    with connector_log("consumer") as lines:
+        _async_load(cons, prod, corrupt=True)
+        poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    loaded = [x for x in lines.lines if x.startswith("kv loaded req=D-req ")]
+    assert len(loaded) == 1 and loaded[0].endswith(" CORRUPTED(test)"), loaded
+
+
+def test_a_load_whose_request_finished_is_cancelled_and_logged(engines):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    _async_load(cons, prod)
+    with connector_log("consumer") as lines:
+        res = cons.poll({"D-req"})
+    assert res.finished_recving == {"D-req"} and res.failed_recving == set()
+    assert lines.lines == [f"kv load cancelled req=D-req transfer={KEY} (request finished)"]
+    assert cons.xfer_stats.peek().transfers("load", "cancelled") == 1
+
+
+def test_a_load_past_its_deadline_times_out_and_is_logged(engines):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_load_timeout_s=0.3)
+    with connector_log("consumer") as lines:
+        _async_load(cons, prod)
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == {"D-req"}
+    assert f"kv load timed out req=D-req transfer={KEY} after 0.3s" in lines.lines
+    stats = cons.xfer_stats.peek()
+    assert stats.failures("load", "timeout") == 1 and stats.failures("load", "aborted") == 0
+
+
+def test_a_load_whose_sender_gave_up_fails_at_once_and_is_logged(engines, client):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    with connector_log("consumer") as lines:
+        _async_load(cons, prod)
+        assert cons.poll(set()) == PollResult()
+        assert client.call(rank0(cons), {"op": "abort", "keys": {KEY: "P gave up"}}, timeout_s=10)[0]["ok"]
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == {"D-req"}
+    failed = [x for x in lines.lines if x.startswith("kv load failed ")]
+    assert len(failed) == 1 and re.fullmatch(
+        rf"kv load failed req=D-req transfer={KEY} after \d+\.\dms error=P gave up", failed[0]
+    ), failed
+    stats = cons.xfer_stats.peek()
+    assert stats.failures("load", "aborted") == 1 and stats.failures("load", "timeout") == 0
+
+
+def test_a_payload_that_does_not_fit_the_load_is_logged_with_why(engines):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod.save(save_spec(prod, rank0(cons), num_tokens=3 * 16))
+    with connector_log("consumer") as lines:
+        _async_load(cons, prod)
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == {"D-req"}
+    want = load_spec("x", DST, 2).prompt_tokens
+    assert (
+        f"kv load failed req=D-req transfer={KEY} error=payload is for a 48-token prompt, this request has {want}"
+    ) in lines.lines
+    assert cons.xfer_stats.peek().failures("load", "invalid") == 1
+
+
+class _CountingGets(TcpTransport):
+    """The real transport; counts the GET calls it makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = 0
+
+    def call(self, peer, header, tensors=(), timeout_s=5.0):
+        if header.get("op") == "get":
+            self.gets += 1
+        return super().call(peer, header, tensors, timeout_s)
+
+
+def test_get_gives_up_on_an_unreachable_prefill_after_three_tries(engines):
+    """GET: P does not answer; D tries three times (its reservation, send_timeout + 1 s, may
+    expire first and fail the load with that reason), long before the load's own deadline."""
+    counting = _CountingGets()
+    cons = engines(
+        "kv_consumer", "GET", seed=2, kv_load_timeout_s=30.0, send_timeout_s=0.5, transport=lambda cfg: counting
+    )
+    dead = f"127.0.0.1:{free_port()}"
+    with connector_log("consumer") as lines:
+        plan_load(cons, load_spec(dead, DST, 2))
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving, timeout=15.0)
+    assert res.failed_recving == {"D-req"}
+    assert counting.gets == 3
+    failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    assert len(failed) == 1, lines.lines

@@ -4,17 +4,28 @@ and tells D, and the per-layer progress a layer-wise send reads."""
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
 
+import pytest
+
 from connector.producer import LayerProgress
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
-from tests.support.kv_engines import KEY, make_caches, poll_until, rank0, save_spec, wait_for
+from tests.support.kv_engines import KEY, N_PROMPT, SRC_IDS, make_caches, poll_until, rank0, save_spec, wait_for
 from tests.support.layerwise import LAYERS
+from tests.support.ports import free_port
 
 SECRET = "a test kv secret"
+
+
+@pytest.fixture
+def client():
+    cli = TcpTransport()
+    yield cli
+    cli.close()
 
 
 class SlowPut:
@@ -157,3 +168,114 @@ def test_a_decode_that_refuses_the_call_is_counted_as_refused(engines):
     assert len(failed) == 1 and re.search(r"error=refused the call: \S", failed[0]), failed
     time.sleep(0.3)  # an abort notice would be on its way now
     assert cons.recv_buffer.failure(KEY) is None
+
+
+# ---- what each send outcome logs and counts (operators grep these lines)
+
+BLOCK_BYTES = 2 * 16 * 64 * 2  # one block of one layer: [2 heads, 16 tokens, 64] bf16
+PHASE = r"\d+\.\d"
+
+
+def test_a_send_logs_what_it_sent_and_where_its_time_went(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")  # one payload
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    nbytes = len(SRC_IDS) * BLOCK_BYTES * 2
+    sent = [x for x in lines.lines if x.startswith("kv sent")]
+    assert len(sent) == 1 and re.fullmatch(
+        rf"kv sent req=P-req transfer={KEY} tokens={N_PROMPT} blocks={len(SRC_IDS)} bytes={nbytes} "
+        rf"peer={rank0(cons)} ranks=1 ms={PHASE} "
+        rf"phases_ms=queue:{PHASE},contact:{PHASE},build:{PHASE},reserve:{PHASE},put:{PHASE}",
+        sent[0],
+    ), sent
+    assert (
+        [x for x in lines.lines if x.startswith("kv peer ")]
+        == [x for x in lines.lines if re.fullmatch(rf"kv peer {rank0(cons)} first contact ms={PHASE}", x)]
+        != []
+    )
+    stats = prod.xfer_stats.peek()
+    assert stats.transfers("send", "ok") == 1 and stats.nbytes("sent") == nbytes
+
+
+def test_a_slow_send_is_logged_as_slow_at_warning(engines, caplog):
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=5.0)
+    front = SlowPut(rank0(cons), delay_s=1.1)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.producer"):
+            prod.save(save_spec(prod, front.address))
+            poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        sent = [r for r in caplog.records if r.getMessage().startswith("kv sent")]
+        assert len(sent) == 1 and sent[0].levelno == logging.WARNING
+        assert sent[0].getMessage().startswith("kv sent slowly req=P-req ")
+    finally:
+        front.close()
+
+
+def test_a_send_refused_by_a_full_decode_buffer_is_logged_and_counted(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_buffer_size=1000)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    refused = [x for x in lines.lines if x.startswith("kv send refused")]
+    assert len(refused) == 1 and refused[0].startswith(
+        f"kv send refused req=P-req transfer={KEY} peer={rank0(cons)} error="
+    ), refused
+    assert refused[0].partition(" error=")[2] not in ("", "None")
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "refused") == 1 and stats.transfers("send", "ok") == 0
+    assert not [x for x in lines.lines if x.startswith("kv sent")]
+
+
+def test_a_dead_decode_is_logged_counted_and_told_once_it_is_back(engines):
+    """The first send meets no D: a transport failure, the peer marked dead; the one queued
+    behind it fails at once as unreachable. Once D is up, a probe says so and D hears that
+    neither transfer will come."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.3)
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    with connector_log() as lines:
+        prod.save(save_spec(prod, addr, req_id="first", key="a" * 32))
+        prod.save(save_spec(prod, addr, req_id="second", key="b" * 32))
+        poll_until(prod, lambda r: {"first", "second"} <= r.finished_sending, finished={"first", "second"})
+        stats = prod.xfer_stats.peek()
+        assert stats.failures("send", "transport") == 1 and stats.failures("send", "unreachable") == 1
+        assert [x for x in lines.lines if x.startswith(f"kv peer {addr} marked dead: ")] != []
+        first = [x for x in lines.lines if x.startswith("kv send failed req=first ")]
+        assert len(first) == 1 and re.fullmatch(
+            rf"kv send failed req=first transfer={'a' * 32} peer={addr} error=.+ "
+            rf"phases_ms=queue:{PHASE}(,\w+:{PHASE})*",
+            first[0],
+        ), first
+        second = [x for x in lines.lines if x.startswith("kv send failed req=second ")]
+        assert len(second) == 1 and re.fullmatch(
+            rf"kv send failed req=second transfer={'b' * 32} peer={addr} error=peer {addr} unreachable since "
+            rf"{PHASE}s",
+            second[0],
+        ), second
+        cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_port=port)
+        wait_for(lambda: cons.recv_buffer.failure("b" * 32) is not None)
+        wait_for(lambda: cons.recv_buffer.failure("a" * 32) is not None)
+        assert [x for x in lines.lines if re.fullmatch(rf"kv peer {addr} answers again after {PHASE}s", x)] != []
+    assert (
+        cons.recv_buffer.failure("b" * 32)
+        == f"sender gave up: peer {addr} unreachable since " + (second[0].rpartition("unreachable since ")[2])
+    )
+    assert prod.producer.peer(addr).dead_since is None
+
+
+def test_a_get_copy_that_does_not_fit_is_refused_at_once(engines, client):
+    """GET: P's own buffer cannot hold the copy: logged, counted, and D's GET hears why."""
+    prod = engines("kv_producer", "GET", seed=1, kv_buffer_size=1000)
+    with connector_log() as lines:
+        prod.save(save_spec(prod, "127.0.0.1:1", delay_free=False))
+    said = [x for x in lines.lines if x.startswith("GET buffer refused")]
+    assert len(said) == 1 and said[0].startswith(f"GET buffer refused transfer={KEY} reason="), said
+    why = said[0].partition(" reason=")[2]
+    assert why not in ("", "None")
+    assert prod.xfer_stats.peek().failures("send", "refused") == 1
+    reply, _ = client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=10)
+    assert reply["ok"] is False and reply["error"] == why
