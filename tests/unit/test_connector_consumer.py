@@ -8,15 +8,20 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 from connector.engine import PollResult
+from connector.metadata import LoadSpec
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
     KEY,
+    SHAPE,
     SRC_IDS,
+    TOK,
     assert_loaded,
     assert_untouched,
+    bits,
     load_spec,
     plan_load,
     poll_until,
@@ -230,3 +235,100 @@ def test_get_gives_up_on_an_unreachable_prefill_after_three_tries(engines):
     assert counting.gets == 3
     failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
     assert len(failed) == 1, lines.lines
+
+
+# ---- a payload that cannot fill the load: refused before any byte is written, and the
+# log says why (the operator's only clue that P and D disagree)
+
+
+def _header(eng, runs=(2,), num_blocks=2, **over) -> dict:
+    h = {
+        "op": "put",
+        "key": KEY,
+        "num_tokens": 2 * TOK,
+        "num_blocks": num_blocks,
+        "layers": list(eng.caches),
+        "runs": list(runs),
+        **eng.block_layout.describe(),
+    }
+    return {**h, **over}
+
+
+def _blocks(n, shape=SHAPE[1:], dtype=torch.bfloat16):
+    return torch.ones((n, *shape), dtype=dtype)
+
+
+BAD_PAYLOADS = {
+    "tensor-shape": (
+        {},
+        [torch.ones(2, 2, 16, 32, dtype=torch.bfloat16)] * 2,
+        "payload tensor torch.bfloat16[2, 2, 16, 32] does not match its header",
+    ),
+    "tensor-dtype": (
+        {},
+        [_blocks(2, dtype=torch.float16)] * 2,
+        "payload tensor torch.float16[2, 2, 16, 64] does not match its header",
+    ),
+    "tensor-count": ({}, [_blocks(2)], "payload tensor count does not match its header"),
+    "no-runs": ({"runs": []}, [_blocks(2)] * 2, "payload tensor count does not match its header"),
+    "runs-short": ({"runs": [1]}, [_blocks(1)] * 2, "payload runs do not add up to num_blocks"),
+    "num-blocks-type": ({"num_blocks": "two"}, [_blocks(2)] * 2, "malformed payload: first_block=0 num_blocks='two'"),
+    "first-after-end": ({"first_block": 3}, [_blocks(2)] * 2, "malformed payload: first_block=3 num_blocks=2"),
+    "layers": ({"layers": ["a", "b"]}, [_blocks(2)] * 2, "layer names differ between prefill and decode"),
+    "too-few-blocks": ({"num_blocks": 1, "runs": [1]}, [_blocks(1)] * 2, "peer sent blocks 0..0, need up to 1"),
+    "skipped": (
+        {"first_block": 1, "runs": [1]},
+        [_blocks(1)] * 2,
+        "peer skipped prompt blocks 0..0 (the proxy said this instance held them; it no longer does)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PAYLOADS))
+def test_a_payload_that_cannot_fill_the_load_fails_it_saying_why(engines, client, case):
+    over, tensors, why = BAD_PAYLOADS[case]
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    assert client.call(rank0(cons), _header(cons, **over), tensors, timeout_s=10)[0] == {"ok": True}
+    before = snapshot(cons.caches)
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert f"kv load failed req=D-req transfer={KEY} error={why}" in lines.lines, lines.lines
+    assert_untouched(cons, before)
+    assert cons.xfer_stats.peek().failures("load", "invalid") == 1
+
+
+def test_a_payload_in_runs_lands_block_by_block(engines, client):
+    """Runs of 1 and 2 blocks, the load starting past the first (a local prefix hit): each
+    destination block gets its own source block."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    src = [torch.full((1, *SHAPE[1:]), 1.0, dtype=torch.bfloat16), torch.stack([_blocks(1)[0] * 2, _blocks(1)[0] * 3])]
+    h = _header(cons, runs=(1, 2), num_blocks=3, num_tokens=3 * TOK)
+    assert client.call(rank0(cons), h, src * 2, timeout_s=10)[0] == {"ok": True}
+    before = snapshot(cons.caches)
+    plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (9, 4), 1, 2 * TOK - 1, 3 * TOK, 3))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == set()
+    for name, cache in cons.caches.items():
+        assert torch.equal(cache[9], _blocks(1)[0] * 2) and torch.equal(cache[4], _blocks(1)[0] * 3)
+        others = [b for b in range(SHAPE[0]) if b not in (9, 4)]
+        assert torch.equal(bits(cache[others]), bits(before[name][others]))
+
+
+@pytest.mark.parametrize("pieces, malformed", [(0, True), (1025, True), ("2", True), (1024, False), (2, False)])
+def test_a_malformed_piece_count_fails_the_load(engines, client, pieces, malformed):
+    """Heterogeneous TP: piece 0 says how many pieces come (1..1024); anything else fails the
+    load at once; a valid count waits for the other pieces."""
+    cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
+    h = _header(cons, key=f"{KEY}/0", pieces=pieces, piece=0)
+    assert client.call(rank0(cons), h, [_blocks(2)] * 2, timeout_s=10)[0] == {"ok": True}
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res = cons.poll(set())
+    if malformed:
+        assert res.failed_recving == {"D-req"}
+        failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+        assert len(failed) == 1 and failed[0].endswith(f"error=malformed piece header: pieces={pieces!r}"), failed
+    else:
+        assert res == PollResult() and not cons.consumer.ready(KEY)
