@@ -279,3 +279,44 @@ def test_a_get_copy_that_does_not_fit_is_refused_at_once(engines, client):
     assert prod.xfer_stats.peek().failures("send", "refused") == 1
     reply, _ = client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=10)
     assert reply["ok"] is False and reply["error"] == why
+
+
+def test_first_contact_ahead_of_the_send_that_fails_is_logged(engines):
+    """PUT_ASYNC: the scheduler announced a D that does not answer; the early contact fails
+    (the send will try again within its own deadline) and says so."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.3)
+    dead = f"127.0.0.1:{free_port()}"
+    with connector_log() as lines:
+        prod.producer.prepare(dead)
+        wait_for(lambda: any("first contact ahead of the send failed" in x for x in lines.lines))
+    said = [x for x in lines.lines if "first contact ahead of the send failed" in x]
+    assert len(said) == 1 and said[0].startswith(f"kv peer {dead}: first contact ahead of the send failed: peer "), said
+    assert not prod.producer.peer(dead).contacted
+
+
+@pytest.mark.parametrize("granularity", ["request", "layer"])
+def test_a_send_that_raises_is_logged_counted_and_told(engines, granularity):
+    """A bug in one send (here: a block id outside the cache) is an error: logged with its
+    traceback, counted, and D hears the exception; the sender thread goes on."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity=granularity)
+    bad = "f" * 32
+    with connector_log() as lines:
+        spec = save_spec(prod, rank0(cons), req_id="bad", key=bad, block_ids=(3, 99))
+        prod.save(spec)
+        poll_until(prod, lambda r: "bad" in r.finished_sending, finished={"bad"})
+        wait_for(lambda: cons.recv_buffer.failure(bad) is not None)
+    assert f"kv send failed req=bad transfer={bad} peer={rank0(cons)}" in lines.lines
+    assert cons.recv_buffer.failure(bad).startswith("sender gave up: IndexError: ")
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "error") == 1 and stats.failures("send", "transport") == 0
+
+
+def test_a_get_copy_pushed_out_by_a_newer_one_is_counted(engines):
+    """GET: P's buffer keeps the newest copies; one pushed out unread counts as evicted."""
+    prod = engines("kv_producer", "GET", seed=1, kv_buffer_size=len(SRC_IDS) * BLOCK_BYTES * 2 + 100)
+    prod.save(save_spec(prod, "127.0.0.1:1", req_id="old", key="a" * 32, delay_free=False))
+    assert prod.xfer_stats.peek().failures("send", "evicted") == 0
+    prod.save(save_spec(prod, "127.0.0.1:1", req_id="new", key="b" * 32, delay_free=False))
+    assert prod.xfer_stats.peek().failures("send", "evicted") == 1
+    assert prod.stats()["send_items"] == 1
