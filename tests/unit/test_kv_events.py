@@ -1098,7 +1098,8 @@ def _message(seq: int, *events, topic: str = "") -> list[bytes]:
     [b"x", *encode_batch(EventBatch(0, 1.0, (_blocks(10),)))],  # a batch but for its delimiter
     [b"", b"", END_SEQ],  # three frames
 ])  # fmt: skip
-async def test_replay_answers_not_vllms_fail_the_ask_and_are_counted(answer):
+async def test_replay_answers_not_vllms_fail_the_ask_and_are_counted(answer, caplog):
+    caplog.set_level(logging.WARNING, logger="xpyd.proxy.kv_events")
     replay = ScriptedReplay([[answer]])
     try:
         async with Harness(Publisher(replay=False), replay=replay.endpoint) as h:
@@ -1108,6 +1109,10 @@ async def test_replay_answers_not_vllms_fail_the_ask_and_are_counted(answer):
             assert h.index.state is IndexState.UNKNOWN
     finally:
         await replay.close()
+    why = f"replay answer of {len(answer)} frames"
+    assert f"kv event dropped reason=malformed http=127.0.0.1:18000 (1 so far): {why}" in [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 async def test_an_unanswered_replay_times_out_and_says_so(caplog):
@@ -1262,3 +1267,61 @@ async def test_payloads_up_to_inline_decode_bytes_are_decoded_inline(monkeypatch
     finally:
         d.events._decoder.shutdown()
     assert threads[0].startswith("xpyd-kv-decode") is worker and d.stream.next_seq == 1
+
+
+@pytest.mark.parametrize(
+    "events, what",
+    [
+        ([["CLOSED", 17]], "connect failed"),  # the event's value (a descriptor) is not part of its kind
+        ([["CLOSED", None]], "connect failed"),  # a first frame of just the kind
+        ([["CLOSED", 0], [b"\x01"]], "connect failed"),  # a frame too short for a kind names none
+        ([["CLOSED", 0], ["DISCONNECTED", 0]], "disconnected"),
+    ],
+)
+def test_the_monitors_event_kinds_name_the_drop(caplog, events, what):
+    """libzmq's monitor event: a first frame of the event's kind (2 bytes, little-endian) and
+    its value (4 bytes), then the endpoint. Only the kind decides what the log says."""
+    import zmq
+
+    d = Direct()
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://mon-kinds")
+        b.connect("inproc://mon-kinds")
+        for event in events:
+            if isinstance(event[0], bytes):
+                a.send_multipart(event)
+                continue
+            kind, value = event
+            head = getattr(zmq, f"EVENT_{kind}").to_bytes(2, "little")
+            a.send_multipart([head + (b"" if value is None else value.to_bytes(4, "little")), b"tcp://127.0.0.1:23001"])
+        assert _dropped(b, d.stream)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+    (line,) = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
+    assert f"endpoint=tcp://127.0.0.1:23001 ({what}; the publisher" in line
+
+
+@pytest.mark.parametrize("reconnects, logged", [(9, True), (10, False), (98, False), (99, True), (100, False)])
+def test_lost_connections_are_logged_ten_then_every_hundredth(caplog, reconnects, logged):
+    import zmq
+
+    caplog.set_level(logging.WARNING, logger="xpyd.proxy.kv_events")
+    d = Direct()
+    d.stream.stats.reconnects = reconnects  # this drop is the (reconnects + 1)-th
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://mon-every")
+        b.connect("inproc://mon-every")
+        a.send_multipart([zmq.EVENT_DISCONNECTED.to_bytes(2, "little") + b"\0" * 4, b"tcp://127.0.0.1:23001"])
+        assert _dropped(b, d.stream)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+    lines = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
+    assert [line.split("reconnect ")[1].split(" ")[0] for line in lines] == ([str(reconnects + 1)] if logged else [])
