@@ -160,7 +160,7 @@ async def test_an_oversized_d_answer_is_named_in_the_error_and_the_log(caplog):
         with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
             resp = await px.client.post("/v1/completions", json={**COMPLETION, "max_tokens": 300})
         err = assert_error(resp, 502, "upstream_response_too_large")
-        assert err["message"].startswith("decode instance's ") and err["message"].endswith(
+        assert err["message"].startswith("decode instance's answer larger than 1000 bytes") and err["message"].endswith(
             ", over the proxy's max_response_bytes"
         )
         assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d.http_address,

@@ -210,7 +210,7 @@ async def test_an_oversized_prefill_answer_is_a_502_not_retried(caplog):
         with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
             resp = await px.client.post("/v1/completions", json=COMPLETION)
         err = assert_error(resp, 502, "upstream_response_too_large")
-        assert err["message"].startswith("prefill instance's ")
+        assert err["message"].startswith("prefill instance's answer larger than 200 bytes")
         assert err["message"].endswith(", over the proxy's max_response_bytes")
         assert len(p1.completions()) + len(p2.completions()) == 1 and not d.completions()
         (p,) = [f for f in (p1, p2) if f.completions()]
