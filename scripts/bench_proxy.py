@@ -26,6 +26,12 @@ prints its functions by share of the samples, as the README's proxy-CPU figures 
 
     .venv/bin/python -m scripts.bench_proxy --concurrency 64 --rounds 1 --profile 10
 
+py-spy counts a thread that waits for a CPU as busy, so on a loaded machine it inflates what
+comes before a wake-up (a socket write, the event loop's poll). --perf SECONDS samples each
+proxy (the router too) with perf's cpu-clock, which counts only CPU time, and prints its CPU by
+binary (kernel, interpreter, uvloop, ...); the "sys" column is the kernel's share from
+/proc/<pid>/stat.
+
 Loopback only; every process it starts is stopped by PID at the end.
 """
 
@@ -194,9 +200,14 @@ def loadgen_main(args: argparse.Namespace) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid`` since it started."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / HZ  # utime + stime
+    return int(fields[11]) / HZ, int(fields[12]) / HZ  # utime, stime
 
 
 def syscalls(pid: int) -> tuple[int, int]:
@@ -213,6 +224,7 @@ class Run:
     p99: float
     errors: int
     cpu_ms: float  # CPU of the measured process per request
+    sys_ms: float  # the part of it in the kernel (system calls: loopback TCP, epoll)
     reads: float  # its read-like system calls per request (recv, read, accept...)
     writes: float  # and write-like ones (send, write...)
 
@@ -225,6 +237,7 @@ def median_run(runs: list[Run]) -> Run:
         med(r.p99 for r in runs),
         sum(r.errors for r in runs),
         med(r.cpu_ms for r in runs),
+        med(r.sys_ms for r in runs),
         med(r.reads for r in runs),
         med(r.writes for r in runs),
     )
@@ -252,13 +265,22 @@ def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     # CPU is sampled around the measured window only (the load generator reports the same).
     time.sleep(args.warmup)
-    cpu0, io0 = cpu_seconds(pid), syscalls(pid)
+    cpu0, io0 = cpu_split(pid), syscalls(pid)
     out, _ = proc.communicate(timeout=args.duration + args.warmup + 60)
-    cpu1, io1 = cpu_seconds(pid), syscalls(pid)
+    cpu1, io1 = cpu_split(pid), syscalls(pid)
     r = json.loads(out.strip().splitlines()[-1])
     n = max(1, r["n"])
-    return Run(r["rps"], r["p50"], r["p99"], r["errors"], (cpu1 - cpu0) * 1000 / n,
-               (io1[0] - io0[0]) / n, (io1[1] - io0[1]) / n)
+    user, system = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    return Run(
+        r["rps"],
+        r["p50"],
+        r["p99"],
+        r["errors"],
+        (user + system) * 1000 / n,
+        system * 1000 / n,
+        (io1[0] - io0[0]) / n,
+        (io1[1] - io0[1]) / n,
+    )
 
 
 @dataclass
@@ -272,12 +294,12 @@ class Setup:
     proxy_proc: subprocess.Popen
 
 
-
 def _spawn(procs: list[subprocess.Popen], cmd: list[str], cwd: str | None = None) -> subprocess.Popen:
     """Start a process of this run (stderr kept for its error message); stopped at the end."""
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
     procs.append(p)
     return p
+
 
 def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router",
                 router_policy: str = "round_robin") -> Setup:  # fmt: skip
@@ -290,8 +312,11 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
         raise SystemExit(f"{checkout!r} has no proxy/ package (variant {variant!r})")
     base, *flags = variant_spec.split("+")
     client, loop, http = base.split("/")
-    extra = {"expose": ["--expose-routing-headers"], "first-token": ["--first-token", "prefill"],
-             "decode-first": ["--first-token", "decode"]}
+    extra = {
+        "expose": ["--expose-routing-headers"],
+        "first-token": ["--first-token", "prefill"],
+        "decode-first": ["--first-token", "decode"],
+    }
     if any(f not in extra for f in flags):
         raise SystemExit(f"unknown variant flag in {variant!r} (known: {', '.join(extra)})")
     py = sys.executable
@@ -350,8 +375,11 @@ def _wait_routed(s: Setup, timeout: float = 30.0) -> None:
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", s.proxy_port), timeout=2) as c:
-                c.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                          f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+                c.sendall(
+                    f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+                    + body
+                )
                 if c.recv(64).startswith(b"HTTP/1.1 200"):
                     return
         except OSError:
@@ -370,8 +398,25 @@ def profile(s: Setup, args: argparse.Namespace) -> None:
     out = f"{args.profile_out}.{s.variant.replace('/', '-')}.txt"
     seconds = max(1, int(args.profile))
     sampler = subprocess.Popen(
-        [spy, "record", "--format", "raw", "--rate", "500", "--nonblocking", "--duration", str(seconds),
-         "--pid", str(s.proxy_proc.pid), "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            spy,
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "500",
+            "--nonblocking",
+            "--duration",
+            str(seconds),
+            "--pid",
+            str(s.proxy_proc.pid),
+            "-o",
+            out,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run_args = argparse.Namespace(**{**vars(args), "duration": seconds + 1.0, "warmup": 0.5})
     measure(s.proxy_port, s.proxy_proc.pid, max(args.concurrency), run_args)
     if sampler.wait(timeout=60) != 0:
@@ -398,6 +443,33 @@ def profile(s: Setup, args: argparse.Namespace) -> None:
         print(f"{100 * n1 / total:>5.1f}%  {f1[:70]:<70} {100 * n2 / total:>5.1f}%  {f2[:70]}")
 
 
+def perf_split(s: Setup, args: argparse.Namespace) -> None:
+    """Sample the proxy of ``s`` with perf (cpu-clock: only while it runs on a CPU) while the
+    load generator runs at the largest concurrency, and print its CPU by binary: the kernel
+    (system calls), the interpreter (Python code), uvloop, httptools, orjson, libc. py-spy
+    (--profile) counts a thread that waits for a CPU as busy: on a loaded machine it inflates
+    what precedes a wake-up (a socket write, the event loop's poll); perf does not, but sees
+    no Python function names."""
+    perf = shutil.which("perf")
+    if perf is None:
+        raise SystemExit("--perf needs perf (linux-tools)")
+    out = f"{args.profile_out}.{s.variant.replace('/', '-')}.perf.data"
+    seconds = max(1, int(args.perf))
+    sampler = subprocess.Popen([perf, "record", "-q", "-e", "cpu-clock", "-F", "999", "-p", str(s.proxy_proc.pid),
+                                "-o", out, "--", "sleep", str(seconds)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    run_args = argparse.Namespace(**{**vars(args), "duration": seconds + 1.0, "warmup": 0.5})
+    measure(s.proxy_port, s.proxy_proc.pid, max(args.concurrency), run_args)
+    if sampler.wait(timeout=60) != 0:
+        raise SystemExit(f"perf record failed: {sampler.stderr.read()[-1000:]}")
+    report = subprocess.run([perf, "report", "-i", out, "--sort", "dso", "--stdio", "-q"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    rows = [line.split(None, 1) for line in report.stdout.splitlines()]
+    print(f"\nCPU of {s.variant} at c={max(args.concurrency)} by binary (perf cpu-clock, {seconds}s; data: {out})")
+    for share, dso in [r for r in rows if len(r) == 2 and r[0].endswith("%")][:12]:
+        print(f"{share:>8}  {dso.strip()}")
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in reversed(procs):
         if p.poll() is None:
@@ -421,9 +493,7 @@ def bench(args: argparse.Namespace) -> int:
             _wait_routed(s)
         base = setups[0]
         direct: dict[int, list[Run]] = {c: [] for c in args.concurrency}
-        via: dict[tuple[str, int], list[Run]] = {
-            (s.variant, c): [] for s in setups for c in args.concurrency
-        }
+        via: dict[tuple[str, int], list[Run]] = {(s.variant, c): [] for s in setups for c in args.concurrency}
         # Rounds interleave direct and every variant, alternating their order, so that load
         # from other processes on a shared machine hits all of them alike.
         for r in range(args.rounds):
@@ -436,10 +506,7 @@ def bench(args: argparse.Namespace) -> int:
                       + ", ".join(f"{s.variant} {via[(s.variant, c)][-1].rps:.0f}" for s in setups),
                       file=sys.stderr, flush=True)  # fmt: skip
         results = {
-            s.variant: {
-                c: (median_run(direct[c]), median_run(via[(s.variant, c)]))
-                for c in args.concurrency
-            }
+            s.variant: {c: (median_run(direct[c]), median_run(via[(s.variant, c)])) for c in args.concurrency}
             for s in setups
         }
         report(results, args)
@@ -447,6 +514,9 @@ def bench(args: argparse.Namespace) -> int:
             for s in setups:
                 if not s.variant.startswith("vllm-router"):
                     profile(s, args)
+        if args.perf:
+            for s in setups:
+                perf_split(s, args)
         for s in setups:
             s.proxy_proc.send_signal(signal.SIGTERM)
             if s.proxy_proc.wait(timeout=30) != 0:
@@ -466,21 +536,24 @@ def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namesp
     print("direct = load generator -> D;  proxy = load generator -> proxy -> P then D")
     hdr = (f"{'variant':<31} {'c':>3} | {'direct':>7} {'proxy':>7} {'ratio':>5} | "
            f"{'p50 d':>6} {'p50 px':>6} {'+p50':>6} {'+p99':>6} {'x p50':>5} | "
-           f"{'D cpu':>6} {'px cpu':>6} {'x':>4} | {'px r/w':>9} | err")  # fmt: skip
+           f"{'D cpu':>6} {'px cpu':>6} {'sys':>4} {'x':>4} | {'px r/w':>9} | err")  # fmt: skip
     print(hdr)
     print(f"{'':<31} {'':>3} | {'req/s':>7} {'req/s':>7} {'':>5} | {'ms':>6} {'ms':>6} "
-          f"{'ms':>6} {'ms':>6} {'':>5} | {'ms/req':>6} {'ms/req':>6} {'':>4} | {'calls/req':>9} |")  # fmt: skip
+          f"{'ms':>6} {'ms':>6} {'':>5} | {'ms/req':>6} {'ms/req':>6} {'':>4} {'':>4} | "
+          f"{'calls/req':>9} |")  # fmt: skip
     print("-" * len(hdr))
     for variant, rows in results.items():
         for c, (d, p) in rows.items():
             cpu_x = p.cpu_ms / d.cpu_ms if d.cpu_ms else float("nan")
+            sys_share = f"{100 * p.sys_ms / p.cpu_ms:3.0f}%" if p.cpu_ms else "  - "
             print(f"{variant:<31} {c:>3} | {d.rps:>7.0f} {p.rps:>7.0f} {p.rps / d.rps:>5.2f} | "
                   f"{d.p50:>6.2f} {p.p50:>6.2f} {p.p50 - d.p50:>6.2f} {p.p99 - d.p99:>6.2f} "
-                  f"{p.p50 / d.p50:>5.2f} | {d.cpu_ms:>6.3f} {p.cpu_ms:>6.3f} {cpu_x:>4.1f} | "
+                  f"{p.p50 / d.p50:>5.2f} | {d.cpu_ms:>6.3f} {p.cpu_ms:>6.3f} {sys_share:>4} {cpu_x:>4.1f} | "
                   f"{p.reads:>4.1f}/{p.writes:<4.1f} | {d.errors + p.errors}")  # fmt: skip
     print(
         "ratio = proxy/direct req/s; +p50/+p99 = latency the proxy adds; x p50 = proxy/direct "
-        "p50; D cpu = fake D's CPU per request in the direct run; x = proxy CPU / D CPU; "
+        "p50; D cpu = fake D's CPU per request in the direct run; sys = the share of px cpu spent in the kernel "
+        "(system calls); x = proxy CPU / D CPU; "
         "px r/w = the proxy's read-like/write-like system calls per request (/proc/<pid>/io)"
     )
 
@@ -492,11 +565,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     ap.add_argument("--tokens", type=int, default=16)
-    ap.add_argument("--prompt-chars", type=int, default=0,
-                    help="prompt length in characters, which the fake P counts as tokens (default: a "
-                         "17-token prompt); e.g. 1000 for a 1k-token prompt")
-    ap.add_argument("--chat", action="store_true",
-                    help="stream chat completions (a role chunk first) instead of completions")
+    ap.add_argument(
+        "--prompt-chars",
+        type=int,
+        default=0,
+        help="prompt length in characters, which the fake P counts as tokens (default: a "
+        "17-token prompt); e.g. 1000 for a 1k-token prompt",
+    )
+    ap.add_argument(
+        "--chat", action="store_true", help="stream chat completions (a role chunk first) instead of completions"
+    )
     ap.add_argument("--upstream-client", default="native", choices=("native", "aiohttp", "httpx"))
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     ap.add_argument("--http", default="httptools", choices=("httptools", "h11"))
@@ -504,16 +582,30 @@ def main() -> int:
                     help="client/loop/http[+expose|+first-token|+decode-first][@DIR] combinations to compare "
                          "(@DIR: the proxy of another checkout, e.g. a git worktree of an older commit), "
                          "or vllm-router (its --policy: --router-policy; vllm-router:POLICY for another)")  # fmt: skip
-    ap.add_argument("--router-bin", default="vllm-router",
-                    help="vllm-router executable for the vllm-router variant (pip install vllm-router==0.1.17)")
+    ap.add_argument(
+        "--router-bin",
+        default="vllm-router",
+        help="vllm-router executable for the vllm-router variant (pip install vllm-router==0.1.17)",
+    )
     ap.add_argument("--router-policy", default="round_robin",
                     help="the router's --policy (its own default, cache_aware, asks every instance to render and "
                          "tokenize each request first: 2 more requests per instance)")  # fmt: skip
-    ap.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
-                    help="after the measurements, sample each xPyD proxy with py-spy for SECONDS at the "
-                         "largest concurrency and print where its CPU goes")
-    ap.add_argument("--profile-out", default="/tmp/xpyd-proxy-profile",
-                    help="prefix of the raw py-spy stack files (one per variant)")
+    ap.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after the measurements, sample each xPyD proxy with py-spy for SECONDS at the "
+        "largest concurrency and print where its CPU goes",
+    )
+    ap.add_argument("--perf", type=float, default=0.0, metavar="SECONDS",
+                    help="after the measurements, sample each proxy (the router too) with perf for SECONDS at the "
+                         "largest concurrency and print its CPU by binary: kernel, interpreter, uvloop...")  # fmt: skip
+    ap.add_argument(
+        "--profile-out",
+        default="/tmp/xpyd-proxy-profile",
+        help="prefix of the raw py-spy stack files (one per variant)",
+    )
     # internal: load generator mode
     ap.add_argument("--loadgen", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
