@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from tests.support.kv_engines import (
 from tests.support.ports import free_port
 
 DST = (7, 2, 11)
+LAYER0 = "model.layers.0.self_attn.attn"
 
 
 @pytest.fixture
@@ -221,20 +223,22 @@ class _CountingGets(TcpTransport):
 
 
 def test_get_gives_up_on_an_unreachable_prefill_after_three_tries(engines):
-    """GET: P does not answer; D tries three times (its reservation, send_timeout + 1 s, may
-    expire first and fail the load with that reason), long before the load's own deadline."""
+    """GET: P does not answer; D tries three times, 0.2 s apart, then fails the load with why,
+    long before the load's deadline (and before its reservation, send_timeout + 1 s, expires)."""
     counting = _CountingGets()
     cons = engines(
-        "kv_consumer", "GET", seed=2, kv_load_timeout_s=30.0, send_timeout_s=0.5, transport=lambda cfg: counting
+        "kv_consumer", "GET", seed=2, kv_load_timeout_s=30.0, send_timeout_s=0.1, transport=lambda cfg: counting
     )
     dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
     with connector_log("consumer") as lines:
         plan_load(cons, load_spec(dead, DST, 2))
-        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving, timeout=15.0)
+        res, t_done = poll_until(cons, lambda r: "D-req" in r.finished_recving, timeout=15.0)
     assert res.failed_recving == {"D-req"}
     assert counting.gets == 3
+    assert t_done - t0 >= 3 * 0.1 + 2 * 0.2 - 0.05
     failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
-    assert len(failed) == 1, lines.lines
+    assert len(failed) == 1 and f" error=prefill {dead} unreachable: peer {dead} unreachable" in failed[0], failed
 
 
 # ---- a payload that cannot fill the load: refused before any byte is written, and the
@@ -332,3 +336,45 @@ def test_a_malformed_piece_count_fails_the_load(engines, client, pieces, malform
         assert len(failed) == 1 and failed[0].endswith(f"error=malformed piece header: pieces={pieces!r}"), failed
     else:
         assert res == PollResult() and not cons.consumer.ready(KEY)
+
+
+def test_a_get_that_outlives_its_deadline_says_so(engines):
+    """GET: P never has the KV ready; at the load's deadline the fetch gives up and records
+    why, which the next worker step reports (as the sender's reason, not a bare timeout)."""
+    prod = engines("kv_producer", "GET", seed=1)
+    cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=0.3)
+    with connector_log("consumer") as lines:
+        plan_load(cons, load_spec(rank0(prod), DST, 2))  # no worker step until the fetch gave up
+        wait_for(lambda: cons.recv_buffer.failure(KEY) is not None)
+        res = cons.poll(set())
+    assert res.failed_recving == {"D-req"}
+    failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    assert len(failed) == 1 and failed[0].endswith(" error=load deadline passed"), failed
+    assert cons.xfer_stats.peek().failures("load", "aborted") == 1
+
+
+def test_a_get_payload_without_tp_fields_is_still_loaded(engines):
+    """A prefill that predates TP in its headers (no tp_size): D checks only the layout, as for
+    pushed payloads, and loads it. P here is a stand-in answering GET and release."""
+    cons = engines("kv_consumer", "GET", seed=2)
+    header = {k: v for k, v in _header(cons).items() if k != "op"}
+    tensors = [_blocks(2), _blocks(2) * 2]
+    released = []
+
+    def old_prefill(h, t):
+        if h.get("op") == "get":
+            return {"ok": True, **header}, tensors
+        released.append(h.get("op"))
+        return {"ok": True}, []
+
+    p = TcpTransport()
+    p.start("127.0.0.1", 0, old_prefill)
+    try:
+        plan_load(cons, LoadSpec("D-req", KEY, f"127.0.0.1:{p.bound_port}", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+        assert res.failed_recving == set()
+        for cache in cons.caches.values():
+            assert torch.equal(cache[[7, 2]], _blocks(2) * (1 if cache is cons.caches[LAYER0] else 2))
+        wait_for(lambda: released == ["release"])
+    finally:
+        p.close()
