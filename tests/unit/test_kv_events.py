@@ -1325,3 +1325,112 @@ def test_lost_connections_are_logged_ten_then_every_hundredth(caplog, reconnects
         ctx.term()
     lines = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
     assert [line.split("reconnect ")[1].split(" ")[0] for line in lines] == ([str(reconnects + 1)] if logged else [])
+
+
+async def test_start_sizes_the_fd_limit_and_names_its_decoder_and_task(monkeypatch):
+    """start(): the open-file limit asked for is two per socket the context may hold; a
+    large replayed payload is decoded on the one worker thread named for it."""
+    import threading
+
+    import proxy.routing.kv_events as mod
+
+    wanted, threads = [], []
+    monkeypatch.setattr(mod, "_raise_fd_limit", wanted.append)
+
+    def spy(frames, topic):
+        threads.append(threading.current_thread().name)
+        return decode_batch(frames, topic)
+
+    monkeypatch.setattr(mod, "decode_batch", spy)
+    pub = Publisher()
+    pub.publish([_blocks(100, 6000)], send=False)  # > INLINE_DECODE_BYTES, before the proxy subscribed
+    async with Harness(pub, silence_s=30.0) as h:
+        await wait_until(lambda: h.stream.next_seq == 1)
+        assert wanted == [h.events.max_sockets() * 2]
+        assert threads[0] == "xpyd-kv-decode_0" and set(threads) == {threads[0]} and len(h.index) == 6000
+        assert h.events._task.get_name() == "xpyd-kv-events"
+
+
+async def test_a_replay_whose_batch_at_the_check_differs_is_a_restart():
+    """The probe asks from the batch applied last: the same seq with another payload is
+    another engine (restarted, and its seq caught up): the index is reset and replayed from 0."""
+    replay = ScriptedReplay(
+        [
+            [_message(0, _blocks(10)), ScriptedReplay.END],
+            [_message(0, _blocks(20)), ScriptedReplay.END],  # seq 0 again, other blocks
+            [_message(0, _blocks(20)), ScriptedReplay.END],
+        ]
+    )
+    try:
+        async with Harness(Publisher(replay=False), replay=replay.endpoint, silence_s=30.0) as h:
+            await wait_until(lambda: h.stream.stats.restarts == 1 and h.stream.stats.replays_ok >= 2)
+            assert replay.asks[:3] == [0, 0, 0] and list(h.index._by_hash) == [20]
+            assert h.index.state is IndexState.KNOWN and h.stream.next_seq == 1
+    finally:
+        await replay.close()
+
+
+async def test_a_replay_no_longer_holding_the_first_missed_batch_rebuilds_as_partial(caplog):
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
+    pub = Publisher(buffer_steps=2)
+    async with Harness(pub, silence_s=30.0) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [_blocks(10)])  # seq 0
+        for seq in (1, 2, 3):
+            pub.publish([_blocks(10 + seq)], send=False)  # lost; the buffer keeps the last two
+        pub.publish([_blocks(14)])  # seq 4: a gap; the replay from 1 starts at 3
+        await wait_until(lambda: h.stream.next_seq == 5)
+        assert h.index.state is IndexState.PARTIAL and sorted(h.index._by_hash) == [13, 14]
+        assert h.stream.stats.gaps == 1 and h.stream.stats.failures == 0
+    assert "kv events replay starts at 3, wanted 1: index rebuilt http=127.0.0.1:18000" in [
+        r.getMessage() for r in caplog.records
+    ]
+
+
+async def test_a_replayed_batch_the_index_has_is_skipped_and_the_rest_applied():
+    """A replay answer that also holds a batch already applied (not vLLM's order): skipped,
+    the ask goes on."""
+    b0, b1, b2 = _message(0, _blocks(10)), _message(1, _blocks(11)), _message(2, _blocks(12))
+    replay = ScriptedReplay([[b0, b1, ScriptedReplay.END], [b1, b0, b2, ScriptedReplay.END], [b2, ScriptedReplay.END]])
+    try:
+        async with Harness(Publisher(replay=False), replay=replay.endpoint, silence_s=30.0) as h:
+            await wait_until(lambda: h.stream.next_seq == 3)
+            assert h.stream.stats.replays_failed == 0 and sorted(h.index._by_hash) == [10, 11, 12]
+            assert h.stream.stats.restarts == 0 and h.index.state is IndexState.KNOWN
+    finally:
+        await replay.close()
+
+
+async def test_reconcile_runs_every_reconcile_s_and_a_failure_is_logged_not_fatal(caplog):
+    caplog.set_level(logging.ERROR, logger="xpyd.proxy.kv_events")
+    async with Harness(Publisher(), silence_s=30.0) as h:
+        pub2 = Publisher()
+        try:
+            ep = EventsEndpoint(pub2.endpoint, pub2.replay_endpoint, pub2.topic, None)
+            reg = discovery.Registration("D", "127.0.0.1:18001", "127.0.0.1:14580", kv_events=ep)
+            h.registry.admit(h.registry.upsert(reg))  # no kick(): the periodic pass finds it
+            await wait_until(lambda: len(h.events.streams()) == 2, timeout=5)
+            real, calls = h.events.reconcile, []
+
+            def failing() -> None:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("boom")
+                real()
+
+            h.events.reconcile = failing
+            h.events.kick()
+            await wait_until(lambda: len(calls) >= 2)  # the loop went on after the failure
+        finally:
+            pub2.close()
+    (rec,) = [r for r in caplog.records if r.getMessage() == "kv events reconcile failed"]
+    assert rec.exc_info is not None and "boom" in str(rec.exc_info[1])
+
+
+async def test_stop_closes_the_context_and_the_decoder():
+    async with Harness(Publisher()) as h:
+        ctx, decoder = h.events._ctx, h.events._decoder
+        await h.events.stop()
+        assert ctx.closed
+        with pytest.raises(RuntimeError):
+            decoder.submit(int)  # shut down
