@@ -320,3 +320,48 @@ def test_a_get_copy_pushed_out_by_a_newer_one_is_counted(engines):
     prod.save(save_spec(prod, "127.0.0.1:1", req_id="new", key="b" * 32, delay_free=False))
     assert prod.xfer_stats.peek().failures("send", "evicted") == 1
     assert prod.stats()["send_items"] == 1
+
+
+def test_a_put_to_a_decode_marked_dead_fails_at_once(engines):
+    """PUT (the worker thread sends): once a send found D dead, the next one fails at once,
+    logged as unreachable since when, instead of waiting out another send_timeout."""
+    prod = engines("kv_producer", "PUT", seed=1, send_timeout_s=0.5)
+    dead = f"127.0.0.1:{free_port()}"
+    prod.save(save_spec(prod, dead, req_id="first", key="a" * 32, delay_free=False))
+    assert prod.producer.peer(dead).dead_since is not None
+    with connector_log() as lines:
+        t0 = time.monotonic()
+        prod.save(save_spec(prod, dead, req_id="second", key="b" * 32, delay_free=False))
+        assert time.monotonic() - t0 < 0.4
+    said = [x for x in lines.lines if x.startswith("kv send failed req=second ")]
+    assert len(said) == 1, lines.lines
+    m = re.fullmatch(
+        rf"kv send failed req=second transfer={'b' * 32} peer={dead} error=peer {dead} unreachable since (\d+\.\d)s",
+        said[0],
+    )
+    assert m and float(m.group(1)) < 60, said
+    assert prod.xfer_stats.peek().failures("send", "unreachable") == 1
+
+
+def test_layer_wise_sends_queued_behind_one_on_its_way_join_it(engines):
+    """Two prompts whose forward pass starts while a first one's layers are on their way join
+    its cohort: all three complete, each logged with its own queue time."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    specs = [save_spec(prod, rank0(cons), req_id=f"r{i}", key=f"{i:032x}") for i in range(3)]
+    with connector_log() as lines:
+        prod.save_layer(specs[0], LAYERS[0])
+        wait_for(lambda: cons.stats()["partial_payloads"] == 1)  # r0 is on its way, waiting for layer 1
+        for spec in specs[1:]:
+            prod.save_layer(spec, LAYERS[0])
+        wait_for(lambda: cons.stats()["partial_payloads"] == 3)
+        for spec in specs:
+            prod.save_layer(spec, LAYERS[1])
+            prod.save(spec)
+        poll_until(prod, lambda r: {"r0", "r1", "r2"} <= r.finished_sending, finished={"r0", "r1", "r2"})
+    assert cons.stats()["recv_items"] == 3
+    sent = {re.search(r"req=(\S+)", x).group(1): x for x in lines.lines if x.startswith("kv sent")}
+    assert set(sent) == {"r0", "r1", "r2"}
+    for rid, line in sent.items():
+        assert re.search(rf" phases_ms=queue:{PHASE},", line), (rid, line)
+    assert prod.xfer_stats.peek().transfers("send", "ok") == 3
