@@ -27,21 +27,22 @@ def phase_sum(text: str, phase: str) -> float:
 @pytest.mark.parametrize("body", [COMPLETION, STREAM], ids=["json", "stream"])
 async def test_disaggregated_phase_timings_measure_each_phase(body):
     """P takes 0.3 s, D 0.2 s to its first byte: the headers and the histograms say so
-    (each phase from its own start, never from the epoch of the clock)."""
+    (each phase from its own start, never from the clock's epoch: the upper bounds leave a
+    loaded box seconds of slack)."""
     async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
         p.fault = Fault(delay=0.3)
         d.fault = Fault(delay=0.2)
         resp = await px.client.post("/v1/completions", json=body)
         assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
-        assert 0 <= float(resp.headers[XPYD_QUEUE_MS]) < 250
-        assert 300 <= float(resp.headers[XPYD_PREFILL_MS]) < 1500
-        assert 200 <= float(resp.headers[XPYD_DECODE_TTFB_MS]) < 1500
+        assert 0 <= float(resp.headers[XPYD_QUEUE_MS]) < 5000
+        assert 300 <= float(resp.headers[XPYD_PREFILL_MS]) < 10000
+        assert 200 <= float(resp.headers[XPYD_DECODE_TTFB_MS]) < 10000
         text = (await px.client.get("/metrics")).text
-        assert 0 <= phase_sum(text, "queue") < 0.25
-        assert 0.3 <= phase_sum(text, "prefill") < 1.5
-        assert 0.2 <= phase_sum(text, "decode_ttfb") < 1.5
-        assert 0.2 <= phase_sum(text, "decode") < 1.5  # from P's answer to D's last byte
+        assert 0 <= phase_sum(text, "queue") < 5
+        assert 0.3 <= phase_sum(text, "prefill") < 10
+        assert 0.2 <= phase_sum(text, "decode_ttfb") < 10
+        assert 0.2 <= phase_sum(text, "decode") < 10  # from P's answer to D's last byte
 
 
 async def test_local_phase_timings_measure_ds_first_byte():
@@ -50,10 +51,10 @@ async def test_local_phase_timings_measure_ds_first_byte():
         d.fault = Fault(delay=0.2)
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_short"
-        assert 200 <= float(resp.headers[XPYD_DECODE_TTFB_MS]) < 1500
+        assert 200 <= float(resp.headers[XPYD_DECODE_TTFB_MS]) < 10000
         text = (await px.client.get("/metrics")).text
-        assert 0.2 <= phase_sum(text, "decode_ttfb") < 1.5
-        assert 0.2 <= phase_sum(text, "decode") < 1.5
+        assert 0.2 <= phase_sum(text, "decode_ttfb") < 10
+        assert 0.2 <= phase_sum(text, "decode") < 10
 
 
 async def test_without_send_only_missing_p_is_told_to_skip_nothing():

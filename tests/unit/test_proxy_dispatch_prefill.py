@@ -139,11 +139,11 @@ async def test_concurrent_dispatch_closes_ds_opened_answer_when_p_fails():
     async with running_proxy(dispatch="concurrent", first_token="decode", prefill_retries=0) as px:
         p, d = await px.pd()
         d.fault = Fault(stall_after=1)  # one event, then nothing until the proxy leaves
-        p.fault = Fault(status=500, delay=0.3)
+        p.fault = Fault(status=500, delay=0.5)
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 500 and resp.json()["error"]["message"] == "fake P failure"
         (dec,) = d.completions()
-        assert dec.received_at < p.completions()[0].received_at + 0.25  # D was open before P failed
+        assert dec.sent.startswith(b"data: ")  # D's answer was open before P failed
         await wait_until(lambda: dec.cancelled, timeout=2, what="D aborted")
 
 

@@ -20,10 +20,10 @@ def events(text: str) -> list[str]:
 
 
 async def test_every_chunk_pushes_the_idle_deadline_back():
-    """0.25 s between tokens, 0.4 s idle deadline: the whole 1.25 s stream is relayed."""
-    async with running_proxy(first_token="decode", stream_idle_timeout=0.4) as px:
+    """0.3 s between tokens, 1 s idle deadline: the whole 1.5 s stream is relayed."""
+    async with running_proxy(first_token="decode", stream_idle_timeout=1.0) as px:
         p, d = await px.pd()
-        d.fault = Fault(token_delay=0.25)
+        d.fault = Fault(token_delay=0.3)
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200
         (rec,) = d.completions()

@@ -85,7 +85,7 @@ async def test_rescue_without_a_free_d_before_the_deadline_relays_the_failure(ca
                 resp = await px.client.post("/v1/completions", json=COMPLETION)
                 elapsed = time.monotonic() - t0
             assert resp.status_code == 500 and resp.json()["error"]["message"] == "Internal server error"
-            assert 0.9 < elapsed < 2.5, elapsed
+            assert 0.9 < elapsed < 6, elapsed  # not the 30 s queue_timeout
             assert len(busy.completions()) == 1 and len(free.completions()) == 1
         finally:
             blocker.cancel()
