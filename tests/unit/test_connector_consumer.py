@@ -378,3 +378,32 @@ def test_a_get_payload_without_tp_fields_is_still_loaded(engines):
         wait_for(lambda: released == ["release"])
     finally:
         p.close()
+
+
+def test_a_get_payload_of_another_layout_is_refused_locally_and_logged(engines):
+    """GET: the payload P hands over says another dtype: D refuses it before storing it,
+    says so, and the load fails with the same reason. P here is a stand-in."""
+    cons = engines("kv_consumer", "GET", seed=2)
+    header = {k: v for k, v in _header(cons).items() if k != "op"}
+    header.update(dtype="float16", tp_size=1, num_kv_heads=SHAPE[1], is_mla=False)
+
+    def other_prefill(h, t):
+        if h.get("op") == "get":
+            return {"ok": True, **header}, [_blocks(2, dtype=torch.float16)] * 2
+        return {"ok": True}, []
+
+    p = TcpTransport()
+    p.start("127.0.0.1", 0, other_prefill)
+    try:
+        with connector_log("consumer") as lines:
+            plan_load(cons, LoadSpec("D-req", KEY, f"127.0.0.1:{p.bound_port}", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+            res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    finally:
+        p.close()
+    assert res.failed_recving == {"D-req"}
+    said = [x for x in lines.lines if x.startswith("kv get refused locally ")]
+    failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    assert len(said) == 1 and len(failed) == 1, lines.lines
+    why = said[0].partition(" reason=")[2]
+    assert said[0] == f"kv get refused locally transfer={KEY} reason={why}" and "dtype" in why
+    assert failed[0].endswith(f" error={why}")
