@@ -1434,3 +1434,18 @@ async def test_stop_closes_the_context_and_the_decoder():
         assert ctx.closed
         with pytest.raises(RuntimeError):
             decoder.submit(int)  # shut down
+
+
+async def test_a_reconnect_asks_the_replay_at_once_whatever_the_probe_schedule():
+    """A message over MAX_MESSAGE_BYTES makes ZMQ drop the SUB's connection; the stream
+    connects again and asks the replay endpoint at once (not at the next scheduled probe)
+    for what passed meanwhile."""
+    async with Harness(Publisher(), silence_s=30.0) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [_blocks(10)])  # seq 0
+        h.stream.next_probe = time.monotonic() + 1000  # no probe due
+        h.pub.publish([_blocks(11)], send=False)  # seq 1, lost
+        h.pub.send_raw([b"", (2).to_bytes(8, "big"), b"\0" * (MAX_MESSAGE_BYTES + 1)])
+        await wait_until(lambda: h.stream.next_seq == 2 and h.stream.stats.reconnects >= 1, timeout=10)
+        assert sorted(h.index._by_hash) == [10, 11] and h.stream.stats.failures == 0
+        assert h.index.state is IndexState.KNOWN
