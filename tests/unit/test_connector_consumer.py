@@ -407,3 +407,21 @@ def test_a_get_payload_of_another_layout_is_refused_locally_and_logged(engines):
     why = said[0].partition(" reason=")[2]
     assert said[0] == f"kv get refused locally transfer={KEY} reason={why}" and "dtype" in why
     assert failed[0].endswith(f" error={why}")
+
+
+def test_a_get_that_the_prefill_gave_up_fails_with_its_reason(engines):
+    """GET: P could not keep the copy (its buffer refused it) and answers so, finally: D's load
+    fails at once with P's reason."""
+    prod = engines("kv_producer", "GET", seed=1, kv_buffer_size=1000)
+    cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=30.0)
+    with connector_log("producer") as p_lines:
+        prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    refused = [x for x in p_lines.lines if x.startswith(f"GET buffer refused transfer={KEY} reason=")]
+    assert len(refused) == 1, p_lines.lines
+    why = refused[0].partition(" reason=")[2]
+    with connector_log("consumer") as lines:
+        plan_load(cons, load_spec(rank0(prod), DST, 2))
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving, timeout=10.0)
+    assert res.failed_recving == {"D-req"}
+    failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    assert len(failed) == 1 and failed[0].endswith(f" error=prefill says: {why}"), failed
