@@ -365,3 +365,44 @@ def test_layer_wise_sends_queued_behind_one_on_its_way_join_it(engines):
     for rid, line in sent.items():
         assert re.search(rf" phases_ms=queue:{PHASE},", line), (rid, line)
     assert prod.xfer_stats.peek().transfers("send", "ok") == 3
+
+
+def test_a_cohort_is_capped(engines, monkeypatch):
+    """At most MAX_COHORT layer-wise sends ship together (2 here): the next one waits for
+    the cohort to end instead of joining it."""
+    from connector import producer
+
+    monkeypatch.setattr(producer, "MAX_COHORT", 2)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    specs = [save_spec(prod, rank0(cons), req_id=f"r{i}", key=f"{i:032x}") for i in range(3)]
+    prod.save_layer(specs[0], LAYERS[0])
+    wait_for(lambda: cons.stats()["partial_payloads"] == 1)
+    for spec in specs[1:]:
+        prod.save_layer(spec, LAYERS[0])
+    wait_for(lambda: cons.stats()["partial_payloads"] == 2)
+    time.sleep(0.3)  # a third member would have shipped its layer 0 by now
+    assert cons.stats()["partial_payloads"] == 2
+    for spec in specs:
+        prod.save_layer(spec, LAYERS[1])
+        prod.save(spec)
+    poll_until(prod, lambda r: {"r0", "r1", "r2"} <= r.finished_sending, finished={"r0", "r1", "r2"})
+    assert cons.stats()["recv_items"] == 3
+
+
+def test_no_early_contact_is_asked_of_a_decode_marked_dead(engines):
+    """The scheduler announces a D the sender found dead: no hello ahead of the send, neither
+    now nor once a probe finds D back (the next send makes first contact)."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.3)
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    prod.save(save_spec(prod, addr, req_id="lost", key="a" * 32))
+    poll_until(prod, lambda r: "lost" in r.finished_sending, finished={"lost"})
+    peer = prod.producer.peer(addr)
+    assert peer.dead_since is not None
+    prod.producer.prepare(addr)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_port=port)
+    wait_for(lambda: peer.dead_since is None)  # a probe got through
+    wait_for(lambda: cons.recv_buffer.failure("a" * 32) is not None)  # the notice, delivered after it
+    time.sleep(0.3)  # an early contact would have been made by now
+    assert not peer.contacted
