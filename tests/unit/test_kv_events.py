@@ -17,7 +17,14 @@ import pytest
 
 from proxy.metrics import Metrics
 from proxy.registry import Registry
-from proxy.routing.kv_events import MAX_MESSAGE_BYTES, EventsConfig, KVEvents, _dropped, _raise_fd_limit
+from proxy.routing.kv_events import (
+    MAX_MESSAGE_BYTES,
+    SOCKETS_PER_STREAM,
+    EventsConfig,
+    KVEvents,
+    _dropped,
+    _raise_fd_limit,
+)
 from proxy.routing.kv_index import ApplyStats, IndexState, InstanceIndex
 from tests.support.kv_publisher import Publisher
 from tests.support.waiting import wait_until
@@ -1449,3 +1456,24 @@ async def test_a_reconnect_asks_the_replay_at_once_whatever_the_probe_schedule()
         await wait_until(lambda: h.stream.next_seq == 2 and h.stream.stats.reconnects >= 1, timeout=10)
         assert sorted(h.index._by_hash) == [10, 11] and h.stream.stats.failures == 0
         assert h.index.state is IndexState.KNOWN
+        # The dropped connection's SUB and monitor were closed: open are the new SUB, its
+        # monitor's PAIR and the replay DEALER (the monitor's other PAIR is libzmq's own).
+        assert len([s for s in h.events._ctx._sockets if not s.closed]) <= SOCKETS_PER_STREAM - 1
+
+
+@pytest.mark.parametrize("budget_s", [60.0, 0.0])
+async def test_a_burst_is_drained_within_the_budget_and_the_stream_stays_connected(budget_s):
+    """Within the budget a wake-up drains up to drain_max batches (then one pause of
+    coalesce_s); past it the stream pauses and goes on reading the same connection."""
+    async with Harness(Publisher(), silence_s=30.0, coalesce_s=0.05, budget_s=budget_s) as h:
+        await wait_until(lambda: h.index.state is IndexState.KNOWN)
+        await publish_until_received(h, [_blocks(10)])
+        n = 60 if budget_s else 5
+        t0 = time.monotonic()
+        for i in range(n):
+            h.pub.publish([_blocks(100 + i)])
+        await wait_until(lambda: h.stream.next_seq == n + 1, timeout=10)
+        took = time.monotonic() - t0
+        assert h.stream.stats.reconnects == 0 and h.stream.stats.gaps == 0
+        if budget_s:  # one batch per wake-up would take 60 pauses of 0.05 s
+            assert took < 2.0, took
