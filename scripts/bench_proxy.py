@@ -283,6 +283,15 @@ def measure(port: int, pid: int, c: int, args: argparse.Namespace) -> Run:
     )
 
 
+def _measure(s: Setup, port: int, proc: subprocess.Popen, c: int, args: argparse.Namespace) -> Run:
+    """measure(), saying which process failed when the load generator gets no result."""
+    try:
+        return measure(port, proc.pid, c, args)
+    except (IndexError, ValueError) as e:  # no JSON line: the load generator failed
+        state = "running" if proc.poll() is None else f"exited {proc.returncode}: {proc.stderr.read()[-2000:]}"
+        raise RuntimeError(f"{s.variant}: no result from the load generator on port {port} ({state})") from e
+
+
 @dataclass
 class Setup:
     """One proxy variant with its own fake P and D (each proxy has its own discovery port)."""
@@ -499,9 +508,9 @@ def bench(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             for c in args.concurrency:
                 order = setups if r % 2 == 0 else setups[::-1]
-                direct[c].append(measure(base.d_port, base.d_proc.pid, c, args))
+                direct[c].append(_measure(base, base.d_port, base.d_proc, c, args))
                 for s in order:
-                    via[(s.variant, c)].append(measure(s.proxy_port, s.proxy_proc.pid, c, args))
+                    via[(s.variant, c)].append(_measure(s, s.proxy_port, s.proxy_proc, c, args))
                 print(f"  round {r + 1}/{args.rounds} c={c}: direct {direct[c][-1].rps:.0f} req/s, "
                       + ", ".join(f"{s.variant} {via[(s.variant, c)][-1].rps:.0f}" for s in setups),
                       file=sys.stderr, flush=True)  # fmt: skip
