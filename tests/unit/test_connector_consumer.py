@@ -7,12 +7,17 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from connector import layout as kvlayout
+from connector.buffer import KVBuffer, Payload
+from connector.consumer import Consumer
 from connector.engine import PollResult
 from connector.metadata import LoadSpec
+from connector.tp import TpSide
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
@@ -24,6 +29,8 @@ from tests.support.kv_engines import (
     assert_untouched,
     bits,
     load_spec,
+    make_caches,
+    make_cfg,
     plan_load,
     poll_until,
     rank0,
@@ -425,3 +432,122 @@ def test_a_get_that_the_prefill_gave_up_fails_with_its_reason(engines):
     assert res.failed_recving == {"D-req"}
     failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
     assert len(failed) == 1 and failed[0].endswith(f" error=prefill says: {why}"), failed
+
+
+# ---- heterogeneous TP: a prefill with TP 2 sends this TP-1 rank one head each
+
+
+def _piece(cons, i, n=2, **over):
+    h = _header(cons, key=f"{KEY}/{i}", piece=i, pieces=n, src_rank=i, heads=[i, i + 1])
+    h.update(tp_size=2, num_kv_heads=SHAPE[1], is_mla=False, block_shape=[1, *SHAPE[2:]], runs=[2])
+    h.update(over)
+    return h
+
+
+def _head(n, value):
+    return torch.full((n, 1, *SHAPE[2:]), float(value), dtype=torch.bfloat16)
+
+
+PIECE_DEFECTS = {
+    "good": ({}, None),
+    "piece-index": (
+        {"piece": 1},
+        "piece 0 is not what tp expects: from rank 0 heads [0, 1], want rank 0 heads slice(0, 1, None)",
+    ),
+    "src-rank": (
+        {"src_rank": 1},
+        "piece 0 is not what tp expects: from rank 1 heads [0, 1], want rank 0 heads slice(0, 1, None)",
+    ),
+    "heads": (
+        {"heads": [1, 2]},
+        "piece 0 is not what tp expects: from rank 0 heads [1, 2], want rank 0 heads slice(0, 1, None)",
+    ),
+    "layers": ({"layers": ["a", "b"]}, "layer names differ between prefill and decode"),
+    "tokens": ({"num_tokens": 3 * TOK}, f"payload is for a {3 * TOK}-token prompt, this request has {2 * TOK}"),
+    "runs": ({"runs": [1, 1]}, "piece tensor count does not match its header"),
+    "skipped": (
+        {"first_block": 1, "runs": [1]},
+        "peer skipped prompt blocks 0..0 (the proxy said this instance held them; it no longer does)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PIECE_DEFECTS))
+def test_pieces_are_checked_before_any_head_is_written(engines, client, case):
+    """Piece 0 (head 0, from prefill rank 0) and piece 1 (head 1, from rank 1): a good pair
+    lands head by head; a piece 0 that is not what tp.sources expects fails the load, saying
+    why, and leaves the cache untouched."""
+    over, why = PIECE_DEFECTS[case]
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    blocks = 1 if "first_block" in over else 2
+    assert client.call(rank0(cons), _piece(cons, 0, **over), [_head(blocks, 1)] * 2, timeout_s=10)[0]["ok"]
+    assert client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
+    before = snapshot(cons.caches)
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    if why is None:
+        assert res.failed_recving == set(), lines.lines
+        for cache in cons.caches.values():
+            assert torch.equal(cache[[7, 2], 0], _head(2, 1)[:, 0]) and torch.equal(cache[[7, 2], 1], _head(2, 2)[:, 0])
+    else:
+        assert res.failed_recving == {"D-req"}
+        assert f"kv load failed req=D-req transfer={KEY} error={why}" in lines.lines, lines.lines
+        assert_untouched(cons, before)
+
+
+def test_pieces_the_tp_check_refuses_fail_the_load(engines, client):
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    assert client.call(rank0(cons), _piece(cons, 0, dtype="float16"), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
+    assert client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    assert len(failed) == 1 and "dtype mismatch: peer float16" in failed[0], failed
+
+
+def test_a_piece_count_tp_does_not_expect_fails_the_load(engines, client):
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    for i in range(3):
+        assert client.call(rank0(cons), _piece(cons, i, n=3, src_rank=i % 2), [_head(2, i)] * 2, timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert f"kv load failed req=D-req transfer={KEY} error=prefill announced 3 pieces, tp says 2" in lines.lines
+
+
+@pytest.mark.parametrize("what", ["check", "tp"])
+def test_a_consumer_that_cannot_check_or_place_pieces_refuses_them(what):
+    """Consumer on its own (the engine always gives it both): without a TP check or its own TP,
+    head slices cannot be placed, and the load fails saying which."""
+    caches = make_caches(2)
+    eng = SimpleNamespace(caches=caches, block_layout=kvlayout.detect(None, caches))
+    recv = KVBuffer("recv", 10**8, 60.0)
+    transport = TcpTransport()  # PUT_ASYNC: never called
+    check, local = (None, TpSide(1, SHAPE[1])) if what == "check" else (lambda h: None, None)
+    cons = Consumer(
+        make_cfg("kv_consumer", "PUT_ASYNC", 1),
+        0,
+        transport,
+        caches,
+        eng.block_layout,
+        recv,
+        None,
+        check=check,
+        local=local,
+    )
+    try:
+        for i in range(2):
+            assert recv.put(f"{KEY}/{i}", Payload.of(_piece(eng, i), [_head(2, i)] * 2)) is None
+        cons.add_load(LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        with connector_log("consumer") as lines:
+            done, failed = cons.poll(set())
+        assert done == failed == {"D-req"}
+        why = "no TP check configured" if what == "check" else "this instance's TP is unknown: cannot place head slices"
+        assert f"kv load failed req=D-req transfer={KEY} error={why}" in lines.lines, lines.lines
+    finally:
+        cons.close()
+        transport.close()
