@@ -1358,9 +1358,10 @@ async def test_start_sizes_the_fd_limit_and_names_its_decoder_and_task(monkeypat
         assert h.events._task.get_name() == "xpyd-kv-events"
 
 
-async def test_a_replay_whose_batch_at_the_check_differs_is_a_restart():
+async def test_a_replay_whose_batch_at_the_check_differs_is_a_restart(caplog):
     """The probe asks from the batch applied last: the same seq with another payload is
     another engine (restarted, and its seq caught up): the index is reset and replayed from 0."""
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
     replay = ScriptedReplay(
         [
             [_message(0, _blocks(10)), ScriptedReplay.END],
@@ -1375,6 +1376,10 @@ async def test_a_replay_whose_batch_at_the_check_differs_is_a_restart():
             assert h.index.state is IndexState.KNOWN and h.stream.next_seq == 1
     finally:
         await replay.close()
+    why = "replay from 0 does not match what was applied"
+    assert f"kv events: engine restarted ({why}), index reset http=127.0.0.1:18000" in [
+        r.getMessage() for r in caplog.records
+    ]
 
 
 async def test_a_replay_no_longer_holding_the_first_missed_batch_rebuilds_as_partial(caplog):
@@ -1477,3 +1482,26 @@ async def test_a_burst_is_drained_within_the_budget_and_the_stream_stays_connect
         assert h.stream.stats.reconnects == 0 and h.stream.stats.gaps == 0
         if budget_s:  # one batch per wake-up would take 60 pauses of 0.05 s
             assert took < 2.0, took
+
+
+def test_an_unlimited_hard_open_file_limit_and_a_refused_raise(monkeypatch, caplog):
+    """The OS's limits as a double: an unlimited hard limit raises the soft one to what is
+    wanted (not to unlimited); a refusal is logged, not raised."""
+    import resource
+
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
+    asked = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (100, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: asked.append(limits))
+    _raise_fd_limit(5000)
+    assert asked == [(5000, resource.RLIM_INFINITY)]
+
+    def refuse(which, limits):
+        raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    _raise_fd_limit(5000)
+    assert [r.getMessage() for r in caplog.records] == [
+        "open-file limit raised 100 -> 5000 for KV-event streams",
+        "cannot raise the open-file limit 100 -> 5000: not allowed",
+    ]
