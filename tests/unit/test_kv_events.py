@@ -1127,8 +1127,9 @@ async def test_an_unanswered_replay_times_out_and_says_so(caplog):
     replay = ScriptedReplay([None])
     try:
         async with Harness(Publisher(replay=False), replay=replay.endpoint) as h:
-            await wait_until(lambda: h.stream.stats.replays_failed >= 1)
+            await wait_until(lambda: h.stream.stats.replays_failed >= 2)
             assert replay.asks[0] == 0 and h.index.state is IndexState.UNKNOWN
+            assert h.stream.stats.replays_failed == h.metric("xpyd_kv_event_replays_total", result="failed")
     finally:
         await replay.close()
     assert "kv events replay timed out http=127.0.0.1:18000 start=0" in [r.getMessage() for r in caplog.records]
@@ -1145,6 +1146,7 @@ async def test_a_kept_dealer_whose_endpoint_went_away_fails_its_ask_at_the_deadl
         async with Harness(Publisher(replay=False), replay=replay.endpoint, silence_s=30.0) as h:
             await wait_until(lambda: h.stream.stats.replays_ok >= 2 and h.stream.dealer is not None)
             assert h.stream.stats.replays_failed == 0 and h.index.state is IndexState.KNOWN
+            assert h.stream.stats.replays_ok == h.metric("xpyd_kv_event_replays_total", result="ok")
             await replay.close()
             unreachable = "kv events replay endpoint unreachable http=127.0.0.1:18000"
             await wait_until(lambda: unreachable in [r.getMessage() for r in caplog.records])
