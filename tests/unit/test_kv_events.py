@@ -1507,3 +1507,26 @@ def test_an_unlimited_hard_open_file_limit_and_a_refused_raise(monkeypatch, capl
         "open-file limit raised 100 -> 5000 for KV-event streams",
         "cannot raise the open-file limit 100 -> 5000: not allowed",
     ]
+
+
+@pytest.mark.parametrize("failures, logged", [(9, True), (10, False), (98, False), (99, True), (100, False)])
+async def test_stream_failures_are_logged_ten_then_every_hundredth(caplog, failures, logged):
+    caplog.set_level(logging.WARNING, logger="xpyd.proxy.kv_events")
+    d = Direct(backoff_s=(0.001, 0.001))
+    d.stream.stats.failures = failures  # this failure is the (failures + 1)-th
+
+    async def follow(stream, first):
+        if stream.stats.failures == failures:
+            raise RuntimeError("boom")
+        await asyncio.Event().wait()  # the retry holds
+
+    d.events._follow = follow
+    task = asyncio.get_running_loop().create_task(d.events._run(d.stream))
+    try:
+        await wait_until(lambda: d.stream.stats.failures == failures + 1 and d.stream.stats.reconnects == 1)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv events stream failed")]
+    assert [line.split("(")[1].split(" ")[0] for line in lines] == ([str(failures + 1)] if logged else [])
