@@ -496,6 +496,40 @@ def test_pieces_are_checked_before_any_head_is_written(engines, client, case):
         assert_untouched(cons, before)
 
 
+def test_pieces_land_past_a_prefix_hit_and_zeroed_when_asked(engines, client):
+    """P skipped block 0 (D holds it): pieces of block 1 only land in the one block loaded;
+    a load marked corrupt_for_test gets zeros instead."""
+    for corrupt in (False, True):
+        cons = engines("kv_consumer", "PUT_ASYNC")
+        for i in range(2):
+            h = _piece(cons, i, first_block=1, runs=[1])
+            assert client.call(rank0(cons), h, [_head(1, i + 1)] * 2, timeout_s=10)[0]["ok"]
+        before = snapshot(cons.caches)
+        spec = LoadSpec("D-req", KEY, "127.0.0.1:1", (9,), 1, TOK - 1, 2 * TOK, 2, corrupt_for_test=corrupt)
+        plan_load(cons, spec)
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+        assert res.failed_recving == set()
+        for name, cache in cons.caches.items():
+            for head in (0, 1):
+                want = torch.zeros_like(cache[9, head]) if corrupt else _head(1, head + 1)[0, 0]
+                assert torch.equal(cache[9, head], want), (corrupt, head)
+            others = [b for b in range(SHAPE[0]) if b != 9]
+            assert torch.equal(bits(cache[others]), bits(before[name][others]))
+
+
+def test_a_piece_tensor_of_another_shape_fails_the_load(engines, client):
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    wide = torch.ones((2, *SHAPE[1:]), dtype=torch.bfloat16)  # both heads, where one is announced
+    assert client.call(rank0(cons), _piece(cons, 0), [wide] * 2, timeout_s=10)[0]["ok"]
+    assert client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    why = "piece tensor torch.bfloat16[2, 2, 16, 64] does not match its header"
+    assert f"kv load failed req=D-req transfer={KEY} error={why}" in lines.lines, lines.lines
+
+
 def test_pieces_the_tp_check_refuses_fail_the_load(engines, client):
     cons = engines("kv_consumer", "PUT_ASYNC")
     assert client.call(rank0(cons), _piece(cons, 0, dtype="float16"), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
