@@ -1336,13 +1336,17 @@ def test_lost_connections_are_logged_ten_then_every_hundredth(caplog, reconnects
     assert [line.split("reconnect ")[1].split(" ")[0] for line in lines] == ([str(reconnects + 1)] if logged else [])
 
 
-async def test_start_sizes_the_fd_limit_and_names_its_decoder_and_task(monkeypatch):
+async def test_start_sizes_the_fd_limit_and_names_its_decoder_and_task(monkeypatch, caplog):
     """start(): the open-file limit asked for is two per socket the context may hold; a
-    large replayed payload is decoded on the one worker thread named for it."""
+    large replayed payload is decoded on the one worker thread named for it; the tasks are
+    named, the subscription logged and the index metrics described for an operator."""
     import threading
+
+    from prometheus_client import generate_latest
 
     import proxy.routing.kv_events as mod
 
+    caplog.set_level(logging.INFO, logger="xpyd.proxy.kv_events")
     wanted, threads = [], []
     monkeypatch.setattr(mod, "_raise_fd_limit", wanted.append)
 
@@ -1357,7 +1361,14 @@ async def test_start_sizes_the_fd_limit_and_names_its_decoder_and_task(monkeypat
         await wait_until(lambda: h.stream.next_seq == 1)
         assert wanted == [h.events.max_sockets() * 2]
         assert threads[0] == "xpyd-kv-decode_0" and set(threads) == {threads[0]} and len(h.index) == 6000
-        assert h.events._task.get_name() == "xpyd-kv-events"
+        assert h.events._task.get_name() == "xpyd-kv-events" and h.stream.task.get_name() == "xpyd-kv-events-P"
+        exposition = generate_latest(h.metrics.registry).decode()
+        assert "# HELP xpyd_kv_index_blocks Blocks the proxy's KV index holds per instance\n" in exposition
+        assert "# HELP xpyd_kv_index_state 1 for the instance's KV index state (unknown/partial/known)\n" in exposition
+    assert (
+        f"kv events subscribe role=P http=127.0.0.1:18000 endpoint={pub.endpoint} replay={pub.replay_endpoint} "
+        "cap=262144"
+    ) in [r.getMessage() for r in caplog.records]
 
 
 async def test_a_replay_whose_batch_at_the_check_differs_is_a_restart(caplog):
@@ -1530,3 +1541,10 @@ async def test_stream_failures_are_logged_ten_then_every_hundredth(caplog, failu
             await task
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv events stream failed")]
     assert [line.split("(")[1].split(" ")[0] for line in lines] == ([str(failures + 1)] if logged else [])
+
+
+async def test_before_start_a_large_payload_is_decoded_inline_and_stop_is_harmless():
+    d = Direct(topic="kv")  # not started: no decoder thread, no context
+    await d.events.handle(d.stream, encode_batch(EventBatch(0, 1.0, (_blocks(100, 6000),)), "kv"))
+    assert d.stream.next_seq == 1 and len(d.stream.index) == 6000
+    await d.events.stop()
