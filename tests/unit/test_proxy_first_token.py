@@ -135,10 +135,11 @@ CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": P
     ({"mm_processor_kwargs": {"x": 1}}, False),
     ({"return_prompt_text": True}, False),
     ({"messages": ["hi"]}, False),  # not a message object
-    ({"logprobs": False, "n": 2}, False),  # a neutral chat field, then one that is not
     ({"messages": [{"role": "user", "content": 5}]}, False),  # content neither text, parts nor null
     ({"messages": [{"role": "user", "content": {"type": "text", "text": "hi"}}]}, False),
     ({"messages": [{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}]}, True),
+    # A neutral chat field, then one that is not (a named id: mutmut maps tests to functions by name).
+    pytest.param({"logprobs": False, "n": 2}, False, id="chat-neutral-then-n"),
 ])
 def test_chat_eligible(change, ok):
     assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, GEN) is ok
