@@ -728,7 +728,9 @@ def test_cutting_a_long_prompts_ids_out_costs_less_than_parsing_the_answer():
 
     assert first_token._cut_prompt_ids(answer) is not None
     cut, whole = best(first_token._cut_prompt_ids), best(orjson.loads)
-    assert cut < whole, (cut, whole)
+    # ~0.73x on an idle box, 1.06x seen with the unit tier's 4 workers on 2 cores; the regex
+    # this guards against was ~5x. A bound at 2x tells the two apart on any of these boxes.
+    assert cut < 2 * whole, (cut, whole)
 
 
 def _p_answer(ids: list[int], chat: bool = False, text: str = " a", **extra) -> dict:
