@@ -252,6 +252,9 @@ def test_get_gives_up_on_an_unreachable_prefill_after_three_tries(engines):
 # log says why (the operator's only clue that P and D disagree)
 
 
+DROP = object()  # a header field left out
+
+
 def _header(eng, runs=(2,), num_blocks=2, **over) -> dict:
     h = {
         "op": "put",
@@ -262,7 +265,7 @@ def _header(eng, runs=(2,), num_blocks=2, **over) -> dict:
         "runs": list(runs),
         **eng.block_layout.describe(),
     }
-    return {**h, **over}
+    return {k: v for k, v in {**h, **over}.items() if v is not DROP}
 
 
 def _blocks(n, shape=SHAPE[1:], dtype=torch.bfloat16):
@@ -286,6 +289,23 @@ BAD_PAYLOADS = {
     "num-blocks-type": ({"num_blocks": "two"}, [_blocks(2)] * 2, "malformed payload: first_block=0 num_blocks='two'"),
     "first-after-end": ({"first_block": 3}, [_blocks(2)] * 2, "malformed payload: first_block=3 num_blocks=2"),
     "layers": ({"layers": ["a", "b"]}, [_blocks(2)] * 2, "layer names differ between prefill and decode"),
+    "no-num-blocks": ({"num_blocks": DROP}, [_blocks(2)] * 2, "peer sent blocks 0..-1, need up to 1"),
+    "all-skipped": (
+        {"first_block": 2, "runs": [1]},
+        [_blocks(1)] * 2,
+        "peer skipped prompt blocks 0..1 (the proxy said this instance held them; it no longer does)",
+    ),
+    "layout-name": (
+        {"layout": "HND"},
+        [_blocks(2)] * 2,
+        "layout mismatch: peer HND vs local unknown (prefill and decode must run the same attention backend, KV cache "
+        "dtype and block size)",
+    ),
+    "tp-mla": (
+        {"tp_size": 1, "num_kv_heads": SHAPE[1], "is_mla": True},
+        [_blocks(2)] * 2,
+        "one side uses MLA and the other does not (prefill tp=1 heads=2 mla=True, decode tp=1 heads=2 mla=False)",
+    ),
     "too-few-blocks": ({"num_blocks": 1, "runs": [1]}, [_blocks(1)] * 2, "peer sent blocks 0..0, need up to 1"),
     "skipped": (
         {"first_block": 1, "runs": [1]},
@@ -585,3 +605,15 @@ def test_a_consumer_that_cannot_check_or_place_pieces_refuses_them(what):
     finally:
         cons.close()
         transport.close()
+
+
+def test_a_lone_piece_tp_does_not_expect_fails_the_load(engines, client):
+    """A single payload under piece 0 announcing itself as the only piece: still a piece (tp
+    says two come), not a whole payload."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    assert client.call(rank0(cons), _piece(cons, 0, n=1), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert f"kv load failed req=D-req transfer={KEY} error=prefill announced 1 pieces, tp says 2" in lines.lines
