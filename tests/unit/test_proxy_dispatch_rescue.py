@@ -45,6 +45,9 @@ async def test_rescue_after_a_concurrent_attempt_whose_d_refused_before_p_answer
         (alone,) = d.completions()
         assert alone.request_id.startswith("xpyd-local-") and alone.json == COMPLETION
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+        # The D that answered alone counts it as served.
+        view = {i["http_address"]: i for i in (await px.client.get("/instances")).json()}
+        assert view[d.http_address]["served"] == 1 and view[d.http_address]["in_flight"] == 0
 
 
 # vLLM 0.32's answer to a disaggregated request whose KV load failed (kv_load_failure_policy=fail).
