@@ -18,7 +18,7 @@ from tests.support.fake_vllm import FakeVLLM, Fault  # noqa: E402
 from tests.support.ports import free_port
 from tests.support.waiting import wait_until
 
-__all__ = ["Fault", "FakeVLLM", "ProxyHandle", "running_proxy", "wait_until", "free_port", "relayed"]
+__all__ = ["Fault", "FakeVLLM", "ProxyHandle", "register_dead", "running_proxy", "wait_until", "free_port", "relayed"]
 
 REQUEST_ID_RE = (
     r"^___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_(?P<uuid>[0-9a-f]{32})$"
@@ -116,3 +116,14 @@ async def running_proxy(**overrides: Any) -> AsyncIterator[ProxyHandle]:
                 await fake.stop()
             server.should_exit = True
             await asyncio.wait_for(task, timeout=10)
+
+
+async def register_dead(px, role: str) -> str:
+    """An instance that registered (and answered its join probe), then stopped: its port
+    refuses connections while its registration lives on (heartbeat_timeout)."""
+    gone = await px.fake(role, register=False)
+    await gone.send_registration()
+    addr = gone.http_address
+    await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
+    await gone.stop()
+    return addr

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from tests.support.proxy_errors import assert_error
-from tests.support.proxy_helpers import Fault, running_proxy, wait_until
+from tests.support.proxy_helpers import Fault, register_dead, running_proxy
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_DECODE_TTFB_MS, XPYD_PATH, XPYD_PREFILL_MS, XPYD_QUEUE_MS
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
@@ -109,17 +109,6 @@ async def test_a_body_nested_deeper_than_the_proxy_can_write_is_refused():
 
 
 # ---------------------------------------------------------------- D's answer before its first byte
-
-
-async def register_dead(px, role: str) -> str:
-    """An instance that registered (and answered its join probe), then stopped: its port
-    refuses connections while its registration lives on (heartbeat_timeout)."""
-    gone = await px.fake(role, register=False)
-    await gone.send_registration()
-    addr = gone.http_address
-    await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
-    await gone.stop()
-    return addr
 
 
 @pytest.mark.parametrize("expose", [False, True])

@@ -10,22 +10,11 @@ import json
 import logging
 import time
 
-from tests.support.proxy_helpers import Fault, running_proxy, wait_until
+from tests.support.proxy_helpers import Fault, register_dead, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
-
-
-async def register_dead(px, role: str) -> str:
-    """An instance that registered (and answered its join probe), then stopped: its port
-    refuses connections while its registration lives on (heartbeat_timeout)."""
-    gone = await px.fake(role, register=False)
-    await gone.send_registration()
-    addr = gone.http_address
-    await wait_until(lambda: any(i.http_address == addr for i in px.registry.live(role)))
-    await gone.stop()
-    return addr
 
 
 async def test_rescue_after_a_concurrent_attempt_whose_d_refused_before_p_answered():
