@@ -209,6 +209,21 @@ def _shape(value: Any, mapping: bool = False) -> Any:
     return None if value is None else type(value).__name__
 
 
+def _paths(value: Any, at: str = "", mapping: bool = False) -> set[tuple[str, str]]:
+    """A JSON value's leaves as (path, kind) pairs, lists and the token-keyed top_logprobs maps
+    folded: the union over events does not depend on how the events were grouped (a busy
+    server sends an echoed prompt and its first tokens as one event or as two)."""
+    if isinstance(value, dict):
+        out: set[tuple[str, str]] = {(at, "{}")}
+        for k, v in value.items():
+            if k not in _NOT_COMPARED:
+                out |= _paths(v, f"{at}.*" if mapping else f"{at}.{k}", k == "top_logprobs")
+        return out
+    if isinstance(value, list):
+        return set().union({(at, "[]")}, *(_paths(v, f"{at}[]", mapping) for v in value))
+    return {(at, "null" if value is None else type(value).__name__)}
+
+
 def summary(events: list, chat: bool) -> dict:
     """A stream as what a client reads of it, independent of how the tokens were grouped
     into events (a busy server's API process merges the outputs it has not sent yet, so the
@@ -236,7 +251,7 @@ def summary(events: list, chat: bool) -> dict:
     ends = [e for e in events[:-1] if not any(e is m for m in middle)]
     return {"choices": choices, "usage": usage,
             # Events before any choice finished, and the rest (a finish, the usage event).
-            "kinds": {"middle": sorted({repr(_shape(e)) for e in middle}),
+            "kinds": {"middle": sorted(set().union(*(_paths(e) for e in middle))),
                       "ends": sorted({repr(_shape(e)) for e in ends})},
             "last": sorted(events[-2]) if len(events) > 1 and isinstance(events[-2], dict) else None,
             "done": events[-1] if events else None}
