@@ -226,3 +226,18 @@ async def test_ps_held_back_token_leaves_the_answer_to_d():
         assert dec.json == STREAM and dec.request_id == p.completions()[0].request_id
         assert await px.metric("xpyd_first_token_to_decode_total", reason="held_back") == 1
         assert await px.metric("xpyd_first_token_to_decode_total", reason="unusable") == 0
+
+
+def test_id_rewrite_takes_its_neutral_form_and_refuses_ids_it_could_not_hold_back():
+    """IdRewrite's own rules (proxy/dispatch/rewrite.py): an explicit neutral form is used; a
+    neutral form that is not hex, an internal id starting with a hex digit or holding a newline
+    could overlap what it holds back, and are refused by name."""
+    from proxy.dispatch.rewrite import IdRewrite
+
+    internal = "___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:2_" + "a" * 32
+    assert IdRewrite(internal, "b" * 32).whole(f"cmpl-{internal}".encode()) == b"cmpl-" + b"b" * 32
+    assert IdRewrite(internal).whole(internal.encode()) == b"a" * 32
+    for bad, neutral in [(internal, "xyz"), ("0_" + "a" * 32, None), ("_\n" + "a" * 32, None)]:
+        with pytest.raises(ValueError) as e:
+            IdRewrite(bad, neutral)
+        assert str(e.value) == f"cannot rewrite {bad!r} to {neutral!r}"
