@@ -55,6 +55,17 @@ def tokenizer():
 
 
 @pytest.fixture
+def kv_client():
+    """A plain KV transport for calling an engine's control socket as a peer would (op abort,
+    ready, a GET's fetch); closed afterwards. Shared by the connector's engine tests."""
+    from connector.transport.tcp import TcpTransport
+
+    cli = TcpTransport()
+    yield cli
+    cli.close()
+
+
+@pytest.fixture
 def engines():
     """start(role, send_type, ...) -> a real KVEngine on a free loopback port, its transport
     built from the config as the worker builds it (caps, kv_secret); all closed afterwards.

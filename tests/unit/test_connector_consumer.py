@@ -44,13 +44,6 @@ DST = (7, 2, 11)
 LAYER0 = "model.layers.0.self_attn.attn"
 
 
-@pytest.fixture
-def client():
-    cli = TcpTransport()
-    yield cli
-    cli.close()
-
-
 def _sync_spec(prod, req_id="D-req"):
     return dataclasses.replace(load_spec(rank0(prod), DST, 2, req_id=req_id), sync=True)
 
@@ -82,11 +75,11 @@ def test_a_synchronous_load_whose_payload_is_gone_counts_an_error(engines):
     assert cons.take_invalid_blocks() == set(DST)
 
 
-def test_a_synchronous_load_whose_sender_gave_up_counts_an_abort(engines, client):
+def test_a_synchronous_load_whose_sender_gave_up_counts_an_abort(engines, kv_client):
     """P said the transfer will not come: counted as aborted, logged with P's reason."""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
-    assert client.call(rank0(cons), {"op": "abort", "keys": {KEY: "P gave up"}}, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), {"op": "abort", "keys": {KEY: "P gave up"}}, timeout_s=10)[0]["ok"]
     with connector_log("consumer") as lines:
         assert cons.consumer.load_now(_sync_spec(prod)) is False
     assert f"kv load failed req=D-req transfer={KEY} error=P gave up" in lines.lines
@@ -184,13 +177,13 @@ def test_a_load_past_its_deadline_times_out_and_is_logged(engines):
     assert stats.failures("load", "timeout") == 1 and stats.failures("load", "aborted") == 0
 
 
-def test_a_load_whose_sender_gave_up_fails_at_once_and_is_logged(engines, client):
+def test_a_load_whose_sender_gave_up_fails_at_once_and_is_logged(engines, kv_client):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     with connector_log("consumer") as lines:
         _async_load(cons, prod)
         assert cons.poll(set()) == PollResult()
-        assert client.call(rank0(cons), {"op": "abort", "keys": {KEY: "P gave up"}}, timeout_s=10)[0]["ok"]
+        assert kv_client.call(rank0(cons), {"op": "abort", "keys": {KEY: "P gave up"}}, timeout_s=10)[0]["ok"]
         res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
     assert res.failed_recving == {"D-req"}
     failed = [x for x in lines.lines if x.startswith("kv load failed ")]
@@ -316,10 +309,10 @@ BAD_PAYLOADS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_PAYLOADS))
-def test_a_payload_that_cannot_fill_the_load_fails_it_saying_why(engines, client, case):
+def test_a_payload_that_cannot_fill_the_load_fails_it_saying_why(engines, kv_client, case):
     over, tensors, why = BAD_PAYLOADS[case]
     cons = engines("kv_consumer", "PUT_ASYNC")
-    assert client.call(rank0(cons), _header(cons, **over), tensors, timeout_s=10)[0] == {"ok": True}
+    assert kv_client.call(rank0(cons), _header(cons, **over), tensors, timeout_s=10)[0] == {"ok": True}
     before = snapshot(cons.caches)
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
@@ -330,13 +323,13 @@ def test_a_payload_that_cannot_fill_the_load_fails_it_saying_why(engines, client
     assert cons.xfer_stats.peek().failures("load", "invalid") == 1
 
 
-def test_a_payload_in_runs_lands_block_by_block(engines, client):
+def test_a_payload_in_runs_lands_block_by_block(engines, kv_client):
     """Runs of 1 and 2 blocks, the load starting past the first (a local prefix hit): each
     destination block gets its own source block."""
     cons = engines("kv_consumer", "PUT_ASYNC")
     src = [torch.full((1, *SHAPE[1:]), 1.0, dtype=torch.bfloat16), torch.stack([_blocks(1)[0] * 2, _blocks(1)[0] * 3])]
     h = _header(cons, runs=(1, 2), num_blocks=3, num_tokens=3 * TOK)
-    assert client.call(rank0(cons), h, src * 2, timeout_s=10)[0] == {"ok": True}
+    assert kv_client.call(rank0(cons), h, src * 2, timeout_s=10)[0] == {"ok": True}
     before = snapshot(cons.caches)
     plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (9, 4), 1, 2 * TOK - 1, 3 * TOK, 3))
     res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
@@ -348,12 +341,12 @@ def test_a_payload_in_runs_lands_block_by_block(engines, client):
 
 
 @pytest.mark.parametrize("pieces, malformed", [(0, True), (1025, True), ("2", True), (1024, False), (2, False)])
-def test_a_malformed_piece_count_fails_the_load(engines, client, pieces, malformed):
+def test_a_malformed_piece_count_fails_the_load(engines, kv_client, pieces, malformed):
     """Heterogeneous TP: piece 0 says how many pieces come (1..1024); anything else fails the
     load at once; a valid count waits for the other pieces."""
     cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
     h = _header(cons, key=f"{KEY}/0", pieces=pieces, piece=0)
-    assert client.call(rank0(cons), h, [_blocks(2)] * 2, timeout_s=10)[0] == {"ok": True}
+    assert kv_client.call(rank0(cons), h, [_blocks(2)] * 2, timeout_s=10)[0] == {"ok": True}
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
         res = cons.poll(set())
@@ -493,15 +486,15 @@ PIECE_DEFECTS = {
 
 
 @pytest.mark.parametrize("case", list(PIECE_DEFECTS))
-def test_pieces_are_checked_before_any_head_is_written(engines, client, case):
+def test_pieces_are_checked_before_any_head_is_written(engines, kv_client, case):
     """Piece 0 (head 0, from prefill rank 0) and piece 1 (head 1, from rank 1): a good pair
     lands head by head; a piece 0 that is not what tp.sources expects fails the load, saying
     why, and leaves the cache untouched."""
     over, why = PIECE_DEFECTS[case]
     cons = engines("kv_consumer", "PUT_ASYNC")
     blocks = 1 if "first_block" in over else 2
-    assert client.call(rank0(cons), _piece(cons, 0, **over), [_head(blocks, 1)] * 2, timeout_s=10)[0]["ok"]
-    assert client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 0, **over), [_head(blocks, 1)] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
     before = snapshot(cons.caches)
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
@@ -516,14 +509,14 @@ def test_pieces_are_checked_before_any_head_is_written(engines, client, case):
         assert_untouched(cons, before)
 
 
-def test_pieces_land_past_a_prefix_hit_and_zeroed_when_asked(engines, client):
+def test_pieces_land_past_a_prefix_hit_and_zeroed_when_asked(engines, kv_client):
     """P skipped block 0 (D holds it): pieces of block 1 only land in the one block loaded;
     a load marked corrupt_for_test gets zeros instead."""
     for corrupt in (False, True):
         cons = engines("kv_consumer", "PUT_ASYNC")
         for i in range(2):
             h = _piece(cons, i, first_block=1, runs=[1])
-            assert client.call(rank0(cons), h, [_head(1, i + 1)] * 2, timeout_s=10)[0]["ok"]
+            assert kv_client.call(rank0(cons), h, [_head(1, i + 1)] * 2, timeout_s=10)[0]["ok"]
         before = snapshot(cons.caches)
         spec = LoadSpec("D-req", KEY, "127.0.0.1:1", (9,), 1, TOK - 1, 2 * TOK, 2, corrupt_for_test=corrupt)
         plan_load(cons, spec)
@@ -537,11 +530,11 @@ def test_pieces_land_past_a_prefix_hit_and_zeroed_when_asked(engines, client):
             assert torch.equal(bits(cache[others]), bits(before[name][others]))
 
 
-def test_a_piece_tensor_of_another_shape_fails_the_load(engines, client):
+def test_a_piece_tensor_of_another_shape_fails_the_load(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC")
     wide = torch.ones((2, *SHAPE[1:]), dtype=torch.bfloat16)  # both heads, where one is announced
-    assert client.call(rank0(cons), _piece(cons, 0), [wide] * 2, timeout_s=10)[0]["ok"]
-    assert client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 0), [wide] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
         res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
@@ -550,10 +543,10 @@ def test_a_piece_tensor_of_another_shape_fails_the_load(engines, client):
     assert f"kv load failed req=D-req transfer={KEY} error={why}" in lines.lines, lines.lines
 
 
-def test_pieces_the_tp_check_refuses_fail_the_load(engines, client):
+def test_pieces_the_tp_check_refuses_fail_the_load(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC")
-    assert client.call(rank0(cons), _piece(cons, 0, dtype="float16"), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
-    assert client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 0, dtype="float16"), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 1), [_head(2, 2)] * 2, timeout_s=10)[0]["ok"]
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
         res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
@@ -562,10 +555,11 @@ def test_pieces_the_tp_check_refuses_fail_the_load(engines, client):
     assert len(failed) == 1 and "dtype mismatch: peer float16" in failed[0], failed
 
 
-def test_a_piece_count_tp_does_not_expect_fails_the_load(engines, client):
+def test_a_piece_count_tp_does_not_expect_fails_the_load(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC")
     for i in range(3):
-        assert client.call(rank0(cons), _piece(cons, i, n=3, src_rank=i % 2), [_head(2, i)] * 2, timeout_s=10)[0]["ok"]
+        reply, _ = kv_client.call(rank0(cons), _piece(cons, i, n=3, src_rank=i % 2), [_head(2, i)] * 2, timeout_s=10)
+        assert reply["ok"]
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
         res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
@@ -607,11 +601,11 @@ def test_a_consumer_that_cannot_check_or_place_pieces_refuses_them(what):
         transport.close()
 
 
-def test_a_lone_piece_tp_does_not_expect_fails_the_load(engines, client):
+def test_a_lone_piece_tp_does_not_expect_fails_the_load(engines, kv_client):
     """A single payload under piece 0 announcing itself as the only piece: still a piece (tp
     says two come), not a whole payload."""
     cons = engines("kv_consumer", "PUT_ASYNC")
-    assert client.call(rank0(cons), _piece(cons, 0, n=1), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
+    assert kv_client.call(rank0(cons), _piece(cons, 0, n=1), [_head(2, 1)] * 2, timeout_s=10)[0]["ok"]
     with connector_log("consumer") as lines:
         plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
         res, _ = poll_until(cons, lambda r: bool(r.finished_recving))

@@ -45,13 +45,6 @@ from tests.support.kv_engines import (
 from tests.support.ports import free_port
 
 
-@pytest.fixture
-def client():
-    cli = TcpTransport()
-    yield cli
-    cli.close()
-
-
 def report_send_once(prod: KVEngine, req_id: str) -> set[str]:
     """What the producer reports for req_id when the scheduler finishes it, as vLLM does: the
     id is passed in one step only; a send still closing in the peer thread is reported in a
@@ -366,7 +359,7 @@ def test_kv_here_is_read_off_the_arrival_board_without_asking(engines):
         probe.close()
 
 
-def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, client):
+def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, kv_client):
     """Heterogeneous TP: each prefill rank sends this rank a piece; the transfer goes on the
     board only with the last of them (a synchronous load needs all)."""
     from connector import tp
@@ -378,7 +371,7 @@ def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, clie
         for i in range(2):
             assert not board.arrived(KEY)
             header = {"op": "put", "key": tp.piece_key(KEY, i), "piece": i, "pieces": 2}
-            reply, _ = client.call(rank0(cons), header, [_blocks(1)])
+            reply, _ = kv_client.call(rank0(cons), header, [_blocks(1)])
             assert reply["ok"], reply
         assert board.arrived(KEY) and cons.consumer.ready(KEY)
         assert not board.arrived(tp.piece_key(KEY, 0))  # pieces are not transfers
@@ -425,19 +418,19 @@ def test_sync_load_whose_kv_is_gone_reports_its_blocks(engines):
     assert ds.request_finished(d_req, [])[1]["xpyd"]["load_failed"] is True
 
 
-def test_sync_load_of_a_payload_that_does_not_fit_reports_its_blocks(engines, client):
+def test_sync_load_of_a_payload_that_does_not_fit_reports_its_blocks(engines, kv_client):
     """The checks of an asynchronous load apply: a payload for another prompt length is
     refused without writing a block."""
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     before = snapshot(cons.caches)
     header = {**_good_header(cons), "num_tokens": N_PROMPT + 1}
     tensors = [_blocks(2) for _ in cons.caches]
-    reply, _ = client.call(rank0(cons), {"op": "reserve", "key": KEY, "nbytes": sum(t.nbytes for t in tensors)})
+    reply, _ = kv_client.call(rank0(cons), {"op": "reserve", "key": KEY, "nbytes": sum(t.nbytes for t in tensors)})
     assert reply["ok"], reply
-    reply, _ = client.call(rank0(cons), header, tensors)
+    reply, _ = kv_client.call(rank0(cons), header, tensors)
     assert reply["ok"], reply
-    assert client.call(rank0(cons), {"op": "ready", "key": KEY})[0] == {"ok": True, "ready": True}
-    assert client.call(rank0(cons), {"op": "ready", "key": "other"})[0] == {"ok": True, "ready": False}
+    assert kv_client.call(rank0(cons), {"op": "ready", "key": KEY})[0] == {"ok": True, "ready": True}
+    assert kv_client.call(rank0(cons), {"op": "ready", "key": "other"})[0] == {"ok": True, "ready": False}
     cons.add_load(LoadSpec(req_id="D-req", transfer_key=KEY, prefill_addr="127.0.0.1:1", dst_block_ids=(4, 9),
                            first_block=0, num_tokens=N_PROMPT - 1, prompt_tokens=N_PROMPT, prompt_blocks=2,
                            sync=True))
@@ -491,11 +484,11 @@ def test_idle_poll_returns_as_soon_as_the_kv_arrives(engines):
     assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
 
 
-def test_idle_poll_returns_as_soon_as_the_kv_will_not_come(engines, client):
+def test_idle_poll_returns_as_soon_as_the_kv_will_not_come(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
     plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
     t0 = time.monotonic()
-    timer = _later(0.3, lambda: client.call(cons.address, {"op": "abort", "keys": {KEY: "P gave up"}},
+    timer = _later(0.3, lambda: kv_client.call(cons.address, {"op": "abort", "keys": {KEY: "P gave up"}},
                                             timeout_s=5))
     try:
         res = cons.poll(set(), wait_s=WAIT_S)
@@ -573,7 +566,7 @@ def test_load_timeout_without_producer(engines, send_type):
     assert cons.poll(set()) == PollResult()  # reported once
 
 
-def test_abort_while_waiting(engines, client):
+def test_abort_while_waiting(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC")
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     before = snapshot(cons.caches)
@@ -585,7 +578,7 @@ def test_abort_while_waiting(engines, client):
     # A payload arriving afterwards is refused, not kept until its TTL.
     prod.save(save_spec(prod, rank0(cons)))
     poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
-    reply, _ = client.call(cons.address, {"op": "put", "key": KEY}, [torch.zeros(1, 2, 16, 64)], timeout_s=5)
+    reply, _ = kv_client.call(cons.address, {"op": "put", "key": KEY}, [torch.zeros(1, 2, 16, 64)], timeout_s=5)
     assert reply["ok"] is False and "gone" in reply["error"]
     assert cons.poll(set()) == PollResult()
     assert cons.stats() == ZERO and prod.stats() == ZERO
@@ -720,12 +713,12 @@ def test_ttl_expires_without_worker_steps(engines):
 # ================================================================ control plane
 
 
-def test_malformed_control_messages(engines, client):
+def test_malformed_control_messages(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC")
     addr = cons.address
 
     def call(h, t=()):
-        return client.call(addr, h, list(t), timeout_s=5)[0]
+        return kv_client.call(addr, h, list(t), timeout_s=5)[0]
 
     r = call({"op": "bogus"})
     assert r["ok"] is False and "unknown op" in r["error"]
@@ -782,7 +775,7 @@ def _blocks(n, shape=SHAPE[1:], dtype=torch.bfloat16):
     ["good", "tensor-shape", "tensor-dtype", "tensor-count", "runs-short", "num-blocks-type", "layers",
      "too-few-blocks"],
 )
-def test_payload_not_matching_its_header_fails_the_load(engines, client, case):
+def test_payload_not_matching_its_header_fails_the_load(engines, kv_client, case):
     """A peer's payload is checked before anything is written; a bad one fails the load
     (vLLM recomputes) instead of raising in the worker or writing garbage."""
     cons = engines("kv_consumer", "PUT_ASYNC")
@@ -801,7 +794,7 @@ def test_payload_not_matching_its_header_fails_the_load(engines, client, case):
         h["layers"] = ["a", "b"]
     elif case == "too-few-blocks":
         h, t = _good_header(cons, runs=(1,), num_blocks=1), [_blocks(1), _blocks(1)]
-    assert client.call(cons.address, h, t, timeout_s=5)[0] == {"ok": True}
+    assert kv_client.call(cons.address, h, t, timeout_s=5)[0] == {"ok": True}
     before = snapshot(cons.caches)
     plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
     res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
@@ -910,16 +903,16 @@ def test_close_does_not_wait_for_a_call_to_a_dead_peer(engines, send_type, op, s
 # ================================================================ added by the lead
 
 
-def test_get_reply_can_be_fetched_again_until_released(engines, client):
+def test_get_reply_can_be_fetched_again_until_released(engines, kv_client):
     """P keeps its GET copy until D releases it: a reply lost to a timeout is not
     a lost transfer."""
     prod = engines("kv_producer", "GET", seed=1)
     prod.save(save_spec(prod, "127.0.0.1:1", delay_free=False))
     for _ in range(2):
-        reply, tensors = client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=WAIT_S)
+        reply, tensors = kv_client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=WAIT_S)
         assert reply["ok"] and tensors
     assert prod.stats()["send_items"] == 1
-    reply, _ = client.call(rank0(prod), {"op": "release", "key": KEY}, timeout_s=WAIT_S)
+    reply, _ = kv_client.call(rank0(prod), {"op": "release", "key": KEY}, timeout_s=WAIT_S)
     assert reply["ok"]
     assert prod.stats() == ZERO
 
@@ -949,7 +942,7 @@ def test_preemption_cancels_a_queued_send(engines):
     assert prod.stats() == ZERO
 
 
-def test_released_transfer_is_dropped_and_refused_later(engines, client):
+def test_released_transfer_is_dropped_and_refused_later(engines, kv_client):
     """No request will load it (full local hit, aborted before admission): dropped at
     the next step, and a late duplicate is refused before its bytes are sent."""
     prod = engines("kv_producer", "PUT", seed=1)

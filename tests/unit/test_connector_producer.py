@@ -21,13 +21,6 @@ from tests.support.ports import free_port
 SECRET = "a test kv secret"
 
 
-@pytest.fixture
-def client():
-    cli = TcpTransport()
-    yield cli
-    cli.close()
-
-
 class SlowPut:
     """Stands in front of a decode engine's KV port (the other side of the boundary): forwards
     every call to it, but answers each put only ``delay_s`` after it came; records the keys."""
@@ -267,7 +260,7 @@ def test_a_dead_decode_is_logged_counted_and_told_once_it_is_back(engines):
     assert prod.producer.peer(addr).dead_since is None
 
 
-def test_a_get_copy_that_does_not_fit_is_refused_at_once(engines, client):
+def test_a_get_copy_that_does_not_fit_is_refused_at_once(engines, kv_client):
     """GET: P's own buffer cannot hold the copy: logged, counted, and D's GET hears why."""
     prod = engines("kv_producer", "GET", seed=1, kv_buffer_size=1000)
     with connector_log() as lines:
@@ -277,7 +270,7 @@ def test_a_get_copy_that_does_not_fit_is_refused_at_once(engines, client):
     why = said[0].partition(" reason=")[2]
     assert why not in ("", "None")
     assert prod.xfer_stats.peek().failures("send", "refused") == 1
-    reply, _ = client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=10)
+    reply, _ = kv_client.call(rank0(prod), {"op": "get", "key": KEY}, timeout_s=10)
     assert reply["ok"] is False and reply["error"] == why
 
 
