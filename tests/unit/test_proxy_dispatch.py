@@ -124,14 +124,15 @@ async def test_concurrent_dispatch_waits_for_p_while_p_has_a_queue():
         early, late = sorted(dec, key=lambda rid: pre[rid].received_at)
         assert dec[early].received_at < pre[early].received_at + 0.3  # idle P: early
         assert dec[late].received_at >= pre[late].received_at + 0.35  # after P's answer
-    async with running_proxy(dispatch="concurrent") as px:
-        p = await px.fake("P", load=Load(running=1, waiting=3))
-        d = await px.fake("D")
-        p.fault = Fault(delay=0.4)
-        resp = await px.client.post("/v1/completions", json=COMPLETION)
-        assert resp.status_code == 200
-        (pre,), (dec,) = p.completions(), d.completions()
-        assert dec.received_at >= pre.received_at + 0.35
+    for waiting in (1, 3):  # one request waiting on P is already a queue
+        async with running_proxy(dispatch="concurrent") as px:
+            p = await px.fake("P", load=Load(running=1, waiting=waiting))
+            d = await px.fake("D")
+            p.fault = Fault(delay=0.4)
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+            assert resp.status_code == 200
+            (pre,), (dec,) = p.completions(), d.completions()
+            assert dec.received_at >= pre.received_at + 0.35, waiting
 
 
 async def test_shipped_defaults_serve_short_prompts_from_d():

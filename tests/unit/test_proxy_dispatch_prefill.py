@@ -121,18 +121,6 @@ async def test_each_failed_prefill_attempt_is_logged(caplog):
     assert lines == [f"prefill failed instance={slow.http_address} kind=timeout attempt=1 error=timed out after 0.3s"]
 
 
-async def test_concurrent_dispatch_waits_for_p_with_one_request_waiting():
-    """One request waiting on P (its heartbeat) is already a queue: D is asked after P."""
-    async with running_proxy(dispatch="concurrent") as px:
-        p = await px.fake("P", load=Load(running=1, waiting=1))
-        d = await px.fake("D")
-        p.fault = Fault(delay=0.4)
-        resp = await px.client.post("/v1/completions", json=COMPLETION)
-        assert resp.status_code == 200
-        (pre,), (dec,) = p.completions(), d.completions()
-        assert dec.received_at >= pre.received_at + 0.35
-
-
 async def test_concurrent_dispatch_closes_ds_opened_answer_when_p_fails():
     """D answered (its stream's first event) before P failed: that open answer is closed at
     once, so vLLM aborts the request instead of decoding for nobody."""
