@@ -6,6 +6,7 @@ silent publisher, garbage, an instance leaving."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import subprocess
 import sys
@@ -887,28 +888,44 @@ async def test_failed_replay_probes_back_off_doubling_to_the_most():
         assert far.stream.replay_fails == fails and far.stream.next_probe - now[0] == 2.0**16
 
 
-def test_a_dropped_connection_is_read_from_the_monitor_and_logged(caplog):
+@contextlib.contextmanager
+def _monitor_pair(name: str):
+    """(a, b): what a sends, b reads as a SUB's monitor socket would (libzmq's monitor speaks
+    over an inproc PAIR)."""
     import zmq
 
-    d = Direct()
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
-        a.bind("inproc://mon")
-        b.connect("inproc://mon")
-        assert not _dropped(b, d.stream)  # nothing reported: still connected
-        a.send_multipart([zmq.EVENT_CLOSED.to_bytes(2, "little") + b"\0" * 4, b"tcp://127.0.0.1:23001"])
-        assert _dropped(b, d.stream) and not _dropped(b, d.stream)  # drained
-        for event in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
-            a.send_multipart([event.to_bytes(2, "little") + b"\0" * 4, b"tcp://127.0.0.1:23001"])
-        assert _dropped(b, d.stream)
-        d.stream.stats.reconnects = 10  # the 11th: not logged (10 first, then every 100th)
-        a.send(b"\x01")
-        assert _dropped(b, d.stream)
+        a.bind(f"inproc://{name}")
+        b.connect(f"inproc://{name}")
+        yield a, b
     finally:
         a.close(linger=0)
         b.close(linger=0)
         ctx.term()
+
+
+def _monitor_event(kind: int, value: int | None = 0) -> list[bytes]:
+    """A monitor event: its kind (2 bytes, little-endian) and value (4 bytes), then the endpoint."""
+    head = kind.to_bytes(2, "little") + (b"" if value is None else value.to_bytes(4, "little"))
+    return [head, b"tcp://127.0.0.1:23001"]
+
+
+def test_a_dropped_connection_is_read_from_the_monitor_and_logged(caplog):
+    import zmq
+
+    d = Direct()
+    with _monitor_pair("mon") as (a, b):
+        assert not _dropped(b, d.stream)  # nothing reported: still connected
+        a.send_multipart(_monitor_event(zmq.EVENT_CLOSED))
+        assert _dropped(b, d.stream) and not _dropped(b, d.stream)  # drained
+        for event in (zmq.EVENT_CLOSED, zmq.EVENT_DISCONNECTED):
+            a.send_multipart(_monitor_event(event))
+        assert _dropped(b, d.stream)
+        d.stream.stats.reconnects = 10  # the 11th: not logged (10 first, then every 100th)
+        a.send(b"\x01")
+        assert _dropped(b, d.stream)
     lines = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
     assert lines == [
         f"kv events connection lost http=127.0.0.1:18001 endpoint=tcp://127.0.0.1:23001 ({what}; the "
@@ -1296,23 +1313,14 @@ def test_the_monitors_event_kinds_name_the_drop(caplog, events, what):
     import zmq
 
     d = Direct()
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://mon-kinds")
-        b.connect("inproc://mon-kinds")
+    with _monitor_pair("mon-kinds") as (a, b):
         for event in events:
             if isinstance(event[0], bytes):
                 a.send_multipart(event)
                 continue
             kind, value = event
-            head = getattr(zmq, f"EVENT_{kind}").to_bytes(2, "little")
-            a.send_multipart([head + (b"" if value is None else value.to_bytes(4, "little")), b"tcp://127.0.0.1:23001"])
+            a.send_multipart(_monitor_event(getattr(zmq, f"EVENT_{kind}"), value))
         assert _dropped(b, d.stream)
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
     (line,) = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
     assert f"endpoint=tcp://127.0.0.1:23001 ({what}; the publisher" in line
 
@@ -1324,17 +1332,9 @@ def test_lost_connections_are_logged_ten_then_every_hundredth(caplog, reconnects
     caplog.set_level(logging.WARNING, logger="xpyd.proxy.kv_events")
     d = Direct()
     d.stream.stats.reconnects = reconnects  # this drop is the (reconnects + 1)-th
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    try:
-        a.bind("inproc://mon-every")
-        b.connect("inproc://mon-every")
-        a.send_multipart([zmq.EVENT_DISCONNECTED.to_bytes(2, "little") + b"\0" * 4, b"tcp://127.0.0.1:23001"])
+    with _monitor_pair("mon-every") as (a, b):
+        a.send_multipart(_monitor_event(zmq.EVENT_DISCONNECTED))
         assert _dropped(b, d.stream)
-    finally:
-        a.close(linger=0)
-        b.close(linger=0)
-        ctx.term()
     lines = [r.getMessage() for r in caplog.records if "connection lost" in r.getMessage()]
     assert [line.split("reconnect ")[1].split(" ")[0] for line in lines] == ([str(reconnects + 1)] if logged else [])
 
