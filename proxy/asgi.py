@@ -39,6 +39,13 @@ class Flight:
     done: bool = False
     disconnected: bool = False
 
+    def client_left(self) -> None:
+        """The client's connection closed: cancel its request, unless its answer is all sent."""
+        if not self.done:
+            self.disconnected = True
+            if self.task is not None:
+                self.task.cancel()
+
 
 def ms(seconds: float) -> bytes:
     return b"%.2f" % (seconds * 1000.0)
@@ -90,7 +97,5 @@ async def watch_disconnect(receive: Receive, flight: Flight) -> None:
         message = await receive()
     except Exception:
         return
-    if message.get("type") == "http.disconnect" and not flight.done:
-        flight.disconnected = True
-        if flight.task is not None:
-            flight.task.cancel()
+    if message.get("type") == "http.disconnect":
+        flight.client_left()

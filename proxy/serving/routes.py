@@ -59,15 +59,6 @@ def _header_name(k: bytes) -> str:
     return k.decode()[len(XPYD_PREFIX_RAW) :] if k.startswith(XPYD_PREFIX_RAW) else k.decode()
 
 
-def _client_left(flight: Flight) -> None:
-    """The client's connection closed: cancel its request, unless its answer is all sent
-    (as watch_disconnect does)."""
-    if not flight.done:
-        flight.disconnected = True
-        if flight.task is not None:
-            flight.task.cancel()
-
-
 class _Endpoint:
     """A raw ASGI app for one route. An object, not a function: Starlette wraps plain
     functions as request/response endpoints but mounts other callables as ASGI apps."""
@@ -167,7 +158,7 @@ class Router:
             state = scope.get("state")
             watch = state.get(WATCH) if state else None
             if watch is not None:  # the proxy's own server: told by the connection
-                unwatch = watch(lambda: _client_left(flight))
+                unwatch = watch(flight.client_left)
             else:  # any other ASGI server: a task waits on receive()
                 watcher = loop.create_task(_watch(receive, flight))
             status = await self.dispatcher.run(

@@ -110,9 +110,7 @@ class _Conn(asyncio.Protocol):
                 return
         # Once per read, not per parser callback: a stream's read often holds a dozen
         # chunks, each an on_body.
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
