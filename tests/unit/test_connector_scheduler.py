@@ -839,23 +839,19 @@ class _Rank:
         return {"ok": True, "ready": self._value if header.get("key") in self._here else False}, []
 
 
-def _probe_setup(ranks: int, here: set[str], ready_value=True):
-    from connector.scheduler import ArrivalProbe
-    from tests.support.ports import spare_port
-
-    base = spare_port(ranks)
-    cfg = make_cfg("kv_consumer", addr=f"127.0.0.1:{base}")
-    servers = [_Rank(base + r, here, ready_value) for r in range(ranks)]
-    return ArrivalProbe(cfg, ranks), servers, [f"127.0.0.1:{base + r}" for r in range(ranks)]
-
-
 @pytest.fixture
 def probe_of():
     """probe_of(ranks, here, ready_value=True) -> (probe, ranks' servers, their addresses); all closed after."""
+    from connector.scheduler import ArrivalProbe
+    from tests.support.ports import spare_port
+
     made = []
 
     def make(ranks: int, here: set[str], ready_value=True):
-        made.append(_probe_setup(ranks, here, ready_value))
+        base = spare_port(ranks)
+        cfg = make_cfg("kv_consumer", addr=f"127.0.0.1:{base}")
+        servers = [_Rank(base + r, here, ready_value) for r in range(ranks)]
+        made.append((ArrivalProbe(cfg, ranks), servers, [f"127.0.0.1:{base + r}" for r in range(ranks)]))
         return made[-1]
 
     yield make
