@@ -86,3 +86,31 @@ class Publisher:
         if self._router is not None:
             self._router.close(linger=0)
         self._ctx.term()
+
+
+async def publish_until_applied(
+    pub: Publisher, events, stream, timeout: float = 10.0, first_wait_s: float = 0.3
+) -> None:
+    """Publish ``events`` until the proxy's stream (``stream()``: it, or None before it exists)
+    has applied what was last published. A SUB misses what a PUB sends before its connection
+    is up (ZMQ's slow joiner), so the batch goes again (the events must be idempotent); each
+    wait is twice the last, since a large batch takes seconds to apply on a loaded box and
+    sending it again every interval only queues more of the same work."""
+    from tests.support.waiting import wait_until
+
+    deadline = time.monotonic() + timeout
+    wait_s = first_wait_s
+
+    def applied() -> bool:
+        st = stream()
+        return st is not None and st.next_seq == pub.seq
+
+    while True:
+        pub.publish(events)
+        try:
+            await wait_until(applied, timeout=max(0.1, min(wait_s, deadline - time.monotonic())))
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        wait_s *= 2

@@ -27,7 +27,7 @@ from proxy.routing.kv_events import (
     _raise_fd_limit,
 )
 from proxy.routing.kv_index import ApplyStats, IndexState, InstanceIndex
-from tests.support.kv_publisher import Publisher
+from tests.support.kv_publisher import Publisher, publish_until_applied
 from tests.support.waiting import wait_until
 from xpyd_wire import discovery
 from xpyd_wire.kv_events import (
@@ -288,17 +288,7 @@ class Harness:
 
 
 async def publish_until_received(h: Harness, events, timeout: float = 5.0) -> None:
-    """A SUB misses what is published before its connection is up (ZMQ's slow joiner):
-    publish the batch again until one lands (the events must be idempotent)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        h.pub.publish(events)
-        try:
-            await wait_until(lambda: h.stream.next_seq == h.pub.seq, timeout=0.3)
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
+    await publish_until_applied(h.pub, events, lambda: h.stream, timeout)
 
 
 async def test_subscribes_applies_and_knows():

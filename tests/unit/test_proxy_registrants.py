@@ -20,7 +20,7 @@ from proxy.metrics import Metrics
 from proxy.registry import RegistrationRefused, Registry
 from proxy.routing.kv_events import MAX_MESSAGE_BYTES, EventsConfig, KVEvents
 from proxy.routing.kv_index import IndexState
-from tests.support.kv_publisher import Publisher
+from tests.support.kv_publisher import Publisher, publish_until_applied
 from tests.support.proxy_helpers import running_proxy, wait_until
 from xpyd_wire.discovery import OutputLimits, ProtocolError, Registration, decode, encode, new_instance_key
 from xpyd_wire.kv_events import AllBlocksCleared, BlockStored, EventsEndpoint, chain_block_keys
@@ -308,21 +308,7 @@ def _chain(first_hash: int, n: int, parent=None) -> BlockStored:
 
 
 async def _publish_until(pub: Publisher, ev: Events, inst, events, timeout=10.0) -> None:
-    # Published again until one arrives (a subscription is not joined at once: ZMQ drops what
-    # a PUB sends before), each wait twice the last: a large batch takes seconds to apply on a
-    # loaded box, and publishing it again every second only queues more of the same work.
-    deadline = time.monotonic() + timeout
-    wait_s = 1.0
-    while True:
-        pub.publish(events)
-        try:
-            await wait_until(lambda: (st := ev.stream(inst)) is not None and st.next_seq == pub.seq,
-                             timeout=max(0.1, min(wait_s, deadline - time.monotonic())))
-            return
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-        wait_s *= 2
+    await publish_until_applied(pub, events, lambda: ev.stream(inst), timeout, first_wait_s=1.0)
 
 
 async def test_advertised_capacity_cannot_raise_the_index_cap():
