@@ -241,3 +241,89 @@ def test_id_rewrite_takes_its_neutral_form_and_refuses_ids_it_could_not_hold_bac
         with pytest.raises(ValueError) as e:
             IdRewrite(bad, neutral)
         assert str(e.value) == f"cannot rewrite {bad!r} to {neutral!r}"
+
+
+class _Selector:
+    """The two questions choose_path asks a Selector, answered from fixed figures and recorded."""
+
+    def __init__(self, p_live: bool = True, d_uncached: int | None = None) -> None:
+        self.p_live, self.d_uncached = p_live, d_uncached
+        self.asked: list[tuple] = []
+
+    def available(self, role, model):
+        self.asked.append(("available", role, model))
+        return self.p_live
+
+    def uncached_tokens(self, role, inst, req):
+        self.asked.append(("uncached", role, inst, req))
+        return self.d_uncached
+
+
+def _route(tokens: int, body: dict | None = None, path: str = "/v1/completions"):
+    from proxy.request import RouteRequest
+
+    body = body if body is not None else {"model": "m1", "prompt": "x"}
+    return RouteRequest(path=path, raw=json.dumps(body).encode(), body=body, tokens=tokens, headers={}, model="m1")
+
+
+@pytest.mark.parametrize(
+    "threshold, tokens, d_uncached, path",
+    [
+        (50, 49, None, "local_short"),  # below the threshold: D alone
+        (50, 50, None, "disaggregated"),  # at it: P prefills
+        (50, 50, 49, "local_cached"),  # D holds all but 49 tokens
+        (50, 50, 50, "disaggregated"),  # all but 50: P prefills
+        (1, 0, None, "local_short"),  # the smallest threshold still counts
+        (0, 0, 0, "disaggregated"),  # 0 turns the rule off
+    ],
+)
+def test_local_prefill_threshold_edges(threshold, tokens, d_uncached, path):
+    """choose_path (proxy/dispatch/local.py) against a recorded Selector: the threshold's edges
+    on both figures, which D is asked about, and that a threshold of 0 asks nothing of the
+    prefix index (the query computes the prompt's block keys)."""
+    from proxy.config import ProxyConfig
+    from proxy.dispatch.local import choose_path
+
+    cfg = ProxyConfig(local_prefill_threshold=threshold)
+    sel, req, d = _Selector(d_uncached=d_uncached), _route(tokens), object()
+    assert choose_path(cfg, sel, req, d) == path
+    asked = [("available", "P", "m1")]
+    if threshold > 0 and tokens >= threshold:
+        asked.append(("uncached", "D", d, req))
+    assert sel.asked == asked
+
+
+def test_without_p_the_path_is_local_or_a_503_that_says_so():
+    from proxy.config import ProxyConfig
+    from proxy.dispatch.local import choose_path
+    from proxy.errors import ProxyError
+
+    assert choose_path(ProxyConfig(), _Selector(p_live=False), _route(500), object()) == "local_no_prefill"
+    with pytest.raises(ProxyError) as err:
+        choose_path(ProxyConfig(fallback_to_decode=False), _Selector(p_live=False), _route(500), object())
+    assert (err.value.status, err.value.message, err.value.code) == (
+        503, "no prefill instance is available", "no_prefill_instance")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body, path, local",
+    [
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "/v1/completions", True),
+        ({"prompt": "x", "echo": True, "max_tokens": 0}, "/v1/completions", True),
+        ({"prompt": "x", "echo": True, "max_tokens": 1}, "/v1/completions", False),
+        ({"prompt": "x", "logprobs": 1}, "/v1/completions", False),  # the answer's logprobs only
+        ({"messages": [], "echo": True, "logprobs": True}, "/v1/chat/completions", False),
+        ({"messages": [], "logprobs": True, "top_logprobs": 2}, "/v1/chat/completions", False),
+        ({"messages": [], "prompt_logprobs": 0}, "/v1/chat/completions", True),
+        ({"prompt": "x", "prompt_logprobs": None}, "/v1/completions", False),
+    ],
+)
+def test_only_prompt_logprobs_keep_the_prefill_on_d(body, path, local):
+    """The prompt's logprobs come from the prefill, so D computes it; the answer's logprobs do
+    not need it (chat has no echo of the prompt's logprobs)."""
+    from proxy.config import ProxyConfig
+    from proxy.dispatch.local import choose_path
+
+    got = choose_path(ProxyConfig(), _Selector(), _route(500, body, path), object())
+    assert got == ("local_prompt_logprobs" if local else "disaggregated")
+

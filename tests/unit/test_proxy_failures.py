@@ -103,9 +103,10 @@ async def test_no_decode_is_503_and_no_prefill_without_fallback_is_503():
         assert not p.completions()
     async with running_proxy(fallback_to_decode=False) as px:
         d = await px.fake("D")
-        assert_error(
+        err = assert_error(
             await px.client.post("/v1/completions", json=COMPLETION), 503, "no_prefill_instance"
         )
+        assert err["message"] == "no prefill instance is available"
         assert not d.completions()
 
 
