@@ -10,6 +10,7 @@ import logging
 
 import pytest
 
+from proxy.dispatch.relay import LEAD_MAX_BYTES as CAP
 from tests.support.proxy_helpers import Fault, relayed, running_proxy, wait_until
 
 STREAM = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5, "stream": True}
@@ -72,3 +73,251 @@ async def test_a_stream_broken_off_ends_with_a_midstream_event(expose, caplog):
         assert (err["code"], err["param"]) == ("decode_midstream", None) and got[3:] == ["[DONE]"]
     (line,) = [r.getMessage() for r in caplog.records if r.name == "xpyd.proxy.relay"]
     assert line.startswith(f"decode stream broke instance={d.http_address} error=")
+
+
+# ---------------------------------------------------------------- the stream's lead, judged
+
+
+def _sse(obj: object, end: bytes = b"\n\n") -> bytes:
+    return b"data: " + json.dumps(obj).encode() + end
+
+
+def _err(code: object, kind: str) -> bytes:
+    return _sse({"error": {"message": "m", "type": kind, "param": None, "code": code}})
+
+
+def _completion(**choice) -> bytes:
+    return _sse({"choices": [{"index": 0, "text": "", "finish_reason": None, **choice}]})
+
+
+_ROLE_CRLF = _sse(
+    {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}, b"\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize(
+    "buf,verdict",
+    [
+        # A code is an HTTP status only in [100, 600); outside it, the type decides.
+        (_err(100, "InternalServerError"), True),  # a status below 500: D's verdict, relayed
+        (_err(499, "InternalServerError"), True),
+        (_err(500, "BadRequestError"), 500),
+        (_err(599, "BadRequestError"), 599),
+        (_err(600, "BadRequestError"), True),  # not a status: a client error type, relayed
+        (_err(600, "InternalServerError"), 500),
+        (_err(99, "InternalServerError"), 500),
+        (_err(True, "BadRequestError"), True),  # a bool is no status
+        # What a choice carries.
+        (_sse({"choices": ["x"]}), True),  # not understood: relayed
+        (_completion(token_ids=[901]), True),  # return_token_ids: a token, even without text
+        (_completion(), False),  # a completion chunk with no text yet: nothing generated
+        (_sse({"choices": [{"index": 0, "delta": "x", "finish_reason": None}]}), True),
+        # A stream that starts with a bare CR line (an empty line in SSE), CRLF after.
+        (b"\r" + _completion(text=" t0").replace(b"\n\n", b"\r\n\r\n"), True),
+        (b"\r" + _completion().replace(b"\n\n", b"\r\n\r\n"), False),
+        # An error event that ends past the cap is not read: relayed as without the hold.
+        (_sse({"error": {"type": "InternalServerError", "code": 500}, "pad": "x" * CAP}), True),
+        (
+            b'data: {"error": {"type": "InternalServerError", "code": 500},\r\ndata: "pad": "'
+            + b"x" * CAP
+            + b'"}\r\n\r\n',
+            True,
+        ),  # the error event split over CRLF lines, ending past the cap
+        # CRLF: the role chunk, then an event not complete yet.
+        (_ROLE_CRLF + b'data: {"choices": []}\r\n', False),
+        # An empty event first (a blank line): skipped, not an incomplete event.
+        (b"\n\n" + _completion(text=" t0"), True),
+        (b"\r\n\r\n" + _completion(text=" t0").replace(b"\n\n", b"\r\n\r\n"), True),
+        # No event end in the first CAP bytes: relayed once CAP bytes are in hand.
+        (b"data: " + b"x" * (CAP - 6), True),
+        (b"data: " + b"x" * (CAP - 7), False),
+    ],
+    ids=[
+        "code-100",
+        "code-499",
+        "code-500",
+        "code-599",
+        "code-600-client-type",
+        "code-600-server-type",
+        "code-99",
+        "code-bool",
+        "choice-not-a-dict",
+        "token-ids",
+        "no-text",
+        "delta-not-a-dict",
+        "leading-cr-content",
+        "leading-cr-nothing",
+        "error-past-cap",
+        "error-past-cap-crlf",
+        "crlf-role-then-part",
+        "empty-event-first",
+        "empty-event-first-crlf",
+        "cap-bytes-no-end",
+        "below-cap-no-end",
+    ],
+)
+def test_judge_lead_edges(buf, verdict):
+    """Mutants of _server_error's status bounds, _carries' branches, judge_lead's CR search."""
+    from proxy.dispatch.relay import StreamError, judge_lead
+
+    got, _ = judge_lead(buf)
+    if verdict is True or verdict is False:
+        assert got is verdict
+    else:
+        assert isinstance(got, StreamError) and got.status == verdict
+        assert json.loads(got.body)["error"]["type"] in ("BadRequestError", "InternalServerError")
+
+
+# ---------------------------------------------------------------- the stream's lead, read
+
+
+class _Stream:
+    """D's streamed answer as the upstream client hands it out (the other side of read_lead):
+    each item put is one read's bytes, None the stream's end. at_eof() is True once the end
+    was handed out, as the native client's is when the last chunk came apart from the data.
+    `sleep_before` blocks the loop before a read returns (a read that completes after the
+    lead's deadline, at the same loop turn as the timeout)."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.ended = False
+        self.cancelled_reads = 0
+        self.closed = False
+        self.sleep_before: dict[int, float] = {}
+        self.reads = 0
+        self.status = 200
+        self.content_type = "text/event-stream"
+
+    async def _gen(self):
+        import asyncio
+        import time
+
+        while True:
+            try:
+                item = await self.queue.get()
+            except asyncio.CancelledError:
+                self.cancelled_reads += 1
+                raise
+            self.reads += 1
+            time.sleep(self.sleep_before.get(self.reads, 0.0))
+            if item is None:
+                self.ended = True
+                return
+            yield item
+
+    def chunks(self):
+        return self._gen()
+
+    def at_eof(self) -> bool:
+        return self.ended
+
+    async def read(self, limit=None) -> bytes:
+        raise AssertionError("a stream is read by chunks")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+_ROLE = _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+_PING = b": ping\n\n"
+_T0 = _sse({"choices": [{"index": 0, "delta": {"content": " t0"}, "finish_reason": None}]})
+
+
+def _answer(stream: _Stream):
+    from proxy.dispatch.relay import Answer
+
+    chunks = stream.chunks()
+    return Answer(stream, _ROLE, True, chunks)  # the first read: the role chunk
+
+
+async def test_read_lead_keeps_what_it_held_when_the_stream_ends():
+    """Role chunk, a comment, the end: all of it is the answer's first bytes, no error
+    (mutants: _next without its default, the end's break as a return)."""
+    import asyncio
+
+    from proxy.dispatch.relay import read_lead
+
+    stream = _Stream()
+    answer = _answer(stream)
+    for item in (_PING, None):
+        stream.queue.put_nowait(item)
+    loop = asyncio.get_running_loop()
+    assert await read_lead(answer, loop.time() + 30) is None
+    assert answer.first == _ROLE + _PING and answer.pending is None
+
+
+async def test_read_lead_keeps_what_it_held_when_a_read_ends_past_the_deadline():
+    """The comment's read completes after the deadline (the loop was held): the next turn
+    sees no time left and relays what it holds, the comment included (mutant: a return
+    that drops it)."""
+    import asyncio
+
+    from proxy.dispatch.relay import read_lead
+
+    stream = _Stream()
+    answer = _answer(stream)
+    stream.sleep_before[1] = 0.2  # the comment's read holds the loop past the deadline
+    stream.queue.put_nowait(_PING)
+    loop = asyncio.get_running_loop()
+    assert await read_lead(answer, loop.time() + 0.1) is None
+    assert answer.first == _ROLE + _PING
+    stream.queue.put_nowait(_T0)  # the stream goes on as without the hold
+    stream.queue.put_nowait(None)
+    assert [c async for c in answer.chunks] == [_T0]
+
+
+async def test_read_lead_at_its_deadline_relays_the_rest_from_the_read_under_way():
+    """At the deadline the held bytes are the answer's first; the read under way is not
+    cancelled (that would end D's stream): the chunks go on from its result, then the rest.
+    Mutants: pending not kept, _after ending at a chunk instead of at the end, _after
+    without the rest, the deadline's break as a return."""
+    import asyncio
+
+    from proxy.dispatch.relay import read_lead
+
+    stream = _Stream()
+    answer = _answer(stream)
+    stream.queue.put_nowait(_PING)
+    loop = asyncio.get_running_loop()
+    # The comment is queued before the deadline's wait; then silence until the deadline.
+    got = await read_lead(answer, loop.time() + 0.3)
+    assert got is None and answer.first == _ROLE + _PING
+    assert answer.pending is not None and not answer.pending.done() and stream.cancelled_reads == 0
+    for item in (_T0, b"data: [DONE]\n\n", None):
+        stream.queue.put_nowait(item)
+    assert [c async for c in answer.chunks] == [_T0, b"data: [DONE]\n\n"]
+
+
+async def test_closing_an_answer_cancels_the_read_under_way():
+    """An answer closed after the lead's deadline (the client left) abandons D's read that
+    was still waiting (mutant: the pending read not kept, left waiting forever)."""
+    import asyncio
+
+    from proxy.dispatch.relay import read_lead
+
+    stream = _Stream()
+    answer = _answer(stream)
+    loop = asyncio.get_running_loop()
+    assert await read_lead(answer, loop.time() + 0.1) is None and answer.first == _ROLE
+    await answer.aclose()
+    await asyncio.sleep(0)  # the cancellation is delivered at the read's next turn
+    assert stream.closed and stream.cancelled_reads == 1
+
+
+async def test_a_refused_continuation_ends_the_relayed_stream_with_ds_error_event():
+    """First token from P: the 200 and P's token went out, D refuses the continuation (400):
+    the relay ends the stream with D's error as an event of its own, then [DONE]
+    (mutant: StreamFailed without its event, the stream ending as if complete)."""
+    async with running_proxy() as px:
+        _, d = await px.pd()
+        d.fault = Fault(status=400)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200
+        got = events(resp.text)
+        assert json.loads(got[0])["choices"][0]["text"] == " t0"
+        assert json.loads(got[1]) == {
+            "error": {"message": "fake D failure", "type": "BadRequestError", "param": None, "code": 400}
+        }
+        assert got[2:] == ["[DONE]"]
