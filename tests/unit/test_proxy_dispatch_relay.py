@@ -321,3 +321,16 @@ async def test_a_refused_continuation_ends_the_relayed_stream_with_ds_error_even
             "error": {"message": "fake D failure", "type": "BadRequestError", "param": None, "code": 400}
         }
         assert got[2:] == ["[DONE]"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+async def test_the_client_gets_ds_content_type(stream):
+    """The relayed answer is typed as D typed it (mutant: the content-type header misnamed)."""
+    async with running_proxy(first_token="decode") as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json={**STREAM, "stream": stream})
+        assert resp.status_code == 200
+        want = "text/event-stream; charset=utf-8" if stream else "application/json"
+        assert resp.headers.get_list("content-type") == [want]
+        (rec,) = d.completions()
+        assert resp.content == relayed(rec)
