@@ -14,10 +14,12 @@ import torch
 
 from connector import layout as kvlayout
 from connector.buffer import KVBuffer, Payload
-from connector.consumer import Consumer
+from connector.consumer import GET_POOL_SIZE, Consumer
 from connector.engine import PollResult
 from connector.metadata import LoadSpec
+from connector.staging import RecvStager
 from connector.tp import TpSide
+from connector.transport.base import Deferred
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
@@ -611,3 +613,265 @@ def test_a_lone_piece_tp_does_not_expect_fails_the_load(engines, kv_client):
         res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
     assert res.failed_recving == {"D-req"}
     assert f"kv load failed req=D-req transfer={KEY} error=prefill announced 1 pieces, tp says 2" in lines.lines
+
+
+# ---- GET against a stand-in P that answers late or never (the other side of the boundary)
+
+
+class _StandInPrefill:
+    """A prefill's KV port: answers GET with ``header``/``tensors`` (or never, ``get_hangs``)
+    and never answers a release; records when each GET and release came."""
+
+    def __init__(self, header=None, tensors=(), get_hangs=False) -> None:
+        self.header, self.tensors, self.get_hangs = header, list(tensors), get_hangs
+        self.gets: list[tuple[str, float]] = []
+        self.releases: list[tuple[str, float]] = []
+        self._t = TcpTransport()
+        self._t.start("127.0.0.1", 0, self._handle)
+        self.address = f"127.0.0.1:{self._t.bound_port}"
+
+    def _handle(self, h, t):
+        now = time.monotonic()
+        if h.get("op") == "get":
+            self.gets.append((h.get("key"), now))
+            if not self.get_hangs:
+                return {"ok": True, **self.header, "key": h.get("key")}, self.tensors
+        else:
+            self.releases.append((h.get("key"), now))
+        return Deferred(now + 60.0)  # never resolved: the caller times out
+
+    def close(self) -> None:
+        self._t.close()
+
+
+def _get_load(p, req_id="D-req", key=KEY):
+    return LoadSpec(req_id, key, p.address, (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2)
+
+
+def test_a_get_whose_prefill_never_answers_gives_up_at_the_load_deadline(engines):
+    """P takes the GET and never answers: the call waits no longer than the load's deadline
+    (not send_timeout), and the fetch records why, freeing its reservation."""
+    p = _StandInPrefill(get_hangs=True)
+    cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=0.5, send_timeout_s=30.0)
+    try:
+        t0 = time.monotonic()
+        plan_load(cons, _get_load(p))
+        t_failed = wait_for(lambda: cons.recv_buffer.failure(KEY) is not None, timeout=15.0)
+        assert cons.recv_buffer.failure(KEY) == "load deadline passed"
+        assert t_failed - t0 < 10.0  # a call waiting out send_timeout_s would take 30 s
+        assert len(p.gets) == 1
+    finally:
+        p.close()
+
+
+def test_a_release_p_does_not_answer_holds_a_fetch_thread_one_second(engines):
+    """D tells P it holds the payload and does not wait long for the answer (P's TTL frees
+    the copy anyway): with every one of the GET_POOL_SIZE fetch threads waiting on a release,
+    the next fetch starts about 1 s after the first release, not send_timeout_s."""
+    cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=30.0, send_timeout_s=10.0)
+    header = {k: v for k, v in _header(cons).items() if k not in ("op", "key")}
+    p = _StandInPrefill(header, [_blocks(2)] * 2)
+    try:
+        keys = [f"{i:032x}" for i in range(GET_POOL_SIZE + 1)]
+        for i, key in enumerate(keys):
+            plan_load(cons, LoadSpec(f"D{i}", key, p.address, (2 * i, 2 * i + 1), 0, 2 * TOK - 1, 2 * TOK, 2))
+        wait_for(lambda: len(p.gets) == len(keys), timeout=15.0)
+        first_release = min(t for _, t in p.releases)
+        last_get = max(t for _, t in p.gets)
+        assert 0.9 <= last_get - first_release < 1.8, last_get - first_release
+        res, _ = poll_until(cons, lambda r: len(r.finished_recving) == len(keys))
+        assert res.failed_recving == set()
+    finally:
+        p.close()
+
+
+def test_a_get_payload_the_stager_has_no_room_for_fails_the_load(engines):
+    """GPU decode: a pulled payload goes through the receive stager (device share, else the
+    pinned pool) as a pushed one does; with no room in either the load fails with the
+    stager's reason, said in the log. Here host tensors stand in for device ones."""
+    cons = engines("kv_consumer", "GET", seed=2)
+    header = {k: v for k, v in _header(cons).items() if k not in ("op", "key")}
+    p = _StandInPrefill(header, [_blocks(2)] * 2)
+    caches = make_caches(2)
+    transport = TcpTransport()
+    stager = RecvStager(0, 0, on_device=lambda t: True)
+    consumer = Consumer(
+        make_cfg("kv_consumer", "GET", 1),
+        0,
+        transport,
+        caches,
+        cons.block_layout,
+        KVBuffer("recv", 10**8, 60.0),
+        None,
+        stager=stager,
+    )
+    try:
+        with connector_log("consumer") as lines:
+            consumer.add_load(_get_load(p))
+            deadline = time.monotonic() + 15.0
+            while not (done := consumer.poll(set()))[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert done == ({"D-req"}, {"D-req"})
+        said = [x for x in lines.lines if x.startswith("kv get refused locally ")]
+        assert len(said) == 1 and said[0].startswith(
+            f"kv get refused locally transfer={KEY} reason=receive buffer full: device share 0+"
+        ), lines.lines
+        failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+        assert len(failed) == 1 and failed[0].endswith(said[0].partition(" reason=")[2]), failed
+        assert stager.device_used == 0
+    finally:
+        consumer.close()
+        transport.close()
+        p.close()
+
+
+def test_a_payload_that_raises_while_applied_fails_the_load_saying_why(engines):
+    """A GET reply is not parsed as a put header is: runs that are no numbers pass the count
+    checks and raise in the apply. The worker survives; the load fails, logged with the
+    exception's type and text, and counted as invalid."""
+    cons = engines("kv_consumer", "GET", seed=2)
+    header = {k: v for k, v in _header(cons, runs=("1", "1")).items() if k not in ("op", "key")}
+    p = _StandInPrefill(header, [_blocks(1)] * 4)
+    before = snapshot(cons.caches)
+    try:
+        with connector_log("consumer") as lines:
+            plan_load(cons, _get_load(p))
+            res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    finally:
+        p.close()
+    assert res.failed_recving == {"D-req"}
+    failed = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    assert len(failed) == 1 and failed[0].startswith(
+        f"kv load failed req=D-req transfer={KEY} error=malformed payload: TypeError: unsupported operand"
+    ), failed
+    assert cons.xfer_stats.peek().failures("load", "invalid") == 1
+    assert_untouched(cons, before)
+
+
+# ---- what a completed load reports of its time
+
+
+def test_a_load_reports_how_long_it_waited_and_how_long_its_apply_took(engines):
+    """wait_ms (and the load_wait_s statistic): from the load's planning to the poll that
+    found its payload; apply_ms: the copy into the cache, within that poll."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    t_add0 = time.monotonic()
+    _async_load(cons, prod)
+    t_add1 = time.monotonic()
+    time.sleep(0.3)  # a wait long enough to tell the units apart
+    prod.save(save_spec(prod, rank0(cons)))
+    wait_for(lambda: cons.consumer.ready(KEY))
+    with connector_log("consumer") as lines:
+        t_poll0 = time.monotonic()
+        res = cons.poll(set())
+        t_poll1 = time.monotonic()
+    assert res.finished_recving == {"D-req"} and res.failed_recving == set()
+    loaded = [x for x in lines.lines if x.startswith("kv loaded req=D-req ")]
+    assert len(loaded) == 1, lines.lines
+    m = re.search(r" wait_ms=(\d+\.\d) apply_ms=(\d+\.\d\d)$", loaded[0])
+    assert m, loaded
+    wait_ms, apply_ms = float(m.group(1)), float(m.group(2))
+    assert (t_poll0 - t_add1) * 1e3 - 0.05 <= wait_ms <= (t_poll1 - t_add0) * 1e3 + 0.05, loaded
+    assert 0 < apply_ms <= (t_poll1 - t_poll0) * 1e3 + 0.005, loaded
+    (waited,) = cons.xfer_stats.peek().data["load_wait_s"]
+    assert t_poll0 - t_add1 <= waited <= t_poll1 - t_add0
+
+
+# ---- one poll settles every load it can (a load that waits or ends does not stop the look)
+
+
+def test_one_poll_settles_every_load_it_can(engines):
+    """In one poll: a load whose request finished (cancelled), one whose payload is here,
+    one still waiting, and another whose payload is here: all but the waiting one end."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_load_timeout_s=30.0)
+    keys = {"A": "a" * 32, "B": "b" * 32, "C": "c" * 32, "D": "d" * 32}
+    for rid in ("B", "D"):
+        prod.save(save_spec(prod, rank0(cons), req_id=f"P{rid}", key=keys[rid]))
+    for rid in ("B", "D"):
+        wait_for(lambda rid=rid: cons.consumer.ready(keys[rid]))
+    for i, rid in enumerate(("A", "B", "C", "D")):  # planned in this order: the poll looks in it
+        plan_load(cons, load_spec(rank0(prod), (4 * i, 4 * i + 1, 4 * i + 2), 2, req_id=rid, key=keys[rid]))
+    res = cons.poll({"A"})
+    assert res.finished_recving == {"A", "B", "D"} and res.failed_recving == set()
+    assert cons.consumer.pending == 1
+
+
+# ---- heterogeneous TP: a piece that will not come fails the load at once
+
+
+@pytest.mark.parametrize("refused", [0, 1])
+def test_a_piece_the_buffer_refused_fails_the_load_at_once(engines, kv_client, refused):
+    """D's buffer has no room for piece ``refused`` (the other fits): the refusal is recorded
+    under the piece's key, and the load fails at its first poll with that reason, not at its
+    deadline."""
+    one = 2 * 2 * 1 * TOK * SHAPE[3] * 2  # a piece: 2 blocks x 2 layers x 1 head, bf16
+    room = one + one // 2 if refused else 1000
+    cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0, kv_buffer_size=room)
+    replies = [
+        kv_client.call(rank0(cons), _piece(cons, i), [_head(2, i + 1)] * 2, timeout_s=10)[0] for i in range(refused + 1)
+    ]
+    assert [r["ok"] for r in replies] == [True] * refused + [False]
+    why = replies[-1]["error"]
+    assert why.startswith("recv buffer full"), why
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res = cons.poll(set())
+    assert res.finished_recving == res.failed_recving == {"D-req"}
+    assert f"kv load failed req=D-req transfer={KEY} error={why}" in [
+        re.sub(r" after \d+\.\dms", "", x) for x in lines.lines
+    ], lines.lines
+
+
+def test_pieces_that_bring_too_few_blocks_fail_the_load_saying_so(engines, kv_client):
+    """Both pieces hold block 0 only, the load needs blocks 0 and 1: refused before any head
+    is written, with the same reason as for a whole payload."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    for i in range(2):
+        h = _piece(cons, i, num_blocks=1, runs=[1])
+        assert kv_client.call(rank0(cons), h, [_head(1, i + 1)] * 2, timeout_s=10)[0]["ok"]
+    before = snapshot(cons.caches)
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == {"D-req"}
+    assert f"kv load failed req=D-req transfer={KEY} error=peer sent blocks 0..0, need up to 1" in lines.lines
+    assert_untouched(cons, before)
+
+
+def test_mla_pieces_from_a_prefill_of_another_tp_land(engines, kv_client):
+    """MLA: one latent head, replicated on every rank. A TP-1 decode rank takes it whole from
+    prefill rank 0 of TP 2, as a single piece whose header says is_mla."""
+    caches = make_caches(2, shape=(16, 1, 16, 64))
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=caches, tp_side=TpSide(1, 1, is_mla=True))
+    h = _piece(cons, 0, n=1, num_kv_heads=1, is_mla=True, block_shape=[1, 16, 64])
+    src = torch.full((2, 1, 16, 64), 5.0, dtype=torch.bfloat16)
+    assert kv_client.call(rank0(cons), h, [src, src * 2], timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == set(), lines.lines
+    for i, cache in enumerate(caches.values()):
+        assert torch.equal(cache[[7, 2]], src * (i + 1))
+
+
+def test_pieces_land_in_caches_whose_blocks_hold_several_kernel_blocks(engines, kv_client):
+    """vLLM splits a manager block into kernel blocks (kernel_ratio 2): the regrouped views
+    have the heads one axis further in, and each piece's head lands there."""
+    raw = make_caches(2)  # 16 kernel blocks = 8 manager blocks of 2
+    layout = kvlayout.detect(SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=8)), raw)
+    assert layout.kernel_ratio == 2 and layout.head_axis == 2
+    caches = kvlayout.regroup(raw, layout)
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=caches, layout=layout)
+    for i in range(2):
+        h = _piece(cons, i, block_shape=[2, 1, *SHAPE[2:]])
+        src = torch.full((2, 2, 1, *SHAPE[2:]), float(i + 1), dtype=torch.bfloat16)
+        assert kv_client.call(rank0(cons), h, [src] * 2, timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (5, 3), 0, 2 * TOK - 1, 2 * TOK, 2))
+        res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == set(), lines.lines
+    for cache in caches.values():
+        for head in (0, 1):
+            assert bool((cache[[5, 3], :, head] == head + 1).all()), head
