@@ -337,3 +337,111 @@ async def test_the_client_gets_ds_content_type(stream):
         if not stream:  # one write with its length, not a chunked body (mutant: the length misnamed)
             assert resp.headers.get_list("content-length") == [str(len(resp.content))]
             assert "transfer-encoding" not in resp.headers
+
+
+# ---------------------------------------------------------------- the relay itself, against a scripted D
+
+
+class _Script:
+    """D's answer as the upstream client hands it out: `first` was read already, `rest` comes
+    piece by piece, then the body is complete ("eof": at_eof() is True once the last piece
+    is handed out, as the native client's is when the last chunk came with the data) or the
+    connection breaks ("break")."""
+
+    def __init__(self, rest: list[bytes], end: str, streaming: bool = True) -> None:
+        self.rest = rest
+        self.end = end
+        self.given = 0
+        self.status = 200
+        self.content_type = "text/event-stream" if streaming else "application/json"
+
+    async def _gen(self):
+        from proxy.upstream.base import UpstreamError
+
+        for piece in self.rest:
+            self.given += 1
+            yield piece
+        if self.end == "break":
+            raise UpstreamError("disconnect", "instance closed the connection")
+
+    def chunks(self):
+        return self._gen()
+
+    def at_eof(self) -> bool:
+        return self.end == "eof" and self.given == len(self.rest)
+
+    async def read(self, limit=None) -> bytes:
+        raise AssertionError("read by chunks")
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _relay(first: bytes, script: _Script, streaming: bool = True) -> tuple[list[tuple], object]:
+    """Relay `first` + the script to a recording ASGI send whose client leaves the moment the
+    last message is sent. Returns (type, body, more_body, started, done) per message sent
+    and the flight."""
+    from proxy.asgi import Flight
+    from proxy.dispatch.relay import Answer, Relay
+    from proxy.metrics import Metrics
+    from proxy.registry import Registry
+    from xpyd_wire.discovery import Registration
+
+    registry = Registry(heartbeat_timeout=10)
+    d = registry.upsert(Registration("D", "127.0.0.1:1", "127.0.0.1:2"), now=0)
+    flight = Flight(None)
+    sent: list[tuple] = []
+
+    async def send(message: dict) -> None:
+        more = message.get("more_body", False) if message["type"] == "http.response.body" else None  # ASGI default
+        sent.append((message["type"], message.get("body"), more, flight.started, flight.done))
+        if message["type"] == "http.response.body" and not more:
+            flight.client_left()  # the client had all of it and closed: not a disconnect
+
+    answer = Answer(script, first, streaming, script.chunks() if streaming else None)
+    await Relay(Metrics(registry), 5.0)(answer, d, send, flight)
+    return sent, flight
+
+
+_MIDSTREAM = b'"code": "decode_midstream"}}'
+
+
+async def test_relay_of_a_whole_answer_marks_its_flight():
+    """started before the status line, done before the one body write (mutants: either flag
+    left unset, so that routes would send a second status line on an error, or the client's
+    closing after the answer would read as a disconnect)."""
+    body = b'{"id": "cmpl-1", "choices": []}'
+    sent, flight = await _relay(body, _Script([], "eof", streaming=False), streaming=False)
+    assert sent == [("http.response.start", None, None, True, False), ("http.response.body", body, False, True, True)]
+    assert not flight.disconnected
+
+
+async def test_relay_of_a_stream_ending_with_its_last_piece_marks_its_flight():
+    sent, flight = await _relay(_T0, _Script([_T0, b"data: [DONE]\n\n"], "eof"))
+    assert sent == [
+        ("http.response.start", None, None, True, False),
+        ("http.response.body", _T0, True, True, False),
+        ("http.response.body", _T0, True, True, False),
+        ("http.response.body", b"data: [DONE]\n\n", False, True, True),
+    ]
+    assert not flight.disconnected
+
+
+@pytest.mark.parametrize("first", [b"data", b"da", b'data: {"choices": [{"te'], ids=["4-bytes", "2-bytes", "longer"])
+async def test_relay_ends_an_event_broken_off_in_its_first_bytes_before_the_error(first):
+    """D broke off inside the event its first bytes began: the error event starts after a
+    blank line, not glued to the broken one (mutants: the first bytes' tail not kept)."""
+    sent, flight = await _relay(first, _Script([], "break"))
+    (kind, body, more, _, done) = sent[-1]
+    assert (kind, more, done) == ("http.response.body", False, True)
+    assert body.startswith(b"\n\ndata: {") and _MIDSTREAM in body and body.endswith(b"\n\ndata: [DONE]\n\n")
+    assert not flight.disconnected
+
+
+async def test_relay_sends_no_blank_line_before_an_error_after_a_complete_event():
+    """The event's last LF came as a piece of its own: the stream is on a boundary, the
+    error event follows directly (mutant: a short piece taken for the stream's whole tail)."""
+    sent, _ = await _relay(_T0[:-1], _Script([b"\n"], "break"))
+    assert [m[1] for m in sent[1:3]] == [_T0[:-1], b"\n"]
+    body = sent[-1][1]
+    assert body.startswith(b"data: {") and _MIDSTREAM in body and body.endswith(b"\n\ndata: [DONE]\n\n")
