@@ -116,3 +116,66 @@ async def test_a_rescue_that_fails_too_is_logged_with_the_status_relayed(caplog)
         f"decode rescue failed instance={d.http_address} attempt=2 error=decode failed: HTTP 500 in its answer "
         "relaying_status=500",
     ]
+
+
+# ---------------------------------------------------------------- first token from P: D's continuation
+
+
+def _sse_events(text: str) -> list:
+    return [json.loads(e[6:]) if e != "data: [DONE]" else "[DONE]" for e in text.split("\n\n") if e]
+
+
+async def test_a_continuation_failing_alone_too_is_logged_with_both_failures(caplog):
+    """First token from P; D fails the continuation (500) and D alone fails too: both are
+    logged, and the stream ends with the first failure's error (proxy/dispatch/continuation.py)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500)
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=STREAM)
+        got = _sse_events(resp.text)
+        assert resp.status_code == 200 and got[0]["choices"][0]["text"] == " t0"
+        assert got[1:] == [{"error": {"message": "fake D failure", "type": "BadRequestError", "param": None,
+                                      "code": 500}}, "[DONE]"]  # fmt: skip
+        assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode continuation")]
+    assert lines == [
+        "decode continuation failed before its first byte error=decode failed: HTTP 500 in its answer; "
+        f"D alone on instance={d.http_address}",
+        f"decode continuation alone failed instance={d.http_address} error=decode failed: HTTP 500 in its answer; "
+        "ending the stream with: decode failed: HTTP 500 in its answer",
+    ]
+
+
+async def test_a_continuation_without_a_free_d_before_the_deadline_ends_with_the_failure(caplog):
+    """The other D is full (decode_max_in_flight 1) until the continuation's first-byte
+    deadline has passed: D alone is skipped, not tried late, and the stream ends with the
+    failure when that deadline ends."""
+    async with running_proxy(decode_max_in_flight=1, decode_ttfb_timeout=1.0) as px:
+        await px.fake("P")
+        d1, d2 = await px.fake("D"), await px.fake("D")
+        d1.fault = d2.fault = Fault(stall_after=1)  # another client's stream: one token, then a pause
+        loop = asyncio.get_running_loop()
+        blocker = loop.create_task(px.client.post("/v1/completions", json=STREAM))
+        busy = await wait_until(lambda: (d1.completions() and d1) or (d2.completions() and d2), what="D busy")
+        free = d2 if busy is d1 else d1
+        free.fault = KV_LOAD_FAILED
+        try:
+            with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+                t0 = time.monotonic()
+                resp = await px.client.post("/v1/completions", json=STREAM)
+                elapsed = time.monotonic() - t0
+            got = _sse_events(resp.text)
+            assert resp.status_code == 200 and got[0]["choices"][0]["text"] == " t0"
+            assert got[1:] == [{"error": KV_ERROR}, "[DONE]"]
+            assert 0.9 < elapsed < 6, elapsed  # the deadline, not the 30 s queue_timeout
+            assert len(busy.completions()) == 1 and len(free.completions()) == 1  # D alone not tried
+        finally:
+            blocker.cancel()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode continuation")]
+    assert lines == [
+        f"decode continuation failed before its first byte error=decode failed: HTTP 500 in its answer; "
+        f"D alone on instance={free.http_address}",
+        f"decode continuation alone skipped instance={free.http_address} reason=deadline_spent; ending the stream "
+        "with: decode failed: HTTP 500 in its answer",
+    ]
