@@ -15,7 +15,7 @@ import pytest
 from tests.support.proxy_errors import assert_error
 from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from xpyd_wire.discovery import Load, OutputLimits
-from xpyd_wire.headers import XPYD_PATH, XPYD_PREFILL_INSTANCE
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -206,3 +206,22 @@ async def test_an_oversized_prefill_answer_is_a_502_not_retried(caplog):
                                kind="too_large") == 1  # fmt: skip
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("answer too large")]
     assert line.startswith(f"answer too large phase=prefill instance={p.http_address} error=")
+
+
+@pytest.mark.parametrize("expose", [True, False])
+async def test_a_verdict_left_to_d_is_told_as_ds_answer(expose, caplog):
+    """P refused the request (404): the answer's headers describe D's local answer only (P's
+    attempt's are dropped), with D named once when exposed; the hand-over is logged
+    (proxy/dispatch/dispatcher.py's PrefillRefused branch)."""
+    async with running_proxy(expose_routing_headers=expose) as px:
+        p, d = await px.pd()
+        p.fault = Fault(status=404, times=1)
+        with caplog.at_level(logging.INFO, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers.get_list(XPYD_PATH) == ["local_verdict"]
+        assert resp.headers.get_list(XPYD_PREFILL_INSTANCE) == []
+        assert resp.headers.get_list(XPYD_DECODE_INSTANCE) == ([d.http_address] if expose else [])
+        assert len(resp.headers.get_list("x-request-id")) == 1
+    assert "prefill refused the request status=404: D judges the client's own" in [
+        r.getMessage() for r in caplog.records
+    ]
