@@ -5,7 +5,9 @@ D's buffer never asks P."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from connector import layout as kvlayout
+from connector.affinity import CpuPlan
 from connector.buffer import KVBuffer, Payload
 from connector.consumer import GET_POOL_SIZE, Consumer
 from connector.engine import PollResult
@@ -875,3 +878,162 @@ def test_pieces_land_in_caches_whose_blocks_hold_several_kernel_blocks(engines, 
     for cache in caches.values():
         for head in (0, 1):
             assert bool((cache[[5, 3], :, head] == head + 1).all()), head
+
+
+def test_a_consumer_over_no_caches_is_made_and_closed():
+    """A worker that registered no KV cache tensors: the Consumer still comes up (its
+    cache device falls back to the CPU) and closes."""
+    caches = make_caches(2)
+    transport = TcpTransport()
+    cons = Consumer(
+        make_cfg("kv_consumer", "GET", 1),
+        0,
+        transport,
+        {},
+        kvlayout.detect(None, caches),
+        KVBuffer("recv", 10**8, 60.0),
+        None,
+    )
+    try:
+        assert cons.pending == 0 and cons.take_invalid_blocks() == set()
+    finally:
+        cons.close()
+        transport.close()
+
+
+def test_a_get_reserves_exactly_the_prompts_bytes(engines):
+    """GET: D reserves the prompt's blocks over every layer, in the cache's dtype, before
+    asking: a buffer of exactly that size takes the pull."""
+    prompt_blocks = load_spec("x", DST, 2).prompt_blocks
+    exact = prompt_blocks * 2 * SHAPE[1] * SHAPE[2] * SHAPE[3] * 2  # 2 layers, bf16
+    prod = engines("kv_producer", "GET", seed=1)
+    cons = engines("kv_consumer", "GET", seed=2, kv_buffer_size=exact)
+    before = snapshot(cons.caches)
+    prod.save(save_spec(prod, rank0(cons), delay_free=False))
+    with connector_log("consumer") as lines:
+        plan_load(cons, load_spec(rank0(prod), DST, 2))
+        res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
+    assert res.failed_recving == set(), lines.lines
+    assert_loaded(cons, before, prod, DST, SRC_IDS[2:])
+
+
+def test_a_failed_load_says_how_long_it_waited(engines, kv_client):
+    """The failure line's "after" counts from the load's planning to the poll that failed it."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_load_timeout_s=30.0)
+    t_add0 = time.monotonic()
+    plan_load(cons, load_spec("127.0.0.1:1", DST, 2))
+    t_add1 = time.monotonic()
+    time.sleep(0.3)  # a wait long enough to tell the units apart
+    assert kv_client.call(rank0(cons), {"op": "abort", "keys": {KEY: "P gave up"}}, timeout_s=10)[0]["ok"]
+    with connector_log("consumer") as lines:
+        t_poll0 = time.monotonic()
+        res = cons.poll(set())
+        t_poll1 = time.monotonic()
+    assert res.failed_recving == {"D-req"}
+    (line,) = [x for x in lines.lines if x.startswith("kv load failed req=D-req ")]
+    m = re.fullmatch(rf"kv load failed req=D-req transfer={KEY} after (\d+\.\d)ms error=P gave up", line)
+    assert m, line
+    assert (t_poll0 - t_add1) * 1e3 - 0.05 <= float(m.group(1)) <= (t_poll1 - t_add0) * 1e3 + 0.05, line
+
+
+def test_a_loaded_pieced_transfer_drops_every_piece(engines, kv_client):
+    """Once the pieces of a released transfer were loaded, every piece leaves the buffer and
+    a late copy of any of them is refused."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    for i in range(2):
+        assert kv_client.call(rank0(cons), _piece(cons, i), [_head(2, i + 1)] * 2, timeout_s=10)[0]["ok"]
+    plan_load(cons, LoadSpec("D-req", KEY, "127.0.0.1:1", (7, 2), 0, 2 * TOK - 1, 2 * TOK, 2))
+    res, _ = poll_until(cons, lambda r: bool(r.finished_recving))
+    assert res.failed_recving == set()
+    for i in range(2):
+        assert not cons.recv_buffer.contains(f"{KEY}/{i}") and cons.recv_buffer.gone(f"{KEY}/{i}"), i
+    assert cons.stats()["recv_items"] == 0
+
+
+def test_a_released_key_is_dropped_once(engines):
+    """A released key is dropped (tombstoned for the buffer's TTL) at the next poll and then
+    forgotten: later polls do not drop it again, so its tombstone expires."""
+    cons = engines("kv_consumer", "PUT_ASYNC", buffer_ttl_s=0.2)
+    cons.release([KEY])
+    cons.poll(set())
+    assert cons.recv_buffer.gone(KEY)
+    time.sleep(0.3)  # past the tombstone's TTL
+    cons.poll(set())
+    cons.recv_buffer.expire()
+    assert not cons.recv_buffer.gone(KEY)
+
+
+def test_closing_a_consumer_waits_for_no_fetch_and_starts_none(engines):
+    """GET: close() returns at once while every fetch thread waits on a P that does not
+    answer, and the fetch queued behind them never starts (no reservation, no failure)."""
+    p = _StandInPrefill(get_hangs=True)
+    caches = make_caches(2)
+    transport = TcpTransport()
+    recv = KVBuffer("recv", 10**8, 60.0)
+    before = set(threading.enumerate())
+    cons = Consumer(
+        make_cfg("kv_consumer", "GET", 1, kv_load_timeout_s=2.0, send_timeout_s=30.0),
+        0,
+        transport,
+        caches,
+        kvlayout.detect(None, caches),
+        recv,
+        None,
+    )
+    keys = [f"{i:032x}" for i in range(GET_POOL_SIZE + 1)]
+    try:
+        for i, key in enumerate(keys):
+            cons.add_load(LoadSpec(f"D{i}", key, p.address, (2 * i, 2 * i + 1), 0, 2 * TOK - 1, 2 * TOK, 2))
+        wait_for(lambda: len(p.gets) == GET_POOL_SIZE)
+        t0 = time.monotonic()
+        cons.close()
+        assert time.monotonic() - t0 < 1.0
+        for t in set(threading.enumerate()) - before:
+            if t.name.startswith("xpyd-kv-get"):
+                t.join(15.0)
+                assert not t.is_alive()
+        assert [recv.failure(k) is not None for k in keys] == [True] * GET_POOL_SIZE + [False]
+        assert recv.reservation(keys[-1]) is None and len(p.gets) == GET_POOL_SIZE
+    finally:
+        cons.close()
+        transport.close()
+        p.close()
+
+
+def test_get_fetch_threads_are_named_pinned_and_bounded(engines):
+    """GET: the fetches run on GET_POOL_SIZE threads named xpyd-kv-get_N (what a stack dump
+    shows), each moved onto the connector's CPUs (the OpenMP ones are the engine's); a fifth
+    fetch waits for a thread."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs to tell a pinned thread from an unpinned one")
+    plan = CpuPlan(frozenset(allowed[-1:]), shared_with_omp=False)
+    p = _StandInPrefill(get_hangs=True)
+    caches = make_caches(2)
+    transport = TcpTransport()
+    before = set(threading.enumerate())
+    cons = Consumer(
+        make_cfg("kv_consumer", "GET", 1, kv_load_timeout_s=2.0, send_timeout_s=30.0),
+        0,
+        transport,
+        caches,
+        kvlayout.detect(None, caches),
+        KVBuffer("recv", 10**8, 60.0),
+        plan,
+    )
+    try:
+        for i in range(GET_POOL_SIZE + 1):
+            cons.add_load(LoadSpec(f"D{i}", f"{i:032x}", p.address, (2 * i,), 0, TOK - 1, TOK, 1))
+        wait_for(lambda: len(p.gets) == GET_POOL_SIZE)
+        new = [
+            t
+            for t in set(threading.enumerate()) - before
+            if t.name.startswith("ThreadPoolExecutor") or t.name.startswith("xpyd-kv-get")
+        ]
+        assert sorted(t.name for t in new) == [f"xpyd-kv-get_{i}" for i in range(GET_POOL_SIZE)]
+        for t in new:
+            assert os.sched_getaffinity(t.native_id) == set(plan.cpus), t.name
+    finally:
+        cons.close()
+        transport.close()
+        p.close()
