@@ -399,3 +399,42 @@ def test_no_early_contact_is_asked_of_a_decode_marked_dead(engines):
     wait_for(lambda: cons.recv_buffer.failure("a" * 32) is not None)  # the notice, delivered after it
     time.sleep(0.3)  # an early contact would have been made by now
     assert not peer.contacted
+
+
+# ---- whole-request sends (send_granularity "request": one payload per decode rank)
+
+
+def test_a_request_send_to_a_decode_that_cannot_take_our_kv_is_told_and_logged(engines):
+    """As for a layer-wise send: first contact finds another block shape, the send fails
+    before any byte, counted as invalid, logged with its reason, and D hears the same reason."""
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=make_caches(2, shape=(16, 2, 16, 32)))
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        wait_for(lambda: cons.recv_buffer.failure(KEY) is not None)
+    why = cons.recv_buffer.failure(KEY).removeprefix("sender gave up: ")
+    assert why.startswith("peer cannot take this KV: "), why
+    assert f"kv send failed req=P-req transfer={KEY} peer={rank0(cons)} error={why}" in lines.lines
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "invalid") == 1 and stats.failures("send", "error") == 0
+    assert cons.stats()["recv_items"] == 0
+
+
+def test_a_request_send_waits_for_a_slow_decode_within_send_timeout(engines):
+    """D answers each put 0.3 s late, well inside send_timeout_s: the send goes through, and
+    its log counts the wait (not slow: under SLOW_SEND_S)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=5.0)
+    front = SlowPut(rank0(cons), delay_s=0.3)
+    try:
+        with connector_log() as lines:
+            prod.save(save_spec(prod, front.address))
+            poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        (sent,) = [x for x in lines.lines if x.startswith("kv sent")]
+        m = re.fullmatch(rf"kv sent req=P-req transfer={KEY} .* ms=(\d+\.\d) phases_ms=.*,put:(\d+\.\d)", sent)
+        assert m, sent
+        assert 300 <= float(m.group(2)) <= float(m.group(1)), sent
+        assert prod.xfer_stats.peek().transfers("send", "ok") == 1 and cons.stats()["recv_items"] == 1
+    finally:
+        front.close()
