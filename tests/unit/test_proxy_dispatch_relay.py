@@ -131,6 +131,9 @@ _ROLE_CRLF = _sse(
         # No event end in the first CAP bytes: relayed once CAP bytes are in hand.
         (b"data: " + b"x" * (CAP - 6), True),
         (b"data: " + b"x" * (CAP - 7), False),
+        # Several data lines make one event, their data joined by LF; "data:" without a space (CRLF).
+        (b'data: {"error":\ndata: {"message": "m", "type": "InternalServerError", "code": 500}}\n\n', 500),
+        (b"data:" + _err(503, "ServiceUnavailableError")[6:].replace(b"\n\n", b"\r\n\r\n"), 503),  # no space
     ],
     ids=[
         "code-100",
@@ -154,6 +157,8 @@ _ROLE_CRLF = _sse(
         "empty-event-first-crlf",
         "cap-bytes-no-end",
         "below-cap-no-end",
+        "two-data-lines",
+        "data-colon-no-space",
     ],
 )
 def test_judge_lead_edges(buf, verdict):
@@ -165,7 +170,7 @@ def test_judge_lead_edges(buf, verdict):
         assert got is verdict
     else:
         assert isinstance(got, StreamError) and got.status == verdict
-        assert json.loads(got.body)["error"]["type"] in ("BadRequestError", "InternalServerError")
+        assert json.loads(got.body)["error"]["message"] == "m"  # the event's JSON, its data lines joined
 
 
 # ---------------------------------------------------------------- the stream's lead, read
@@ -363,12 +368,15 @@ class _Script:
             yield piece
         if self.end == "break":
             raise UpstreamError("disconnect", "instance closed the connection")
+        self.ended = True
 
     def chunks(self):
         return self._gen()
 
-    def at_eof(self) -> bool:
-        return self.end == "eof" and self.given == len(self.rest)
+    def at_eof(self) -> bool:  # "late-eof": the end comes after the last piece, apart from it
+        return self.end == "eof" and self.given == len(self.rest) or self.ended
+
+    ended = False
 
     async def read(self, limit=None) -> bytes:
         raise AssertionError("read by chunks")
@@ -377,7 +385,9 @@ class _Script:
         pass
 
 
-async def _relay(first: bytes, script: _Script, streaming: bool = True) -> tuple[list[tuple], object]:
+async def _relay(
+    first: bytes, script: _Script, streaming: bool = True, rewrite=None, **relay_kw
+) -> tuple[list[tuple], object]:
     """Relay `first` + the script to a recording ASGI send whose client leaves the moment the
     last message is sent. Returns (type, body, more_body, started, done) per message sent
     and the flight."""
@@ -398,8 +408,8 @@ async def _relay(first: bytes, script: _Script, streaming: bool = True) -> tuple
         if message["type"] == "http.response.body" and not more:
             flight.client_left()  # the client had all of it and closed: not a disconnect
 
-    answer = Answer(script, first, streaming, script.chunks() if streaming else None)
-    await Relay(Metrics(registry), 5.0)(answer, d, send, flight)
+    answer = Answer(script, first, streaming, script.chunks() if streaming else None, rewrite)
+    await Relay(Metrics(registry), 5.0, **relay_kw)(answer, d, send, flight)
     return sent, flight
 
 
@@ -445,3 +455,45 @@ async def test_relay_sends_no_blank_line_before_an_error_after_a_complete_event(
     assert [m[1] for m in sent[1:3]] == [_T0[:-1], b"\n"]
     body = sent[-1][1]
     assert body.startswith(b"data: {") and _MIDSTREAM in body and body.endswith(b"\n\ndata: [DONE]\n\n")
+
+
+def _midstream_event(message: str) -> bytes:
+    error = {"message": message, "type": "upstream_error", "param": None, "code": "decode_midstream"}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("expose", [None, False, True], ids=["default", "hidden", "exposed"])
+async def test_relay_tells_a_break_to_the_client_and_the_log(expose, caplog):
+    """The client's error event (a 502 upstream_error; D named and the upstream's text only
+    when exposed, which Relay is not by default) and the operator's log line with the error."""
+    kw = {} if expose is None else {"expose": expose}
+    with caplog.at_level(logging.WARNING, logger="xpyd.proxy.relay"):
+        sent, _ = await _relay(_T0, _Script([], "break"), **kw)
+    message = (
+        "decode instance 127.0.0.1:1 failed mid-stream: instance closed the connection"
+        if expose
+        else "decode instance failed mid-stream: connection dropped"
+    )
+    assert sent[-1][1] == _midstream_event(message) + b"data: [DONE]\n\n"
+    assert [r.getMessage() for r in caplog.records if r.name == "xpyd.proxy.relay"] == [
+        "decode stream broke instance=127.0.0.1:1 error=instance closed the connection"
+    ]
+
+
+async def test_relay_ends_a_stream_whose_end_came_apart_from_its_last_piece():
+    """The last piece was sent as one with more to come; the end, seen after it, is an empty
+    last write (mutants: a body that is not bytes, or bytes added)."""
+    sent, flight = await _relay(_T0, _Script([b"data: [DONE]\n\n"], "late-eof"))
+    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (b"data: [DONE]\n\n", True), (b"", False)]
+    assert sent[-1][4] and not flight.disconnected
+
+
+async def test_relay_sends_what_the_rewrite_held_back_at_a_clean_end():
+    """A stream that ends with what could start the internal id: the rewrite held it back
+    and the clean end sends it as D sent it (mutants: the held bytes dropped)."""
+    from proxy.dispatch.rewrite import IdRewrite
+
+    internal = "___prefill_addr_127.0.0.1:2___decode_addr_127.0.0.1:3_" + "0123456789abcdef" * 2
+    rewrite = IdRewrite(internal)
+    sent, _ = await _relay(_T0, _Script([b": tail ___pre"], "late-eof"), rewrite=rewrite)
+    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (b": tail ", True), (b"___pre", False)]
