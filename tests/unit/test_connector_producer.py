@@ -438,3 +438,74 @@ def test_a_request_send_waits_for_a_slow_decode_within_send_timeout(engines):
         assert prod.xfer_stats.peek().transfers("send", "ok") == 1 and cons.stats()["recv_items"] == 1
     finally:
         front.close()
+
+
+def test_a_request_send_to_a_decode_that_refuses_the_call_is_counted_as_refused(engines):
+    """D requires a kv_secret P does not have: the hello is refused before any handler, the
+    send counts as refused (not invalid), and P tells D nothing (D knows and logs it)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_secret=SECRET)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "refused") == 1 and stats.failures("send", "invalid") == 0
+    failed = [x for x in lines.lines if x.startswith("kv send failed req=P-req ")]
+    assert len(failed) == 1 and re.search(r"error=refused the call: \S", failed[0]), failed
+    assert not prod.producer.peer(rank0(cons))._notices  # nothing to tell D
+
+
+def test_a_request_send_refused_by_a_full_decode_buffer_is_not_counted_as_sent(engines):
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_buffer_size=1000)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    refused = [x for x in lines.lines if x.startswith("kv send refused")]
+    assert len(refused) == 1 and refused[0].startswith(f"kv send refused req=P-req transfer={KEY} "), refused
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "refused") == 1 and stats.transfers("send", "ok") == 0
+    assert stats.nbytes("sent") == 0 and not [x for x in lines.lines if x.startswith("kv sent")]
+
+
+def test_a_request_send_to_a_dead_decode_marks_it_dead_saying_why(engines):
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
+    addr = f"127.0.0.1:{free_port()}"
+    with connector_log() as lines:
+        prod.save(save_spec(prod, addr))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    (failed,) = [x for x in lines.lines if x.startswith("kv send failed req=P-req ")]
+    why = re.fullmatch(rf"kv send failed req=P-req transfer={KEY} peer={addr} error=(.+) phases_ms=.*", failed)
+    assert why, failed
+    assert f"kv peer {addr} marked dead: {why.group(1)}" in lines.lines, lines.lines
+    assert prod.xfer_stats.peek().failures("send", "transport") == 1
+
+
+def test_every_get_copy_pushed_out_is_counted(engines):
+    """GET: each save counts the copies its own put pushed out, not the buffer's total."""
+    one = len(SRC_IDS) * BLOCK_BYTES * 2
+    prod = engines("kv_producer", "GET", seed=1, kv_buffer_size=one + 100)
+    for i in range(4):
+        prod.save(save_spec(prod, "127.0.0.1:1", req_id=f"r{i}", key=f"{i:032x}", delay_free=False))
+        assert prod.xfer_stats.peek().failures("send", "evicted") == i
+    assert prod.stats()["send_items"] == 1
+
+
+def test_a_request_send_to_two_decode_ranks_counts_both_pieces(engines):
+    """P tp=1 -> D tp=2 (whole requests): each D rank gets half the heads; the send's bytes
+    (log line and counter) are both pieces together."""
+    from tests.unit.test_connector_tp import _instance
+
+    (prod,) = _instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
+    dec = _instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    try:
+        with connector_log() as lines:
+            prod.save(save_spec(prod, rank0(dec[0])))
+            poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        whole = len(SRC_IDS) * 2 * 4 * 16 * 64 * 2  # 5 blocks x 2 layers x 4 heads, bf16
+        (sent,) = [x for x in lines.lines if x.startswith("kv sent")]
+        assert f" bytes={whole} " in sent and " ranks=2 " in sent, sent
+        assert prod.xfer_stats.peek().nbytes("sent") == whole
+    finally:
+        for eng in (prod, *dec):
+            eng.close()
