@@ -509,3 +509,20 @@ def test_a_request_send_to_two_decode_ranks_counts_both_pieces(engines):
     finally:
         for eng in (prod, *dec):
             eng.close()
+
+
+def test_an_idle_step_wakes_when_a_request_send_ends(engines):
+    """A worker step with nothing to compute waits (poll's wait_s) for a transfer to move: a
+    whole-request send ending wakes it, and the step reports the send."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=5.0)
+    front = SlowPut(rank0(cons), delay_s=0.3)
+    try:
+        prod.save(save_spec(prod, front.address))
+        t0 = time.monotonic()
+        res = prod.poll({"P-req"}, wait_s=8.0)
+        took = time.monotonic() - t0
+        assert res.finished_sending == {"P-req"}, res
+        assert took < 5.0, took  # woken by the send, not the end of wait_s
+    finally:
+        front.close()
