@@ -526,3 +526,28 @@ def test_an_idle_step_wakes_when_a_request_send_ends(engines):
         assert took < 5.0, took  # woken by the send, not the end of wait_s
     finally:
         front.close()
+
+
+def test_a_request_send_that_fails_at_one_decode_rank_tells_only_that_rank(engines):
+    """P tp=1 -> D tp=2 whose rank 1 is down: rank 0 takes its piece, the send fails at rank
+    1 (transport), and only rank 1 is to hear that the transfer will not come; rank 0 holds
+    its piece and is told nothing."""
+    from tests.unit.test_connector_tp import _instance
+
+    (prod,) = _instance(
+        "kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request", send_timeout_s=0.3
+    )
+    dec = _instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    dec[1].close()
+    try:
+        with connector_log() as lines:
+            prod.save(save_spec(prod, rank0(dec[0])))
+            poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+            # The peer thread probes rank 0 (it answers), then tries rank 1's notice (down again).
+            wait_for(lambda: len([x for x in lines.lines if " marked dead: " in x]) >= 2)
+        assert dec[0].stats()["recv_items"] == 1  # its piece is here
+        assert dec[0].recv_buffer.failure(KEY) is None
+        assert prod.xfer_stats.peek().failures("send", "transport") == 1
+    finally:
+        for eng in (prod, *dec):
+            eng.close()
