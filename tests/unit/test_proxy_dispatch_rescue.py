@@ -10,6 +10,8 @@ import json
 import logging
 import time
 
+import pytest
+
 from tests.support.proxy_helpers import Fault, register_dead, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
 
@@ -179,3 +181,134 @@ async def test_a_continuation_without_a_free_d_before_the_deadline_ends_with_the
         f"decode continuation alone skipped instance={free.http_address} reason=deadline_spent; ending the stream "
         "with: decode failed: HTTP 500 in its answer",
     ]
+
+
+def _texts(got: list) -> str:
+    return "".join(
+        (e["choices"][0].get("text") or e["choices"][0].get("delta", {}).get("content") or "")
+        for e in got
+        if isinstance(e, dict) and e.get("choices")
+    )
+
+
+async def test_a_one_token_answer_from_p_alone_is_a_stream_under_the_neutral_id():
+    """P's token is the whole answer: it goes out as a stream (chunked, like vLLM's), under
+    the neutral id (mutants: the answer made a whole body, or without its id rewrite)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 1})
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "prefill_alone"
+        assert resp.headers.get("transfer-encoding") == "chunked" and "content-length" not in resp.headers
+        got = _sse_events(resp.text)
+        assert _texts(got) == " t0" and got[-1] == "[DONE]" and not d.completions()
+        neutral = resp.headers["x-request-id"]
+        assert len(neutral) == 32 and "___prefill_addr_" not in resp.text
+        assert all(e["id"].startswith(f"cmpl-{neutral}") for e in got[:-1])
+
+
+async def test_a_continuation_rescued_on_another_d_leaves_no_instance_held(caplog):
+    """D alone on the other D: once the answer is relayed, every D is released whole, its
+    requests and its tokens, and nothing failed on the way (mutants of the rescuer's release)."""
+    async with running_proxy() as px:
+        await px.fake("P")
+        ds = [await px.fake("D"), await px.fake("D")]
+        for d in ds:  # the D chosen fails its disaggregated request; any plain one succeeds
+            d.fault = Fault(status=500, id_prefix="___prefill_addr_")
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy"):
+            resp = await px.client.post("/v1/completions", json=STREAM)
+            got = _sse_events(resp.text)
+            assert _texts(got) == " t0 t1 t2 t3 t4" and got[-1] == "[DONE]"
+            assert sorted(len(d.completions()) for d in ds) == [1, 1]  # failed on one, alone on the other
+            await wait_until(lambda: all(i.in_flight == 0 for i in px.registry.live("D")), what="Ds released")
+            assert [(i.in_flight, i.in_flight_tokens) for i in px.registry.live("D")] == [(0, 0), (0, 0)]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_d_alone_continues_a_chat_on_the_completions_route():
+    """A chat's continuation is a completions request (its events made chat chunks); D alone
+    gets it on the same route (mutant: D alone asked on the client's chat route)."""
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500, times=1)
+        resp = await px.client.post("/v1/chat/completions", json=chat)
+        got = _sse_events(resp.text)
+        assert resp.status_code == 200 and _texts(got) == " t0 t1 t2 t3" and got[-1] == "[DONE]"
+        failed, alone = d.completions()
+        assert failed.path == alone.path == "/v1/completions"
+        assert "messages" not in alone.json and alone.json["prompt"] == failed.json["prompt"]
+
+
+async def test_stream_error_events_of_the_continuation_and_of_d_alone_end_the_stream():
+    """D's continuation streams vLLM's error event (a failed KV load), and so does D alone:
+    each is judged a failure before D's first byte (not relayed as content), and the stream
+    ends with the first one (mutants: the request headers or the instance lost on the way)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(stream_error=500)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = _sse_events(resp.text)
+        assert resp.status_code == 200 and got[0]["choices"][0]["text"] == " t0"
+        assert got[1:] == [{"error": KV_ERROR}, "[DONE]"]
+        failed, alone = d.completions()
+        assert failed.request_id.startswith("___prefill_addr_") and alone.request_id.startswith("xpyd-local-")
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d.http_address, kind="http_500") == 2
+
+
+async def test_a_continuations_stream_error_event_is_mended_by_d_alone():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(stream_error=500, id_prefix="___prefill_addr_")
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = _sse_events(resp.text)
+        assert _texts(got) == " t0 t1 t2 t3 t4" and got[-1] == "[DONE]" and len(d.completions()) == 2
+
+
+async def test_d_alone_is_tried_with_less_than_a_second_of_the_deadline_left():
+    """Any time left is enough to ask D alone (mutant: a second or more needed)."""
+    async with running_proxy(decode_ttfb_timeout=0.9) as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500, times=1)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = _sse_events(resp.text)
+        assert _texts(got) == " t0 t1 t2 t3 t4" and got[-1] == "[DONE]" and len(d.completions()) == 2
+
+
+async def test_d_alone_gets_only_what_is_left_of_the_continuations_deadline():
+    """D fails the continuation 1.5 s into a 2 s first-byte deadline, then D alone says
+    nothing: the stream ends when the 2 s are up, not 2 s after D alone was asked."""
+    async with running_proxy(decode_ttfb_timeout=2.0) as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=500, delay=1.5, times=1)
+        t0 = time.monotonic()
+        task = asyncio.get_running_loop().create_task(px.client.post("/v1/completions", json=STREAM))
+        await wait_until(lambda: d.completions(), what="D asked")
+        d.fault = Fault(hang=True)  # D alone's request: no answer
+        resp = await task
+        elapsed = time.monotonic() - t0
+        got = _sse_events(resp.text)
+        assert got[0]["choices"][0]["text"] == " t0" and got[-2]["error"]["code"] == 500 and got[-1] == "[DONE]"
+        assert len(d.completions()) == 2
+        assert 1.9 < elapsed < 3.2, elapsed  # the mutant's ends at ~3.5 s
+
+
+async def test_the_continuations_first_byte_is_timed_from_ps_token():
+    """decode_ttfb, in first-token mode: from P's token to D's first bytes (mutant: a sum)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        t0 = time.monotonic()
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        took = time.monotonic() - t0
+        assert _texts(_sse_events(resp.text)) == " t0 t1 t2 t3 t4"
+        assert await px.metric("xpyd_phase_duration_seconds_count", phase="decode_ttfb") == 1
+        assert 0 < await px.metric("xpyd_phase_duration_seconds_sum", phase="decode_ttfb") < took
+
+
+def test_a_stitched_answer_is_relayed_only_through_its_answer():
+    from proxy.dispatch.continuation import _Stitched
+
+    stitched = _Stitched()
+    with pytest.raises(NotImplementedError, match="^a stitched stream is relayed through its Answer$"):
+        stitched.chunks()
+    with pytest.raises(NotImplementedError, match="^a stitched stream is relayed, not read$"):
+        asyncio.run(stitched.read())
