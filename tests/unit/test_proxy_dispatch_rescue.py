@@ -191,12 +191,16 @@ def _texts(got: list) -> str:
     )
 
 
-async def test_a_one_token_answer_from_p_alone_is_a_stream_under_the_neutral_id():
+async def test_a_one_token_answer_from_p_alone_is_a_stream_under_the_neutral_id(caplog):
     """P's token is the whole answer: it goes out as a stream (chunked, like vLLM's), under
-    the neutral id (mutants: the answer made a whole body, or without its id rewrite)."""
+    the neutral id, and is closed without an error (mutants: the answer made a whole body,
+    without its id rewrite, or a stitched answer that fails to close)."""
     async with running_proxy() as px:
         p, d = await px.pd()
-        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 1})
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy"):
+            resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 1})
+            await wait_until(lambda: px.registry.live("D")[0].in_flight == 0, what="D released")
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "prefill_alone"
         assert resp.headers.get("transfer-encoding") == "chunked" and "content-length" not in resp.headers
         got = _sse_events(resp.text)
@@ -312,3 +316,38 @@ def test_a_stitched_answer_is_relayed_only_through_its_answer():
         stitched.chunks()
     with pytest.raises(NotImplementedError, match="^a stitched stream is relayed, not read$"):
         asyncio.run(stitched.read())
+
+
+async def test_ds_continuation_events_carry_ps_created_and_arrive_intact():
+    """D answers a second later, event by event: every event the client gets parses, and all
+    carry the created of P's (one stream, one created; mutants: D's created kept, bytes
+    added between D's pieces)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(delay=1.1, token_delay=0.2)  # D's created is at least a second after P's
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        got = _sse_events(resp.text)
+        assert _texts(got) == " t0 t1 t2 t3 t4" and got[-1] == "[DONE]" and len(got) == 6
+        (p_rec,) = p.completions()
+        p_created = json.loads(p_rec.sent)["created"]
+        assert {e["created"] for e in got[:-1]} == {p_created}
+        (d_rec,) = d.completions()
+        assert json.loads(bytes(d_rec.sent).split(b"\n\n")[0][6:])["created"] > p_created
+
+
+async def test_a_client_leaving_before_ds_continuation_answered_is_a_disconnect(caplog):
+    """The client has P's token and leaves while D has not answered yet: counted as a
+    disconnect, D's request aborted, nothing fails on the way (mutant: closing the stitched
+    answer before D's was opened fails)."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(hang=True)
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy"):
+            async with px.client.stream("POST", "/v1/completions", json=STREAM) as resp:
+                lines = resp.aiter_lines()
+                assert json.loads((await anext(lines))[6:])["choices"][0]["text"] == " t0"
+                await wait_until(lambda: d.completions(), what="D asked")
+            await wait_until(lambda: d.completions()[0].cancelled, what="D saw the abort")
+            assert await px.metric("xpyd_client_disconnects_total") == 1
+        assert px.registry.live("D")[0].in_flight == 0
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
