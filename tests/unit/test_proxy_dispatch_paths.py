@@ -327,3 +327,29 @@ def test_only_prompt_logprobs_keep_the_prefill_on_d(body, path, local):
     got = choose_path(ProxyConfig(), _Selector(), _route(500, body, path), object())
     assert got == ("local_prompt_logprobs" if local else "disaggregated")
 
+
+async def test_an_oversized_d_answer_is_logged_with_what_made_it_too_large(caplog):
+    async with running_proxy(max_response_bytes=1000, first_token="decode") as px:
+        p, d = await px.pd()
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json={**COMPLETION, "max_tokens": 300})
+        assert resp.status_code == 502
+        (rec,) = d.completions()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("answer too large")]
+    announced = len(rec.sent)  # D's whole answer, its Content-Length
+    want = f"answer too large phase=decode instance={d.http_address} error=answer larger than 1000 bytes"
+    assert line == f"{want} (announced {announced} bytes)"
+
+
+@pytest.mark.parametrize("expose", [False, True])
+async def test_ds_refusal_that_is_not_openai_json_names_d_only_when_exposed(expose):
+    """D's 4xx whose body is not OpenAI error JSON is wrapped in one, naming D when exposed."""
+    async with running_proxy(first_token="decode", expose_routing_headers=expose) as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=400, error_body=b"no such thing", content_type="text/plain")
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        where = f"decode instance {d.http_address}" if expose else "decode instance"
+        assert resp.status_code == 400
+        error = {"message": f"{where} answered HTTP 400: no such thing", "type": "invalid_request_error",
+                 "param": None, "code": "decode_error"}  # fmt: skip
+        assert resp.json() == {"error": error}

@@ -225,3 +225,21 @@ async def test_a_verdict_left_to_d_is_told_as_ds_answer(expose, caplog):
     assert "prefill refused the request status=404: D judges the client's own" in [
         r.getMessage() for r in caplog.records
     ]
+
+
+async def test_a_d_that_cannot_be_connected_to_in_time_is_a_504_decode_timeout(caplog):
+    """D registered, then its address took no connection within connect_timeout (and D alone
+    on it neither): the client gets 504 decode_timeout, not 502 decode_unreachable."""
+    async with running_proxy(connect_timeout=0.3, heartbeat_timeout=30) as px:
+        await px.fake("P")
+        addr, port = await register_silent(px, "D")
+        with blackholed(port), caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        err = assert_error(resp, 504, "decode_timeout")
+        assert err["message"] == "decode instance failed before answering: connect timed out"
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=addr, kind="connect_timeout") == 2
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode failed before first byte")]
+    assert lines == [
+        f"decode failed before first byte instance={addr} attempt=1 "
+        "error=decode instance failed before answering: connect timed out"
+    ]
