@@ -556,12 +556,12 @@ def test_a_request_send_that_fails_at_one_decode_rank_tells_only_that_rank(engin
 class SlowFirstAbort:
     """Stands in front of a decode engine's KV port: forwards every call, but answers the
     first abort notice only ``delay_s`` after it came (its one server thread is busy meanwhile);
-    records when each abort came."""
+    records each abort's keys."""
 
     def __init__(self, target: str, delay_s: float) -> None:
         self.target = target
         self.delay_s = delay_s
-        self.aborts: list[float] = []
+        self.aborts: list[dict] = []
         self._client = TcpTransport()
         self._server = TcpTransport()
         self._server.start("127.0.0.1", 0, self._handle)
@@ -569,7 +569,7 @@ class SlowFirstAbort:
 
     def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
         if header.get("op") == "abort":
-            self.aborts.append(time.monotonic())
+            self.aborts.append(header.get("keys"))
             if len(self.aborts) == 1:
                 time.sleep(self.delay_s)
         return self._client.call(self.target, header, tensors, timeout_s=10)
@@ -587,15 +587,20 @@ def test_an_abort_notice_the_decode_does_not_answer_in_2s_is_kept_and_sent_again
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=5.0)
     front = SlowFirstAbort(rank0(cons), delay_s=3.5)
     try:
+        t0 = time.monotonic()
         with connector_log() as lines:
             prod.save(save_spec(prod, front.address))
             poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
             wait_for(lambda: len(front.aborts) >= 2, timeout=20.0)
             wait_for(lambda: prod.producer.peer(front.address).dead_since is None)
+        took = time.monotonic() - t0
         dead = [x for x in lines.lines if " marked dead: " in x]
         assert dead and dead[0] == (
             f"kv peer {front.address} marked dead: timeout after 2s waiting for reply from {front.address}"
         ), dead
+        back = [x for x in lines.lines if x.startswith(f"kv peer {front.address} answers again after ")]
+        assert back and 0 <= float(back[0].rpartition(" after ")[2].removesuffix("s")) <= took, back
+        assert front.aborts[1] == front.aborts[0] and list(front.aborts[0]) == [KEY], front.aborts
         assert cons.recv_buffer.failure(KEY).startswith("sender gave up: ")
     finally:
         front.close()
