@@ -353,3 +353,17 @@ async def test_ds_refusal_that_is_not_openai_json_names_d_only_when_exposed(expo
         error = {"message": f"{where} answered HTTP 400: no such thing", "type": "invalid_request_error",
                  "param": None, "code": "decode_error"}  # fmt: skip
         assert resp.json() == {"error": error}
+
+
+async def test_a_d_status_outside_2xx_is_its_error_not_an_answer():
+    """Only 2xx is an answer: D's 300 is relayed as D's error, wrapped in OpenAI error JSON
+    and counted, not passed through as D's body."""
+    status = 300
+    async with running_proxy(first_token="decode") as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=status, error_body=b"elsewhere", content_type="text/plain")
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == status and resp.headers["content-type"].startswith("application/json")
+        assert resp.json()["error"]["message"] == f"decode instance answered HTTP {status}: elsewhere"
+        assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d.http_address,
+                               kind=f"http_{status}") == 1  # fmt: skip
