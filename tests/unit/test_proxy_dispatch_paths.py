@@ -367,3 +367,17 @@ async def test_a_d_status_outside_2xx_is_its_error_not_an_answer():
         assert resp.json()["error"]["message"] == f"decode instance answered HTTP {status}: elsewhere"
         assert await px.metric("xpyd_upstream_errors_total", role="D", instance=d.http_address,
                                kind=f"http_{status}") == 1  # fmt: skip
+
+
+async def test_an_empty_stream_from_d_is_relayed_empty(caplog):
+    """D's 200 event stream with no bytes at all (it ended at once): the client gets that
+    empty 200 as it is, nothing made up and nothing failing (mutants: the first read's
+    default for an empty stream)."""
+    async with running_proxy(first_token="decode") as px:
+        p, d = await px.pd()
+        d.fault = Fault(status=200, error_body=b"", content_type="text/event-stream")
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy"):
+            resp = await px.client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        assert (resp.status_code, resp.content) == (200, b"")
+        assert resp.headers["content-type"] == "text/event-stream"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
