@@ -351,3 +351,25 @@ async def test_a_client_leaving_before_ds_continuation_answered_is_a_disconnect(
             assert await px.metric("xpyd_client_disconnects_total") == 1
         assert px.registry.live("D")[0].in_flight == 0
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_the_rescue_after_two_failed_attempts_is_the_third(caplog):
+    """decode_retries 1: both Ds fail their disaggregated attempt (each logged with its
+    number), one retry is counted, and D alone is attempt 3 (proxy/dispatch/dispatcher.py)."""
+    async with running_proxy(first_token="decode", decode_retries=1, expose_routing_headers=True) as px:
+        await px.fake("P")
+        d1, d2 = await px.fake("D"), await px.fake("D")
+        d1.fault = Fault(**KV_LOAD_FAILED.__dict__)
+        d2.fault = Fault(**KV_LOAD_FAILED.__dict__)
+        with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
+            resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_rescue"
+        assert await px.metric("xpyd_decode_retries_total") == 1
+        (alone,) = [r for d in (d1, d2) for r in d.completions() if r.request_id.startswith("xpyd-local-")]
+        rescuer = d1 if alone in d1.completions() else d2
+        assert resp.headers.get_list(XPYD_DECODE_INSTANCE) == [rescuer.http_address]
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode failed before first byte")]
+    assert [line.split(" error=")[0].rsplit(" ", 1)[1] for line in failed] == ["attempt=1", "attempt=2"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
+    assert lines == [f"decode rescue: D alone instance={rescuer.http_address} attempt=3 failed_status=500 "
+                     "error=decode failed: HTTP 500 in its answer"]  # fmt: skip
