@@ -604,3 +604,45 @@ def test_an_abort_notice_the_decode_does_not_answer_in_2s_is_kept_and_sent_again
         assert cons.recv_buffer.failure(KEY).startswith("sender gave up: ")
     finally:
         front.close()
+
+
+def test_a_decode_with_another_kv_secret_refuses_our_calls_and_is_counted_refused(engines):
+    """P signs its calls, D holds another kv_secret: D's unsigned refusal ends the send as
+    refused (no byte was taken), not as a transport failure."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_secret=SECRET)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, kv_secret="another kv secret")
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "refused") == 1 and stats.failures("send", "transport") == 0
+    failed = [x for x in lines.lines if x.startswith("kv send failed req=P-req ")]
+    assert len(failed) == 1 and " refused the call (unauthenticated answer): " in failed[0], failed
+
+
+def test_a_decode_back_from_the_dead_hears_the_transport_error(engines):
+    """A whole-request send meets no D (a transport failure); once D is up, it hears that the
+    transfer will not come, with the error P logged."""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    with connector_log() as lines:
+        prod.save(save_spec(prod, addr))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_port=port)
+        wait_for(lambda: cons.recv_buffer.failure(KEY) is not None)
+    (failed,) = [x for x in lines.lines if x.startswith("kv send failed req=P-req ")]
+    why = re.fullmatch(rf"kv send failed req=P-req transfer={KEY} peer={addr} error=(.+) phases_ms=.*", failed)
+    assert why, failed
+    assert cons.recv_buffer.failure(KEY) == f"sender gave up: {why.group(1)}"
+
+
+def test_a_send_that_raises_logs_its_traceback(engines, caplog):
+    """A bug in one send is logged at ERROR with the exception's traceback (exc_info)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.producer"):
+        prod.save(save_spec(prod, rank0(cons), req_id="bad", key="f" * 32, block_ids=(3, 99)))
+        poll_until(prod, lambda r: "bad" in r.finished_sending, finished={"bad"})
+    (rec,) = [r for r in caplog.records if r.getMessage().startswith("kv send failed req=bad ")]
+    assert rec.levelno == logging.ERROR and rec.exc_info is not None and rec.exc_info[0] is IndexError
