@@ -646,3 +646,22 @@ def test_a_send_that_raises_logs_its_traceback(engines, caplog):
         poll_until(prod, lambda r: "bad" in r.finished_sending, finished={"bad"})
     (rec,) = [r for r in caplog.records if r.getMessage().startswith("kv send failed req=bad ")]
     assert rec.levelno == logging.ERROR and rec.exc_info is not None and rec.exc_info[0] is IndexError
+
+
+def test_undelivered_abort_notices_are_capped_per_decode(engines, monkeypatch):
+    """At most MAX_PENDING_NOTICES (2 here) "will not come" notices wait for a dead D; the
+    ones past the cap are dropped (D's loads of those time out instead)."""
+    from connector import producer
+
+    monkeypatch.setattr(producer, "MAX_PENDING_NOTICES", 2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    keys = [f"{i:032x}" for i in range(4)]
+    for i, key in enumerate(keys):
+        prod.save(save_spec(prod, addr, req_id=f"r{i}", key=key))
+    rids = {f"r{i}" for i in range(4)}
+    poll_until(prod, lambda r: rids <= r.finished_sending, finished=rids)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_port=port)
+    wait_for(lambda: cons.recv_buffer.failure(keys[0]) is not None)  # one abort call carries them all
+    assert [cons.recv_buffer.failure(k) is not None for k in keys] == [True, True, False, False]
