@@ -381,3 +381,15 @@ async def test_an_empty_stream_from_d_is_relayed_empty(caplog):
         assert (resp.status_code, resp.content) == (200, b"")
         assert resp.headers["content-type"] == "text/event-stream"
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_prompt_d_already_holds_is_served_by_that_d_alone():
+    """cache_aware with a local_prefill_threshold: the second time, the D chosen is asked how
+    much of the prompt it still lacks, and holding all but a short tail it prefills alone
+    (the dispatcher passes its D to choose_path)."""
+    body = {**COMPLETION, "prompt": "The sea is wide and deep. " * 80, "max_tokens": 3}
+    async with running_proxy(decode_policy="cache_aware", local_prefill_threshold=64) as px:
+        p, d = await px.pd()
+        paths = [(await px.client.post("/v1/completions", json=body)).headers[XPYD_PATH] for _ in range(2)]
+        assert paths == ["disaggregated", "local_cached"]
+        assert len(p.completions()) == 1 and len(d.completions()) == 2
