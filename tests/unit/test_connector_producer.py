@@ -12,6 +12,7 @@ import time
 import pytest
 
 from connector.producer import LayerProgress
+from connector.transport.base import Deferred
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import KEY, N_PROMPT, SRC_IDS, make_caches, poll_until, rank0, save_spec, wait_for
@@ -665,3 +666,65 @@ def test_undelivered_abort_notices_are_capped_per_decode(engines, monkeypatch):
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_port=port)
     wait_for(lambda: cons.recv_buffer.failure(keys[0]) is not None)  # one abort call carries them all
     assert [cons.recv_buffer.failure(k) is not None for k in keys] == [True, True, False, False]
+
+
+class ProbeFront:
+    """Stands in front of a decode engine's KV port, forwarding every call, except: the first
+    put is never answered (P's send times out, D is marked dead), the first ping (P's probe)
+    is held until ``go`` (0.7 s at most), and the second put is answered 0.8 s late."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.puts = 0
+        self.pings = 0
+        self.ping_seen = threading.Event()
+        self.go = threading.Event()
+        self.put2_started = threading.Event()
+        self.put2_answered = threading.Event()
+        self._client = TcpTransport()
+        self._server = TcpTransport()
+        self._server.start("127.0.0.1", 0, self._handle)
+        self.address = f"127.0.0.1:{self._server.bound_port}"
+
+    def _handle(self, header: dict, tensors: list):
+        op = header.get("op")
+        if op == "put":
+            self.puts += 1
+            if self.puts == 1:
+                return Deferred(time.monotonic() + 60.0)  # never resolved
+            self.put2_started.set()
+            time.sleep(0.8)
+        elif op == "ping":
+            self.pings += 1
+            if self.pings == 1:
+                self.ping_seen.set()
+                self.go.wait(0.7)
+        reply = self._client.call(self.target, header, tensors, timeout_s=10)
+        if op == "put":
+            self.put2_answered.set()
+        return reply
+
+    def close(self) -> None:
+        self._server.close()
+        self._client.close()
+
+
+def test_a_send_queued_while_its_decode_was_dead_goes_once_a_probe_gets_through(engines):
+    """D is marked dead (a put timed out); a send queued while P's probe is on its way goes
+    out once the probe is answered, and close() waits for that send on the wire (the probe
+    before it was a call close() does not wait for; the send is not)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=1.0)
+    front = ProbeFront(rank0(cons))
+    try:
+        prod.save(save_spec(prod, front.address, req_id="lost", key="a" * 32))
+        assert front.ping_seen.wait(10)
+        prod.save(save_spec(prod, front.address, req_id="queued", key="b" * 32))
+        front.go.set()
+        assert front.put2_started.wait(10)
+        prod.producer.close()
+        assert front.put2_answered.is_set()  # close() returned only once D had answered
+        stats = prod.xfer_stats.peek()
+        assert stats.transfers("send", "ok") == 1 and stats.failures("send", "unreachable") == 0
+    finally:
+        front.close()
