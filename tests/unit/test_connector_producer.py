@@ -728,3 +728,14 @@ def test_a_send_queued_while_its_decode_was_dead_goes_once_a_probe_gets_through(
         assert stats.transfers("send", "ok") == 1 and stats.failures("send", "unreachable") == 0
     finally:
         front.close()
+
+
+def test_layer_progress_lag_counts_from_the_seal():
+    """The KV arrival lag of a layer-wise send: ms from the end of the forward pass (the
+    seal) to ``now``; 0 before the seal and for a ``now`` before it."""
+    lp = LayerProgress(2)
+    assert lp.lag_ms(time.monotonic()) == 0.0
+    lp.seal()
+    assert lp.lag_ms(lp.sealed_at + 0.25) == pytest.approx(250.0, abs=1e-6)
+    assert lp.lag_ms(lp.sealed_at - 1.0) == 0.0
+    assert lp.lag_ms(lp.sealed_at) == 0.0
