@@ -739,3 +739,23 @@ def test_layer_progress_lag_counts_from_the_seal():
     assert lp.lag_ms(lp.sealed_at + 0.25) == pytest.approx(250.0, abs=1e-6)
     assert lp.lag_ms(lp.sealed_at - 1.0) == 0.0
     assert lp.lag_ms(lp.sealed_at) == 0.0
+
+
+def test_a_layer_wise_send_logs_its_lag_from_the_end_of_the_forward_pass(engines):
+    """A layer-wise send's ms is the KV arrival lag: from the seal (the forward pass's end) to
+    D's last answer, not from the send's first layer (here 1.2 s earlier)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    spec = save_spec(prod, rank0(cons))
+    with connector_log() as lines:
+        prod.save_layer(spec, LAYERS[0])
+        wait_for(lambda: cons.stats()["partial_payloads"] == 1)
+        time.sleep(1.2)  # a long forward pass: longer than SLOW_SEND_S
+        t_seal = time.monotonic()
+        prod.save_layer(spec, LAYERS[1])
+        prod.save(spec)
+        _, t_done = poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    (sent,) = [x for x in lines.lines if x.startswith("kv sent")]
+    m = re.search(r" ms=(\d+\.\d) ", sent)
+    assert sent.startswith("kv sent req=P-req ") and m, sent
+    assert float(m.group(1)) <= (t_done - t_seal) * 1e3 + 0.05, sent
