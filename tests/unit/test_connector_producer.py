@@ -759,3 +759,17 @@ def test_a_layer_wise_send_logs_its_lag_from_the_end_of_the_forward_pass(engines
     m = re.search(r" ms=(\d+\.\d) ", sent)
     assert sent.startswith("kv sent req=P-req ") and m, sent
     assert float(m.group(1)) <= (t_done - t_seal) * 1e3 + 0.05, sent
+
+
+def test_a_layer_wise_send_done_before_the_seal_reports_every_layer(engines):
+    """Every layer was reported (save_kv_layer) and shipped before the forward pass ended:
+    the log says all of them were reported."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    spec = save_spec(prod, rank0(cons))
+    with connector_log() as lines:
+        for layer in LAYERS:
+            prod.save_layer(spec, layer)
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    (sent,) = [x for x in lines.lines if x.startswith("kv sent")]
+    assert sent.endswith(f" layers_reported={len(LAYERS)}/{len(LAYERS)}"), sent
