@@ -393,3 +393,21 @@ async def test_a_prompt_d_already_holds_is_served_by_that_d_alone():
         paths = [(await px.client.post("/v1/completions", json=body)).headers[XPYD_PATH] for _ in range(2)]
         assert paths == ["disaggregated", "local_cached"]
         assert len(p.completions()) == 1 and len(d.completions()) == 2
+
+
+async def test_the_request_is_tokenized_for_the_precise_policy_before_d_is_chosen(tmp_path):
+    """decode_policy precise: the dispatcher has the request's prompt tokenized (once) before
+    choosing D (mutant: the selector prepared without the request). A word-level tokenizer
+    of the test's own stands in for the served model's: only that the prompt is tokenized counts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "Hello": 1, "there": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    async with running_proxy(decode_policy="precise", tokenizer=str(tmp_path)) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
+        assert await px.metric("xpyd_prompt_ids_total", result="ok") == 1
