@@ -373,3 +373,69 @@ async def test_the_rescue_after_two_failed_attempts_is_the_third(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode rescue")]
     assert lines == [f"decode rescue: D alone instance={rescuer.http_address} attempt=3 failed_status=500 "
                      "error=decode failed: HTTP 500 in its answer"]  # fmt: skip
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def _raw_event(text: str) -> bytes:
+    return (b'data: {"id":"cmpl-d-own-id","object":"text_completion","created":1,"model":"fake-model",'
+            b'"choices":[{"index":0,"text":"%s","logprobs":null,"finish_reason":null,"stop_reason":null}]}'
+            b"\n\n" % text.encode())  # fmt: skip
+
+
+_RAW_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def _first_token_through_raw_d(parts: list[bytes]) -> str:
+    """A first-token stream whose continuation D is a raw vLLM stand-in writing `parts`
+    (a moment apart); returns what the client got."""
+    from tests.support.fake_vllm import FakeVLLM
+    from tests.support.raw_instance import RawInstance
+
+    models = b'{"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "vllm"}]}'
+    async with RawInstance(lambda req: (parts, "fin"), models) as raw, running_proxy() as px:
+        await px.fake("P")
+        d = FakeVLLM("D", proxy=px.discovery)  # its registration only: the raw server answers
+        d.port = int(raw.url.rsplit(":", 1)[1])
+        try:
+            d.start_heartbeats()
+            await wait_until(lambda: [i for i in px.registry.live("D") if not i.pending], what="D admitted")
+            resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 3})
+        finally:
+            await d.stop()
+        assert resp.status_code == 200
+        return resp.text
+
+
+@pytest.mark.parametrize("in_first", [False, True], ids=["later-piece", "first-read"])
+async def test_an_event_of_ds_continuation_split_across_reads_gets_ps_id(in_first):
+    """D's continuation sends its second event in two pieces, a moment apart (its first part
+    in a piece of its own, or with the first event in D's first read): the piece that ends
+    inside the event is held until the event is whole, so it too gets P's event id
+    (mutants: the first read or every piece flushed, the split event keeping D's id)."""
+    second = _raw_event(" t2")
+    end = _chunked(second[40:] + b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    if in_first:
+        parts = [_RAW_HEAD + _chunked(_raw_event(" t1") + second[:40]), end]
+    else:
+        parts = [_RAW_HEAD + _chunked(_raw_event(" t1")), _chunked(second[:40]), end]
+    text = await _first_token_through_raw_d(parts)
+    got = _sse_events(text)
+    assert _texts(got) == " t0 t1 t2" and got[-1] == "[DONE]"
+    assert len({e["id"] for e in got[:-1]}) == 1 and "d-own-id" not in text
+
+
+@pytest.mark.parametrize("one_read", [True, False], ids=["one-read", "last-piece"])
+async def test_a_continuation_ending_inside_an_event_is_relayed_to_its_last_byte(one_read):
+    """D's stream ends without the blank line after its last event: at the clean end, what
+    was held waiting for that event's end goes out as D sent it (mutants: the held bytes
+    dropped at the end, in the first read or in the last piece)."""
+    events = _raw_event(" t1") + _raw_event(" t2")
+    if one_read:
+        parts = [_RAW_HEAD + _chunked(events + b"data: [DONE]") + b"0\r\n\r\n"]
+    else:
+        parts = [_RAW_HEAD + _chunked(_raw_event(" t1")), _chunked(_raw_event(" t2") + b"data: [DONE]") + b"0\r\n\r\n"]
+    text = await _first_token_through_raw_d(parts)
+    assert text.endswith("\n\ndata: [DONE]") and _texts(_sse_events(text)) == " t0 t1 t2"
