@@ -388,24 +388,37 @@ def _raw_event(text: str) -> bytes:
 _RAW_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
-async def _first_token_through_raw_d(parts: list[bytes]) -> str:
-    """A first-token stream whose continuation D is a raw vLLM stand-in writing `parts`
-    (a moment apart); returns what the client got."""
+_RAW_MODELS = b'{"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "vllm"}]}'
+
+
+async def _registered(px, role: str, url: str):
+    """A registration (a fake's, heartbeats and all) for the raw server at `url`, admitted."""
     from tests.support.fake_vllm import FakeVLLM
+
+    fake = FakeVLLM(role, proxy=px.discovery)  # its registration only: the raw server answers
+    fake.port = int(url.rsplit(":", 1)[1])
+    fake.start_heartbeats()
+    await wait_until(lambda: [i for i in px.registry.live(role) if not i.pending], what=f"{role} admitted")
+    return fake
+
+
+async def _first_token_through_raw_d(parts: list[bytes], p_answer: bytes | None = None, **body) -> str:
+    """A first-token stream whose continuation D is a raw vLLM stand-in writing `parts`
+    (a moment apart), P a fake (or a raw one answering `p_answer`); returns what the client got."""
     from tests.support.raw_instance import RawInstance
 
-    models = b'{"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "vllm"}]}'
-    async with RawInstance(lambda req: (parts, "fin"), models) as raw, running_proxy() as px:
-        await px.fake("P")
-        d = FakeVLLM("D", proxy=px.discovery)  # its registration only: the raw server answers
-        d.port = int(raw.url.rsplit(":", 1)[1])
+    async with RawInstance(lambda req: (parts, "fin"), _RAW_MODELS) as raw_d, \
+            RawInstance(lambda req: ([p_answer or b""], "fin"), _RAW_MODELS) as raw_p, running_proxy() as px:
+        if p_answer is None:
+            await px.fake("P")
+        fakes = [await _registered(px, "P", raw_p.url)] if p_answer is not None else []
+        fakes.append(await _registered(px, "D", raw_d.url))
         try:
-            d.start_heartbeats()
-            await wait_until(lambda: [i for i in px.registry.live("D") if not i.pending], what="D admitted")
-            resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 3})
+            resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": 3, **body})
         finally:
-            await d.stop()
-        assert resp.status_code == 200
+            for fake in fakes:
+                await fake.stop()
+        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
         return resp.text
 
 
@@ -439,3 +452,30 @@ async def test_a_continuation_ending_inside_an_event_is_relayed_to_its_last_byte
         parts = [_RAW_HEAD + _chunked(_raw_event(" t1")), _chunked(_raw_event(" t2") + b"data: [DONE]") + b"0\r\n\r\n"]
     text = await _first_token_through_raw_d(parts)
     assert text.endswith("\n\ndata: [DONE]") and _texts(_sse_events(text)) == " t0 t1 t2"
+
+
+async def test_ds_logprobs_text_offsets_go_on_after_ps_token():
+    """logprobs: P's token " t0" sits at text offset 0, so D's continuation, which counts its
+    own text from 0, is shifted by the token's 3 characters (mutant: no offset)."""
+    logprobs = {"text_offset": [0], "token_logprobs": [-0.5], "tokens": [" t0"], "top_logprobs": [{" t0": -0.5}]}
+    p_body = json.dumps({
+        "id": "cmpl-p-0-abcd", "object": "text_completion", "created": 1, "model": "fake-model",
+        "choices": [{"index": 0, "text": " t0", "logprobs": logprobs, "finish_reason": "length",
+                     "stop_reason": None, "token_ids": [900], "prompt_token_ids": [1, 2, 3], "routed_experts": None}],
+        "service_tier": None, "system_fingerprint": "fp", "kv_transfer_params": None,
+        "usage": {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1, "prompt_tokens_details": None},
+    }).encode()  # fmt: skip
+    p_answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(p_body), p_body)  # fmt: skip
+
+    def d_event(text: str) -> bytes:
+        lp = {"text_offset": [0], "token_logprobs": [-0.25], "tokens": [text], "top_logprobs": [{text: -0.25}]}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": None, "stop_reason": None}
+        event = {"id": "cmpl-d-own-id", "object": "text_completion", "created": 1, "model": "fake-model",
+                 "choices": [choice]}  # fmt: skip
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+    parts = [_RAW_HEAD + _chunked(d_event(" t1") + b"data: [DONE]\n\n") + b"0\r\n\r\n"]
+    got = _sse_events(await _first_token_through_raw_d(parts, p_answer, logprobs=1))
+    assert [e["choices"][0]["logprobs"]["text_offset"] for e in got[:-1]] == [[0], [3]]
+    assert _texts(got) == " t0 t1"
