@@ -791,3 +791,16 @@ def test_first_contact_with_a_dead_decode_waits_no_longer_than_the_send_would(en
     assert line.startswith(head) and line.endswith("s"), line
     within = float(line.removeprefix(head).removesuffix("s"))
     assert (0.2 <= within <= 0.3) if rank == 0 else within == 0.05, line
+
+
+def test_a_prompt_send_is_logged_at_info(engines, caplog):
+    """A send well under SLOW_SEND_S is an INFO line (operators alert on WARNING)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.producer"):
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    (sent,) = [r for r in caplog.records if r.getMessage().startswith("kv sent")]
+    ms = float(re.search(r" ms=(\d+\.\d) ", sent.getMessage()).group(1))
+    assert sent.levelno == (logging.INFO if ms <= 1000 else logging.WARNING), sent.getMessage()
+    assert sent.getMessage().startswith("kv sent req=P-req " if ms <= 1000 else "kv sent slowly req=P-req ")
