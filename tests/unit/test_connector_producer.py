@@ -805,3 +805,32 @@ def test_a_prompt_send_is_logged_at_info(engines, caplog):
     ms = float(re.search(r" ms=(\d+\.\d) ", sent.getMessage()).group(1))
     assert sent.levelno == (logging.INFO if ms <= 1000 else logging.WARNING), sent.getMessage()
     assert sent.getMessage().startswith("kv sent req=P-req " if ms <= 1000 else "kv sent slowly req=P-req ")
+
+
+class SlowHello(SlowPut):
+    """As SlowPut, but the hello (first contact) is the call answered ``delay_s`` late."""
+
+    def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
+        if header.get("op") == "hello":
+            time.sleep(self.delay_s)
+        return self._client.call(self.target, header, tensors, timeout_s=10)
+
+
+def test_first_contact_logs_how_long_it_took_and_why_the_decode_cannot_take_our_kv(engines):
+    """First contact is logged with its duration (here D answers the hello 0.2 s late), and a
+    D that cannot take our KV is logged at ERROR naming the instance and why."""
+    cons = engines("kv_consumer", "PUT_ASYNC", caches=make_caches(2, shape=(16, 2, 16, 32)))
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=5.0)
+    front = SlowHello(rank0(cons), delay_s=0.2)
+    try:
+        t0 = time.monotonic()
+        with connector_log() as lines:
+            prod.save(save_spec(prod, front.address))
+            _, t1 = poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        (contact,) = [x for x in lines.lines if x.startswith(f"kv peer {front.address} first contact ms=")]
+        assert 200 <= float(contact.rpartition("=")[2]) <= (t1 - t0) * 1e3, contact
+        (failed,) = [x for x in lines.lines if x.startswith("kv send failed req=P-req ")]
+        why = failed.partition(" error=")[2]
+        assert f"kv peer {front.address} cannot take KV from this instance: {why}" in lines.lines, lines.lines
+    finally:
+        front.close()
