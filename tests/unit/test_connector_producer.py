@@ -834,3 +834,25 @@ def test_first_contact_logs_how_long_it_took_and_why_the_decode_cannot_take_our_
         assert f"kv peer {front.address} cannot take KV from this instance: {why}" in lines.lines, lines.lines
     finally:
         front.close()
+
+
+def test_first_contact_with_a_decode_of_another_tp_logs_the_head_slices_each_rank_gets(engines):
+    """P tp=1 (4 KV heads) -> D tp=2: first contact says which D rank gets which of our heads;
+    a P rank whose heads a replica sends says it sends nothing."""
+    from tests.unit.test_connector_tp import _instance
+
+    (prod,) = _instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
+    dec = _instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    p_ranks = _instance("kv_producer", "PUT_ASYNC", 2, 1, seed=3, blocks_heads=1, send_granularity="request")
+    (one,) = _instance("kv_consumer", "PUT_ASYNC", 1, 1, seed=4, blocks_heads=1)
+    try:
+        with connector_log() as lines:
+            prod.save(save_spec(prod, rank0(dec[0])))
+            p_ranks[1].save(save_spec(p_ranks[1], rank0(one)))
+            poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+            poll_until(p_ranks[1], lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        assert f"kv peer {rank0(dec[0])}: tp 1 -> 2, rank 0 sends [(0, 'heads 0:2'), (1, 'heads 2:4')]" in lines.lines
+        assert f"kv peer {rank0(one)}: tp 2 -> 1, rank 1 sends nothing (a replica sends our heads)" in lines.lines
+    finally:
+        for eng in (prod, *dec, *p_ranks, one):
+            eng.close()
