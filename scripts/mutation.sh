@@ -125,10 +125,11 @@ EOF
   names=()
   if [ "${RECHECK:-0}" = 1 ] && [ -f "$work/mutants/$mod.meta" ]; then
     # Only the mutants not killed last time (tests were added; a killed one stays killed while the
-    # module is unchanged). mutmut skips mutants that have a result unless named.
+    # module is unchanged), less the listed equivalents. mutmut skips mutants that have a result unless named.
     mapfile -t names < <("$PY" -c 'import json,sys; m=json.load(open(sys.argv[1]))["exit_code_by_key"]
-print("\n".join(k for k, v in m.items() if v not in (1, 3, -24, 24, 36, 152, 255)))' "$work/mutants/$mod.meta")
-    [ ${#names[@]} -gt 0 ] || names=("__none__")
+eq={l.split("#",1)[0].strip() for l in open(sys.argv[2])}
+print("\n".join(k for k, v in m.items() if v not in (1, 3, -24, 24, 36, 152, 255) and k not in eq))' "$work/mutants/$mod.meta" "$EQUIV")
+    [ -n "${names[0]:-}" ] || names=("__none__")  # print() of nothing is one empty line
   fi
   if [ "${names[0]:-}" != "__none__" ]; then
   (cd "$work" && "$MUTMUT" run --max-children "$JOBS" "${names[@]}" >"$work/run.log" 2>&1) || {
