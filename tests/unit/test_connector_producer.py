@@ -856,3 +856,19 @@ def test_first_contact_with_a_decode_of_another_tp_logs_the_head_slices_each_ran
     finally:
         for eng in (prod, *dec, *p_ranks, one):
             eng.close()
+
+
+def test_a_send_decode_no_longer_needs_is_logged_and_counted_unneeded(engines):
+    """D's requests for the KV are gone (released, dropped): the send ends as not needed,
+    logged at INFO and counted as unneeded, not as a refusal."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    cons.release([KEY])
+    cons.poll(set())  # dropped: a payload for it is refused as gone
+    with connector_log() as lines:
+        prod.save(save_spec(prod, rank0(cons)))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    want = f"kv send not needed req=P-req transfer={KEY} peer={rank0(cons)}: D's requests for it are gone"
+    assert want in lines.lines, lines.lines
+    stats = prod.xfer_stats.peek()
+    assert stats.transfers("send", "unneeded") == 1 and stats.failures("send", "refused") == 0
