@@ -125,3 +125,33 @@ def assert_untouched(eng: KVEngine, before: dict) -> None:
 
 ZERO = {"recv_bytes": 0, "recv_reserved_bytes": 0, "recv_items": 0, "send_bytes": 0, "send_items": 0,
         "pending_sends": 0, "pending_loads": 0, "partial_payloads": 0}
+
+
+def tp_instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, blocks_heads: int,
+                dtypes: dict | None = None, transport=None, **over) -> list:
+    """The ranks of one tensor-parallel instance: engines at kv_port + r, each with its share of the heads
+    (``dtypes``: rank -> another KV dtype than bfloat16; ``transport(cfg)``: instead of tcp)."""
+    import torch
+
+    from connector import layout as kvlayout
+    from connector.engine import KVEngine
+    from connector.tp import TpSide
+    from connector.transport import TransportError
+
+    shape = (SHAPE[0], blocks_heads, *SHAPE[2:])
+    for _ in range(5):
+        port = free_port()
+        ranks: list = []
+        try:
+            for r in range(tp_size):
+                caches = make_caches(seed * 10 + r, shape=shape, dtype=(dtypes or {}).get(r, torch.bfloat16))
+                cfg = make_cfg(role, send_type, port, **over)
+                eng = KVEngine(cfg, r, caches, kvlayout.detect(None, caches), tp_side=TpSide(tp_size, heads),
+                               transport=transport(cfg) if transport else None)
+                eng.caches, eng.cfg = caches, cfg
+                ranks.append(eng)
+            return ranks
+        except TransportError:  # port + r taken meanwhile: another base
+            for eng in ranks:
+                eng.close()
+    raise RuntimeError("no free ports")

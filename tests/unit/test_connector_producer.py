@@ -15,7 +15,17 @@ from connector.producer import LayerProgress
 from connector.transport.base import Deferred
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
-from tests.support.kv_engines import KEY, N_PROMPT, SRC_IDS, make_caches, poll_until, rank0, save_spec, wait_for
+from tests.support.kv_engines import (
+    KEY,
+    N_PROMPT,
+    SRC_IDS,
+    make_caches,
+    poll_until,
+    rank0,
+    save_spec,
+    tp_instance,
+    wait_for,
+)
 from tests.support.layerwise import LAYERS
 from tests.support.ports import free_port
 
@@ -495,10 +505,8 @@ def test_every_get_copy_pushed_out_is_counted(engines):
 def test_a_request_send_to_two_decode_ranks_counts_both_pieces(engines):
     """P tp=1 -> D tp=2 (whole requests): each D rank gets half the heads; the send's bytes
     (log line and counter) are both pieces together."""
-    from tests.unit.test_connector_tp import _instance
-
-    (prod,) = _instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
-    dec = _instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    (prod,) = tp_instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
     try:
         with connector_log() as lines:
             prod.save(save_spec(prod, rank0(dec[0])))
@@ -533,12 +541,10 @@ def test_a_request_send_that_fails_at_one_decode_rank_tells_only_that_rank(engin
     """P tp=1 -> D tp=2 whose rank 1 is down: rank 0 takes its piece, the send fails at rank
     1 (transport), and only rank 1 is to hear that the transfer will not come; rank 0 holds
     its piece and is told nothing."""
-    from tests.unit.test_connector_tp import _instance
-
-    (prod,) = _instance(
+    (prod,) = tp_instance(
         "kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request", send_timeout_s=0.3
     )
-    dec = _instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
     dec[1].close()
     try:
         with connector_log() as lines:
@@ -840,12 +846,10 @@ def test_first_contact_logs_how_long_it_took_and_why_the_decode_cannot_take_our_
 def test_first_contact_with_a_decode_of_another_tp_logs_the_head_slices_each_rank_gets(engines):
     """P tp=1 (4 KV heads) -> D tp=2: first contact says which D rank gets which of our heads;
     a P rank whose heads a replica sends says it sends nothing."""
-    from tests.unit.test_connector_tp import _instance
-
-    (prod,) = _instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
-    dec = _instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
-    p_ranks = _instance("kv_producer", "PUT_ASYNC", 2, 1, seed=3, blocks_heads=1, send_granularity="request")
-    (one,) = _instance("kv_consumer", "PUT_ASYNC", 1, 1, seed=4, blocks_heads=1)
+    (prod,) = tp_instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    p_ranks = tp_instance("kv_producer", "PUT_ASYNC", 2, 1, seed=3, blocks_heads=1, send_granularity="request")
+    (one,) = tp_instance("kv_consumer", "PUT_ASYNC", 1, 1, seed=4, blocks_heads=1)
     try:
         with connector_log() as lines:
             prod.save(save_spec(prod, rank0(dec[0])))

@@ -8,6 +8,7 @@ import pytest
 
 from connector import tp
 from connector.tp import TopologyError, TpSide
+from tests.support.kv_engines import tp_instance
 
 CASES = [  # (prefill tp, decode tp, kv heads, mla)
     (1, 1, 8, False), (1, 2, 8, False), (2, 1, 8, False), (2, 4, 8, False), (4, 2, 8, False),
@@ -181,42 +182,12 @@ def test_get_load_from_a_prefill_with_another_tp_fails_even_when_block_shapes_ma
 # ------------------------------------------------------------------ heterogeneous TP, real engines
 
 
-def _instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, blocks_heads: int,
-              dtypes: dict | None = None, transport=None, **over) -> list:
-    """The ranks of one instance: engines at kv_port + r, each with its share of the heads
-    (``dtypes``: rank -> another KV dtype than bfloat16; ``transport(cfg)``: instead of tcp)."""
-    import torch
-
-    from connector import layout as kvlayout
-    from connector.engine import KVEngine
-    from connector.transport import TransportError
-    from tests.support.kv_engines import SHAPE, free_port, make_caches, make_cfg
-
-    shape = (SHAPE[0], blocks_heads, *SHAPE[2:])
-    for _ in range(5):
-        port = free_port()
-        ranks: list = []
-        try:
-            for r in range(tp_size):
-                caches = make_caches(seed * 10 + r, shape=shape, dtype=(dtypes or {}).get(r, torch.bfloat16))
-                cfg = make_cfg(role, send_type, port, **over)
-                eng = KVEngine(cfg, r, caches, kvlayout.detect(None, caches), tp_side=TpSide(tp_size, heads),
-                               transport=transport(cfg) if transport else None)
-                eng.caches, eng.cfg = caches, cfg
-                ranks.append(eng)
-            return ranks
-        except TransportError:  # port + r taken meanwhile: another base
-            for eng in ranks:
-                eng.close()
-    raise RuntimeError("no free ports")
-
-
 @pytest.fixture
 def instances():
     started: list = []
 
     def start(*args, **kw) -> list:
-        ranks = _instance(*args, **kw)
+        ranks = tp_instance(*args, **kw)
         started.extend(ranks)
         return ranks
 

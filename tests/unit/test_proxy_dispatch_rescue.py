@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.support.proxy_helpers import Fault, register_dead, running_proxy, wait_until
-from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -418,7 +418,7 @@ async def _first_token_through_raw_d(parts: list[bytes], p_answer: bytes | None 
         finally:
             for fake in fakes:
                 await fake.stop()
-        assert resp.status_code == 200 and resp.headers["x-xpyd-first-token"] == "prefill"
+        assert resp.status_code == 200 and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         return resp.text
 
 
