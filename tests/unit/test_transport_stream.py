@@ -126,7 +126,14 @@ def test_a_restarted_peer_is_reached_over_zmq_then_its_new_stream(pair):
     srv2.start(HOST, port, again)  # same zmq port, a new stream port and token
     try:
         t = _random(1000, 3)
-        reply, _ = cli.call(peer, {"op": "keep"}, [t], timeout_s=5)
+        try:
+            reply, _ = cli.call(peer, {"op": "keep"}, [t], timeout_s=5)
+        except TransportError as e:
+            # On a loaded box zmq's I/O thread may not have seen the old server's close yet:
+            # a message it queued on that dying connection is lost, and the call times out.
+            # The next call goes over the new connection.
+            assert str(e).startswith("timeout after 5s waiting for reply"), e
+            reply, _ = cli.call(peer, {"op": "keep"}, [t], timeout_s=5)
         assert reply["ok"] and again.calls == 1 and _same(again.held[0][0], t)
         cli.call(peer, {"op": "keep"}, [t])
         assert again.calls == 2 and cli.stream_calls == 2  # the stream again, learned anew
