@@ -877,3 +877,132 @@ def test_a_send_decode_no_longer_needs_is_logged_and_counted_unneeded(engines):
     assert want in lines.lines, lines.lines
     stats = prod.xfer_stats.peek()
     assert stats.transfers("send", "unneeded") == 1 and stats.failures("send", "refused") == 0
+
+
+class _PutSpy:
+    """The producer's transport (the wire), recording the tensors of every put it carries and
+    every call's (op, peer, header, timeout_s)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+        self.puts: list[list] = []
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def call(self, addr, header, *args, **kw):
+        self.calls.append((header.get("op"), addr, header, kw.get("timeout_s")))
+        if header.get("op") == "put":
+            self.puts.append(list(args[0]))
+        return self._real.call(addr, header, *args, **kw)
+
+
+def test_a_put_is_read_straight_from_the_kv_cache_not_copied(engines):
+    """A PUT's blocks go on the wire as views of P's KV cache (the send ends before its blocks
+    are freed), not as copies: a copy would only cost memory and time (GET needs one, PUT not)."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
+    spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+    prod.save(save_spec(prod, rank0(cons)))
+    poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    caches = {c.untyped_storage().data_ptr() for c in prod._caches.values()}
+    assert len(spy.puts) == 1 and len(spy.puts[0]) >= len(caches), spy.puts
+    assert all(t.untyped_storage().data_ptr() in caches for t in spy.puts[0])
+
+
+@pytest.mark.parametrize("granularity", ["request", "layer"])
+def test_a_sends_reserve_and_put_wait_no_longer_than_send_timeout(engines, granularity):
+    """The reserve and the put each wait at most what is left of send_timeout_s (a D that
+    stalls one cannot hold the send past it), and never less than a moment."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity=granularity, send_timeout_s=0.8)
+    spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+    spec = save_spec(prod, rank0(cons))
+    if granularity == "layer":
+        for layer in LAYERS:
+            prod.save_layer(spec, layer)
+    prod.save(spec)
+    poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    waits = [(op, t) for op, _, _, t in spy.calls if op in ("reserve", "put")]
+    assert {op for op, _ in waits} == {"reserve", "put"}, spy.calls
+    assert all(t is not None and 0.05 <= t <= 0.8 for _, t in waits), waits
+
+
+def test_a_layer_wise_send_to_a_decode_of_another_tp_puts_each_piece_in_parts(engines):
+    """P tp=1 -> D tp=2, layer-wise: each head slice goes one part (its layers) at a time, not
+    the whole piece with every part."""
+    from xpyd_wire.request_id import rank_address
+
+    (prod,) = tp_instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="layer")
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    try:
+        spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+        spec = save_spec(prod, rank0(dec[0]))
+        prod.save_layer(spec, LAYERS[0])
+        wait_for(lambda: all(d.stats()["partial_payloads"] == 1 for d in dec))
+        prod.save_layer(spec, LAYERS[1])
+        prod.save(spec)
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        parts = sorted((addr, tuple(h["part"]) if h.get("part") else None) for op, addr, h, _ in spy.calls
+                       if op == "put")
+        ranks = sorted(rank_address(rank0(dec[0]), r) for r in range(2))
+        assert parts == [(addr, part) for addr in ranks for part in ((0, 1), (1, 2))], parts
+    finally:
+        for eng in (prod, *dec):
+            eng.close()
+
+
+def test_a_piece_a_decode_rank_refuses_is_noticed_to_that_rank(engines):
+    """P tp=1 -> D tp=2, D's buffers too small: each D rank refuses its head slice, and is
+    told at once under the transfer's own key which piece will not come and why (it would
+    wait for it otherwise); the refusal is counted."""
+    from xpyd_wire.request_id import rank_address
+
+    (prod,) = tp_instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2, kv_buffer_size=1000)
+    try:
+        spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+        prod.save(save_spec(prod, rank0(dec[0])))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        refusals = {addr: h for op, addr, h, _ in spy.calls if op == "reserve"}
+        assert set(refusals) == {rank_address(rank0(dec[0]), r) for r in range(2)}, spy.calls
+
+        def told() -> dict:
+            return {addr: h["keys"] for op, addr, h, _ in list(spy.calls) if op == "abort"}
+
+        wait_for(lambda: len(told()) == 2)
+        for addr, keys in told().items():
+            assert list(keys) == [KEY], keys
+            assert re.fullmatch(r"sender gave up: piece 0 refused: .+", keys[KEY]), keys
+            assert "None" not in keys[KEY], keys
+        assert prod.xfer_stats.peek().failures("send", "refused") == 2
+    finally:
+        for eng in (prod, *dec):
+            eng.close()
+
+
+def test_a_piece_one_decode_rank_refuses_is_noticed_to_that_rank_only(engines):
+    """P tp=1 -> D tp=2, D rank 1's buffer too small: only rank 1 is told its piece will not
+    come; rank 0 took its piece and is not told to give the transfer up."""
+    from xpyd_wire.request_id import rank_address
+
+    (prod,) = tp_instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="request")
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    dec[1]._recv._capacity = 1000  # the other side of the boundary: only this rank is full
+    try:
+        spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+        prod.save(save_spec(prod, rank0(dec[0])))
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+        one = rank_address(rank0(dec[0]), 1)
+
+        def told() -> dict:
+            return {addr: h["keys"] for op, addr, h, _ in list(spy.calls) if op == "abort"}
+
+        # Notices go out in D rank order, each after it was recorded: rank 0's would be in first.
+        wait_for(lambda: one in told())
+        assert list(told()) == [one], told()
+        assert prod.xfer_stats.peek().failures("send", "refused") == 1
+    finally:
+        for eng in (prod, *dec):
+            eng.close()
