@@ -1006,3 +1006,25 @@ def test_a_piece_one_decode_rank_refuses_is_noticed_to_that_rank_only(engines):
     finally:
         for eng in (prod, *dec):
             eng.close()
+
+
+def test_a_layer_wise_send_waits_for_the_forward_pass_and_its_deadline_counts_from_then(engines):
+    """Between layers the send waits for the forward pass (logged as its "forward" phase), and
+    send_timeout_s counts again from when the next layer is there: a forward pass longer than
+    the timeout does not cut the next put's wait short."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer", send_timeout_s=0.6)
+    spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+    spec = save_spec(prod, rank0(cons))
+    with connector_log() as lines:
+        prod.save_layer(spec, LAYERS[0])
+        wait_for(lambda: cons.stats()["partial_payloads"] == 1)
+        time.sleep(0.8)  # a forward pass longer than send_timeout_s
+        prod.save_layer(spec, LAYERS[1])
+        prod.save(spec)
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    (sent,) = [x for x in lines.lines if x.startswith("kv sent req=P-req ")]
+    phases = dict(p.split(":") for p in re.search(r"phases_ms=(\S+)", sent).group(1).split(","))
+    assert "forward" in phases and float(phases["forward"]) > 0, sent
+    puts = [t for op, _, h, t in spy.calls if op == "put"]
+    assert len(puts) == 2 and puts[1] >= 0.3, spy.calls
