@@ -1028,3 +1028,24 @@ def test_a_layer_wise_send_waits_for_the_forward_pass_and_its_deadline_counts_fr
     assert "forward" in phases and float(phases["forward"]) > 0, sent
     puts = [t for op, _, h, t in spy.calls if op == "put"]
     assert len(puts) == 2 and puts[1] >= 0.3, spy.calls
+
+
+def test_a_layer_wise_send_whose_forward_pass_stops_writing_fails_and_tells_the_decode(engines, monkeypatch):
+    """A forward pass that writes no further layer within FORWARD_WAIT_S (here 0.5 s) fails
+    the send: counted as an error, and D told why under the transfer's key (it would wait for
+    the rest otherwise)."""
+    import connector.producer as producer
+
+    monkeypatch.setattr(producer, "FORWARD_WAIT_S", 0.5)
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+    prod.save_layer(save_spec(prod, rank0(cons)), LAYERS[0])  # and never the rest, nor the seal
+
+    def told() -> list:
+        return [(addr, h["keys"]) for op, addr, h, _ in list(spy.calls) if op == "abort"]
+
+    wait_for(lambda: told())
+    want = "sender gave up: RuntimeError: the forward pass wrote no further layer in 0.5s"
+    assert told() == [(rank0(cons), {KEY: want})], told()
+    assert prod.xfer_stats.peek().failures("send", "error") == 1
