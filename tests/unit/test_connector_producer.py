@@ -1049,3 +1049,37 @@ def test_a_layer_wise_send_whose_forward_pass_stops_writing_fails_and_tells_the_
     want = "sender gave up: RuntimeError: the forward pass wrote no further layer in 0.5s"
     assert told() == [(rank0(cons), {KEY: want})], told()
     assert prod.xfer_stats.peek().failures("send", "error") == 1
+
+
+def test_a_layer_wise_send_in_parts_logs_and_counts_every_parts_bytes(engines):
+    """Two parts (a layer each): the "kv sent" line and the sent-bytes count add both up, the
+    same bytes as the whole payload at once."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    spec = save_spec(prod, rank0(cons))
+    with connector_log() as lines:
+        prod.save_layer(spec, LAYERS[0])
+        wait_for(lambda: cons.stats()["partial_payloads"] == 1)
+        prod.save_layer(spec, LAYERS[1])
+        prod.save(spec)
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    whole = sum(c[list(SRC_IDS)].numel() * c.element_size() for c in prod._caches.values())
+    (sent,) = [x for x in lines.lines if x.startswith("kv sent req=P-req ")]
+    assert f" bytes={whole} " in sent, (whole, sent)
+    assert prod.xfer_stats.peek().nbytes("sent") == whole
+
+
+def test_a_layer_wise_send_a_full_decode_refuses_is_counted_refused_not_an_error(engines):
+    """D's buffer cannot take the payload: the first part's reserve is refused, the send ends
+    as refused (logged, counted), not as a failure of the sender."""
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_buffer_size=1000)
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="layer")
+    spec = save_spec(prod, rank0(cons))
+    with connector_log() as lines:
+        prod.save_layer(spec, LAYERS[0])
+        poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
+    mine = [x for x in lines.lines if "req=P-req" in x and rank0(cons) in x]
+    assert [x for x in mine if x.startswith("kv send refused")], lines.lines
+    assert not [x for x in mine if x.startswith("kv send failed")], mine
+    stats = prod.xfer_stats.peek()
+    assert stats.failures("send", "refused") == 1 and stats.failures("send", "error") == 0
