@@ -1083,3 +1083,31 @@ def test_a_layer_wise_send_a_full_decode_refuses_is_counted_refused_not_an_error
     assert not [x for x in mine if x.startswith("kv send failed")], mine
     stats = prod.xfer_stats.peek()
     assert stats.failures("send", "refused") == 1 and stats.failures("send", "error") == 0
+
+
+def test_a_layer_wise_send_failing_after_one_rank_refused_tells_only_the_ranks_still_waiting(engines, monkeypatch):
+    """P tp=1 -> D tp=2, layer-wise: D rank 1 (full) refuses the first part and is told so;
+    rank 0 takes it. When the forward pass then stops writing, only rank 0, still waiting for
+    the rest, is told the send failed: rank 1 hears nothing but its own refusal."""
+    import connector.producer as producer
+    from xpyd_wire.request_id import rank_address
+
+    monkeypatch.setattr(producer, "FORWARD_WAIT_S", 0.5)
+    (prod,) = tp_instance("kv_producer", "PUT_ASYNC", 1, 4, seed=1, blocks_heads=4, send_granularity="layer")
+    dec = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    dec[1]._recv._capacity = 1000  # the other side of the boundary: only this rank is full
+    zero, one = (rank_address(rank0(dec[0]), r) for r in range(2))
+    try:
+        spy = prod.producer._transport = _PutSpy(prod.producer._transport)
+        prod.save_layer(save_spec(prod, rank0(dec[0])), LAYERS[0])  # and never the rest
+
+        def told(addr: str) -> list:
+            return [h["keys"][KEY] for op, a, h, _ in list(spy.calls) if op == "abort" and a == addr]
+
+        wait_for(lambda: told(zero))
+        prod.close()  # joins the peer thread: every notice queued with rank 0's is delivered
+        assert told(zero) == ["sender gave up: RuntimeError: the forward pass wrote no further layer in 0.5s"]
+        assert told(one) and all(r.startswith("sender gave up: piece 0 refused: ") for r in told(one)), told(one)
+    finally:
+        for eng in (prod, *dec):
+            eng.close()
