@@ -1114,10 +1114,12 @@ def test_a_layer_wise_send_failing_after_one_rank_refused_tells_only_the_ranks_s
 
 
 def test_the_peer_sender_thread_is_named_after_its_decode(engines):
-    """The thread sending to one decode is named after it (what a thread dump or py-spy shows)."""
+    """The thread sending to one decode is named after it (what a thread dump or py-spy shows),
+    and is a daemon: a send stuck on a dead decode never keeps the process from exiting."""
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
     prod.save(save_spec(prod, rank0(cons)))
     poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
     (peer,) = prod.producer._peers.values()
     assert peer._thread is not None and peer._thread.name == f"xpyd-kv-send:{rank0(cons)}", peer._thread
+    assert peer._thread.daemon
