@@ -1027,7 +1027,7 @@ def test_a_layer_wise_send_waits_for_the_forward_pass_and_its_deadline_counts_fr
     phases = dict(p.split(":") for p in re.search(r"phases_ms=(\S+)", sent).group(1).split(","))
     assert "forward" in phases and float(phases["forward"]) > 0, sent
     puts = [t for op, _, h, t in spy.calls if op == "put"]
-    assert len(puts) == 2 and puts[1] >= 0.3, spy.calls
+    assert len(puts) == 2 and puts[1] > 0.1, spy.calls  # ~0.6 s left; from the first layer on: the 0.05 s floor
 
 
 def test_a_layer_wise_send_whose_forward_pass_stops_writing_fails_and_tells_the_decode(engines, monkeypatch):
