@@ -151,5 +151,6 @@ def test_a_sends_log_line_counts_from_the_forward_end_including_its_wait_in_the_
     assert phases["first"]["contact"] >= 400 and phases["first"]["queue"] < 100, sent["first"]
     # The second waited in the queue while the first made contact; its total includes that.
     assert phases["second"]["queue"] >= 300 and phases["second"]["contact"] < 50, sent["second"]
-    # (each figure is rounded to 0.1 ms in the line)
-    assert total["second"] >= phases["second"]["queue"] + phases["second"]["put"] - 0.1, sent["second"]
+    # (each figure is rounded to 0.1 ms in the line, and the total and the phases come from
+    # separate clock reads: a loaded box put them 0.6 ms apart once; 1 ms of slack)
+    assert total["second"] >= phases["second"]["queue"] + phases["second"]["put"] - 1.0, sent["second"]
