@@ -66,13 +66,7 @@ async def test_rescue_without_a_free_d_before_the_deadline_relays_the_failure(ca
     async with running_proxy(first_token="decode", decode_retries=0, decode_max_in_flight=1,
                              decode_ttfb_timeout=1.0) as px:  # fmt: skip
         await px.fake("P")
-        d1, d2 = await px.fake("D"), await px.fake("D")
-        d1.fault = d2.fault = Fault(stall_after=1)  # another client's stream: one token, then a pause
-        loop = asyncio.get_running_loop()
-        blocker = loop.create_task(px.client.post("/v1/completions", json=STREAM))
-        busy = await wait_until(lambda: (d1.completions() and d1) or (d2.completions() and d2), what="D busy")
-        free = d2 if busy is d1 else d1
-        free.fault = KV_LOAD_FAILED
+        blocker, busy, free = await _one_d_held_one_failing(px)
         try:
             with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
                 t0 = time.monotonic()
@@ -155,13 +149,7 @@ async def test_a_continuation_without_a_free_d_before_the_deadline_ends_with_the
     failure when that deadline ends."""
     async with running_proxy(decode_max_in_flight=1, decode_ttfb_timeout=1.0) as px:
         await px.fake("P")
-        d1, d2 = await px.fake("D"), await px.fake("D")
-        d1.fault = d2.fault = Fault(stall_after=1)  # another client's stream: one token, then a pause
-        loop = asyncio.get_running_loop()
-        blocker = loop.create_task(px.client.post("/v1/completions", json=STREAM))
-        busy = await wait_until(lambda: (d1.completions() and d1) or (d2.completions() and d2), what="D busy")
-        free = d2 if busy is d1 else d1
-        free.fault = KV_LOAD_FAILED
+        blocker, busy, free = await _one_d_held_one_failing(px)
         try:
             with caplog.at_level(logging.WARNING, logger="xpyd.proxy.dispatch"):
                 t0 = time.monotonic()
@@ -479,3 +467,15 @@ async def test_ds_logprobs_text_offsets_go_on_after_ps_token():
     got = _sse_events(await _first_token_through_raw_d(parts, p_answer, logprobs=1))
     assert [e["choices"][0]["logprobs"]["text_offset"] for e in got[:-1]] == [[0], [3]]
     assert _texts(got) == " t0 t1"
+
+
+async def _one_d_held_one_failing(px):
+    """Two D: another client's stream holds one (one token, then a pause); the other fails its
+    KV load. The holding request's task (cancel it), the held D and the failing one."""
+    d1, d2 = await px.fake("D"), await px.fake("D")
+    d1.fault = d2.fault = Fault(stall_after=1)
+    blocker = asyncio.get_running_loop().create_task(px.client.post("/v1/completions", json=STREAM))
+    busy = await wait_until(lambda: (d1.completions() and d1) or (d2.completions() and d2), what="D busy")
+    free = d2 if busy is d1 else d1
+    free.fault = KV_LOAD_FAILED
+    return blocker, busy, free
