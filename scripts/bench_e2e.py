@@ -994,12 +994,18 @@ def _medians(runs: list[dict]) -> dict:
     return out
 
 
+def child_command(argv: list[str]) -> list[str]:
+    """One run of --runs: this module by name from the repository root (run as a file, its
+    directory, not the root, would head sys.path and ``tests.support`` would not import)."""
+    return [sys.executable, "-m", "scripts.bench_e2e", *_without(argv, ("--runs", "--json", "--log-dir"))]
+
+
 def run_many(args, argv: list[str]) -> int:
     """--runs N: this benchmark N times, each on freshly started servers, then each ratio's
     median and range over the runs. Two vLLM servers started alike can differ by several
     per cent for as long as they live (measured: 0.91-1.01x between twins on one core, one
     request each in turn), so one run's ratio carries its instances' luck."""
-    child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, ("--runs", "--json", "--log-dir"))]
+    child = child_command(argv)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -1010,8 +1016,8 @@ def run_many(args, argv: list[str]) -> int:
         for i in range(args.runs):
             out = Path(tmp) / f"run{i}.json"
             print(f"=== run {i + 1} of {args.runs} (fresh servers)", flush=True)
-            logs = ["--log-dir", str(Path(args.log_dir) / f"run{i + 1}")] if args.log_dir else []
-            proc = subprocess.Popen([*child, "--json", str(out), *logs])
+            logs = ["--log-dir", str(Path(args.log_dir).resolve() / f"run{i + 1}")] if args.log_dir else []
+            proc = subprocess.Popen([*child, "--json", str(out), *logs], cwd=ROOT)
             try:
                 rc = proc.wait()
             except KeyboardInterrupt:  # Ctrl-C reached the child too; SIGTERM (below) did not
