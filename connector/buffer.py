@@ -93,6 +93,9 @@ class _Reservation:
     # A bound, not the size (GET: D reserves for the whole prompt before it learns how many
     # blocks P skipped); a sender's own reservation (PUT) is exact.
     at_most: bool = False
+    # What a load waiting for this payload is told when the reservation lapses: a reader that
+    # pulls (GET) knows better than "never came" who went silent.
+    expired_reason: str = "reserved, but the payload never came"
 
 
 class KVBuffer:
@@ -181,12 +184,16 @@ class KVBuffer:
                                    f"for newer transfers: raise kv_buffer_size")
             logger.warning("kv buffer=%s evicted transfer=%s bytes=%d (LRU)", self._name, key, p.nbytes)
 
-    def reserve(self, key: str, nbytes: int, at_most: bool = False) -> str | None:
-        """Promise room for a payload of nbytes (of at most nbytes); None, or why not."""
+    def reserve(self, key: str, nbytes: int, at_most: bool = False, expired_reason: str | None = None) -> str | None:
+        """Promise room for a payload of nbytes (of at most nbytes); None, or why not.
+        ``expired_reason``: the failure recorded if the promise lapses (default: "never came")."""
         with self._lock:
             refused = self._refuse_locked(key, nbytes)
             if refused is None:
-                self._reserved[key] = _Reservation(nbytes, time.monotonic() + self._reservation_ttl, at_most)
+                res = _Reservation(nbytes, time.monotonic() + self._reservation_ttl, at_most)
+                if expired_reason is not None:
+                    res.expired_reason = expired_reason
+                self._reserved[key] = res
                 self._reserved_bytes += nbytes
             return refused
 
@@ -285,9 +292,9 @@ class KVBuffer:
                     self._used -= p.nbytes
                     p.drop()
                     dropped.append((key, f"dropped after the {self._ttl:g}s TTL"))
-            for key in [k for k, res in self._reserved.items() if res.expires < now]:
+            for key, res in [(k, r) for k, r in self._reserved.items() if r.expires < now]:
                 self._unreserve_locked(key)
-                dropped.append((key, "reserved, but the payload never came"))
+                dropped.append((key, res.expired_reason))
             for key, reason in dropped:
                 self._failures[key] = (reason, now + self._ttl)
             if dropped:

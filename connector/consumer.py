@@ -115,7 +115,9 @@ class Consumer:
         key = spec.transfer_key
         peer = rank_address(spec.prefill_addr, self._rank)
         # At most: P may have skipped leading blocks this instance holds.
-        refused = self._recv.reserve(key, spec.prompt_blocks * self._block_bytes, at_most=True)
+        # P silent past the reservation (send_timeout_s + 1 s) fails the load then, by this name.
+        lapsed = f"prefill {peer} sent no payload in time (GET: silent, or not ready)"
+        refused = self._recv.reserve(key, spec.prompt_blocks * self._block_bytes, at_most=True, expired_reason=lapsed)
         if refused:
             logger.warning("kv get not started transfer=%s reason=%s", key, refused)
             return

@@ -667,6 +667,26 @@ def test_a_get_whose_prefill_never_answers_gives_up_at_the_load_deadline(engines
         p.close()
 
 
+def test_a_get_whose_prefill_stays_silent_past_the_reservation_names_the_prefill(engines):
+    """P takes the GET and never answers, the calls waiting send_timeout_s each: D's
+    reservation (send_timeout_s + 1 s) lapses before the third try ends, and the load fails
+    then, saying which prefill went silent (not that a payload "never came")."""
+    p = _StandInPrefill(get_hangs=True)
+    cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=30.0, send_timeout_s=1.5)
+    try:
+        with connector_log("consumer") as lines:
+            t0 = time.monotonic()
+            plan_load(cons, _get_load(p))
+            res, t_done = poll_until(cons, lambda r: "D-req" in r.finished_recving, timeout=15.0)
+        assert res.failed_recving == {"D-req"}
+        assert 2.5 - 0.05 <= t_done - t0 < 3 * 1.5 + 0.4, t_done - t0  # the lapse, before the tries end
+        why = f"prefill {p.address} sent no payload in time (GET: silent, or not ready)"
+        failed = [x for x in lines.lines if x.startswith(f"kv load failed req=D-req transfer={KEY} ")]
+        assert len(failed) == 1 and failed[0].endswith(f" error={why}"), lines.lines
+    finally:
+        p.close()
+
+
 def test_a_release_p_does_not_answer_holds_a_fetch_thread_one_second(engines):
     """D tells P it holds the payload and does not wait long for the answer (P's TTL frees
     the copy anyway): with every one of the GET_POOL_SIZE fetch threads waiting on a release,
