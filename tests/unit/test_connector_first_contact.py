@@ -8,7 +8,6 @@ import re
 import time
 
 from connector.metadata import P2pConnectorMetadata
-from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
     SRC_IDS,
@@ -21,30 +20,7 @@ from tests.support.kv_engines import (
     snapshot,
     wait_for,
 )
-
-
-class SlowHello:
-    """Stands in front of a decode engine's KV port: answers like it, but each hello only
-    after ``delay_s`` (a peer slow to answer its first call); counts the hellos."""
-
-    def __init__(self, target: str, delay_s: float) -> None:
-        self.target = target
-        self.delay_s = delay_s
-        self.hellos = 0
-        self._client = TcpTransport()
-        self._server = TcpTransport()
-        self._server.start("127.0.0.1", 0, self._handle)
-        self.address = f"127.0.0.1:{self._server.bound_port}"
-
-    def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
-        if header.get("op") == "hello":
-            self.hellos += 1
-            time.sleep(self.delay_s)
-        return self._client.call(self.target, header, tensors, timeout_s=10)
-
-    def close(self) -> None:
-        self._server.close()
-        self._client.close()
+from tests.support.kv_fronts import SlowHello
 
 
 def test_scheduler_announces_peers_of_new_requests_once_per_step():

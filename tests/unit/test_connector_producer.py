@@ -13,7 +13,6 @@ import pytest
 
 from connector.producer import LayerProgress
 from connector.transport.base import Deferred
-from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
     KEY,
@@ -26,40 +25,33 @@ from tests.support.kv_engines import (
     tp_instance,
     wait_for,
 )
+from tests.support.kv_fronts import ForwardingPeer, SlowHello
 from tests.support.layerwise import LAYERS
 from tests.support.ports import free_port
 
 SECRET = "a test kv secret"
 
 
-class SlowPut:
-    """Stands in front of a decode engine's KV port (the other side of the boundary): forwards
-    every call to it, but answers each put only ``delay_s`` after it came; records the keys."""
+class SlowPut(ForwardingPeer):
+    """In front of a decode engine's KV port: answers each put only ``delay_s`` after it came;
+    records the keys."""
 
     def __init__(self, target: str, delay_s: float) -> None:
-        self.target = target
         self.delay_s = delay_s
         self.put_started = threading.Event()
         self.put_answered = threading.Event()
         self.keys: list[str] = []
-        self._client = TcpTransport()
-        self._server = TcpTransport()
-        self._server.start("127.0.0.1", 0, self._handle)
-        self.address = f"127.0.0.1:{self._server.bound_port}"
+        super().__init__(target)
 
     def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
         if header.get("op") == "put":
             self.keys.append(header.get("key"))
             self.put_started.set()
             time.sleep(self.delay_s)
-        reply = self._client.call(self.target, header, tensors, timeout_s=10)
+        reply = self.forward(header, tensors)
         if header.get("op") == "put":
             self.put_answered.set()
         return reply
-
-    def close(self) -> None:
-        self._server.close()
-        self._client.close()
 
 
 def test_layer_progress_hands_out_each_layers_event():
@@ -561,30 +553,21 @@ def test_a_request_send_that_fails_at_one_decode_rank_tells_only_that_rank(engin
             eng.close()
 
 
-class SlowFirstAbort:
-    """Stands in front of a decode engine's KV port: forwards every call, but answers the
-    first abort notice only ``delay_s`` after it came (its one server thread is busy meanwhile);
-    records each abort's keys."""
+class SlowFirstAbort(ForwardingPeer):
+    """In front of a decode engine's KV port: answers the first abort notice only ``delay_s``
+    after it came (its one server thread is busy meanwhile); records each abort's keys."""
 
     def __init__(self, target: str, delay_s: float) -> None:
-        self.target = target
         self.delay_s = delay_s
         self.aborts: list[dict] = []
-        self._client = TcpTransport()
-        self._server = TcpTransport()
-        self._server.start("127.0.0.1", 0, self._handle)
-        self.address = f"127.0.0.1:{self._server.bound_port}"
+        super().__init__(target)
 
     def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
         if header.get("op") == "abort":
             self.aborts.append(header.get("keys"))
             if len(self.aborts) == 1:
                 time.sleep(self.delay_s)
-        return self._client.call(self.target, header, tensors, timeout_s=10)
-
-    def close(self) -> None:
-        self._server.close()
-        self._client.close()
+        return self.forward(header, tensors)
 
 
 def test_an_abort_notice_the_decode_does_not_answer_in_2s_is_kept_and_sent_again(engines):
@@ -676,23 +659,19 @@ def test_undelivered_abort_notices_are_capped_per_decode(engines, monkeypatch):
     assert [cons.recv_buffer.failure(k) is not None for k in keys] == [True, True, False, False]
 
 
-class ProbeFront:
-    """Stands in front of a decode engine's KV port, forwarding every call, except: the first
-    put is never answered (P's send times out, D is marked dead), the first ping (P's probe)
-    is held until ``go`` (0.7 s at most), and the second put is answered 0.8 s late."""
+class ProbeFront(ForwardingPeer):
+    """In front of a decode engine's KV port: the first put is never answered (P's send times
+    out, D is marked dead), the first ping (P's probe) is held until ``go`` (0.7 s at most),
+    and the second put is answered 0.8 s late."""
 
     def __init__(self, target: str) -> None:
-        self.target = target
         self.puts = 0
         self.pings = 0
         self.ping_seen = threading.Event()
         self.go = threading.Event()
         self.put2_started = threading.Event()
         self.put2_answered = threading.Event()
-        self._client = TcpTransport()
-        self._server = TcpTransport()
-        self._server.start("127.0.0.1", 0, self._handle)
-        self.address = f"127.0.0.1:{self._server.bound_port}"
+        super().__init__(target)
 
     def _handle(self, header: dict, tensors: list):
         op = header.get("op")
@@ -707,14 +686,10 @@ class ProbeFront:
             if self.pings == 1:
                 self.ping_seen.set()
                 self.go.wait(0.7)
-        reply = self._client.call(self.target, header, tensors, timeout_s=10)
+        reply = self.forward(header, tensors)
         if op == "put":
             self.put2_answered.set()
         return reply
-
-    def close(self) -> None:
-        self._server.close()
-        self._client.close()
 
 
 def test_a_send_queued_while_its_decode_was_dead_goes_once_a_probe_gets_through(engines):
@@ -812,15 +787,6 @@ def test_a_prompt_send_is_logged_at_info(engines, caplog):
     ms = float(re.search(r" ms=(\d+\.\d) ", sent.getMessage()).group(1))
     assert sent.levelno == (logging.INFO if ms <= 1000 else logging.WARNING), sent.getMessage()
     assert sent.getMessage().startswith("kv sent req=P-req " if ms <= 1000 else "kv sent slowly req=P-req ")
-
-
-class SlowHello(SlowPut):
-    """As SlowPut, but the hello (first contact) is the call answered ``delay_s`` late."""
-
-    def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
-        if header.get("op") == "hello":
-            time.sleep(self.delay_s)
-        return self._client.call(self.target, header, tensors, timeout_s=10)
 
 
 def test_first_contact_logs_how_long_it_took_and_why_the_decode_cannot_take_our_kv(engines):

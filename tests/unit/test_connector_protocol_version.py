@@ -22,35 +22,28 @@ from tests.support.kv_engines import (
     snapshot,
     wait_for,
 )
+from tests.support.kv_fronts import ForwardingPeer
 from xpyd_wire.kv_transfer import KV_PROTOCOL_VERSION, VERSION_KEY, Hello, Op, version_mismatch
 
 Rewrite = Callable[[dict], dict]
 
 
-class Relay:
-    """Stands in front of an engine's KV port and forwards every call; ``on_request`` /
-    ``on_reply`` rewrite the hello on its way (a peer of another version); counts the ops."""
+class Relay(ForwardingPeer):
+    """In front of an engine's KV port: ``on_request`` / ``on_reply`` rewrite the hello on its
+    way (a peer of another version); counts the ops."""
 
     def __init__(self, target: str, on_request: Rewrite = dict, on_reply: Rewrite = dict) -> None:
-        self.target = target
         self.on_request, self.on_reply = on_request, on_reply
         self.ops: list[str] = []
-        self._client = TcpTransport()
-        self._server = TcpTransport()
-        self._server.start("127.0.0.1", 0, self._handle)
-        self.address = f"127.0.0.1:{self._server.bound_port}"
+        super().__init__(target)
 
     def _handle(self, header: dict, tensors: list) -> tuple[dict, list]:
         op = header.get("op")
         self.ops.append(op)
         if op != Op.HELLO:
-            return self._client.call(self.target, header, tensors, timeout_s=10)
-        reply, out = self._client.call(self.target, self.on_request(dict(header)), tensors, timeout_s=10)
+            return self.forward(header, tensors)
+        reply, out = self.forward(self.on_request(dict(header)), tensors)
         return self.on_reply(dict(reply)), out
-
-    def close(self) -> None:
-        self._server.close()
-        self._client.close()
 
 
 def _with_version(version: object) -> Rewrite:
