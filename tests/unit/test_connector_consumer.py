@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +52,25 @@ LAYER0 = "model.layers.0.self_attn.attn"
 
 def _sync_spec(prod, req_id="D-req"):
     return dataclasses.replace(load_spec(rank0(prod), DST, 2, req_id=req_id), sync=True)
+
+
+def _consumer(send_type: str, transport: TcpTransport, caches: dict, *, layout: kvlayout.BlockLayout | None = None,
+              recv: KVBuffer | None = None, cpus: CpuPlan | None = None, stager: RecvStager | None = None,
+              check: Callable[[dict], str | None] | None = None, local: TpSide | None = None, **cfg_over) -> Consumer:
+    """A Consumer on its own, rank 0, made as the engine would: make_cfg(..., **cfg_over), the
+    caches' own layout and a fresh 100 MB receive buffer unless given."""
+    return Consumer(
+        make_cfg("kv_consumer", send_type, 1, **cfg_over),
+        0,
+        transport,
+        caches,
+        kvlayout.detect(None, caches) if layout is None else layout,
+        KVBuffer("recv", 10**8, 60.0) if recv is None else recv,
+        cpus,
+        stager=stager,
+        check=check,
+        local=local,
+    )
 
 
 def test_a_synchronous_load_says_so_in_its_log_and_returns_true(engines):
@@ -581,17 +601,7 @@ def test_a_consumer_that_cannot_check_or_place_pieces_refuses_them(what):
     recv = KVBuffer("recv", 10**8, 60.0)
     transport = TcpTransport()  # PUT_ASYNC: never called
     check, local = (None, TpSide(1, SHAPE[1])) if what == "check" else (lambda h: None, None)
-    cons = Consumer(
-        make_cfg("kv_consumer", "PUT_ASYNC", 1),
-        0,
-        transport,
-        caches,
-        eng.block_layout,
-        recv,
-        None,
-        check=check,
-        local=local,
-    )
+    cons = _consumer("PUT_ASYNC", transport, caches, recv=recv, check=check, local=local)
     try:
         for i in range(2):
             assert recv.put(f"{KEY}/{i}", Payload.of(_piece(eng, i), [_head(2, i)] * 2)) is None
@@ -718,16 +728,7 @@ def test_a_get_payload_the_stager_has_no_room_for_fails_the_load(engines):
     caches = make_caches(2)
     transport = TcpTransport()
     stager = RecvStager(0, 0, on_device=lambda t: True)
-    consumer = Consumer(
-        make_cfg("kv_consumer", "GET", 1),
-        0,
-        transport,
-        caches,
-        cons.block_layout,
-        KVBuffer("recv", 10**8, 60.0),
-        None,
-        stager=stager,
-    )
+    consumer = _consumer("GET", transport, caches, layout=cons.block_layout, stager=stager)
     try:
         with connector_log("consumer") as lines:
             consumer.add_load(_get_load(p))
@@ -905,15 +906,7 @@ def test_a_consumer_over_no_caches_is_made_and_closed():
     cache device falls back to the CPU) and closes."""
     caches = make_caches(2)
     transport = TcpTransport()
-    cons = Consumer(
-        make_cfg("kv_consumer", "GET", 1),
-        0,
-        transport,
-        {},
-        kvlayout.detect(None, caches),
-        KVBuffer("recv", 10**8, 60.0),
-        None,
-    )
+    cons = _consumer("GET", transport, {}, layout=kvlayout.detect(None, caches))
     try:
         assert cons.pending == 0 and cons.take_invalid_blocks() == set()
     finally:
@@ -991,15 +984,7 @@ def test_closing_a_consumer_waits_for_no_fetch_and_starts_none(engines):
     transport = TcpTransport()
     recv = KVBuffer("recv", 10**8, 60.0)
     before = set(threading.enumerate())
-    cons = Consumer(
-        make_cfg("kv_consumer", "GET", 1, kv_load_timeout_s=2.0, send_timeout_s=30.0),
-        0,
-        transport,
-        caches,
-        kvlayout.detect(None, caches),
-        recv,
-        None,
-    )
+    cons = _consumer("GET", transport, caches, recv=recv, kv_load_timeout_s=2.0, send_timeout_s=30.0)
     keys = [f"{i:032x}" for i in range(GET_POOL_SIZE + 1)]
     try:
         for i, key in enumerate(keys):
@@ -1032,15 +1017,7 @@ def test_get_fetch_threads_are_named_pinned_and_bounded(engines):
     caches = make_caches(2)
     transport = TcpTransport()
     before = set(threading.enumerate())
-    cons = Consumer(
-        make_cfg("kv_consumer", "GET", 1, kv_load_timeout_s=2.0, send_timeout_s=30.0),
-        0,
-        transport,
-        caches,
-        kvlayout.detect(None, caches),
-        KVBuffer("recv", 10**8, 60.0),
-        plan,
-    )
+    cons = _consumer("GET", transport, caches, cpus=plan, kv_load_timeout_s=2.0, send_timeout_s=30.0)
     try:
         for i in range(GET_POOL_SIZE + 1):
             cons.add_load(LoadSpec(f"D{i}", f"{i:032x}", p.address, (2 * i,), 0, TOK - 1, TOK, 1))
