@@ -396,7 +396,8 @@ class DecodeProbe:
         return (await self._histograms(client), self.log_path.stat().st_size,
                 [p.stat().st_size for p in self.prefill_logs])
 
-    async def after(self, client, mark: tuple[dict[str, tuple[float, float]], int, list[int]]) -> dict[str, float] | None:
+    async def after(self, client, mark: tuple[dict[str, tuple[float, float]], int, list[int]]
+                    ) -> dict[str, float] | None:
         """D's timings (ms) of the one request since `mark`; None if D did not count exactly one."""
         h0, offset, p_offset = mark
         for _ in range(20):  # the frontend records a request's stats right after its last output
@@ -755,8 +756,8 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
         if parts:
             outside = (f"{parts['outside_vllm']:.1f}" if not math.isnan(parts["outside_vllm"])
                        else "n/a (D had the request before P answered)")
-            lines.append(f"    D's share {parts['d_share']:.1f} ms split (D's /metrics + both connector logs, medians of "
-                         f"{parts['n']}): outside vLLM's clock (HTTP, parse, tokenise, relay) {outside}; "
+            lines.append(f"    D's share {parts['d_share']:.1f} ms split (D's /metrics + both connector logs, "
+                         f"medians of {parts['n']}): outside vLLM's clock (HTTP, parse, tokenise, relay) {outside}; "
                          f"frontend<->engine {parts['frontend_engine']:.1f}; engine queue "
                          f"{parts['engine_queue']:.1f} = the connector's KV wait {parts['kv_wait']:.1f} + engine "
                          f"steps around the load {parts['load_steps']:.1f}; D's 1-token step "
@@ -768,14 +769,15 @@ def report(args, res: dict, setups: list[Setup], p_ref: Setup, d_ref: Setup,
                   for k in (dis, ab))
         lines.append(f"  dispatch A/B (same P and D, alternating): TTFT median {args.dispatch_default} (default) "
                      f"{a * 1000:.1f} ms, {ab.removeprefix('disagg-')} {b * 1000:.1f} ms ({b / a:.2f}x); "
-                     f"D's share {da:.1f} -> {db:.1f} ms")
+                     f"D's share {da:.1f} -> {db:.1f} ms; gap from token 1 to 2 {first_gap_ms(tt[dis]):.1f} -> "
+                     f"{first_gap_ms(tt[ab]):.1f} ms")
     if FIRST_TOKEN_SETUP in tt:
         ft = first_token_ab(tt, colos[0], dis, args.first_token)
         lines.append(f"  first token A/B (same P and D, alternating): TTFT median decode "
                      f"{ft['decode']['ttft_ms']:.1f} ms ({ft['decode']['ttft_vs_colocated']:.2f}x {colos[0]}), "
                      f"prefill {ft['prefill']['ttft_ms']:.1f} ms ({ft['prefill']['ttft_vs_colocated']:.2f}x); "
-                     f"gap from token 1 to 2: {ft['decode']['first_gap_ms']:.1f} -> {ft['prefill']['first_gap_ms']:.1f} "
-                     f"ms ({ft['colocated_first_gap_ms']:.1f} colocated)")
+                     f"gap from token 1 to 2: {ft['decode']['first_gap_ms']:.1f} -> "
+                     f"{ft['prefill']['first_gap_ms']:.1f} ms ({ft['colocated_first_gap_ms']:.1f} colocated)")
     for k in gab:
         a, b = (statistics.median(r.ttft for r in tt[x]) for x in (dis, k))
         la, lb = (arrival_lag_ms(tt[x]) for x in (dis, k))
@@ -934,9 +936,10 @@ def summary(args, res: dict, colo: str, dis: str, p_alone: str) -> dict:
     ab = next((k for k in tt if k in (f"disagg-{m}" for m in DISPATCH_MODES)), None)
     if ab:
         out["dispatch_ab"] = {
-            args.dispatch_default: {"ttft_ms": out["ttft_1k_ms"]["disaggregated"], "d_share_ms": out["d_share_ms"]},
+            args.dispatch_default: {"ttft_ms": out["ttft_1k_ms"]["disaggregated"], "d_share_ms": out["d_share_ms"],
+                                    "first_gap_ms": first_gap_ms(tt[dis])},
             ab.removeprefix("disagg-"): {"ttft_ms": med(r.ttft for r in tt[ab]) * 1000,
-                                         "d_share_ms": d_share_ms(tt[ab]),
+                                         "d_share_ms": d_share_ms(tt[ab]), "first_gap_ms": first_gap_ms(tt[ab]),
                                          "d_share_parts_ms": d_share_parts(tt[ab])}}
     if FIRST_TOKEN_SETUP in tt:
         out["first_token_ab"] = first_token_ab(tt, colo, dis, args.first_token)
@@ -959,6 +962,17 @@ RUN_RATIOS = (
      ("ttft_short_ms", "colocated")),
     ("ITL p99 under long prompts, disaggregated / colocated", ("itl_p99_loaded_ms", "disaggregated"),
      ("itl_p99_loaded_ms", "colocated")),
+    *((f"TTFT, first token A/B: from {w} / colocated", ("first_token_ab", m, "ttft_ms"), ("ttft_1k_ms", "colocated"))
+      for w, m in (("P", "prefill"), ("D", "decode"))),
+    *((f"TTFT, dispatch A/B: {m} / colocated", ("dispatch_ab", m, "ttft_ms"), ("ttft_1k_ms", "colocated"))
+      for m in DISPATCH_MODES),
+)
+# The gap from token 1 to token 2 over colocated's, in ms (issue 39's goal: <= +2 ms), per setup.
+RUN_GAPS = (
+    ("shipped defaults", ("first_gap_ms", "disaggregated")),
+    ("first token A/B: from P", ("first_token_ab", "prefill", "first_gap_ms")),
+    ("first token A/B: from D", ("first_token_ab", "decode", "first_gap_ms")),
+    *((f"dispatch A/B: {m}", ("dispatch_ab", m, "first_gap_ms")) for m in DISPATCH_MODES),
 )
 
 
@@ -1040,6 +1054,12 @@ def run_many(args, argv: list[str]) -> int:
         ratios[label] = {"per_run": per_run, "median": statistics.median(per_run)}
         print(f"  {label}: median {statistics.median(per_run):.3f}x, range {min(per_run):.3f}-"
               f"{max(per_run):.3f}x ({', '.join(f'{x:.3f}' for x in per_run)})", flush=True)
+    for label, path in RUN_GAPS:
+        per_run = [a - b for r in runs for a, b in [(_at(r, path), _at(r, ("first_gap_ms", "colocated")))]
+                   if a is not None and b is not None]
+        if per_run:
+            print(f"  gap from token 1 to 2 over colocated's, {label}: median {statistics.median(per_run):+.1f} ms, "
+                  f"range {min(per_run):+.1f} to {max(per_run):+.1f} ms", flush=True)
     if args.json:
         data = {**_medians(runs), "ratios": ratios, "runs": runs}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
