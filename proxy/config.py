@@ -102,7 +102,8 @@ class ProxyConfig:
     # Redo a request on another D (with a new P/D pair) when D fails before its first byte.
     decode_retries: int = 1
     # sequential: D gets the request when P has answered; concurrent: as soon as P is
-    # chosen, while P has nothing else queued (else after P answered, as sequential).
+    # chosen, while P has nothing else queued (else after P answered, as sequential), and
+    # then D computes the first token even with first_token "prefill" (P's is for a busy P).
     # Sequential stays the default: concurrent saves ~10 ms on an idle pair, but D's KV
     # deadline then also covers P's delays the proxy cannot see (README: Concurrent dispatch).
     dispatch: str = "sequential"
@@ -287,8 +288,8 @@ HELP = MappingProxyType(
         "stream_idle_timeout": "max seconds between two chunks of D's stream",
         "prefill_retries": "extra attempts on another P after a connect error or timeout",
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
-        "dispatch": "sequential: D is asked after P answered; concurrent: D is asked with P "
-                    "unless P has other requests queued",
+        "dispatch": "sequential: D is asked after P answered; concurrent: while P has nothing queued, D is "
+                    "asked with P and computes the first token itself (else as sequential)",
         "first_token": "prefill: P's token goes to the client as soon as P answers and D continues from it "
                        "(streaming completions whose parameters allow it); decode: D computes the first token",
         "local_prefill_threshold": "prompts under this many estimated tokens (4 characters each) skip P (0: never)",

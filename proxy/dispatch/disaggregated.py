@@ -70,14 +70,18 @@ class Disaggregated:
         cfg = self.cfg
         req = call.req
         limits = d.output_limits
-        first_mode = self._first_token and first_token.eligible(req, limits, d.generation)
+        eligible = self._first_token and first_token.eligible(req, limits, d.generation)
         # P's one token is the whole answer: a plain request id, so P ships no KV that D would
         # never claim (it would hold D's receive buffer until buffer_ttl_s).
-        alone = first_mode and first_token.max_tokens(req.body, req.path == CHAT, limits) == 1
+        alone = eligible and first_token.max_tokens(req.body, req.path == CHAT, limits) == 1
+        # With concurrent dispatch an idle P's request goes out with D's, and D computes the
+        # first token itself (its request overlapping P's prefill beats P's token handed on);
+        # a busy P's gets P's token. Which one is known once P is chosen: both bodies are ready.
+        either = eligible and not alone and self._concurrent
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
-            pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if first_mode
-                                   else prefill_body(req.path, req.body, skip))
+            pre_first = orjson.dumps(first_token.prefill_request(req.path, req.body, skip)) if eligible else b""
+            pre_plain = orjson.dumps(prefill_body(req.path, req.body, skip)) if either or not eligible else b""
         except orjson.JSONEncodeError:
             # orjson reads nesting up to 1024 levels but writes only up to 254.
             raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None
@@ -92,6 +96,8 @@ class Disaggregated:
                  or await self.selector.acquire("P", req, slow))  # fmt: skip
             if p is None:
                 break
+            first_mode = eligible and not (either and _idle(p))
+            pre_raw = pre_first if first_mode else pre_plain
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
             headers = {**req.headers, "x-request-id": rid}
             t_start = time.perf_counter()
@@ -131,6 +137,8 @@ class Disaggregated:
                 # P's answer cannot start the client's (its token is part of a character, or the
                 # answer is not what vLLM writes): D answers the client's own request.
                 self.metrics.first_token_to_d("unusable" if first is None else "held_back")
+            elif eligible:
+                self.metrics.first_token_to_d("concurrent")
             try:
                 answer = await self.decode.first_bytes(
                     call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers

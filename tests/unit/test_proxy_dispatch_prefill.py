@@ -15,7 +15,7 @@ import pytest
 from tests.support.proxy_errors import assert_error
 from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from xpyd_wire.discovery import Load, OutputLimits
-from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -135,12 +135,13 @@ async def test_concurrent_dispatch_closes_ds_opened_answer_when_p_fails():
         await wait_until(lambda: dec.cancelled, timeout=2, what="D aborted")
 
 
-async def test_a_server_capping_the_answer_at_one_token_gets_it_from_p_alone():
+@pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
+async def test_a_server_capping_the_answer_at_one_token_gets_it_from_p_alone(dispatch):
     """D's vLLM caps every answer at one token (--override-generation-config
     max_new_tokens=1): the client's max_tokens 5 is one token, so P's answer is all of it,
-    under a plain request id (P ships no KV) and D is not asked."""
+    under a plain request id (P ships no KV) and D is not asked, even by concurrent dispatch."""
     limits = OutputLimits(override=1, context=8192)
-    async with running_proxy(first_token="prefill") as px:
+    async with running_proxy(first_token="prefill", dispatch=dispatch) as px:
         p, d = await px.pd(output_limits=limits)
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "prefill_alone"
@@ -162,17 +163,32 @@ async def test_a_retried_prefill_goes_to_a_p_not_tried_yet():
         assert len(idle.completions()) == 1 and len(busy.completions()) == 1
 
 
-async def test_concurrent_dispatch_asks_d_after_p_when_the_first_token_is_ps():
-    """With the first token from P, D's request is the continuation of P's token: it cannot
-    go out before P answered, whatever the dispatch mode."""
+async def test_concurrent_dispatch_gives_an_idle_ps_request_ds_first_token_and_a_busy_ps_ps():
+    """With the first token from P and concurrent dispatch: while P is idle, D is asked at
+    once with the client's own request and computes the first token (its request overlaps
+    P's prefill; counted as reason="concurrent"); while P has a queue, D's request is the
+    continuation of P's token, sent once P answered."""
     async with running_proxy(dispatch="concurrent", first_token="prefill") as px:
         p, d = await px.pd()
         p.fault = Fault(delay=0.3)
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        assert XPYD_FIRST_TOKEN not in resp.headers
+        (pre,), (dec,) = p.completions(), d.completions()
+        assert dec.received_at < pre.received_at + 0.25 and dec.request_id == pre.request_id
+        assert dec.json == STREAM and "return_token_ids" not in pre.json
+        assert await px.metric("xpyd_first_token_to_decode_total", reason="concurrent") == 1
+    async with running_proxy(dispatch="concurrent", first_token="prefill") as px:
+        p = await px.fake("P", load=Load(running=1, waiting=1))
+        d = await px.fake("D")
+        p.fault = Fault(delay=0.3)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         (pre,), (dec,) = p.completions(), d.completions()
         assert dec.received_at >= pre.received_at + 0.25
         assert dec.json["prompt"] != STREAM["prompt"]  # the prompt's ids and P's token
+        assert await px.metric("xpyd_first_token_to_decode_total", reason="concurrent") == 0
 
 
 @pytest.mark.parametrize("status", [404, 422])
