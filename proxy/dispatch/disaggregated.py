@@ -96,7 +96,9 @@ class Disaggregated:
                  or await self.selector.acquire("P", req, slow))  # fmt: skip
             if p is None:
                 break
-            first_mode = eligible and not (either and _idle(p))
+            # D is asked early only while P has nothing else to do (see _prefill_then_open).
+            idle = self._concurrent and _idle(p)
+            first_mode = eligible and not (either and idle)
             pre_raw = pre_first if first_mode else pre_plain
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
             headers = {**req.headers, "x-request-id": rid}
@@ -108,7 +110,7 @@ class Disaggregated:
                 self.metrics.prefill_retries.inc()
             try:
                 opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req,
-                                                                    concurrent_ok=not first_mode)
+                                                                    early=idle and not first_mode)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
                 kind = e.kind if isinstance(e, UpstreamError) else "timeout"
@@ -151,19 +153,19 @@ class Disaggregated:
         raise PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 
     async def _prefill_then_open(self, loop: asyncio.AbstractEventLoop, p: Instance, d: Instance, pre_raw: bytes,
-                                 headers: dict[str, str], req: RouteRequest, concurrent_ok: bool = True
+                                 headers: dict[str, str], req: RouteRequest, early: bool
                                  ) -> tuple[asyncio.Task[Answer] | None, bytes]:  # fmt: skip
-        """Run P's prefill and return its answer; with concurrent dispatch, D's request goes
-        out at the same time (D parses, tokenizes and schedules while P prefills; its
-        connector waits for the KV under its own deadline) and the still-running D task is
-        returned with it.
+        """Run P's prefill and return its answer; ``early`` (concurrent dispatch, P idle, D to
+        compute the first token), D's request goes out at the same time (D parses, tokenizes
+        and schedules while P prefills; its connector waits for the KV under its own deadline)
+        and the still-running D task is returned with it.
 
         P's failure aborts D's request at once; D's failure before P is done aborts P's.
         D is asked early only while P has nothing else to do: behind a queue on P, D would
         hold the prompt's KV blocks and its load deadline (kv_load_timeout_s) would run
         for the whole wait, for a saving of a few ms."""
         try:
-            if not (self._concurrent and concurrent_ok and _idle(p)):
+            if not early:
                 return None, await self._prefill(loop, p, req.path, pre_raw, headers)
             opening = loop.create_task(self.decode.open(req, d, headers))
             prefill = loop.create_task(self._prefill(loop, p, req.path, pre_raw, headers))
