@@ -86,6 +86,9 @@ class Payload:
         return cls(header, tensors, tensor_bytes(tensors))
 
 
+NEVER_CAME = "reserved, but the payload never came"
+
+
 @dataclass(slots=True)
 class _Reservation:
     nbytes: int
@@ -95,7 +98,7 @@ class _Reservation:
     at_most: bool = False
     # What a load waiting for this payload is told when the reservation lapses: a reader that
     # pulls (GET) knows better than "never came" who went silent.
-    expired_reason: str = "reserved, but the payload never came"
+    expired_reason: str = NEVER_CAME
 
 
 class KVBuffer:
@@ -184,16 +187,14 @@ class KVBuffer:
                                    f"for newer transfers: raise kv_buffer_size")
             logger.warning("kv buffer=%s evicted transfer=%s bytes=%d (LRU)", self._name, key, p.nbytes)
 
-    def reserve(self, key: str, nbytes: int, at_most: bool = False, expired_reason: str | None = None) -> str | None:
+    def reserve(self, key: str, nbytes: int, at_most: bool = False, expired_reason: str = NEVER_CAME) -> str | None:
         """Promise room for a payload of nbytes (of at most nbytes); None, or why not.
-        ``expired_reason``: the failure recorded if the promise lapses (default: "never came")."""
+        ``expired_reason``: the failure recorded if the promise lapses."""
         with self._lock:
             refused = self._refuse_locked(key, nbytes)
             if refused is None:
-                res = _Reservation(nbytes, time.monotonic() + self._reservation_ttl, at_most)
-                if expired_reason is not None:
-                    res.expired_reason = expired_reason
-                self._reserved[key] = res
+                self._reserved[key] = _Reservation(nbytes, time.monotonic() + self._reservation_ttl, at_most,
+                                                   expired_reason)
                 self._reserved_bytes += nbytes
             return refused
 
