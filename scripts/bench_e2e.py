@@ -371,6 +371,18 @@ DECODE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:
                      "prefill": "vllm:request_prefill_time_seconds"}
 
 
+def histogram_sums(metrics: str, names: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each histogram in a Prometheus text page, over all its label sets;
+    ``names``: key -> metric name."""
+    out = {k: [0.0, 0.0] for k in names}
+    for line in metrics.splitlines():
+        for key, name in names.items():
+            for i, suffix in enumerate(("_sum", "_count")):
+                if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
+                    out[key][i] += float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 class DecodeProbe:
     """Where D's share of one disaggregated request goes, from D's own /metrics (sum and
     count of each histogram before and after the request: one request in flight at a time),
@@ -383,14 +395,7 @@ class DecodeProbe:
         self.prefill_logs = prefill_logs  # every P behind the probed setups: one of them sends
 
     async def _histograms(self, client) -> dict[str, tuple[float, float]]:
-        text = (await client.get(self.url + "/metrics", timeout=10)).text
-        out = {k: [0.0, 0.0] for k in DECODE_HISTOGRAMS}
-        for line in text.splitlines():
-            for key, name in DECODE_HISTOGRAMS.items():
-                for i, suffix in enumerate(("_sum", "_count")):
-                    if line.startswith(name + suffix + "{") or line.startswith(name + suffix + " "):
-                        out[key][i] += float(line.rsplit(" ", 1)[1])
-        return {k: (v[0], v[1]) for k, v in out.items()}
+        return histogram_sums((await client.get(self.url + "/metrics", timeout=10)).text, DECODE_HISTOGRAMS)
 
     async def before(self, client) -> tuple[dict[str, tuple[float, float]], int, list[int]]:
         return (await self._histograms(client), self.log_path.stat().st_size,
@@ -969,7 +974,7 @@ RUN_RATIOS = (
 )
 # The gap from token 1 to token 2 over colocated's, in ms (issue 39's goal: <= +2 ms), per setup.
 RUN_GAPS = (
-    ("shipped defaults", ("first_gap_ms", "disaggregated")),
+    ("this run's proxy (its --first-token)", ("first_gap_ms", "disaggregated")),
     ("first token A/B: from P", ("first_token_ab", "prefill", "first_gap_ms")),
     ("first token A/B: from D", ("first_token_ab", "decode", "first_gap_ms")),
     *((f"dispatch A/B: {m}", ("dispatch_ab", m, "first_gap_ms")) for m in DISPATCH_MODES),

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.bench_e2e import ensure_model
+from scripts.bench_e2e import ensure_model, histogram_sums
 from tests.support import cluster
 
 HISTOGRAMS = {"prefill": "vllm:request_prefill_time_seconds", "decode": "vllm:request_decode_time_seconds",
@@ -39,12 +39,8 @@ BLOCK = 128  # vLLM's CPU block size: a prompt of whole blocks is cached whole
 
 def histograms(client: httpx.Client, url: str) -> dict[str, float]:
     """Each histogram's sum (s) on the server now."""
-    out = dict.fromkeys(HISTOGRAMS, 0.0)
-    for line in client.get(url + "/metrics", timeout=10).text.splitlines():
-        for key, name in HISTOGRAMS.items():
-            if line.startswith(name + "_sum"):
-                out[key] += float(line.rsplit(" ", 1)[1])
-    return out
+    return {k: total for k, (total, _) in histogram_sums(client.get(url + "/metrics", timeout=10).text,
+                                                           HISTOGRAMS).items()}
 
 
 def one_sample(client: httpx.Client, url: str, prompt: list[int], extra: int) -> dict[str, float]:
