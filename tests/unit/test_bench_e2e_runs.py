@@ -1,15 +1,12 @@
-"""scripts/bench_e2e.py --runs starts each run as a child process: that child must start
-from wherever the benchmark was started (it imports tests.support from the repository)."""
+"""scripts/bench_e2e.py --runs starts each run as a child process, from the repository root:
+that child must import the harness (tests.support), as a file run it could not."""
 
 import subprocess
-from pathlib import Path
 
-from scripts.bench_e2e import child_command
-
-ROOT = Path(__file__).resolve().parents[2]
+from scripts.bench_e2e import ROOT, child_command
 
 
-def test_a_run_of_runs_starts_from_any_directory(tmp_path):
+def test_a_run_of_runs_starts_and_imports_the_harness():
     cmd = child_command(["--quick", "--runs", "3", "--json", "x.json", "--log-dir", "logs", "--ttft-tokens", "4000"])
     assert "--runs" not in cmd and "--json" not in cmd and "--log-dir" not in cmd
     assert cmd[-2:] == ["--ttft-tokens", "4000"]
