@@ -73,6 +73,12 @@ def _skip_tokens(request: "Request") -> int:
     return value if type(value) is int and value > 0 else 0
 
 
+def _transfer(request: "Request") -> request_id.TransferId | None:
+    """The transfer this request is part of (its engine id, or the id the proxy carried in
+    kv_transfer_params where the engine id is the client's: the Responses API); None: plain."""
+    return request_id.transfer_of(request.request_id, request.kv_transfer_params)
+
+
 def _asked_for_key(request: "Request") -> bool:
     return _flag((request.kv_transfer_params or {}).get(REPORT_KEY_PARAM, False))
 
@@ -227,7 +233,7 @@ class P2pScheduler:
     def on_new_request(self, request: "Request") -> None:
         rid = request.request_id
         self._live.add(rid)
-        tid = request_id.parse(rid)
+        tid = _transfer(request)
         if tid is None:
             return
         if self._produces(tid) and tid.key not in self._key_owner:
@@ -243,7 +249,7 @@ class P2pScheduler:
         rid = request.request_id
         if rid in self._loaded:
             return 0, False  # loaded (or failed) once already: recompute locally
-        tid = request_id.parse(rid)
+        tid = _transfer(request)
         if tid is None or not self._consumes(tid):
             return 0, False
         if rid not in self._unplanned.get(tid.key, ()):
@@ -267,7 +273,7 @@ class P2pScheduler:
         return n, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        tid = request_id.parse(request.request_id)
+        tid = _transfer(request)
         if tid is None:
             return
         sync = request.request_id in self._sync
@@ -341,8 +347,8 @@ class P2pScheduler:
         for rid in out:
             spec = self._saving.pop(rid)
             if spec.delay_free:
-                tid = request_id.parse(rid)
-                assert tid is not None
+                uuid, _, index = spec.transfer_key.rpartition("-")
+                tid = request_id.TransferId(uuid, int(index), spec.prefill_addr, spec.decode_addr)
                 self._outgoing[rid] = _Outgoing(tid, spec.num_tokens, spec.first_block * self._block_size)
                 logger.info("kv send re-planned after preemption req=%s transfer=%s", rid, spec.transfer_key)
         return out
@@ -391,7 +397,7 @@ class P2pScheduler:
         self._probe_ms.pop(rid, None)
         self._covered.pop(rid, None)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
-        tid = request_id.parse(rid)
+        tid = _transfer(request)
         if tid is not None:
             if self._key_owner.get(tid.key) == rid:
                 del self._key_owner[tid.key]

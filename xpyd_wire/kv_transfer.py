@@ -30,7 +30,8 @@ from typing import Any
 
 __all__ = [
     "DEBUG_CORRUPT_KV_PARAM", "Hello", "KV_PROTOCOL_VERSION", "Op", "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader",
-    "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM", "is_part", "ok", "version_mismatch",
+    "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM", "TRANSFER_ID_PARAM", "is_part", "ok",
+    "version_mismatch",
 ]
 
 # The protocol's version, exchanged in every hello (request and reply). Bump it when a message
@@ -278,6 +279,11 @@ SKIP_TOKENS_PARAM = "xpyd_skip_tokens"
 PREFILL_PROMPT_TOKENS_PARAM = "xpyd_prefill_prompt_tokens"
 # A client asks for the transfer key in its response (it names KV in flight: only on request).
 REPORT_KEY_PARAM = "xpyd_report_transfer_key"
+# The transfer id (``request_id.build``'s form) for an endpoint whose engine request id is
+# not the X-Request-Id header: vLLM's Responses API names its engine request after the body's
+# ``request_id``, which is also the response id the client sees and fetches a stored response
+# by, so the proxy keeps that id vLLM-shaped and carries the transfer here instead.
+TRANSFER_ID_PARAM = "xpyd_transfer_id"
 # Test hook (with the connector's allow_debug_corruption): corrupt the loaded KV.
 DEBUG_CORRUPT_KV_PARAM = "xpyd_debug_corrupt_kv"
 # The key under which the connector reports a finished request's transfer in the response's

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 # The kv_transfer_params fields the proxy sets, defined with the KV protocol; kept importable
 # from here, where they were first defined.
-from xpyd_wire.kv_transfer import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM  # noqa: F401
+from xpyd_wire.kv_transfer import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM, TRANSFER_ID_PARAM  # noqa: F401
 
 # A prompt index has at most 7 digits, the random suffix exactly 8 hex digits:
 # that tells a completion's "-{index}" from a chat's all-digit "-{suffix}".
@@ -75,6 +75,20 @@ def parse(request_id: str) -> TransferId | None:
         decode_addr=m["decode"],
     )
 
+
+def transfer_of(engine_id: str, kv_transfer_params: object) -> TransferId | None:
+    """The transfer an engine request belongs to: named by its engine id (the X-Request-Id
+    the proxy sent, completions, chat, messages, generate) or, where the engine id is the
+    body's own ``request_id`` (Responses), by ``kv_transfer_params[TRANSFER_ID_PARAM]``."""
+    tid = parse(engine_id)
+    if tid is not None or not isinstance(kv_transfer_params, dict):
+        return tid
+    carried = kv_transfer_params.get(TRANSFER_ID_PARAM)
+    return parse(carried) if isinstance(carried, str) and len(carried) <= _MAX_CARRIED else None
+
+
+# A transfer id is ~100 characters; a longer value is not one (and is not searched).
+_MAX_CARRIED = 512
 
 _CHILD = re.compile(r"(\d+)_")
 

@@ -119,7 +119,7 @@ class SharedStorageScheduler:
 
     def _producer_was_asked(self, request: "Request") -> bool:
         """The proxy sent this request to a producer first, which stores its prompt."""
-        tid = request_id.parse(request.request_id)
+        tid = request_id.transfer_of(request.request_id, request.kv_transfer_params)
         if tid is None:
             return False
         return self._cfg.role == "kv_consumer" or tid.decode_addr == self._cfg.base.advertised_address

@@ -88,6 +88,40 @@ def test_consumer_pd_request_is_loaded_async(chat):
                                    prompt_tokens=300, prompt_blocks=3)]
 
 
+def test_consumer_loads_a_transfer_carried_in_kv_transfer_params():
+    """The Responses API names its engine request after the body's request_id (the response
+    id the client sees): the proxy carries the transfer id in kv_transfer_params instead."""
+    s = consumer()
+    carried = pd_id().removeprefix("cmpl-").removesuffix("-0-1a2b3c4d")
+    req = make_req("resp_0123456789abcdef", 300, {"xpyd_transfer_id": carried})
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (299, True)
+    s.update_state_after_alloc(req, kv_blocks([7, 3, 9]), 299)
+    (spec,) = s.build_connector_meta(sched_out()).loads
+    assert (spec.transfer_key, spec.prefill_addr, spec.dst_block_ids) == (TK, P_ADDR, (7, 3, 9))
+    assert s.request_finished(req, [7, 3, 9])[1] == {"xpyd": {"loaded_tokens": 299, "load_failed": False}}
+
+
+@pytest.mark.parametrize("params", [None, {"xpyd_transfer_id": "resp_0123"}, {"xpyd_transfer_id": 7},
+                                    {"xpyd_transfer_id": pd_id() + "x" * 600}])
+def test_consumer_ignores_what_is_not_a_carried_transfer(params):
+    s = consumer()
+    req = make_req("resp_0123456789abcdef", 300, params)
+    s.on_new_request(req)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_producer_ships_a_transfer_carried_in_kv_transfer_params():
+    kvm = FakeKVCacheManager()
+    s = producer(kvm=kvm)
+    carried = pd_id(chat=True).removeprefix("chatcmpl-").removesuffix("-1a2b3c4d")
+    req = make_req("resp_0123456789abcdef", 200, {"xpyd_transfer_id": carried})
+    kvm.blocks[req.request_id] = [4, 5]
+    s.on_new_request(req)
+    (spec,) = s.build_connector_meta(sched_out(new=[(req.request_id, 0, 200)])).saves
+    assert (spec.transfer_key, spec.decode_addr, spec.block_ids) == (TK, D_ADDR, (4, 5))
+
+
 @pytest.mark.parametrize("value, want_prompt", [(256, 256), (255, 257), ("256", 257), (None, 257)])
 def test_consumer_continuing_from_p_token_loads_all_of_p_prompt(value, want_prompt):
     """The proxy's first-token mode: D's prompt is P's 256 tokens plus P's token, so D loads
