@@ -134,6 +134,14 @@ class ProxyConfig:
     # Deadline of one /health or /v1/models probe; models are re-read every interval.
     probe_timeout: float = 5.0
     models_refresh_interval: float = 30.0
+    # Routes no instance generates on (tokenize, render, pooling, scoring, ...: proxy/api_routes.py
+    # ONE_INSTANCE) go to an instance of this role (the other when it has none): P by default,
+    # so that D's decoding streams do not share their steps with that work.
+    passthrough_role: str = "P"
+    # Stored responses (vLLM's Responses API with its store on): the D holding each, remembered
+    # for at most this many responses and this long; an id not remembered is asked of every D.
+    response_holders: int = 100_000
+    response_holders_ttl: float = 86_400.0
     # Join probes (of instances not yet answered) in flight at once.
     probe_concurrency: int = 32
     shutdown_grace_s: float = 30.0
@@ -162,6 +170,7 @@ class ProxyConfig:
             "tokenize_timeout",
             "header_timeout",
             "body_timeout",
+            "response_holders_ttl",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -191,7 +200,7 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",
                      "kv_index_max_blocks", "tokenize_max_bytes", "tokenize_max_pending",
-                     "max_connections"):
+                     "max_connections", "response_holders"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_header_bytes < 1024:
@@ -215,6 +224,7 @@ class ProxyConfig:
             "loop": ("auto", "uvloop", "asyncio"),
             "http": ("auto", "httptools", "h11"),
             "dispatch": DISPATCH_MODES,
+            "passthrough_role": ("P", "D"),
             "first_token": FIRST_TOKEN_MODES,
             "log_level": ("debug", "info", "warning", "error", "critical"),
         }
@@ -298,6 +308,11 @@ HELP = MappingProxyType(
         "prefill_max_in_flight": "requests in flight per P before new ones queue (0: no limit)",
         "decode_max_in_flight": "requests in flight per D before new ones queue (0: no limit)",
         "queue_size": "requests that may wait for a free instance; beyond: 429",
+        "passthrough_role": "role (P or D) that answers the routes which generate nothing (tokenize, render, "
+                            "embeddings, score, rerank, ...); the other role when it has no instance",
+        "response_holders": "stored responses whose D the proxy remembers (oldest forgotten first); "
+                            "a forgotten one is looked up on every D",
+        "response_holders_ttl": "seconds a stored response's D is remembered",
         "queue_timeout": "seconds a request may wait for a free instance; then 429",
         "prefill": "static P instance URL[,kv=HOST:PORT][,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT] "
         "(repeatable; kv default: URL host:14579; events: its vLLM KV-event publisher)",

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.openai_api import routing_key
+import orjson
+
+from proxy.openai_api import decode_responses_body, routing_key
+from xpyd_wire import request_id
 
 
 @dataclass(slots=True)
 class RouteRequest:
-    path: str  # openai_api.COMPLETIONS or CHAT
+    path: str  # one of api_routes.DISAGGREGATED_PATHS
     raw: bytes  # the client's body, relayed to D byte for byte
     body: dict  # the same, parsed
     tokens: int  # estimated prompt tokens
@@ -24,6 +27,18 @@ class RouteRequest:
     prompt_ids: list[int] | None = field(default=None, repr=False)
     # Their chained block keys per (block size, LoRA), computed once for P's and D's choice.
     block_keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict, repr=False)
+    # The Responses API: the id of the response (vLLM names the engine request after it, and
+    # stores the response under it), and the stored response this one follows, if any.
+    response_id: str | None = None
+    previous_response_id: str | None = None
+
+    def raw_for(self, rid: str) -> bytes:
+        """The body D is sent with request id `rid`: the client's, byte for byte; for the
+        Responses API with the response id set and the transfer carried (see openai_api)."""
+        if self.response_id is None:
+            return self.raw
+        transfer = rid if request_id.parse(rid) is not None else None
+        return orjson.dumps(decode_responses_body(self.body, self.response_id, transfer))
 
     @property
     def key(self) -> str | list[int]:

@@ -35,6 +35,9 @@ LOCAL_PROMPT_LOGPROBS = "local_prompt_logprobs"
 # lists): one D's vLLM judges it, so the client gets vLLM's own answer (its 4xx, or the
 # answer where vLLM accepts what the proxy could not read).
 LOCAL_VERDICT = "local_verdict"
+# A Responses request that follows a stored response (previous_response_id): only the D that
+# stores it can render the conversation, and its prefix cache likely holds most of it.
+LOCAL_STORED = "local_stored"
 
 
 class DecodeFailed(Exception):

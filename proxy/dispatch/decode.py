@@ -116,8 +116,8 @@ class Decode:
         of its answer."""
         resp = None
         try:
-            resp = await self.upstream.request("POST", d.url + (path or req.path), req.raw if body is None else body,
-                                               headers)
+            raw = req.raw_for(headers["x-request-id"]) if body is None else body
+            resp = await self.upstream.request("POST", d.url + (path or req.path), raw, headers)
             if not 200 <= resp.status < 300:
                 raise self.refused(d, resp.status, await resp.read(), headers)
             rewrite = None if self.expose else IdRewrite(headers["x-request-id"])

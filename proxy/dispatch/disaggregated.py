@@ -101,6 +101,8 @@ class Disaggregated:
             first_mode = eligible and not (either and idle)
             pre_raw = pre_first if first_mode else pre_plain
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
+            if req.response_id is not None:  # the transfer rides in P's body (openai_api.prefill_body)
+                pre_raw = orjson.dumps(prefill_body(req.path, req.body, skip, rid))
             headers = {**req.headers, "x-request-id": rid}
             t_start = time.perf_counter()
             if attempt == 0:

@@ -21,13 +21,14 @@ import logging
 import time
 
 from proxy.config import ProxyConfig
-from proxy.dispatch.call import DISAGGREGATED, LOCAL_NO_PREFILL, LOCAL_VERDICT, Call, DecodeFailed
+from proxy.dispatch.call import DISAGGREGATED, LOCAL_NO_PREFILL, LOCAL_STORED, LOCAL_VERDICT, Call, DecodeFailed
 from proxy.dispatch.continuation import Continuation
 from proxy.dispatch.decode import Decode
 from proxy.dispatch.disaggregated import Disaggregated, PrefillExhausted, PrefillRefused
 from proxy.dispatch.local import Local, choose_path
 from proxy.dispatch.relay import Answer, Relay
 from proxy.dispatch.rescue import Rescue
+from proxy.dispatch.stored import StoredResponses
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
 from proxy.registry import Instance
@@ -55,10 +56,13 @@ class Dispatcher:
         self._disaggregated = Disaggregated(cfg, selector, metrics, upstream, decode,
                                             Continuation(cfg, selector, metrics, decode))
         self._rescue = Rescue(cfg, selector, self._local, self._serve)
+        self.stored = StoredResponses(cfg, selector.registry, metrics, upstream)
 
     async def run(self, call: Call) -> int:
         """Serve the request; returns the HTTP status sent."""
         req = call.req
+        if req.previous_response_id is not None:
+            return await self._follow_up(call)
         await self.selector.prepare(req)
         tried: list[Instance] = []
         last: ProxyError | None = None
@@ -91,7 +95,34 @@ class Dispatcher:
             raise last
         return await self._rescue.run(call, tried, last, attempts + 1)
 
+    async def _follow_up(self, call: Call) -> int:
+        """A response that follows a stored one: the D storing it renders the conversation
+        (P cannot), alone. No D stores it: any D, whose vLLM answers its own 404."""
+        req = call.req
+        assert req.previous_response_id is not None
+        d = await self.stored.locate(req.previous_response_id, req.headers)
+        if d is not None:
+            self.selector.take(d, req)
+        else:
+            d = await self.selector.acquire("D", req)
+            if d is None:
+                raise ProxyError(503, "no decode instance is available", "no_decode_instance")
+        if self._expose:
+            call.flight.extra.append((XPYD_DECODE_INSTANCE_RAW, d.http_address.encode()))
+        try:
+            try:
+                answer = await self._local.answer(call, d, LOCAL_STORED)
+            except DecodeFailed as e:  # no other D has the conversation
+                raise e.error from None
+            return await self._serve(call, d, answer)
+        finally:
+            self.selector.release(d, req)
+
     async def _serve(self, call: Call, d: Instance, answer: Answer) -> int:
+        req = call.req
+        if req.response_id is not None and 200 <= answer.resp.status < 300 and req.body.get("store", True):
+            # vLLM stores it there (if its store is on), and a background one from now on.
+            self.stored.record(req.response_id, d)
         try:
             await self._relay(answer, d, call.send, call.flight)
         finally:

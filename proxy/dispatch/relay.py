@@ -75,6 +75,15 @@ _CLIENT_ERROR_TYPES = frozenset(
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
+# Typed stream events that open an answer before anything is generated: the Responses API's
+# (the response, then each output item and content part announced empty) and Anthropic's
+# (the message, each content block, keep-alive pings). Anything else counts as content.
+_NOTHING_GENERATED = frozenset({
+    "response.created", "response.in_progress", "response.queued", "response.output_item.added",
+    "response.content_part.added", "response.reasoning_summary_part.added",
+    "message_start", "content_block_start", "ping",
+})  # fmt: skip
+
 
 class StreamFailed(Exception):
     """Raised by an answer's chunks when the answer cannot go on and ``event`` (a complete
@@ -158,6 +167,12 @@ def judge_lead(buf: bytes, start: int = 0) -> tuple[bool | StreamError, int]:
             return (True if status is None else StreamError(status, raw)), start
         choices = obj.get("choices")
         if not isinstance(choices, list):
+            kind = obj.get("type")  # the Responses API's and Anthropic's typed events
+            if kind in _NOTHING_GENERATED:
+                continue
+            if kind == "error":  # the Responses API's error event: its code at the top
+                status = _server_error(obj)
+                return (True if status is None else StreamError(status, raw)), start
             return True, start
         for choice in choices:
             if _carries(choice):

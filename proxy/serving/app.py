@@ -20,14 +20,15 @@ from starlette.routing import Route
 
 from proxy.asgi import Receive, Scope, Send
 from proxy.config import ProxyConfig
-from proxy.credentials import on_behalf_headers
+from proxy.credentials import forwards_client_auth, on_behalf_headers
 from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_text
 from proxy.membership.discovery import Discovery
 from proxy.membership.probe import Prober
 from proxy.metrics import Metrics
-from proxy.openai_api import CHAT, COMPLETIONS
+from proxy.api_routes import ONE_DECODE, ONE_INSTANCE, P_THEN_D, REFUSED, ROUTES, STORED_RESPONSE
 from proxy.registry import Instance, Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
+from proxy.serving.passthrough import Passthrough, not_found
 from proxy.serving.routes import Router
 from proxy.upstream.base import Upstream, UpstreamError
 from proxy.upstream.factory import make_upstream
@@ -54,6 +55,9 @@ class ProxyState:
         self.kv_events = KVEvents(self.registry, self.metrics, EventsConfig(
             default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
         self.router = Router(cfg, self.registry, self.metrics, self.upstream, self.kv_events)
+        self.passthrough = Passthrough(cfg, self.router.selector, self.metrics, self.upstream,
+                                       self.router.dispatcher.stored, self.router.check_auth,
+                                       self.router.base_headers(), forwards_client_auth(cfg))
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         # Subscribe as soon as an instance becomes a candidate, not at the next sweep.
         self.registry.listeners.append(lambda inst: self.kv_events.kick())
@@ -115,13 +119,25 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     app.state.proxy = state
     router = state.router
 
-    # The hot routes are raw ASGI apps (Starlette calls a non-function endpoint directly).
-    app.router.routes.append(Route(COMPLETIONS, router.endpoint(COMPLETIONS), methods=["POST"]))
-    app.router.routes.append(Route(CHAT, router.endpoint(CHAT), methods=["POST"]))
+    # Every vLLM route the proxy forwards, from the table (proxy/api_routes.py). The hot ones
+    # are raw ASGI apps (Starlette calls a non-function endpoint directly).
+    for route in ROUTES:
+        if route.handling == P_THEN_D:
+            endpoint = router.endpoint(route.path)
+        elif route.handling in (ONE_INSTANCE, ONE_DECODE, STORED_RESPONSE):
+            endpoint = state.passthrough.endpoint(route)
+        elif route.handling == REFUSED:
+            endpoint = not_found
+        else:  # the proxy's own (below) and the admin routes (their own module)
+            continue
+        methods = None if route.handling == REFUSED else list(route.methods)  # refused: whatever the method
+        app.router.routes.append(Route(route.path, endpoint, methods=methods))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code in (404, 405):  # a route or method it lacks: vLLM's (FastAPI's) own answer
+            return JSONResponse({"detail": message}, status_code=exc.status_code, headers=exc.headers)
         return _json_error(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -145,6 +161,10 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # SageMaker's health check, answered as vLLM does
+        return Response(status_code=200)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -211,11 +231,11 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
 
 
 def fast_path(app: FastAPI) -> Any:
-    """Wrap the app so the two completion routes skip Starlette's middleware and routing.
+    """Wrap the app so the disaggregated routes skip Starlette's middleware and routing.
 
     Every other request (and lifespan) still goes through FastAPI."""
     router: Router = app.state.proxy.router
-    routes = {COMPLETIONS: router.endpoint(COMPLETIONS), CHAT: router.endpoint(CHAT)}
+    routes = {r.path: router.endpoint(r.path) for r in ROUTES if r.handling == P_THEN_D}
 
     async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":

@@ -1,5 +1,6 @@
-"""The completion routes: authenticate, read and check the request, hand it to the dispatcher,
-and answer every failure with OpenAI error JSON (never an HTML page, never silence)."""
+"""The disaggregated routes (completions, chat, Responses, Messages, generate: api_routes.P_THEN_D):
+authenticate, read and check the request, hand it to the dispatcher, and answer every failure
+with OpenAI error JSON (never an HTML page, never silence)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from proxy.dispatch.call import Call
 from proxy.dispatch.dispatcher import Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
-from proxy.openai_api import estimate_prompt_tokens, validate_body
+from proxy.openai_api import RESPONSES, estimate_prompt_tokens, response_id, validate_body
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
@@ -98,6 +99,10 @@ class Router:
         if upstream_key is not None:
             self._base_headers["authorization"] = upstream_key
 
+    def base_headers(self) -> dict[str, str]:
+        """What every upstream request carries besides the client's headers (the upstream key)."""
+        return {k: v for k, v in self._base_headers.items() if k != "content-type"}
+
     def endpoint(self, path: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         return _Endpoint(self, path)
 
@@ -136,7 +141,11 @@ class Router:
             # vLLM's answer to it is vLLM's to give (its 400, or an answer where its parser
             # accepts what ours does not): the body goes to one D as it came.
             return RouteRequest(path, raw, {}, 0, fwd, verdict=True)
-        return RouteRequest(path, raw, body, estimate_prompt_tokens(body), fwd, body.get("model"))
+        req = RouteRequest(path, raw, body, estimate_prompt_tokens(body, path), fwd, body.get("model"))
+        if path == RESPONSES:
+            req.response_id = response_id(body)
+            req.previous_response_id = body.get("previous_response_id")
+        return req
 
     async def handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -25,6 +26,7 @@ import httptools
 import zmq
 import zmq.asyncio
 
+from tests.support import fake_apis
 from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
 
@@ -164,6 +166,19 @@ def _refusal(chat: bool, body: dict) -> dict | None:
     return None
 
 
+# Routes the fake answers beyond completions and chat (tests/support/fake_apis.py), by method.
+_OTHER_POST = frozenset({"/v1/responses", "/v1/messages", "/inference/v1/generate", "/tokenize", "/detokenize",
+                         "/v1/messages/count_tokens", "/v1/embeddings"})  # fmt: skip
+
+
+def _serves(method: str, path: str) -> bool:
+    if method == "GET":
+        return path == "/version" or (path.startswith("/v1/responses/") and path.count("/") == 3)
+    if method == "POST" and path.startswith("/v1/responses/") and path.endswith("/cancel"):
+        return path.count("/") == 4
+    return method == "POST" and path in _OTHER_POST
+
+
 def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -278,6 +293,8 @@ class FakeVLLM:
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
         self.models_status = 200
+        # Responses the fake stored (Responses API, store on), by id: their whole answers.
+        self.stored: dict[str, bytes] = {}
         self.requests: list[Recorded] = []
         self.served = 0
         self.accepted = 0  # TCP connections accepted
@@ -479,7 +496,8 @@ class FakeVLLM:
                 ],
             }
             return self._send_json(conn, req, rec, 200, json.dumps(data).encode())
-        if req.method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+        completion = req.method == "POST" and path in ("/v1/completions", "/v1/chat/completions")
+        if not completion and not _serves(req.method, path):
             return self._send_json(conn, req, rec, 404, b'{"detail":"Not Found"}')
         fault = self._take_fault(path, req.headers.get("x-request-id", ""))
         if fault is not None:
@@ -503,6 +521,8 @@ class FakeVLLM:
                 # "{request_id}" in a given body: quote the X-Request-Id (vLLM's messages may).
                 payload = payload.replace(b"{request_id}", req.headers.get("x-request-id", "").encode())
                 return self._send_json(conn, req, rec, fault.status, payload, fault.content_type)
+        if not completion:
+            return await self._other_route(conn, req, rec, path, body, fault)
         if not isinstance(body, dict):  # vLLM's request model refuses it (pydantic's 400)
             error = {"message": "1 validation error: body is not a JSON object", "type": "Bad Request",
                      "param": "body", "code": 400}
@@ -523,6 +543,51 @@ class FakeVLLM:
             await self._stream(conn, req, rec, chat, rid, n_tokens, body, fault)
         else:
             self._send_json(conn, req, rec, 200, self._full(chat, rid, n_tokens, body))
+
+    async def _other_route(self, conn: _Conn, req: _Request, rec: Recorded, path: str, body: Any,
+                           fault: Fault | None) -> None:  # fmt: skip
+        """The routes beyond completions and chat (tests/support/fake_apis.py)."""
+        if req.method == "GET" and path == "/version":
+            return self._send_json(conn, req, rec, 200, b'{"version":"0.32.0"}')
+        if path.startswith("/v1/responses/"):
+            answer = fake_apis.stored_response(req.method, path, self.stored)
+            return self._send_json(conn, req, rec, answer.status, answer.body)
+        if not isinstance(body, dict):
+            error = {"message": "1 validation error: body is not a JSON object", "type": "Bad Request",
+                     "param": "body", "code": 400}
+            return self._send_json(conn, req, rec, 400, json.dumps({"error": error}).encode())
+        if body.get("model") is not None and body.get("model") != self.model:
+            error = {"message": f"The model `{body.get('model')}` does not exist.",
+                     "type": "NotFoundError", "param": "model", "code": 404}
+            return self._send_json(conn, req, rec, 404, json.dumps({"error": error}).encode())
+        rid = req.headers.get("x-request-id", "")
+        limit = body.get("max_output_tokens") if path == "/v1/responses" else body.get("max_tokens")
+        n = max(1, min(int(limit), 4096)) if isinstance(limit, int) and limit > 0 else 16
+        answer = {
+            "/v1/responses": lambda: fake_apis.responses(body, self.model, n, self.stored),
+            "/v1/messages": lambda: fake_apis.messages(body, self.model, n, rid),
+            "/inference/v1/generate": lambda: fake_apis.generate(body, self.model, rid),
+            "/tokenize": lambda: fake_apis.tokenize(body),
+            "/detokenize": lambda: fake_apis.detokenize(body),
+            "/v1/messages/count_tokens": lambda: fake_apis.count_tokens(body),
+            "/v1/embeddings": lambda: fake_apis.embeddings(body, self.model),
+        }[path]()
+        if not answer.streaming:
+            return self._send_json(conn, req, rec, answer.status, answer.body)
+        events = answer.events
+        if fault is not None and fault.stream_error is not None:
+            # vLLM 0.32 after a failed KV load: Anthropic's error event after the message's
+            # two opening events; a Responses stream breaks off after its lead (vLLM cannot
+            # turn the error into one of its event types), as fail_after does.
+            after = fault.stream_error_after
+            if path == "/v1/messages":
+                events = events[: 2 + after] + [fake_apis.MESSAGES_ERROR_EVENT]
+            elif path == "/v1/responses":
+                fault = dataclasses.replace(fault, fail_after=4 + after)
+            else:  # generate: as completions
+                events = events[:after] + [stream_error_event(fault.stream_error), b"data: [DONE]\n\n"]
+        rec.status = 200
+        await self._write_events(conn, req, rec, events, fault)
 
     def _full(self, chat: bool, rid: str, n: int, body: dict) -> bytes:
         """A whole answer, field for field as vLLM 0.32 writes it (checked against the real
@@ -616,6 +681,10 @@ class FakeVLLM:
             lead = 1 if chat else 0  # chat's role chunk comes first
             events = events[: lead + min(fault.stream_error_after, n)] + [
                 stream_error_event(fault.stream_error), b"data: [DONE]\n\n"]  # fmt: skip
+        await self._write_events(conn, req, rec, events, fault)
+
+    async def _write_events(self, conn: _Conn, req: _Request, rec: Recorded, events: list[bytes],
+                            fault: Fault | None) -> None:  # fmt: skip
         conn.write(self._head(200, "text/event-stream; charset=utf-8", None, req.keep_alive))
         delay = self.token_delay
         if fault is not None and fault.token_delay is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 import logging
 import os
 import random
@@ -236,7 +237,10 @@ def check(case: Case, raw: bytes) -> str | None:
         if not headers.get("content-type", "").startswith("application/json"):
             return "error without JSON"
         try:
-            err = json.loads(body)["error"]
+            data = json.loads(body)
+            if status in (404, 405) and data == {"detail": HTTPStatus(status).phrase}:
+                return None  # a route or method the proxy lacks: vLLM's (FastAPI's) own answer
+            err = data["error"]
         except (ValueError, KeyError, TypeError):
             return "error body is not OpenAI error JSON"
         if not (isinstance(err, dict) and {"message", "type", "param", "code"} <= set(err)

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"
 
 ROOT_MODULES = {
-    "__init__", "__main__", "asgi", "config", "credentials", "deadline", "errors", "metrics", "openai_api", "registry",
-    "request", "secret_files",
+    "__init__", "__main__", "api_routes", "asgi", "config", "credentials", "deadline", "errors", "metrics", "openai_api",
+    "registry", "request", "secret_files",
 }  # fmt: skip
 WINGS = {"serving", "dispatch", "routing", "upstream", "membership"}
 MAX_LINES = 500
