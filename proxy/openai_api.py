@@ -112,6 +112,10 @@ def prefill_body(kind: str, body: dict, skip_tokens: int = 0, transfer: str | No
     ours: dict[str, Any] = {SKIP_TOKENS_PARAM: skip_tokens} if skip_tokens > 0 else {}
     if transfer is not None:
         ours[TRANSFER_ID_PARAM] = transfer
+    if kind == MESSAGES:
+        # vLLM's marker of a prefill leg: its Messages API then skips checking a thinking budget
+        # against max_tokens (1 here; D's request is checked as the client sent it).
+        ours["do_remote_decode"] = True
     if ours:
         pre["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), **ours}
     if kind == GENERATE:

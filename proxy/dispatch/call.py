@@ -67,5 +67,7 @@ class Call:
     # gets what is left of that attempt's decode_ttfb_timeout, never a new one.
     decode_due: float | None = None
     went_local: bool = False  # D was asked alone: a rescue would be a second try of that
+    # A Responses answer that loaded P's KV: P's prompt-cache figures, told instead of D's.
+    cache_usage: tuple[int, int] | None = None
     # Sends what the client connection holds now (proxy/serving/corked.py); None: not corked.
     flush: Callable[[], None] | None = None

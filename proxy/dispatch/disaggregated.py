@@ -19,6 +19,7 @@ from proxy.dispatch.call import DISAGGREGATED, PREFILL_ALONE, Call
 from proxy.dispatch.continuation import Continuation
 from proxy.dispatch.decode import Decode, too_large
 from proxy.dispatch.relay import Answer
+from proxy.dispatch.rewrite import UsageRewrite, prefill_cache_usage
 from proxy.errors import ProxyError, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, prefill_body
@@ -151,6 +152,9 @@ class Disaggregated:
                 await _discard(opening)
                 raise
             self.decode.observe_ttfb(call, t_pre)
+            if req.response_id is not None and (usage := prefill_cache_usage(pre_answer)) is not None:
+                answer.rewrite = UsageRewrite(*usage)  # P's cache figures, not D's (rewrite.py)
+                call.cache_usage = usage
             return answer
         raise PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 

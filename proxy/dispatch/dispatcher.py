@@ -122,7 +122,7 @@ class Dispatcher:
         req = call.req
         if req.response_id is not None and 200 <= answer.resp.status < 300 and req.body.get("store", True):
             # vLLM stores it there (if its store is on), and a background one from now on.
-            self.stored.record(req.response_id, d)
+            self.stored.record(req.response_id, d, call.cache_usage)
         try:
             await self._relay(answer, d, call.send, call.flight)
         finally:

@@ -13,6 +13,8 @@ where nothing can be held: that is the fast path, one bytes.replace per chunk.
 
 from __future__ import annotations
 
+import re
+
 _HEX = b"0123456789abcdef"
 
 
@@ -68,4 +70,50 @@ class IdRewrite:
 
     def drop(self) -> None:
         """The stream broke: a held start of the internal id is never sent."""
+        self._held = b""
+
+
+# ---------------------------------------------------------------- the Responses API's usage
+# vLLM reports the prompt tokens a response found in its prefix cache, and those it wrote to it,
+# in every Responses answer. D counts the KV it loaded from P as found and writes none: the
+# client would read "all cached" where one server, which computed the prompt, reports what P
+# reports. So D's two figures are replaced by P's, in the one place vLLM writes them (compact
+# JSON, fixed field order: the whole answer, or a stream's response.completed event).
+_USAGE = re.compile(rb'"input_tokens_details":\{"cached_tokens":\d+,"cache_write_tokens":\d+')
+
+
+def prefill_cache_usage(p_answer: bytes) -> tuple[int, int] | None:
+    """P's (cached_tokens, cache_write_tokens) from its Responses answer; None if absent."""
+    m = re.search(rb'"input_tokens_details":\{"cached_tokens":(\d+),"cache_write_tokens":(\d+)', p_answer)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class UsageRewrite:
+    """D's Responses answer with P's cache figures (see above), in a body or a stream; the same
+    interface as IdRewrite. A stream is rewritten event by event: the bytes after its last
+    complete event are held until the event ends (vLLM ends each write with one)."""
+
+    __slots__ = ("new", "_held")
+
+    def __init__(self, cached: int, written: int) -> None:
+        self.new = b'"input_tokens_details":{"cached_tokens":%d,"cache_write_tokens":%d' % (cached, written)
+        self._held = b""
+
+    def whole(self, data: bytes) -> bytes:
+        return _USAGE.sub(self.new, data)
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._held + chunk if self._held else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._held = data
+            return b""
+        self._held = data[end + 2:]
+        return self.whole(data[:end + 2])
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return self.whole(held)
+
+    def drop(self) -> None:
         self._held = b""

@@ -34,8 +34,12 @@ class StoredResponses:
         self.upstream = upstream
         self.holders = ResponseHolders(registry, cfg.response_holders, cfg.response_holders_ttl)
 
-    def record(self, response_id: str, d: Instance) -> None:
-        self.holders.record(response_id, d)
+    def record(self, response_id: str, d: Instance, usage: tuple[int, int] | None = None) -> None:
+        self.holders.record(response_id, d, usage)
+
+    def usage(self, response_id: str) -> tuple[int, int] | None:
+        """P's prompt-cache figures the client was told for this response (rewrite.UsageRewrite)."""
+        return self.holders.usage(response_id)
 
     async def locate(self, response_id: str, headers: dict[str, str]) -> Instance | None:
         """The D that stores `response_id`, or None when no live D answers that it does."""

@@ -24,15 +24,18 @@ class ResponseHolders:
         self.registry = registry
         self.capacity = capacity
         self.ttl_s = ttl_s
-        self._held: OrderedDict[str, tuple[Instance, float]] = OrderedDict()
+        # id -> (D, expiry, P's prompt-cache figures for its usage: see dispatch/rewrite.py)
+        self._held: OrderedDict[str, tuple[Instance, float, tuple[int, int] | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def record(self, response_id: str, d: Instance, now: float | None = None) -> None:
-        """`d` answered (and so stores) the response `response_id`."""
+    def record(self, response_id: str, d: Instance, usage: tuple[int, int] | None = None,
+               now: float | None = None) -> None:  # fmt: skip
+        """`d` answered (and so stores) the response `response_id`; `usage`: the prompt-cache
+        figures the client was told instead of D's (a disaggregated answer)."""
         expires = (time.monotonic() if now is None else now) + self.ttl_s
-        self._held[response_id] = (d, expires)
+        self._held[response_id] = (d, expires, usage)
         self._held.move_to_end(response_id)
         while len(self._held) > self.capacity:
             self._held.popitem(last=False)
@@ -42,11 +45,15 @@ class ResponseHolders:
         entry = self._held.get(response_id)
         if entry is None:
             return None
-        d, expires = entry
+        d, expires, _ = entry
         if expires <= (time.monotonic() if now is None else now) or not self.registry.holds(d):
             del self._held[response_id]
             return None
         return d
+
+    def usage(self, response_id: str) -> tuple[int, int] | None:
+        entry = self._held.get(response_id)
+        return entry[2] if entry is not None else None
 
     def forget(self, response_id: str) -> None:
         self._held.pop(response_id, None)

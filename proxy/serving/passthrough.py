@@ -20,6 +20,7 @@ from proxy.api_routes import ONE_DECODE, STORED_RESPONSE, ApiRoute
 from proxy.asgi import JSON_CT, ClientGone, Receive, Scope, Send, read_body, send_error
 from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
+from proxy.dispatch.rewrite import UsageRewrite
 from proxy.dispatch.stored import MAX_RESPONSE_ID, StoredResponses
 from proxy.errors import ProxyError, instance_text, sse_error_event, upstream_text
 from proxy.metrics import Metrics
@@ -92,12 +93,14 @@ class Passthrough:
             target = path.decode("latin-1") + (("?" + scope["query_string"].decode("latin-1"))
                                                if scope.get("query_string") else "")  # fmt: skip
             req = RouteRequest(route.path, body, {}, 0, headers, self._model(headers, body))
-            pinned = None
+            pinned = rewrite = None
             if route.handling == STORED_RESPONSE:
                 response_id = scope["path"].split("/")[3]
                 if len(response_id) <= MAX_RESPONSE_ID:
                     pinned = await self.stored.locate(response_id, headers)
-            status, started = await self._forward(route, req, scope["method"], target, pinned, send)
+                    usage = self.stored.usage(response_id)
+                    rewrite = UsageRewrite(*usage) if usage is not None else None
+            status, started = await self._forward(route, req, scope["method"], target, pinned, send, rewrite)
         except ProxyError as e:
             status = e.status
             if not started:
@@ -130,8 +133,8 @@ class Passthrough:
             return None
         return model if isinstance(model, str) else None
 
-    async def _forward(self, route: ApiRoute, req: RouteRequest, method: str, target: str,
-                       pinned: Instance | None, send: Send) -> tuple[int, bool]:  # fmt: skip
+    async def _forward(self, route: ApiRoute, req: RouteRequest, method: str, target: str, pinned: Instance | None,
+                       send: Send, rewrite: UsageRewrite | None = None) -> tuple[int, bool]:  # fmt: skip
         """Send the request to an instance, relay the answer; (status, whether anything was sent)."""
         roles = self._roles.get(route.handling, self._default_roles)
         tried: list[Instance] = []
@@ -158,7 +161,7 @@ class Passthrough:
                         continue  # nothing reached it: another may answer
                     raise last from None
                 try:
-                    return resp.status, await self._relay(inst, resp, send)
+                    return resp.status, await self._relay(inst, resp, send, rewrite)
                 finally:
                     await resp.aclose()
             finally:
@@ -184,14 +187,18 @@ class Passthrough:
         detail = upstream_text(e.kind, str(e), self.cfg.expose_routing_headers)
         return ProxyError(status, f"{where} failed: {detail}", code)
 
-    async def _relay(self, inst: Instance, resp: UpstreamResponse, send: Send) -> bool:
-        """The instance's answer as it came; True once the status line is sent."""
+    async def _relay(self, inst: Instance, resp: UpstreamResponse, send: Send,
+                     rewrite: UsageRewrite | None = None) -> bool:  # fmt: skip
+        """The instance's answer as it came (a stored response: with the usage the client was
+        first told, see dispatch/rewrite.py); True once the status line is sent."""
         hdrs = [(b"content-type", resp.content_type.encode("latin-1"))]
         if not resp.content_type.startswith("text/event-stream"):
             try:
                 data = await resp.read()
             except UpstreamError as e:
                 raise self._failed(inst, e) from None
+            if rewrite is not None:
+                data = rewrite.whole(data)
             hdrs.append((b"content-length", b"%d" % len(data)))
             await send({"type": "http.response.start", "status": resp.status, "headers": hdrs})
             await send({"type": "http.response.body", "body": data, "more_body": False})
@@ -202,9 +209,11 @@ class Passthrough:
         try:
             async with Deadline.after(loop, idle) as deadline:
                 async for chunk in resp.chunks():
+                    if rewrite is not None:
+                        chunk = rewrite.feed(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     deadline.reschedule(loop.time() + idle)
-            end = b""
+            end = rewrite.flush() if rewrite is not None else b""
         except (UpstreamError, TimeoutError) as e:
             kind = e.kind if isinstance(e, UpstreamError) else "stream_idle_timeout"
             self.metrics.upstream_error(inst.role, inst.http_address, kind)

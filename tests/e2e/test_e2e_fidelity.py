@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import e2e_cluster
+from tests.support import api_fidelity, e2e_cluster
 from tests.support.e2e_client import (
     LOGPROB_TOL,
     MODEL_DIR,
@@ -66,7 +66,7 @@ GENERATION_DEFAULTS = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repet
 # x-xpyd-first-token: prefill), and where each is seen.
 SEEN: Counter[str] = Counter()
 WANTED_PATHS = {"disaggregated", "first_token", "prefill_alone", "local_short", "local_prompt_logprobs",
-                "local_verdict", "first_token_to_decode"}
+                "local_verdict", "first_token_to_decode", "local_stored"}
 
 
 # ---------------------------------------------------------------- systems
@@ -87,7 +87,7 @@ class System:
             s.stop()
 
 
-def _start(log_dir: Path, model: Path, vllm_args: list[str]) -> System:
+def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str] | None = None) -> System:
     disc = e2e_cluster.free_port()
     proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir)  # the shipped defaults
     started = [proxy]
@@ -99,10 +99,11 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str]) -> System:
             if role == "kv_consumer":  # lets a request ask D to zero what it loads (the power test)
                 kv["kv_connector_extra_config"]["allow_debug_corruption"] = True
             servers.append(cluster.start_vllm(name, port, log_dir, model=model, kv_config=kv, extra_args=vllm_args,
-                                              env=e2e_cluster.bind_env(None)))
+                                              env={**e2e_cluster.bind_env(None), **(env or {})}))
             started.append(servers[-1])
         colocated = cluster.start_vllm("colocated", e2e_cluster.free_port(), log_dir, model=model,
-                                       extra_args=vllm_args, env={**e2e_cluster.bind_env(None), **REFERENCE_ENV})
+                                       extra_args=vllm_args,
+                                       env={**e2e_cluster.bind_env(None), **REFERENCE_ENV, **(env or {})})
         started.append(colocated)
         cluster.wait_until(started, "/health", 600)
         e2e_cluster.wait_instances(proxy, 1, 1)
@@ -132,7 +133,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, shipped: System):
     (model / "generation_config.json").unlink()
     gen = json.loads(MODEL_DIR.joinpath("generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, **GENERATION_DEFAULTS}))
-    s = _start(tmp_path_factory.mktemp("fidelity-served"), model, ["--response-role", RESPONSE_ROLE])
+    # Stored responses (vLLM's store is off by default) and the tokens-in generate route on too.
+    s = _start(tmp_path_factory.mktemp("fidelity-served"), model, ["--response-role", RESPONSE_ROLE, "--enable-scale-out"],
+               {"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     yield s
     s.stop()
 
@@ -158,7 +161,7 @@ def call(s: System, url: str, path: str, body: Any, raw: bytes | None = None) ->
 
 
 # Fields whose values are the server's own: compared by presence, not value.
-_OWN = frozenset({"id", "created", "system_fingerprint"})
+_OWN = frozenset({"id", "created", "created_at", "request_id", "system_fingerprint"})
 # Deliberate differences (see the module's text): not compared at all.
 _NOT_COMPARED = frozenset({"kv_transfer_params"})
 # Floats compared within LOGPROB_TOL (logprobs); everything else exactly.
@@ -625,6 +628,151 @@ def test_power_corrupted_kv_is_caught(shipped, stream):
     assert "CORRUPTED(test)" in shipped.decode.log()
 
 
+# ---------------------------------------------------------------- the other routes (proxy/api_routes.py)
+
+
+def check_api(s: System, path: str, body: Any) -> dict:
+    """check() for the Responses, Messages and generate routes and the generation-free ones: the
+    same status; a refusal's error fields but its message; an answer field for field (ids,
+    times and fingerprints by presence); a stream as a client reads it (tests/support/api_fidelity.py)."""
+    want_status, _, want = call(s, s.colocated.url, path, body)
+    got_status, head, got = call(s, s.proxy.url, path, body)
+    _seen(head)
+    what = f"{path} {json.dumps(body)[:200]} via {head.get(XPYD_PATH)}"
+    assert got_status == want_status, f"{what}: status {got_status} vs {want_status}: {got!r:.400} / {want!r:.400}"
+    if want_status != 200 and isinstance(want, dict) and isinstance(got, dict) and isinstance(want.get("error"), dict):
+        strip = ("message",)
+        want = {**want, "error": {k: v for k, v in want["error"].items() if k not in strip}}
+        got = {**got, "error": {k: v for k, v in got["error"].items() if k not in strip}}
+    elif isinstance(want, list) and isinstance(got, list):
+        summarise = {"/v1/responses": api_fidelity.responses_stream, "/v1/messages": api_fidelity.messages_stream,
+                     "/inference/v1/generate": _generated}[path]
+        got, want = summarise(got), summarise(want)
+    d = diff(got, want)
+    assert d is None, f"{what}: {d}"
+    return head
+
+
+def _generated(events: list) -> dict:
+    """A generate stream: its tokens and finish reasons, however grouped; [DONE] last."""
+    tokens = [t for e in events[:-1] for ch in e["choices"] for t in ch["token_ids"]]
+    return {"tokens": tokens, "finish": [ch["finish_reason"] for e in events[:-1] for ch in e["choices"]][-1],
+            "done": events[-1]}
+
+
+def responses_body(text: str, **fields: Any) -> dict:
+    # A prefix of its own: the colocated server and P are both cold for it (the usage counts cache hits).
+    return {"model": MODEL, "input": f"[responses {len(text)} {sorted(fields)}] " + text, "temperature": 0,
+            "max_output_tokens": 12, **fields}
+
+
+def message_body(text: str, **fields: Any) -> dict:
+    return {"model": MODEL, "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": text}],
+            **fields}
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+@pytest.mark.parametrize("text", sorted(TEXTS))
+def test_responses_equal_colocated(shipped, text, stream):
+    head = check_api(shipped, "/v1/responses", responses_body(long(TEXTS[text]), stream=stream))
+    assert head[XPYD_PATH] == "disaggregated"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+@pytest.mark.parametrize("text", sorted(TEXTS))
+def test_messages_equal_colocated(shipped, text, stream):
+    head = check_api(shipped, "/v1/messages", message_body(long(TEXTS[text]), stream=stream,
+                                                           system="You answer in one line."))
+    assert head[XPYD_PATH] == "disaggregated"
+
+
+def test_responses_and_messages_with_tools_and_instructions_equal_colocated(shipped):
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    for stream in (True, False):
+        check_api(shipped, "/v1/responses", responses_body(long(TEXTS["cjk"]), stream=stream, tools=[tool],
+                                                           instructions="Use the tool when asked.",
+                                                           include=["message.output_text.logprobs"], top_logprobs=2))
+        check_api(shipped, "/v1/messages", message_body(long(TEXTS["emoji"]), stream=stream, tools=[{
+            "name": "get_weather", "description": "The weather", "input_schema": tool["parameters"]}]))
+
+
+def _sdk_answers(url: str, text: str) -> dict:
+    """What the openai SDK (Responses, with a tool definition) and the anthropic SDK (Messages)
+    read from `url`, whole and streamed."""
+    import anthropic
+    import openai
+
+    oc = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    tool = {"type": "function", "name": "lookup", "description": "Look a word up",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}
+    ask = {"model": MODEL, "input": "[sdk] " + text, "max_output_tokens": 10, "temperature": 0, "tools": [tool]}
+    whole = oc.responses.create(**ask)
+    with oc.responses.stream(**ask) as events:
+        kinds = [e.type for e in events]
+        streamed = events.get_final_response()
+    ac = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    msg = {"model": MODEL, "max_tokens": 10, "messages": [{"role": "user", "content": text}],
+           "extra_body": {"temperature": 0}}
+    message = ac.messages.create(**msg)
+    with ac.messages.stream(**msg) as events:
+        streamed_text = events.get_final_text()
+        final = events.get_final_message()
+    return {"responses": (whole.output_text, whole.status, whole.usage.model_dump()),
+            "responses_stream": (streamed.output_text, streamed.status, kinds[0], kinds[-1]),
+            "messages": (message.content[0].text, message.stop_reason, message.usage.model_dump()),
+            "messages_stream": (streamed_text, final.stop_reason, final.usage.output_tokens)}
+
+
+def test_openai_and_anthropic_sdks_read_the_colocated_answers(shipped):
+    text = long(TEXTS["combining"], 700)
+    want, got = (_sdk_answers(url, text) for url in (shipped.colocated.url, shipped.proxy.url))
+    assert got == want
+    assert got["responses_stream"][2:] == ("response.created", "response.completed")
+
+
+API_REFUSALS = [
+    ("/v1/responses", {"model": MODEL}),
+    ("/v1/responses", responses_body("x" * 600, max_output_tokens=CONTEXT * 2)),
+    ("/v1/responses", responses_body("x" * 600, model="no-such-model")),
+    ("/v1/responses", responses_body("x" * 600, temperature=-1)),
+    ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}),
+    ("/v1/messages", message_body("x" * 600, max_tokens=0)),
+    ("/v1/messages", message_body("x" * 600, model="no-such-model")),
+]
+
+
+@pytest.mark.parametrize("path, body", API_REFUSALS, ids=[f"{i}" for i in range(len(API_REFUSALS))])
+def test_what_vllm_refuses_on_the_other_routes_is_refused_the_same_way(shipped, path, body):
+    check_api(shipped, path, body)
+
+
+def test_generation_free_routes_answer_as_vllm_does(shipped):
+    for path, body in (("/tokenize", {"model": MODEL, "prompt": TEXTS["combining"]}),
+                       ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": TEXTS["emoji"]}]}),
+                       ("/detokenize", {"model": MODEL, "tokens": [1, 78, 134, 109, 82]}),
+                       ("/v1/messages/count_tokens", message_body(TEXTS["cjk"])),
+                       ("/v1/embeddings", {"model": MODEL, "input": "x"}),  # not a pooling model: vLLM's 404
+                       ("/v1/score", {"model": MODEL, "text_1": "a", "text_2": "b"})):
+        head = check_api(shipped, path, body)
+        assert XPYD_PATH not in head  # passed through, not dispatched
+    for path in ("/version", "/v1/nope", "/reset_prefix_cache", "/server_info"):
+        want, got = (httpx.get(url + path, timeout=30) for url in (shipped.colocated.url, shipped.proxy.url))
+        assert (got.status_code, got.json()) == (want.status_code, want.json()), path
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_power_corrupted_kv_is_caught_on_the_other_routes(shipped, path):
+    """P and D render the same prompt for these routes, so D's loaded KV is the prompt's: zeroed
+    (the connector's debug switch), the answer differs."""
+    params = {"kv_transfer_params": {"xpyd_debug_corrupt_kv": True}}
+    body = responses_body(long(TEXTS["ascii"]), **params) if path == "/v1/responses" else message_body(
+        long(TEXTS["ascii"]), **params)
+    with pytest.raises(AssertionError):
+        check_api(shipped, path, body)
+    assert "CORRUPTED(test)" in shipped.decode.log()
+
+
 def test_no_load_failed_and_nothing_was_rescued(shipped):
     """Every disaggregated answer above loaded P's KV (vLLM's default policy fails a lost
     load: the proxy would have rescued it with D alone, which the equality cannot show)."""
@@ -658,6 +806,44 @@ def test_servers_default_penalties_and_response_role(served, kind):
                             chat(long(TEXTS["cjk"], 700), max_tokens=3, stream=True, presence_penalty=0,
                                  frequency_penalty=0))
         assert events[0]["choices"][0]["delta"]["role"] == RESPONSE_ROLE
+
+
+def test_stored_responses_and_follow_ups_equal_colocated(served):
+    """Each server stores its own chain: through the proxy the response is fetched, followed up
+    (on the D that stores it: P cannot render the conversation) and refused as on one server."""
+    urls = (served.colocated.url, served.proxy.url)
+    body = responses_body(long(TEXTS["emoji"]), max_output_tokens=8)
+    made = [httpx.post(url + "/v1/responses", json=body, timeout=120) for url in urls]
+    assert made[1].headers[XPYD_PATH] == "disaggregated"
+    assert diff(made[1].json(), made[0].json()) is None
+    fetched = [httpx.get(f"{url}/v1/responses/{m.json()['id']}", timeout=60) for url, m in zip(urls, made)]
+    assert [f.status_code for f in fetched] == [200, 200]
+    assert diff(fetched[1].json(), made[1].json()) is None and diff(fetched[0].json(), made[0].json()) is None
+    for stream in (False, True):
+        follow = [call(served, url, "/v1/responses", {**responses_body("And then? 然后呢？", stream=stream),
+                                                      "previous_response_id": m.json()["id"]})
+                  for url, m in zip(urls, made)]
+        assert follow[1][0] == follow[0][0] == 200 and follow[1][1][XPYD_PATH] == "local_stored"
+        got, want = follow[1][2], follow[0][2]
+        if stream:
+            got, want = api_fidelity.responses_stream(got), api_fidelity.responses_stream(want)
+        assert diff(got, want) is None
+    for path, method in (("/v1/responses/{}/cancel", "POST"), ("/v1/responses/{}", "GET")):
+        for rid in ("resp_nope", None):
+            answers = [httpx.request(method, url + path.format(rid or m.json()["id"]), timeout=60)
+                       for url, m in zip(urls, made)]
+            assert answers[1].status_code == answers[0].status_code, (path, rid)
+            if rid:
+                assert answers[1].json() == answers[0].json()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+def test_tokens_in_generate_equals_colocated(served, stream):
+    ids = httpx.post(served.colocated.url + "/tokenize", json={"model": MODEL, "prompt": long(TEXTS["cjk"])},
+                     timeout=60).json()["tokens"]
+    head = check_api(served, "/inference/v1/generate", {"model": MODEL, "token_ids": ids, "stream": stream,
+                                                        "sampling_params": {"max_tokens": 10, "temperature": 0}})
+    assert head[XPYD_PATH] == "disaggregated"
 
 
 def _held_back(s: System) -> bool:

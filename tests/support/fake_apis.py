@@ -73,7 +73,7 @@ def responses_prompt(body: dict) -> list[int]:
     return prompt_token_ids(text)
 
 
-def response_object(body: dict, resp_id: str, model: str, n: int | None, status: str) -> dict:
+def response_object(body: dict, resp_id: str, model: str, n: int | None, status: str, loads: bool = False) -> dict:
     """vLLM 0.32's ResponsesResponse: `n` tokens generated (None: not yet, in a stream's lead)."""
     limit = body.get("max_output_tokens")
     done = n is not None
@@ -84,9 +84,13 @@ def response_object(body: dict, resp_id: str, model: str, n: int | None, status:
                                                           "logprobs": None}],
                    "role": "assistant", "status": "completed", "type": "message", "phase": None}]
         prompt = len(responses_prompt(body))
+        # As vLLM 0.32 counts them: a D that loaded the prompt's KV (all but its last token) finds
+        # it cached and writes nothing; a server that computed it writes its whole blocks.
+        loaded = isinstance(body.get("kv_transfer_params"), dict) and "xpyd_transfer_id" in body["kv_transfer_params"]
+        cached, written = (prompt - 1, 0) if loaded and loads else (0, prompt // 128 * 128)
         usage = {"input_tokens": prompt,
-                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0, "input_tokens_per_turn": [],
-                                          "cached_tokens_per_turn": []},
+                 "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written,
+                                          "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
                  "output_tokens": n,
                  "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
                                            "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
@@ -106,13 +110,13 @@ def response_object(body: dict, resp_id: str, model: str, n: int | None, status:
     }
 
 
-def responses(body: dict, model: str, n: int, stored: dict[str, bytes]) -> Answer:
+def responses(body: dict, model: str, n: int, stored: dict[str, bytes], loads: bool = False) -> Answer:
     """POST /v1/responses: every answer runs to max_output_tokens (16 when absent)."""
     resp_id = body.get("request_id") or "resp_" + vllm_id()
     prev = body.get("previous_response_id")
     if prev is not None and prev not in stored:
         return error(404, f"Response with id '{prev}' not found.", "invalid_request_error", "previous_response_id")
-    final = response_object(body, resp_id, model, n, "incomplete")
+    final = response_object(body, resp_id, model, n, "incomplete", loads)
     if body.get("store", True):
         stored[resp_id] = dumps(final)
     if not body.get("stream"):

@@ -564,7 +564,7 @@ class FakeVLLM:
         limit = body.get("max_output_tokens") if path == "/v1/responses" else body.get("max_tokens")
         n = max(1, min(int(limit), 4096)) if isinstance(limit, int) and limit > 0 else 16
         answer = {
-            "/v1/responses": lambda: fake_apis.responses(body, self.model, n, self.stored),
+            "/v1/responses": lambda: fake_apis.responses(body, self.model, n, self.stored, self.role == "D"),
             "/v1/messages": lambda: fake_apis.messages(body, self.model, n, rid),
             "/inference/v1/generate": lambda: fake_apis.generate(body, self.model, rid),
             "/tokenize": lambda: fake_apis.tokenize(body),

@@ -51,6 +51,23 @@ async def test_responses_prefill_on_p_then_d_answers_with_the_transfer_in_kv_tra
         assert resp.json()["id"].startswith("resp_") and len(resp.json()["id"]) == 5 + 16  # vLLM 0.32's shape
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_usage_reports_ps_prefix_cache_figures_not_ds_loaded_kv(stream):
+    """D counts the KV it loaded as cached and writes none; one server that computed the prompt
+    reports what P reports: those two figures are P's in the client's answer."""
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        body = {**RESPONSE, "input": "x" * 300, "stream": stream}
+        resp = await px.client.post("/v1/responses", json=body)
+        final = json.loads(resp.text.split("data: ")[-1]) if stream else resp.json()
+        usage = final["response"]["usage"] if stream else final["usage"]
+        assert usage["input_tokens_details"]["cached_tokens"] == 0
+        assert usage["input_tokens_details"]["cache_write_tokens"] == 256
+        assert b'"cached_tokens":299' in bytes(d.completions()[0].sent)  # what D itself reported
+        resp = await px.client.post("/v1/messages", json=MESSAGE)  # P's leg of a message: a prefill leg
+        assert p.completions()[-1].json["kv_transfer_params"] == {"do_remote_decode": True}
+
+
 async def test_responses_client_request_id_is_the_response_id_and_proxy_fields_are_not_the_clients():
     async with running_proxy() as px:
         p, d = await px.pd()
@@ -69,7 +86,10 @@ async def test_responses_stream_is_relayed_event_for_event():
         resp = await px.client.post("/v1/responses", json={**RESPONSE, "stream": True})
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
         (dec,) = d.completions()
-        assert resp.content == bytes(dec.sent)
+        # Byte for byte but for the usage's cache figures, which are P's (the next test).
+        usage = b'"input_tokens_details":{"cached_tokens":%d,"cache_write_tokens":0'
+        n = len(dec.json["input"])
+        assert resp.content == bytes(dec.sent).replace(usage % (n - 1), usage % 0)
         assert sse_types(resp.text)[0] == "response.created" and sse_types(resp.text)[-1] == "response.completed"
         assert p.completions()[0].json["stream"] is False
 
