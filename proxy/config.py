@@ -138,6 +138,9 @@ class ProxyConfig:
     # ONE_INSTANCE) go to an instance of this role (the other when it has none): P by default,
     # so that D's decoding streams do not share their steps with that work.
     passthrough_role: str = "P"
+    # Paths of routes a later vLLM adds that generate nothing, forwarded like those (the table,
+    # proxy/api_routes.py, lists vLLM 0.32's; any other path gets vLLM's 404).
+    passthrough_routes: tuple[str, ...] = ()
     # Stored responses (vLLM's Responses API with its store on): the D holding each, remembered
     # for at most this many responses and this long; an id not remembered is asked of every D.
     response_holders: int = 100_000
@@ -231,7 +234,16 @@ class ProxyConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}")
-        from proxy.membership.static import parse_static  # late: config must stay import-light
+        from proxy.api_routes import ROUTES  # late: config must stay import-light
+        from proxy.membership.static import parse_static
+
+        known = {r.path for r in ROUTES}
+        for path in self.passthrough_routes:
+            if not path.startswith("/") or "{" in path or any(c.isspace() for c in path):
+                raise ConfigError(f"passthrough_routes: {path!r} is not a path (e.g. /v1/new_route)")
+            if path in known or path in ("/ready", "/instances"):
+                raise ConfigError(f"passthrough_routes: {path} is a route the proxy already serves "
+                                  "(proxy/api_routes.py says how)")
 
         for role, specs in (("P", self.prefill), ("D", self.decode)):
             for spec in specs:
@@ -310,6 +322,8 @@ HELP = MappingProxyType(
         "queue_size": "requests that may wait for a free instance; beyond: 429",
         "passthrough_role": "role (P or D) that answers the routes which generate nothing (tokenize, render, "
                             "embeddings, score, rerank, ...); the other role when it has no instance",
+        "passthrough_routes": "paths (repeatable) of generation-free routes a later vLLM adds, forwarded to one "
+                              "instance as the table's are (any other path gets vLLM's 404)",
         "response_holders": "stored responses whose D the proxy remembers (oldest forgotten first); "
                             "a forgotten one is looked up on every D",
         "response_holders_ttl": "seconds a stored response's D is remembered",
@@ -365,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = FIRST_TOKEN_MODES
         if _is_list(f):
             kwargs["action"] = "append"
-            kwargs["metavar"] = "URL[,kv=HOST:PORT]"
+            kwargs["metavar"] = "PATH" if f.name == "passthrough_routes" else "URL[,kv=HOST:PORT]"
         kwargs["type"] = _scalar_type(f)
         if kwargs["type"] is _parse_bool:
             # "--flag" alone means true; "--flag false" still turns a default-on flag off.

@@ -25,7 +25,7 @@ from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_t
 from proxy.membership.discovery import Discovery
 from proxy.membership.probe import Prober
 from proxy.metrics import Metrics
-from proxy.api_routes import ONE_DECODE, ONE_INSTANCE, P_THEN_D, REFUSED, ROUTES, STORED_RESPONSE
+from proxy.api_routes import ONE_DECODE, ONE_INSTANCE, P_THEN_D, REFUSED, ROUTES, STORED_RESPONSE, ApiRoute
 from proxy.registry import Instance, Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
 from proxy.serving.passthrough import Passthrough, not_found
@@ -132,6 +132,9 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
             continue
         methods = None if route.handling == REFUSED else list(route.methods)  # refused: whatever the method
         app.router.routes.append(Route(route.path, endpoint, methods=methods))
+    for path in cfg.passthrough_routes:  # the operator's: routes of a later vLLM (--passthrough-routes)
+        extra = ApiRoute(path, ("GET", "POST"), ONE_INSTANCE, "--passthrough-routes")
+        app.router.routes.append(Route(path, state.passthrough.endpoint(extra), methods=list(extra.methods)))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -161,7 +161,7 @@ def call(s: System, url: str, path: str, body: Any, raw: bytes | None = None) ->
 
 
 # Fields whose values are the server's own: compared by presence, not value.
-_OWN = frozenset({"id", "created", "created_at", "request_id", "system_fingerprint"})
+_OWN = frozenset({"id", "created", "created_at", "request_id", "previous_response_id", "system_fingerprint"})
 # Deliberate differences (see the module's text): not compared at all.
 _NOT_COMPARED = frozenset({"kv_transfer_params"})
 # Floats compared within LOGPROB_TOL (logprobs); everything else exactly.
@@ -761,6 +761,16 @@ def test_generation_free_routes_answer_as_vllm_does(shipped):
         assert (got.status_code, got.json()) == (want.status_code, want.json()), path
 
 
+def test_a_batch_of_chats_is_answered_by_one_d_and_equal(shipped):
+    """/v1/chat/completions/batch: several conversations in one non-streamed request, each its own
+    choice; not split (one D prefills and answers them), equal to the colocated answer."""
+    batch = {"model": MODEL, "temperature": 0, "max_tokens": 8,
+             "messages": [[{"role": "user", "content": long(TEXTS["cjk"], 600)}],
+                          [{"role": "system", "content": "Short."}, {"role": "user", "content": TEXTS["emoji"]}]]}
+    head = check_api(shipped, "/v1/chat/completions/batch", batch)
+    assert XPYD_PATH not in head
+
+
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 def test_power_corrupted_kv_is_caught_on_the_other_routes(shipped, path):
     """P and D render the same prompt for these routes, so D's loaded KV is the prompt's: zeroed
@@ -825,6 +835,8 @@ def test_stored_responses_and_follow_ups_equal_colocated(served):
                   for url, m in zip(urls, made)]
         assert follow[1][0] == follow[0][0] == 200 and follow[1][1][XPYD_PATH] == "local_stored"
         got, want = follow[1][2], follow[0][2]
+        if not stream:
+            assert got["previous_response_id"] == made[1].json()["id"]
         if stream:
             got, want = api_fidelity.responses_stream(got), api_fidelity.responses_stream(want)
         assert diff(got, want) is None

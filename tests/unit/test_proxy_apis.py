@@ -261,3 +261,35 @@ async def test_vllm_admin_routes_are_never_forwarded():
             resp = await px.client.request(method, path, json={})
             assert (resp.status_code, resp.json()) == (404, {"detail": "Not Found"}), path
         assert not any(r.path not in ("/v1/models", "/health") for r in p.requests + d.requests)
+
+
+async def test_a_later_vllms_route_is_forwarded_only_when_the_operator_names_it():
+    async with running_proxy(passthrough_routes=("/v1/new_route",)) as px:
+        p, _ = await px.pd()
+        resp = await px.client.post("/v1/new_route", json={"x": 1})
+        assert (resp.status_code, resp.json()) == (404, {"detail": "Not Found"})  # the fake's own answer
+        assert p.requests[-1].path == "/v1/new_route"
+        before = len(p.requests)
+        assert (await px.client.post("/v1/other_route", json={})).json() == {"detail": "Not Found"}
+        assert len(p.requests) == before  # not forwarded
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/sleep", "relative", "/v1/responses/{id}"])
+def test_passthrough_routes_must_be_new_paths(path):
+    from proxy.config import ConfigError, ProxyConfig
+
+    with pytest.raises(ConfigError, match="passthrough_routes"):
+        ProxyConfig(passthrough_routes=(path,)).validate()
+
+
+async def test_multipart_audio_goes_to_one_d_byte_for_byte():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        raw = (b"--b\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\nfake-model\r\n--b\r\n"
+               b"Content-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\x00\xff\r\n--b--\r\n")
+        ctype = "multipart/form-data; boundary=b"
+        resp = await px.client.post("/v1/audio/transcriptions", content=raw, headers={"content-type": ctype})
+        assert resp.status_code == 404  # the fake serves no audio: its answer comes back as it is
+        seen = d.requests[-1]
+        assert (seen.path, seen.body, seen.headers["content-type"]) == ("/v1/audio/transcriptions", raw, ctype)
+        assert not any(r.path.startswith("/v1/audio") for r in p.requests)
