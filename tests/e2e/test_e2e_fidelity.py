@@ -59,6 +59,7 @@ CONTEXT = 4096  # scripts/cluster.py's --max-model-len
 # the reference gets the same reservation, so that it computes with P's and D's thread count.
 REFERENCE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
 RESPONSE_ROLE = "narrator"
+POOLING_MODEL = "tiny-embed"  # the tiny model served with --runner pooling --convert embed (the served system)
 # The `served` model's generation config: penalties vLLM applies where a request leaves them out.
 GENERATION_DEFAULTS = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_penalty": 1.1}
 
@@ -74,12 +75,13 @@ WANTED_PATHS = {"disaggregated", "first_token", "prefill_alone", "local_short", 
 
 class System:
     def __init__(self, proxy: cluster.Server, prefill: cluster.Server, decode: cluster.Server,
-                 colocated: cluster.Server) -> None:
+                 colocated: cluster.Server, pooling: cluster.Server | None = None) -> None:
         self.proxy, self.prefill, self.decode, self.colocated = proxy, prefill, decode, colocated
+        self.pooling = pooling  # a static P of another model, served as an embedding model
         self.client = httpx.Client(timeout=120)
 
     def servers(self) -> list[cluster.Server]:
-        return [self.proxy, self.prefill, self.decode, self.colocated]
+        return [self.proxy, self.prefill, self.decode, self.colocated] + ([self.pooling] if self.pooling else [])
 
     def stop(self) -> None:
         self.client.close()
@@ -87,11 +89,21 @@ class System:
             s.stop()
 
 
-def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str] | None = None) -> System:
+def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str] | None = None,
+           pooling: bool = False) -> System:
     disc = e2e_cluster.free_port()
-    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir)  # the shipped defaults
+    pool_port = e2e_cluster.free_port()
+    # The shipped defaults; with `pooling`, a static P serving the tiny model as an embedding model too.
+    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir,
+                                ["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else [])
     started = [proxy]
     try:
+        pool = None
+        if pooling:
+            pool = cluster.start_vllm("pooling", pool_port, log_dir, model=model, env=e2e_cluster.bind_env(None),
+                                      extra_args=["--runner", "pooling", "--convert", "embed",
+                                                  "--served-model-name", POOLING_MODEL])
+            started.append(pool)
         servers = []
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
             kv = cluster.kv_transfer_config(role, e2e_cluster.free_port_pair(), port := e2e_cluster.free_port(), disc)
@@ -106,8 +118,8 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str]
                                        env={**e2e_cluster.bind_env(None), **REFERENCE_ENV, **(env or {})})
         started.append(colocated)
         cluster.wait_until(started, "/health", 600)
-        e2e_cluster.wait_instances(proxy, 1, 1)
-        return System(proxy, servers[0], servers[1], colocated)
+        e2e_cluster.wait_instances(proxy, 1 + pooling, 1)
+        return System(proxy, servers[0], servers[1], colocated, pool)
     except BaseException:
         for s in started:
             s.stop()
@@ -135,7 +147,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, shipped: System):
     (model / "generation_config.json").write_text(json.dumps({**gen, **GENERATION_DEFAULTS}))
     # Stored responses (vLLM's store is off by default) and the tokens-in generate route on too.
     s = _start(tmp_path_factory.mktemp("fidelity-served"), model, ["--response-role", RESPONSE_ROLE, "--enable-scale-out"],
-               {"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+               {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, pooling=True)
     yield s
     s.stop()
 
@@ -856,6 +868,23 @@ def test_tokens_in_generate_equals_colocated(served, stream):
     head = check_api(served, "/inference/v1/generate", {"model": MODEL, "token_ids": ids, "stream": stream,
                                                         "sampling_params": {"max_tokens": 10, "temperature": 0}})
     assert head[XPYD_PATH] == "disaggregated"
+
+
+def test_pooling_and_scoring_through_the_proxy_equal_the_pooling_server(served):
+    """A model served for pooling (vLLM's CPU build serves the tiny Llama as an embedding model)
+    beside the generating one: its routes reach it through the proxy, answers unchanged."""
+    assert served.pooling is not None
+    texts = [TEXTS["ascii"][:60], TEXTS["cjk"][:30], TEXTS["emoji"][:40]]
+    for path, body in (("/v1/embeddings", {"input": texts}), ("/v1/embeddings", {"input": texts[1], "dimensions": 8}),
+                       ("/v2/embed", {"texts": texts, "input_type": "search_document", "embedding_types": ["float"]}),
+                       ("/pooling", {"input": texts[2]}), ("/score", {"text_1": texts[0], "text_2": texts[1:]}),
+                       ("/v1/rerank", {"query": texts[0], "documents": texts[1:]}), ("/tokenize", {"prompt": texts[1]}),
+                       ("/classify", {"input": texts[0]})):
+        body = {"model": POOLING_MODEL, **body}
+        want = httpx.post(served.pooling.url + path, json=body, timeout=60)
+        got = httpx.post(served.proxy.url + path, json=body, timeout=60)
+        assert got.status_code == want.status_code, (path, got.text[:300], want.text[:300])
+        assert diff(got.json(), want.json()) is None, path
 
 
 def _held_back(s: System) -> bool:
