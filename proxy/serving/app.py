@@ -28,6 +28,8 @@ from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS
 from proxy.registry import Instance, Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
+from proxy.serving.adapters import ROUTES as ADAPTER_ROUTES
+from proxy.serving.adapters import Adapters
 from proxy.serving.routes import Router
 from proxy.upstream.base import Upstream, UpstreamError
 from proxy.upstream.factory import make_upstream
@@ -55,6 +57,7 @@ class ProxyState:
             default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
         self.router = Router(cfg, self.registry, self.metrics, self.upstream, self.kv_events)
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
+        self.adapters = Adapters(cfg, self.registry, self.metrics, self.upstream, self.prober, self.label)
         # Subscribe as soon as an instance becomes a candidate, not at the next sweep.
         self.registry.listeners.append(lambda inst: self.kv_events.kick())
         self.draining = False
@@ -69,22 +72,31 @@ class ProxyState:
         full["kv_events"] = self.kv_events.view(inst)
         if self.cfg.expose_routing_headers:
             return full
-        name = f"{inst.role}/{inst.http_address}".encode()
-        label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
+        label = self.label(inst)
         keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
                 "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load",
                 "kv_transport_fallbacks", "kv_events", "output_limits")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 
+    def label(self, inst: Instance) -> str:
+        """How answers name an instance: its address with --expose-routing-headers, else
+        its opaque /instances label."""
+        if self.cfg.expose_routing_headers:
+            return inst.http_address
+        name = f"{inst.role}/{inst.http_address}".encode()
+        return hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
+
     async def start(self) -> None:
         await self.upstream.start()
         await self.prober.start()
+        self.adapters.start()
         await self.discovery.start()
         await self.kv_events.start()
 
     async def stop(self) -> None:
         await self.kv_events.stop()
         await self.discovery.stop()
+        await self.adapters.stop()
         await self.prober.stop()
         await self.upstream.close()
         self.router.selector.close()
@@ -118,6 +130,8 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
     # The hot routes are raw ASGI apps (Starlette calls a non-function endpoint directly).
     app.router.routes.append(Route(COMPLETIONS, router.endpoint(COMPLETIONS), methods=["POST"]))
     app.router.routes.append(Route(CHAT, router.endpoint(CHAT), methods=["POST"]))
+    for path in ADAPTER_ROUTES:  # the LoRA admin fan-out (proxy/serving/adapters.py)
+        app.router.routes.append(Route(path, state.adapters.endpoint(path), methods=["POST"]))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
