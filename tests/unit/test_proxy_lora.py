@@ -141,6 +141,15 @@ async def test_a_load_goes_to_every_p_and_d_and_answers_as_one_vllm(tmp_path):
         assert await px.metric("xpyd_requests_total", route=fake_lora.LOAD, status="200") == 1
 
 
+async def test_models_lists_the_adapters_after_the_base_model_in_load_order_as_vllm(tmp_path):
+    async with proxy() as px:
+        p, d = await px.pd()
+        for name in ("zeta", "beta", "aaa"):  # "aaa" sorts before the base model's id
+            assert (await load(px, name, tmp_path)).status_code == 200
+        ids = [m["id"] for m in (await px.client.get("/v1/models")).json()["data"]]
+        assert ids == [BASE, "zeta", "beta", "aaa"] == [BASE, *d.adapters]
+
+
 async def test_every_instance_refusing_alike_is_vllms_own_answer(tmp_path):
     async with proxy() as px:
         p, d = await px.pd()
