@@ -214,6 +214,24 @@ async def test_an_unload_everywhere_then_vllms_404_for_the_adapter(tmp_path):
         assert assert_error(resp, 404, 404)["message"] == "The lora adapter 'sql' cannot be found."
 
 
+async def test_the_fan_out_runs_to_its_end_when_the_admin_hangs_up(tmp_path, caplog):
+    async with proxy() as px:
+        p, d = await px.pd()
+        d.fault = Fault(delay=0.5, paths=(fake_lora.LOAD,), times=1)
+        body = json.dumps({"lora_name": "sql", "lora_path": str(tmp_path)}).encode()
+        host, port = px.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\nauthorization: Bearer %s\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (fake_lora.LOAD.encode(), ADMIN.encode(), len(body), body))
+        await writer.drain()
+        await wait_until(lambda: admin_calls(d), timeout=SLOW)
+        writer.close()  # gone before D answered
+        await wait_until(lambda: listed(px, d, "sql") and listed(px, p, "sql"), timeout=SLOW)
+        assert list(px.state.adapters.kept) == ["sql"]
+        await counted(px, "xpyd_requests_total", route=fake_lora.LOAD, status="200")
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 # ---------------------------------------------------------------- routing by adapter
 
 
