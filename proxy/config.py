@@ -80,6 +80,12 @@ class ProxyConfig:
     upstream_api_key_file: str | None = None
     # Pass the client's Authorization header on to the instances (off: never forwarded).
     forward_client_auth: bool = False
+    # The LoRA admin routes want "Authorization: Bearer <admin_api_key>" (unset: refused);
+    # adapters remembered for instances that join later; one load's deadline per instance.
+    admin_api_key: str | None = field(default=None, repr=False)
+    admin_api_key_file: str | None = None
+    max_adapters: int = 64
+    adapter_timeout: float = 120.0
     max_body_bytes: int = 16 * 1024 * 1024
     # The HTTP edge (proxy/serving/edge.py), before any authentication: request line + headers
     # (431 above), seconds to receive them from a connection's first byte (or its opening),
@@ -174,6 +180,7 @@ class ProxyConfig:
             "header_timeout",
             "body_timeout",
             "response_holders_ttl",
+            "adapter_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
@@ -181,11 +188,13 @@ class ProxyConfig:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
         if self.max_body_bytes <= 0 or self.max_response_bytes <= 0:
             raise ConfigError("max_body_bytes and max_response_bytes must be > 0")
-        for name in ("api_key", "discovery_secret", "upstream_api_key"):
+        for name in ("api_key", "discovery_secret", "upstream_api_key", "admin_api_key"):
             value = getattr(self, name)
             # An empty key must not silently mean "authentication off".
             if value is not None and not value.strip():
                 raise ConfigError(f"{name} must not be empty (leave it unset to disable it)")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ConfigError("admin_api_key must differ from api_key: clients must not manage adapters")
         if (
             self.discovery_secret is None
             and not self.allow_unauthenticated_discovery
@@ -203,7 +212,7 @@ class ProxyConfig:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",
                      "kv_index_max_blocks", "tokenize_max_bytes", "tokenize_max_pending",
-                     "max_connections", "response_holders"):
+                     "max_connections", "response_holders", "max_adapters"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.max_header_bytes < 1024:
@@ -297,6 +306,11 @@ HELP = MappingProxyType(
         "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
         "upstream_api_key_file": "file holding the upstream API key (keeps it out of the command line)",
         "forward_client_auth": "forward the client's Authorization header to instances",
+        "admin_api_key": "require 'Authorization: Bearer KEY' on /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(unset: those routes are refused); never the client --api-key",
+        "admin_api_key_file": "file holding the admin API key (keeps it out of the command line)",
+        "max_adapters": "LoRA adapters loaded through the proxy that it keeps (and loads on instances that join later)",
+        "adapter_timeout": "seconds one instance may take to load or unload a LoRA adapter",
         "max_body_bytes": "largest accepted request body (413 above)",
         "max_header_bytes": "largest request line + headers (431 above)",
         "header_timeout": "seconds to receive a request's headers (408 after), from the connection "

@@ -89,6 +89,12 @@ class Metrics:
             ["role", "reason"],
             registry=r,
         )
+        self.adapter_syncs = Counter(
+            "xpyd_adapter_syncs",
+            "LoRA adapters the proxy loaded on instances that joined without them, by result (loaded, failed)",
+            ["result"],
+            registry=r,
+        )
         self.disconnects = Counter(
             "xpyd_client_disconnects", "Clients that went away before their answer", registry=r
         )

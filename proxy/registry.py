@@ -130,6 +130,8 @@ class Registry:
     listeners: list[Callable[[Instance], None]] = field(default_factory=list)
     # Called with each newly discovered instance, pending until it answers (the prober).
     pending_listeners: list[Callable[[Instance], None]] = field(default_factory=list)
+    # Called with each instance whose list of models changed (proxy/serving/adapters.py).
+    models_listeners: list[Callable[[Instance], None]] = field(default_factory=list)
     # Discovered instances held per role and per source host (keys at 0 are deleted).
     _per_role: dict[str, int] = field(default_factory=lambda: {"P": 0, "D": 0})
     _per_source: dict[str, int] = field(default_factory=dict)
@@ -174,8 +176,8 @@ class Registry:
         self._pools.clear()
         self._models = None
 
-    def _joined(self, inst: Instance) -> None:
-        for listener in self.listeners:
+    def _notify(self, inst: Instance, listeners: list[Callable[[Instance], None]]) -> None:
+        for listener in listeners:
             try:
                 listener(inst)
             except Exception:  # a listener's bug must not break registration
@@ -235,11 +237,7 @@ class Registry:
                 "instance registered, pending until it answers role=%s http=%s zmq=%s source=%s keyed=%s",
                 reg.role, reg.http_address, reg.zmq_address, source, reg.instance_key is not None,
             )  # fmt: skip
-            for listener in self.pending_listeners:
-                try:
-                    listener(inst)
-                except Exception:  # a listener's bug must not break registration
-                    log.exception("registry listener failed instance=%s", inst.http_address)
+            self._notify(inst, self.pending_listeners)
             return inst
         if not inst.bound:  # a static instance's first registration: it owns it from now on
             inst.bound = True
@@ -311,7 +309,7 @@ class Registry:
         self._rebuild(inst.role)
         log.info("instance answered, now a candidate role=%s http=%s",
                  inst.role, inst.http_address)  # fmt: skip
-        self._joined(inst)
+        self._notify(inst, self.listeners)
 
     def pending(self) -> list[Instance]:
         """Discovered instances that have not answered yet, in registration order."""
@@ -330,7 +328,7 @@ class Registry:
         log.info("instance %s role=%s http=%s", "healthy" if healthy else "unhealthy",
                  inst.role, inst.http_address)  # fmt: skip
         if healthy:
-            self._joined(inst)
+            self._notify(inst, self.listeners)
 
     def set_models(self, inst: Instance, models: dict[str, dict]) -> None:
         if inst.models is not None and inst.models.keys() == models.keys():
@@ -341,6 +339,16 @@ class Registry:
         inst.models = models
         self._pools.clear()
         self._models = None
+        self._notify(inst, self.models_listeners)
+
+    def serves(self, inst: Instance, model: str) -> bool:
+        """Whether a request for `model` may go to `inst`: it lists the model, or its models
+        are not known yet and `model` is no LoRA adapter (an adapter runs only where it is
+        loaded: a base-model P's KV is wrong for it, and vLLM answers 404 without it)."""
+        if inst.models is not None:
+            return model in inst.models
+        card = self.models().get(model)
+        return card is None or not card.get("parent")
 
     def pool(self, role: str, model: str | None) -> list[Instance]:
         """Live instances of `role` that serve `model` (None: all); do not mutate."""
@@ -350,21 +358,23 @@ class Registry:
         found = self._pools.get(key)
         if found is not None:
             return found
-        found = [i for i in self._lists[role] if i.models is None or model in i.models]
+        found = [i for i in self._lists[role] if self.serves(i, model)]
         # Cache only models some instance serves: client-chosen names must not grow this.
         if any(i.models is not None and model in i.models for i in found):
             self._pools[key] = found
         return found
 
     def models(self) -> dict[str, dict]:
-        """Every model a live instance serves (id -> the first card seen), sorted by id."""
+        """Every model a live instance serves (id -> the first card seen): base models
+        sorted by id, then LoRA adapters (cards with a parent) in the order listed, as vLLM."""
         if self._models is not None:
             return self._models
         cards: dict[str, dict] = {}
         for inst in self.all():
             for name, card in (inst.models or {}).items():
                 cards.setdefault(name, card)
-        self._models = dict(sorted(cards.items()))
+        base = sorted(((k, v) for k, v in cards.items() if not v.get("parent")), key=lambda kv: kv[0])
+        self._models = dict(base + [(k, v) for k, v in cards.items() if v.get("parent")])
         return self._models
 
     def remove(self, role: str, http_address: str, reason: str) -> bool:

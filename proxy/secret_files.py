@@ -16,7 +16,7 @@ from xpyd_wire.secret_file import read_secret_file as _read
 
 logger = logging.getLogger("xpyd.proxy.config")
 
-SECRET_FIELDS = ("api_key", "discovery_secret", "upstream_api_key")
+SECRET_FIELDS = ("api_key", "discovery_secret", "upstream_api_key", "admin_api_key")
 
 
 def read_secret_file(path: str, what: str) -> str:

@@ -116,7 +116,7 @@ class WaitQueue:
             if waiter.fut.done() or inst in waiter.exclude:
                 continue
             model = waiter.req.model
-            if model is None or inst.models is None or model in inst.models:
+            if model is None or self.registry.serves(inst, model):
                 return waiter
         return None
 

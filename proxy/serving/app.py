@@ -25,9 +25,10 @@ from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_t
 from proxy.membership.discovery import Discovery
 from proxy.membership.probe import Prober
 from proxy.metrics import Metrics
-from proxy.api_routes import ONE_DECODE, ONE_INSTANCE, P_THEN_D, REFUSED, ROUTES, STORED_RESPONSE, ApiRoute
+from proxy.api_routes import ADMIN, ONE_DECODE, ONE_INSTANCE, P_THEN_D, REFUSED, ROUTES, STORED_RESPONSE, ApiRoute
 from proxy.registry import Instance, Registry
 from proxy.routing.kv_events import EventsConfig, KVEvents
+from proxy.serving.adapters import Adapters
 from proxy.serving.passthrough import Passthrough, not_found
 from proxy.serving.routes import Router
 from proxy.upstream.base import Upstream, UpstreamError
@@ -59,6 +60,7 @@ class ProxyState:
                                        self.router.dispatcher.stored, self.router.check_auth,
                                        self.router.base_headers(), forwards_client_auth(cfg))
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
+        self.adapters = Adapters(cfg, self.registry, self.metrics, self.upstream, self.prober, self.label)
         # Subscribe as soon as an instance becomes a candidate, not at the next sweep.
         self.registry.listeners.append(lambda inst: self.kv_events.kick())
         self.draining = False
@@ -73,22 +75,31 @@ class ProxyState:
         full["kv_events"] = self.kv_events.view(inst)
         if self.cfg.expose_routing_headers:
             return full
-        name = f"{inst.role}/{inst.http_address}".encode()
-        label = hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
+        label = self.label(inst)
         keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
                 "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load",
                 "kv_transport_fallbacks", "kv_events", "output_limits")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 
+    def label(self, inst: Instance) -> str:
+        """How answers name an instance: its address with --expose-routing-headers, else
+        its opaque /instances label."""
+        if self.cfg.expose_routing_headers:
+            return inst.http_address
+        name = f"{inst.role}/{inst.http_address}".encode()
+        return hashlib.blake2b(name, digest_size=6, key=self._label_key).hexdigest()
+
     async def start(self) -> None:
         await self.upstream.start()
         await self.prober.start()
+        self.adapters.start()
         await self.discovery.start()
         await self.kv_events.start()
 
     async def stop(self) -> None:
         await self.kv_events.stop()
         await self.discovery.stop()
+        await self.adapters.stop()
         await self.prober.stop()
         await self.upstream.close()
         self.router.selector.close()
@@ -128,7 +139,9 @@ def create_app(cfg: ProxyConfig) -> FastAPI:
             endpoint = state.passthrough.endpoint(route)
         elif route.handling == REFUSED:
             endpoint = not_found
-        else:  # the proxy's own (below) and the admin routes (their own module)
+        elif route.handling == ADMIN:  # the LoRA admin fan-out (proxy/serving/adapters.py)
+            endpoint = state.adapters.endpoint(route.path)
+        else:  # the proxy's own (below)
             continue
         methods = None if route.handling == REFUSED else list(route.methods)  # refused: whatever the method
         app.router.routes.append(Route(route.path, endpoint, methods=methods))

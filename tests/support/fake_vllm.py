@@ -26,7 +26,7 @@ import httptools
 import zmq
 import zmq.asyncio
 
-from tests.support import fake_apis
+from tests.support import fake_apis, fake_lora
 from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
 
@@ -295,6 +295,11 @@ class FakeVLLM:
         self.models_status = 200
         # Responses the fake stored (Responses API, store on), by id: their whole answers.
         self.stored: dict[str, bytes] = {}
+        # LoRA adapters loaded (name -> path; tests/support/fake_lora.py serves the routes,
+        # as vLLM with VLLM_ALLOW_RUNTIME_LORA_UPDATING; lora_routes False: 404, as without).
+        self.adapters: dict[str, str] = {}
+        self.lora_routes = True
+        self.models_delay = 0.0  # seconds /v1/models takes to answer
         self.requests: list[Recorded] = []
         self.served = 0
         self.accepted = 0  # TCP connections accepted
@@ -446,8 +451,9 @@ class FakeVLLM:
         lines = [
             b"HTTP/1.1 %d %s" % (status, reason.get(status, "Status").encode()),
             b"server: fake-vllm",
-            b"content-type: " + content_type.encode(),
         ]
+        if content_type:  # vLLM's plain-text answers (LoRA's success) carry none
+            lines.append(b"content-type: " + content_type.encode())
         if length is None:
             lines.append(b"transfer-encoding: chunked")
         else:
@@ -481,6 +487,7 @@ class FakeVLLM:
         if req.method == "GET" and path == "/v1/models" and self.models_status != 200:
             return self._send_json(conn, req, rec, self.models_status, b'{"detail":"nope"}')
         if req.method == "GET" and path == "/v1/models":
+            await asyncio.sleep(self.models_delay)
             data = {
                 "object": "list",
                 "data": [
@@ -493,9 +500,18 @@ class FakeVLLM:
                         "parent": None,
                         "max_model_len": 2048,
                     }
-                ],
+                ] + [fake_lora.adapter_card(name, where, self.model) for name, where in self.adapters.items()],
             }
             return self._send_json(conn, req, rec, 200, json.dumps(data).encode())
+        if req.method == "POST" and path in (fake_lora.LOAD, fake_lora.UNLOAD) and self.lora_routes:
+            fault = self._take_fault(path, "")
+            if fault is not None and (fault.delay or fault.hang):
+                await asyncio.sleep(3600 if fault.hang else fault.delay)
+            if fault is not None and fault.status is not None:
+                return self._send_json(conn, req, rec, fault.status, fault.error_body or b'{"detail":"fake"}')
+            status, payload, ctype = fake_lora.answer(self.adapters, self.model, path,
+                                                      req.headers.get("content-type", ""), body)
+            return self._send_json(conn, req, rec, status, payload, ctype)
         completion = req.method == "POST" and path in ("/v1/completions", "/v1/chat/completions")
         if not completion and not _serves(req.method, path):
             return self._send_json(conn, req, rec, 404, b'{"detail":"Not Found"}')
@@ -527,7 +543,7 @@ class FakeVLLM:
             error = {"message": "1 validation error: body is not a JSON object", "type": "Bad Request",
                      "param": "body", "code": 400}
             return self._send_json(conn, req, rec, 400, json.dumps({"error": error}).encode())
-        if body.get("model") is not None and body.get("model") != self.model:
+        if body.get("model") is not None and body.get("model") not in (self.model, *self.adapters):
             error = {"message": f"The model `{body.get('model')}` does not exist. Valid aliases: {self.model}.",
                      "type": "NotFoundError", "param": "model", "code": 404}
             return self._send_json(conn, req, rec, 404, json.dumps({"error": error}).encode())

@@ -97,5 +97,7 @@ def test_the_app_serves_each_route_the_way_the_table_says():
             assert getattr(endpoint, "owner", None) is passthrough and endpoint.route is route, route.path
         elif route.handling == REFUSED:
             assert endpoint is not_found, route.path
+        elif route.handling == ADMIN:
+            assert getattr(endpoint, "adapters", None) is app.state.proxy.adapters, route.path
         elif route.handling == PROXY:
             assert endpoint is not None and endpoint is not not_found, route.path

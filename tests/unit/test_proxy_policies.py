@@ -207,6 +207,30 @@ def test_cached_tokens_reports_what_was_held_before_the_request():
     )
 
 
+def test_a_lora_adapters_prefixes_are_apart_from_the_base_models():
+    """vLLM keys its prefix cache by the LoRA adapter too: a prompt computed for the base
+    model is no cache hit for the same prompt under an adapter (nor the other way round)."""
+    pol = policy(chunk_tokens=16)
+    a, b = _instances(2)
+    for inst in (a, b):
+        inst.models = {"m": {"id": "m", "parent": None}, "sql": {"id": "sql", "parent": "m"}}
+
+    def on(model: str, prompt: str) -> RouteRequest:
+        req = completion(prompt)
+        req.model = req.body["model"] = model
+        return req
+
+    prompt = SYSTEMS[0] + "Question one?"
+    held = pol.choose([a, b], on("m", prompt))
+    other = b if held is a else a
+    held.in_flight = 1  # busier, but within the balance: a cache hit would still win
+    assert pol.cached_tokens(held, on("m", prompt)) > 0
+    assert pol.cached_tokens(held, on("sql", prompt)) == 0
+    assert pol.choose([a, b], on("sql", prompt)) is other  # no hit: the least loaded
+    assert pol.choose([a, b], on("sql", prompt)) is other  # ... and now its own hit there
+    assert pol.cached_tokens(other, on("sql", prompt)) > 0 and pol.cached_tokens(other, on("m", prompt)) == 0
+
+
 def test_gone_instances_are_forgotten(monkeypatch):
     pol = policy()
     a, b = _instances(2)

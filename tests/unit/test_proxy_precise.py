@@ -171,6 +171,24 @@ async def test_lora_adapters_and_salted_blocks():
         assert pol.choose(c.insts, request(PROMPT, model="sql")) is c.insts[0]
 
 
+def test_the_guess_keeps_a_lora_adapters_prefixes_apart_too():
+    """Without events (index UNKNOWN) precise follows cache_aware's guess, which is salted
+    by the adapter as vLLM's cache is: the base model's prompt is no hit for the adapter."""
+    registry = Registry(heartbeat_timeout=30)
+    insts = []
+    for i in range(2):
+        inst = registry.upsert(discovery.Registration("P", f"127.0.0.1:{18100 + i}", f"127.0.0.1:{14100 + i}"))
+        registry.admit(inst)
+        inst.models = {"base": {"id": "base"}, "sql": {"id": "sql", "parent": "base"}}
+        insts.append(inst)
+    pol = Precise(KVEvents(registry, Metrics(registry), EventsConfig()))
+    held = pol.choose(insts, request(PROMPT, model="base"))
+    held.in_flight = 1  # busier, within the balance: a hit would still win
+    assert pol.choose(insts, request(PROMPT, model="base")) is held
+    assert pol.choose(insts, request(PROMPT, model="sql")) is not held
+    assert pol.cached_tokens(held, request(PROMPT, model="sql")) == 0
+
+
 def test_precise_needs_a_tokenizer():
     with pytest.raises(ConfigError, match="tokenizer"):
         ProxyConfig(prefill_policy="precise").validate()

@@ -154,3 +154,34 @@ def test_last_logits_depend_on_early_tokens(model_dir):
     # numerics move them by ~4e-3: corrupted KV is well above the noise.
     assert (base - changed_logits).abs().max().item() > 2e-2
     assert (base - swapped_logits).abs().max().item() > 2e-2
+
+
+def test_the_tiny_lora_adapter_fits_the_model_and_is_deterministic(model_dir, tmp_path):
+    """scripts/make_tiny_lora.py: PEFT's files, lora_A [r, in] and lora_B [out, r] for each
+    projection of the base weights, lora_B nonzero (else the adapter answers as the base)."""
+    from safetensors.torch import load_file
+
+    from scripts.make_tiny_lora import make_lora
+
+    one = make_lora(tmp_path / "one", seed=1, rank=8)
+    base = load_file(model_dir / "model.safetensors")
+    lora = load_file(one / "adapter_model.safetensors")
+    config = json.loads((one / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8 and config["lora_alpha"] == 16
+    assert len(lora) == 2 * 2 * 7  # two layers, seven projections, A and B
+    for key, weight in base.items():
+        if not key.endswith("_proj.weight"):
+            continue
+        stem = "base_model.model." + key.removesuffix(".weight")
+        out, n = weight.shape
+        assert tuple(lora[stem + ".lora_A.weight"].shape) == (8, n)
+        assert tuple(lora[stem + ".lora_B.weight"].shape) == (out, 8)
+        assert lora[stem + ".lora_B.weight"].abs().sum() > 0
+    again = make_lora(tmp_path / "again", seed=1, rank=8)
+    other = make_lora(tmp_path / "other", seed=2, rank=8)
+    files = ("adapter_config.json", "adapter_model.safetensors")
+
+    def read(d: Path) -> list[bytes]:
+        return [(d / f).read_bytes() for f in files]
+
+    assert read(again) == read(one) and read(other)[1] != read(one)[1]

@@ -4,7 +4,7 @@ P and D each get their own policy object (factory.py); one module per policy."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from proxy.registry import Instance
@@ -37,3 +37,16 @@ def load_score(inst: Instance) -> float:
         # A D whose KV receive buffer is full refuses transfers: as bad as a full cache.
         kv = max(load.kv_usage, load.kv_buffer_usage)
     return queued + inst.in_flight_tokens / TOKENS_PER_REQUEST + KV_USAGE_WEIGHT * kv
+
+
+def adapter_of(instances: Iterable[Instance], model: str | None) -> str | None:
+    """The LoRA adapter a request for `model` runs on these instances (vLLM keys its prefix
+    cache and its KV events by it): `model` when the first instance that lists it lists it as
+    an adapter (a card with a parent, as vLLM's /v1/models), else None (the base model)."""
+    if model is None:
+        return None
+    for inst in instances:
+        card = inst.models.get(model) if inst.models else None
+        if card is not None:
+            return model if card.get("parent") else None
+    return None

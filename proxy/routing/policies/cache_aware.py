@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from proxy.registry import Instance
 from proxy.request import RouteRequest
-from proxy.routing.policies.base import load_score
+from proxy.routing.policies.base import adapter_of, load_score
 from proxy.routing.policies.least_loaded import LeastLoaded
 
 # The proxy's own prompt-size estimate (openai_api.estimate_prompt_tokens) counts 4
@@ -51,11 +51,12 @@ class PrefixIndex:
         self._holders: dict[int, tuple[Instance, ...]] = {}
         self._lru: dict[Instance, OrderedDict[int, None]] = {}
 
-    def chain(self, key: str | list[int]) -> list[int]:
-        """Chain hashes of every full chunk of `key`, first chunk first."""
+    def chain(self, key: str | list[int], adapter: str | None = None) -> list[int]:
+        """Chain hashes of every full chunk of `key`, first chunk first; a LoRA `adapter`
+        salts the chain (vLLM never shares a prefix between adapters or with the base model)."""
         size = self.chunk_chars if isinstance(key, str) else self.chunk_tokens
         out: list[int] = []
-        h = 0
+        h = 0 if adapter is None else hash(("lora", adapter))
         if isinstance(key, str):
             for i in range(0, len(key) - size + 1, size):
                 h = hash((h, key[i : i + size]))
@@ -152,7 +153,7 @@ class CacheAware:
 
     def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
         self.note_seen(candidates)
-        hashes = self.index.chain(req.key)
+        hashes = self.index.chain(req.key, adapter_of(candidates, req.model))
         depth, holders = self.index.match(hashes, candidates)
         least, least_score = self._least.pick(candidates)
         choice = least
@@ -172,7 +173,7 @@ class CacheAware:
         """Tokens of req's prompt that `inst` likely holds (as known before req was sent)."""
         last_req, last_inst, chunks = self._last
         if last_req is not req or last_inst is not inst:
-            chunks = self.index.match(self.index.chain(req.key), (inst,))[0]
+            chunks = self.index.match(self.index.chain(req.key, adapter_of((inst,), req.model)), (inst,))[0]
         return min(chunks * self.settings.chunk_tokens, req.tokens)
 
     def imbalanced(self, score: float, least: float) -> bool:

@@ -29,7 +29,7 @@ from proxy.registry import Instance
 from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
 from proxy.routing.kv_index import IndexState
-from proxy.routing.policies.base import load_score
+from proxy.routing.policies.base import adapter_of, load_score
 from proxy.routing.policies.cache_aware import CacheAware, CacheAwareSettings
 from proxy.routing.policies.least_loaded import LeastLoaded
 from xpyd_wire.kv_events import chain_block_keys
@@ -64,7 +64,7 @@ class Precise:
         size = index.block_size
         if size is None:  # known and nothing stored since: it holds nothing
             return 0
-        lora = _lora_of(inst, req.model)
+        lora = adapter_of((inst,), req.model)
         keys = req.block_keys.get((size, lora))
         if keys is None:
             keys = req.block_keys[(size, lora)] = chain_block_keys(ids, size, lora)
@@ -81,7 +81,7 @@ class Precise:
     def choose(self, candidates: Sequence[Instance], req: RouteRequest) -> Instance:
         fallback = self.fallback
         fallback.note_seen(candidates)
-        hashes = fallback.index.chain(req.key)
+        hashes = fallback.index.chain(req.key, adapter_of(candidates, req.model))
         held = {c: self.held_tokens(c, req) for c in candidates}
         best: Instance | None = None
         best_frac = 0.0
@@ -130,12 +130,3 @@ class Precise:
         if req is self._last_req and inst in self._last_held:
             return self._last_held[inst]
         return self.held_tokens(inst, req)
-
-
-def _lora_of(inst: Instance, model: str | None) -> str | None:
-    """The LoRA adapter name vLLM salts block hashes with: the requested model when the
-    instance lists it as an adapter (a card with a parent), else None (the base model)."""
-    if model is None or not inst.models:
-        return None
-    card = inst.models.get(model)
-    return model if isinstance(card, dict) and card.get("parent") else None
