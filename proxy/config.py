@@ -80,6 +80,9 @@ class ProxyConfig:
     upstream_api_key_file: str | None = None
     # Pass the client's Authorization header on to the instances (off: never forwarded).
     forward_client_auth: bool = False
+    # Test hook: a client's kv_transfer_params xpyd_debug_* fields reach the instances (off:
+    # stripped like every field the proxy owns, proxy/serving/intake.py).
+    forward_debug_params: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     # The HTTP edge (proxy/serving/edge.py), before any authentication: request line + headers
     # (431 above), seconds to receive them from a connection's first byte (or its opening),
@@ -275,6 +278,8 @@ HELP = MappingProxyType(
         "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
         "upstream_api_key_file": "file holding the upstream API key (keeps it out of the command line)",
         "forward_client_auth": "forward the client's Authorization header to instances",
+        "forward_debug_params": "test hook: pass a client's kv_transfer_params xpyd_debug_* fields to the "
+        "instances (engines honour them only with allow_debug_corruption); off: stripped",
         "max_body_bytes": "largest accepted request body (413 above)",
         "max_header_bytes": "largest request line + headers (431 above)",
         "header_timeout": "seconds to receive a request's headers (408 after), from the connection "

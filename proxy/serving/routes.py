@@ -25,34 +25,11 @@ from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
 from proxy.routing.selection import Selector
 from proxy.serving.corked import FLUSH, WATCH
+from proxy.serving.intake import cleaned, cleaned_unparsed, forwarded, upstream_headers
 from proxy.upstream.base import Upstream
 from xpyd_wire.headers import XPYD_PREFIX_RAW
 
 log = logging.getLogger("xpyd.proxy.routing")
-
-# Never forwarded upstream: hop-by-hop headers, ones the client library recomputes, the
-# client's request id (ours replaces it) and Accept-Encoding (we relay bytes verbatim).
-DROP_REQUEST_HEADERS = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"content-type",
-        b"expect",
-        b"x-request-id",
-        b"accept-encoding",
-    }
-)
-
 
 def _header_name(k: bytes) -> str:
     """A timing header's name for the log: without the xpyd prefix."""
@@ -90,9 +67,8 @@ class Router:
         # The client's Authorization goes upstream only when asked for (--forward-client-auth)
         # and never over --upstream-api-key: see proxy/credentials.py.
         upstream_key = upstream_key_header(cfg)
-        self._drop = DROP_REQUEST_HEADERS
-        if not forwards_client_auth(cfg):
-            self._drop = DROP_REQUEST_HEADERS | {b"authorization"}
+        self._forwarded = forwarded(forwards_client_auth(cfg))  # what vLLM reads: proxy/serving/intake.py
+        self._debug = cfg.forward_debug_params
         self._base_headers = {"content-type": "application/json"}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         if upstream_key is not None:
@@ -119,14 +95,7 @@ class Router:
     async def _read(self, path: str, scope: Scope, receive: Receive) -> RouteRequest:
         headers = scope["headers"]
         self.check_auth(headers)
-        fwd = self._base_headers.copy()
-        drop = self._drop
-        length: bytes | None = None
-        for k, v in headers:
-            if k not in drop:
-                fwd[k.decode("latin-1")] = v.decode("latin-1")
-            elif k == b"content-length":
-                length = v
+        fwd, length = upstream_headers(headers, self._forwarded, self._base_headers)
         raw = await read_body(receive, length, self.cfg.max_body_bytes)
         try:
             # orjson: 4-8x faster than json here, which matters for long prompts.
@@ -134,8 +103,9 @@ class Router:
             validate_body(path, body)
         except (ValueError, ProxyError):
             # vLLM's answer to it is vLLM's to give (its 400, or an answer where its parser
-            # accepts what ours does not): the body goes to one D as it came.
-            return RouteRequest(path, raw, {}, 0, fwd, verdict=True)
+            # accepts what ours does not): the body goes to one D as it came (less the proxy's fields).
+            return RouteRequest(path, cleaned_unparsed(raw, self._debug), {}, 0, fwd, verdict=True)
+        raw = cleaned(raw, body, self._debug)  # the proxy's kv_transfer_params are its own
         return RouteRequest(path, raw, body, estimate_prompt_tokens(body), fwd, body.get("model"))
 
     async def handle(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:

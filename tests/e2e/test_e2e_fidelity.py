@@ -89,7 +89,8 @@ class System:
 
 def _start(log_dir: Path, model: Path, vllm_args: list[str]) -> System:
     disc = e2e_cluster.free_port()
-    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir)  # the shipped defaults
+    # The shipped defaults, but a request may ask D to zero its KV (the power test).
+    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir, ["--forward-debug-params"])
     started = [proxy]
     try:
         servers = []

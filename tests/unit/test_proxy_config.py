@@ -50,6 +50,7 @@ DOCUMENTED_DEFAULTS = {
     "upstream_api_key": None,
     "upstream_api_key_file": None,
     "forward_client_auth": False,
+    "forward_debug_params": False,
     "max_body_bytes": 16 * 1024 * 1024,
     "max_header_bytes": 32 * 1024,
     "header_timeout": 10.0,

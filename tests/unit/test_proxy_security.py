@@ -429,3 +429,62 @@ async def test_launcher_sees_registrations_with_or_without_addresses(expose):
         assert await asyncio.to_thread(registered, spec, insts) == {"p0", "d0"}
         two_d = insts + [InstanceSpec("d1", "D", "127.0.0.1", free_port(), 3)]
         assert await asyncio.to_thread(registered, spec, two_d) == {"p0"} | ({"d0"} if expose else set())
+
+
+# ---------------------------------------------------------------- the proxy's kv_transfer_params
+
+CLIENT_PARAMS = {"xpyd_skip_tokens": 3, "xpyd_prefill_prompt_tokens": 2, "xpyd_debug_corrupt_kv": True,
+                 "xpyd_later_field": 1, "xpyd_report_transfer_key": True, "other": {"x": 1}}
+KEPT = {"xpyd_report_transfer_key": True, "other": {"x": 1}}
+
+
+def _params(rec) -> dict:
+    return json.loads(rec.body.replace(b"NaN", b"null"))["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("case", ["disaggregated", "first_token", "local", "unparsed", "chat"])
+async def test_a_clients_proxy_fields_in_kv_transfer_params_reach_neither_p_nor_d(case):
+    """Every xpyd_* field of kv_transfer_params but those a client may ask with is the proxy's:
+    a client's own (xpyd_skip_tokens would steer D's KV plan) is stripped on every path, the
+    disaggregated one (P and D), the first token from P (P and D's continuation), D alone, a
+    body the proxy cannot read (NaN: vLLM's parser takes it; it goes to one D) and chat."""
+    body = {**COMPLETION, "kv_transfer_params": dict(CLIENT_PARAMS)}
+    path = "/v1/completions"
+    opts = {}
+    if case == "first_token":
+        body["stream"] = True
+    elif case == "local":
+        opts["local_prefill_threshold"] = 10_000
+    elif case == "chat":
+        body = {**CHAT, "kv_transfer_params": dict(CLIENT_PARAMS)}
+        path = "/v1/chat/completions"
+    async with running_proxy(**opts) as px:
+        p, d = await px.pd()
+        if case == "unparsed":
+            raw = json.dumps({**body, "temperature": float("nan")}).encode()
+            assert b"NaN" in raw
+            resp = await px.client.post(path, content=raw, headers={"content-type": "application/json"})
+        else:
+            resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        if case == "first_token":
+            assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        sent = [*p.completions(), *d.completions()]
+        assert len(sent) == (1 if case in ("local", "unparsed") else 2), [r.path for r in sent]
+        for rec in sent:
+            params = _params(rec)
+            assert {k: v for k, v in params.items() if k not in KEPT} == \
+                ({"xpyd_prefill_prompt_tokens": params.get("xpyd_prefill_prompt_tokens")}
+                 if case == "first_token" and rec in d.completions() else {}), (rec.path, params)
+            assert {k: params[k] for k in KEPT} == KEPT
+        if case == "first_token":  # the proxy's own value, not the client's
+            assert _params(d.completions()[0])["xpyd_prefill_prompt_tokens"] != 2
+
+
+async def test_debug_fields_pass_only_with_forward_debug_params():
+    async with running_proxy(forward_debug_params=True) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json={**COMPLETION, "kv_transfer_params": dict(CLIENT_PARAMS)})
+        assert resp.status_code == 200
+        for rec in (*p.completions(), *d.completions()):
+            assert _params(rec) == {**KEPT, "xpyd_debug_corrupt_kv": True}
