@@ -22,7 +22,9 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    host: str = "0.0.0.0"
+    # Loopback by default, like every port here: a wider address serves anyone who reaches it
+    # (the proxy warns at start-up when it does so without an api_key).
+    host: str = "127.0.0.1"
     port: int = 8000
     # Loopback by default: a reachable discovery socket lets anyone add or remove instances.
     discovery_host: str = "127.0.0.1"
@@ -234,7 +236,7 @@ class ProxyConfig:
 
 HELP = MappingProxyType(
     {
-        "host": "address to serve the OpenAI API on",
+        "host": "address to serve the OpenAI API on (a non-loopback one without --api-key is warned about)",
         "port": "HTTP port (0 picks a free one)",
         "discovery_host": "address the ZMQ discovery ROUTER binds to",
         "discovery_port": "ZMQ discovery port instances register on",
