@@ -60,12 +60,12 @@ async def test_two_phase_relay(path, body, stream, expose):
         assert pre.path == dec.path == path
         assert pre.received_at <= dec.received_at
         # The same request id, in the connector's format, to P and D; the client is told
-        # it with --expose-routing-headers, else its uuid (the neutral id).
+        # it with --expose-routing-headers, else the neutral id (a keyed hash of its uuid).
         rid = pre.request_id
         assert dec.request_id == rid
         m = re.match(REQUEST_ID_RE, rid)
         assert m and m["p"] == p.zmq_address and m["d"] == d.zmq_address
-        assert resp.headers["x-request-id"] == (rid if expose else m["uuid"])
+        assert resp.headers["x-request-id"] == (rid if expose else px.neutral(rid))
         # Prefill: one token, not streamed, no stream_options; D: the client's bytes.
         assert pre.json["max_tokens"] == 1 and pre.json["stream"] is False
         assert "stream_options" not in pre.json
@@ -87,7 +87,7 @@ async def test_two_phase_relay(path, body, stream, expose):
         if expose:
             assert resp.content == bytes(dec.sent)
         else:
-            assert resp.content == bytes(dec.sent).replace(rid.encode(), m["uuid"].encode())
+            assert resp.content == bytes(dec.sent).replace(rid.encode(), px.neutral(rid).encode())
             assert b"prefill_addr" not in resp.content
             if not stream:  # recomputed: the neutral id is shorter
                 assert int(resp.headers["content-length"]) == len(resp.content)
@@ -275,8 +275,9 @@ async def test_fastapi_app_serves_completions_without_fast_path():
                     r = await client.post(path, json={**body, "stream": stream})
                     assert r.status_code == 200
                     rec = fakes[1].completions()[-1]
-                    rid = rec.request_id.encode()  # clients get its uuid (the neutral id)
-                    assert r.content == bytes(rec.sent).replace(rid, rid[-32:])
+                    rid = rec.request_id  # clients get the neutral id
+                    neutral = state.router.dispatcher.decode.ids.neutral(rid)
+                    assert r.content == bytes(rec.sent).replace(rid.encode(), neutral.encode())
             bad = await client.post("/v1/completions", content=b"{")
             assert bad.status_code == 400 and bad.json()["error"]["type"] == "Bad Request"  # D's vLLM judged it
             assert fakes[1].requests[-1].body == b"{"
