@@ -41,6 +41,14 @@ class ProxyConfig:
     # flood of addresses cannot grow the registry or the probing without bound.
     discovery_max_per_role: int = 1024
     discovery_max_per_source: int = 64
+    # What discovery senders may cost (proxy/membership/discovery.py): the share of each second
+    # its receive loop may work (then it waits: the rest is queued in ZMQ), messages a second per
+    # source host (the rest dropped undecoded), connections held (also at most a quarter of the
+    # fd limit) and per source host.
+    discovery_cpu_share: float = 0.2
+    discovery_max_source_rate: int = 200
+    discovery_max_connections: int = 2 * 1024 + 64
+    discovery_max_connections_per_source: int = 128
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     # cache_aware: the proxy's model of each instance's prefix cache, and when to follow it
@@ -170,6 +178,8 @@ class ProxyConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
+        if not 0.0 < self.discovery_cpu_share <= 1.0:
+            raise ConfigError("discovery_cpu_share must be in (0, 1]")
         if self.failure_cooldown < 0 or self.shutdown_grace_s < 0:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
         if self.max_body_bytes <= 0 or self.max_response_bytes <= 0:
@@ -195,6 +205,8 @@ class ProxyConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",
+                     "discovery_max_source_rate", "discovery_max_connections",
+                     "discovery_max_connections_per_source",
                      "kv_index_max_blocks", "tokenize_max_bytes", "tokenize_max_pending",
                      "max_connections"):
             if getattr(self, name) < 1:
@@ -249,6 +261,13 @@ HELP = MappingProxyType(
         "registrations beyond are refused",
         "discovery_max_per_source": "discovered instances held per source host (the "
         "registering connection's peer address); registrations beyond are refused",
+        "discovery_cpu_share": "share of each second (of one core) discovery may spend on messages; past it, it waits "
+        "for the next second (messages queue in ZMQ, their senders are held back)",
+        "discovery_max_source_rate": "discovery messages per second from one source host; beyond: dropped undecoded, "
+        "counted as rate_limited",
+        "discovery_max_connections": "discovery connections held (also at most a quarter of the fd limit); "
+        "new ones beyond are shut down as they come",
+        "discovery_max_connections_per_source": "discovery connections held per source host; new ones beyond are shut down",
         "prefill_policy": "P selection policy",
         "decode_policy": "D selection policy",
         "cache_aware_chunk_tokens": "cache_aware: prefix index granularity, tokens (4 chars each)",

@@ -82,6 +82,14 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.discovery_connections = Gauge(
+            "xpyd_discovery_connections", "Discovery connections held (libzmq's, as its monitor reports them)",
+            registry=r)  # fmt: skip
+        self.discovery_connections_refused = Counter(
+            "xpyd_discovery_connections_refused",
+            "Discovery connections shut down as they came, by reason: limit (--discovery-max-connections or "
+            "a quarter of the fd limit), source_limit (--discovery-max-connections-per-source)",
+            ["reason"], registry=r)  # fmt: skip
         self.discovery_refused = Counter(
             "xpyd_discovery_refused",
             "Registrations refused by a bound, by role and reason (role_limit, source_limit), "

@@ -22,7 +22,7 @@ from proxy.asgi import Receive, Scope, Send
 from proxy.config import ProxyConfig
 from proxy.credentials import on_behalf_headers
 from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_text
-from proxy.membership.discovery import Discovery
+from proxy.membership.discovery import Discovery, DiscoveryLimits
 from proxy.membership.probe import Prober
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, COMPLETIONS
@@ -50,6 +50,7 @@ class ProxyState:
             cfg.discovery_host,
             cfg.discovery_port,
             cfg.discovery_secret,
+            DiscoveryLimits.of(cfg),
         )
         self.kv_events = KVEvents(self.registry, self.metrics, EventsConfig(
             default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
