@@ -94,6 +94,12 @@ class ProxyConfig:
     # stripped like every field the proxy owns, proxy/serving/intake.py).
     forward_debug_params: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # What bodies may cost (proxy/asgi.py): bytes all requests' bodies hold at once, counted at
+    # about their parsed size until their request ends (503 past it), and the JSON values and
+    # arrays/objects one body may hold (413 past them: parsing holds the event loop).
+    max_held_body_bytes: int = 1024 * 1024 * 1024
+    max_body_values: int = 1024 * 1024
+    max_body_containers: int = 64 * 1024
     # The HTTP edge (proxy/serving/edge.py), before any authentication: request line + headers
     # (431 above), seconds to receive them from a connection's first byte (or its opening),
     # seconds to receive a body once its headers are in (408 after either), and client
@@ -184,6 +190,10 @@ class ProxyConfig:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
         if self.max_body_bytes <= 0 or self.max_response_bytes <= 0:
             raise ConfigError("max_body_bytes and max_response_bytes must be > 0")
+        if self.max_held_body_bytes < 2 * self.max_body_bytes:
+            raise ConfigError("max_held_body_bytes must hold at least one body of max_body_bytes (twice it)")
+        if self.max_body_values < 1 or self.max_body_containers < 1:
+            raise ConfigError("max_body_values and max_body_containers must be >= 1")
         for name in ("api_key", "discovery_secret", "upstream_api_key"):
             value = getattr(self, name)
             # An empty key must not silently mean "authentication off".
@@ -302,6 +312,11 @@ HELP = MappingProxyType(
         "forward_debug_params": "test hook: pass a client's kv_transfer_params xpyd_debug_* fields to the "
         "instances (engines honour them only with allow_debug_corruption); off: stripped",
         "max_body_bytes": "largest accepted request body (413 above)",
+        "max_held_body_bytes": "bytes all request bodies may hold at once, from their first byte to the end of their "
+        "request (queued ones too), counted at about their parsed size; past it: 503 + Retry-After",
+        "max_body_values": "JSON values one request body may hold (counted before it is parsed); past it: 413",
+        "max_body_containers": "JSON arrays and objects one request body may hold (counted before it is parsed); "
+        "past it: 413",
         "max_header_bytes": "largest request line + headers (431 above)",
         "header_timeout": "seconds to receive a request's headers (408 after), from the connection "
         "or the request's first byte",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -199,6 +199,12 @@ class Metrics:
 
     def shed(self, reason: str) -> None:
         self.shed_requests.labels(reason).inc()
+
+    def watch_held_body_bytes(self, held: Callable[[], float]) -> None:
+        """xpyd_held_body_bytes, read at scrape time: the request path pays nothing for it."""
+        gauge = Gauge("xpyd_held_body_bytes", "Bytes the proxy's request bodies hold now, as its "
+                      "--max-held-body-bytes budget counts them", registry=self.registry)  # fmt: skip
+        gauge.set_function(held)
 
     def discovery_refuse(self, role: str, reason: str) -> None:
         self.discovery_refused.labels(role, reason).inc()

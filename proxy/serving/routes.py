@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
+from proxy.asgi import Bodies, ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
 from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
 from proxy.credentials import forwards_client_auth, upstream_key_header
@@ -69,6 +69,9 @@ class Router:
         upstream_key = upstream_key_header(cfg)
         self._forwarded = forwarded(forwards_client_auth(cfg))  # what vLLM reads: proxy/serving/intake.py
         self._debug = cfg.forward_debug_params
+        # What bodies may cost, together and each (proxy/asgi.py).
+        self._bodies = Bodies(cfg.max_held_body_bytes, cfg.max_body_values, cfg.max_body_containers)
+        metrics.watch_held_body_bytes(lambda: self._bodies.held)
         self._base_headers = {"content-type": "application/json"}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         if upstream_key is not None:
@@ -96,7 +99,7 @@ class Router:
         headers = scope["headers"]
         self.check_auth(headers)
         fwd, length = upstream_headers(headers, self._forwarded, self._base_headers)
-        raw = await read_body(receive, length, self.cfg.max_body_bytes)
+        raw = await read_body(receive, length, self.cfg.max_body_bytes, self._bodies)
         try:
             # orjson: 4-8x faster than json here, which matters for long prompts.
             body = orjson.loads(raw)
