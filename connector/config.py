@@ -74,7 +74,7 @@ def _flag(value: Any) -> bool:
 # A secret is a token, not a document: a larger file is a mistake (or a device), refused.
 def _read_secret_file(path: str, where: str) -> tuple[str, str]:
     """(the secret in ``path`` less one trailing newline, where it came from); ValueError."""
-    return read_secret_file(path, where), f"{where} ({path})"
+    return read_secret_file(path, where, logger.warning), f"{where} ({path})"
 
 
 def _secret(extra: dict[str, Any], key: str, env: str, path: Any = None) -> str | None:

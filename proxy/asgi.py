@@ -3,11 +3,23 @@
 The completion routes are raw ASGI callables rather than FastAPI endpoints: raw ASGI needs
 no Request/StreamingResponse objects nor the task group StreamingResponse starts per
 request, measured at ~30% less proxy CPU per request (see app.fast_path()).
+
+What bodies may cost (Bodies): one budget for the bytes every request body holds, from its
+first byte to the end of its request (read, parsed, queued for an instance, relayed), counted
+at about twice its size (its bytes and what parsing makes of them) and, past SCAN_FROM bytes,
+40 bytes more per JSON value and 100 per array or object; a body past it is refused with 503.
+And what one body may cost the event loop: a body large enough to hold more JSON values (or
+arrays and objects) than the bounds is counted before it is parsed (commas and brackets, at
+memchr speed, then without its strings if that count is over) and refused with 413: parsing
+is one call that holds the interpreter (orjson: no thread would help), so its cost is bounded
+by what it is given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,8 +63,65 @@ def ms(seconds: float) -> bytes:
     return b"%.2f" % (seconds * 1000.0)
 
 
-async def read_body(receive: Receive, length: bytes | None, limit: int) -> bytes:
-    """The whole request body, refused with 413 beyond `limit` bytes."""
+# A JSON string, escapes and all (unrolled: linear in its length).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+VALUE_BYTES, CONTAINER_BYTES = 40, 100  # what a parsed value (an int and its slot), an array or object cost
+
+
+def json_shape(raw: bytes) -> tuple[int, int]:
+    """(values, arrays and objects) of a JSON text, counted from its bytes: at least as many as
+    it holds (commas and brackets inside strings count too)."""
+    return raw.count(b",") + 1, raw.count(b"[") + raw.count(b"{")
+
+
+class Bodies:
+    """The budget of bytes the proxy's request bodies hold, and the bounds of one body's
+    structure (see the module docstring). One per server; the event loop's alone."""
+
+    __slots__ = ("limit", "held", "max_values", "max_containers", "scan_from")
+
+    def __init__(self, limit: int, max_values: int, max_containers: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.max_values = max_values
+        self.max_containers = max_containers
+        # A smaller body cannot break either bound: every value or bracket takes two bytes.
+        self.scan_from = 2 * min(max_values, max_containers)
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise ProxyError(503, f"the proxy holds its maximum of {self.limit} bytes of request bodies "
+                             "(--max-held-body-bytes); retry later", "too_many_request_bytes",
+                             headers={"retry-after": "1"})  # fmt: skip
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+    def cost(self, raw: bytes) -> int:
+        """What parsing `raw` makes beyond its bytes (0 under scan_from); ProxyError 413 when
+        it holds more values or arrays and objects than the bounds."""
+        if len(raw) <= self.scan_from:
+            return 0
+        values, containers = json_shape(raw)
+        if values > self.max_values or containers > self.max_containers:
+            values, containers = json_shape(_STRING.sub(b'""', raw))  # strings' commas do not count
+            if values > self.max_values:
+                raise ProxyError(413, f"request body holds {values} JSON values, over the proxy's limit of "
+                                 f"{self.max_values} (--max-body-values)", "request_too_large")
+            if containers > self.max_containers:
+                raise ProxyError(413, f"request body holds {containers} JSON arrays and objects, over the proxy's "
+                                 f"limit of {self.max_containers} (--max-body-containers)", "request_too_large")
+        return VALUE_BYTES * values + CONTAINER_BYTES * containers
+
+
+def _give(bodies: Bodies, n: int, _task: Any) -> None:
+    bodies.give(n)
+
+
+async def read_body(receive: Receive, length: bytes | None, limit: int, bodies: Bodies | None = None) -> bytes:
+    """The whole request body, refused with 413 beyond `limit` bytes; with `bodies`, within
+    its budget (503 past it) and bounds (413), and counted in it until the request's task ends."""
     if length is not None:
         try:
             declared = int(length)
@@ -62,20 +131,38 @@ async def read_body(receive: Receive, length: bytes | None, limit: int) -> bytes
             raise ProxyError(413, f"request body exceeds {limit} bytes", "request_too_large")
     parts: list[bytes] = []
     total = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientGone()
-        chunk = message.get("body", b"")
-        total += len(chunk)
-        if total > limit:
-            raise ProxyError(413, f"request body exceeds {limit} bytes", "request_too_large")
-        if not message.get("more_body", False):
-            if not parts:
-                return chunk
+    held = 0
+    try:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                raise ProxyError(413, f"request body exceeds {limit} bytes", "request_too_large")
+            if bodies is not None:
+                bodies.take(2 * len(chunk))  # its bytes, and about as much parsed
+                held += 2 * len(chunk)
+            if not message.get("more_body", False):
+                if parts:
+                    parts.append(chunk)
+                    chunk = b"".join(parts)
+                break
             parts.append(chunk)
-            return b"".join(parts)
-        parts.append(chunk)
+        if bodies is not None:
+            extra = bodies.cost(chunk)
+            if extra:
+                bodies.take(extra)
+                held += extra
+            task = asyncio.current_task()
+            if task is not None and held:  # held while the request lasts (queued, relayed...)
+                task.add_done_callback(functools.partial(_give, bodies, held))
+                held = 0
+        return chunk
+    finally:
+        if held:  # refused, the client gone, or no task to hold it for
+            bodies.give(held)  # type: ignore[union-attr]
 
 
 async def send_error(send: Send, err: ProxyError, extra: Headers) -> None:

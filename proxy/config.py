@@ -22,7 +22,9 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 @dataclass(frozen=True, slots=True)
 class ProxyConfig:
-    host: str = "0.0.0.0"
+    # Loopback by default, like every port here: a wider address serves anyone who reaches it
+    # (the proxy warns at start-up when it does so without an api_key).
+    host: str = "127.0.0.1"
     port: int = 8000
     # Loopback by default: a reachable discovery socket lets anyone add or remove instances.
     discovery_host: str = "127.0.0.1"
@@ -39,6 +41,14 @@ class ProxyConfig:
     # flood of addresses cannot grow the registry or the probing without bound.
     discovery_max_per_role: int = 1024
     discovery_max_per_source: int = 64
+    # What discovery senders may cost (proxy/membership/discovery.py): the share of each second
+    # its receive loop may work (then it waits: the rest is queued in ZMQ), messages a second per
+    # source host (the rest dropped undecoded), connections held (also at most a quarter of the
+    # fd limit) and per source host.
+    discovery_cpu_share: float = 0.2
+    discovery_max_source_rate: int = 200
+    discovery_max_connections: int = 2 * 1024 + 64
+    discovery_max_connections_per_source: int = 128
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
     # cache_aware: the proxy's model of each instance's prefix cache, and when to follow it
@@ -86,7 +96,16 @@ class ProxyConfig:
     admin_api_key_file: str | None = None
     max_adapters: int = 64
     adapter_timeout: float = 120.0
+    # Test hook: a client's kv_transfer_params xpyd_debug_* fields reach the instances (off:
+    # stripped like every field the proxy owns, proxy/serving/intake.py).
+    forward_debug_params: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
+    # What bodies may cost (proxy/asgi.py): bytes all requests' bodies hold at once, counted at
+    # about their parsed size until their request ends (503 past it), and the JSON values and
+    # arrays/objects one body may hold (413 past them: parsing holds the event loop).
+    max_held_body_bytes: int = 1024 * 1024 * 1024
+    max_body_values: int = 1024 * 1024
+    max_body_containers: int = 64 * 1024
     # The HTTP edge (proxy/serving/edge.py), before any authentication: request line + headers
     # (431 above), seconds to receive them from a connection's first byte (or its opening),
     # seconds to receive a body once its headers are in (408 after either), and client
@@ -184,10 +203,16 @@ class ProxyConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
+        if not 0.0 < self.discovery_cpu_share <= 1.0:
+            raise ConfigError("discovery_cpu_share must be in (0, 1]")
         if self.failure_cooldown < 0 or self.shutdown_grace_s < 0:
             raise ConfigError("failure_cooldown and shutdown_grace_s must be >= 0")
         if self.max_body_bytes <= 0 or self.max_response_bytes <= 0:
             raise ConfigError("max_body_bytes and max_response_bytes must be > 0")
+        if self.max_held_body_bytes < 2 * self.max_body_bytes:
+            raise ConfigError("max_held_body_bytes must hold at least one body of max_body_bytes (twice it)")
+        if self.max_body_values < 1 or self.max_body_containers < 1:
+            raise ConfigError("max_body_values and max_body_containers must be >= 1")
         for name in ("api_key", "discovery_secret", "upstream_api_key", "admin_api_key"):
             value = getattr(self, name)
             # An empty key must not silently mean "authentication off".
@@ -211,6 +236,8 @@ class ProxyConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",
+                     "discovery_max_source_rate", "discovery_max_connections",
+                     "discovery_max_connections_per_source",
                      "kv_index_max_blocks", "tokenize_max_bytes", "tokenize_max_pending",
                      "max_connections", "response_holders", "max_adapters"):
             if getattr(self, name) < 1:
@@ -262,7 +289,7 @@ class ProxyConfig:
 
 HELP = MappingProxyType(
     {
-        "host": "address to serve the OpenAI API on",
+        "host": "address to serve the OpenAI API on (a non-loopback one without --api-key is warned about)",
         "port": "HTTP port (0 picks a free one)",
         "discovery_host": "address the ZMQ discovery ROUTER binds to",
         "discovery_port": "ZMQ discovery port instances register on",
@@ -275,6 +302,13 @@ HELP = MappingProxyType(
         "registrations beyond are refused",
         "discovery_max_per_source": "discovered instances held per source host (the "
         "registering connection's peer address); registrations beyond are refused",
+        "discovery_cpu_share": "share of each second (of one core) discovery may spend on messages; past it, it waits "
+        "for the next second (messages queue in ZMQ, their senders are held back)",
+        "discovery_max_source_rate": "discovery messages per second from one source host; beyond: dropped undecoded, "
+        "counted as rate_limited",
+        "discovery_max_connections": "discovery connections held (also at most a quarter of the fd limit); "
+        "new ones beyond are shut down as they come",
+        "discovery_max_connections_per_source": "discovery connections held per source host; new ones beyond are shut down",
         "prefill_policy": "P selection policy",
         "decode_policy": "D selection policy",
         "cache_aware_chunk_tokens": "cache_aware: prefix index granularity, tokens (4 chars each)",
@@ -311,7 +345,14 @@ HELP = MappingProxyType(
         "admin_api_key_file": "file holding the admin API key (keeps it out of the command line)",
         "max_adapters": "LoRA adapters loaded through the proxy that it keeps (and loads on instances that join later)",
         "adapter_timeout": "seconds one instance may take to load or unload a LoRA adapter",
+        "forward_debug_params": "test hook: pass a client's kv_transfer_params xpyd_debug_* fields to the "
+        "instances (engines honour them only with allow_debug_corruption); off: stripped",
         "max_body_bytes": "largest accepted request body (413 above)",
+        "max_held_body_bytes": "bytes all request bodies may hold at once, from their first byte to the end of their "
+        "request (queued ones too), counted at about their parsed size; past it: 503 + Retry-After",
+        "max_body_values": "JSON values one request body may hold (counted before it is parsed); past it: 413",
+        "max_body_containers": "JSON arrays and objects one request body may hold (counted before it is parsed); "
+        "past it: 413",
         "max_header_bytes": "largest request line + headers (431 above)",
         "header_timeout": "seconds to receive a request's headers (408 after), from the connection "
         "or the request's first byte",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -82,6 +82,14 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.discovery_connections = Gauge(
+            "xpyd_discovery_connections", "Discovery connections held (libzmq's, as its monitor reports them)",
+            registry=r)  # fmt: skip
+        self.discovery_connections_refused = Counter(
+            "xpyd_discovery_connections_refused",
+            "Discovery connections shut down as they came, by reason: limit (--discovery-max-connections or "
+            "a quarter of the fd limit), source_limit (--discovery-max-connections-per-source)",
+            ["reason"], registry=r)  # fmt: skip
         self.discovery_refused = Counter(
             "xpyd_discovery_refused",
             "Registrations refused by a bound, by role and reason (role_limit, source_limit), "
@@ -197,6 +205,12 @@ class Metrics:
 
     def shed(self, reason: str) -> None:
         self.shed_requests.labels(reason).inc()
+
+    def watch_held_body_bytes(self, held: Callable[[], float]) -> None:
+        """xpyd_held_body_bytes, read at scrape time: the request path pays nothing for it."""
+        gauge = Gauge("xpyd_held_body_bytes", "Bytes the proxy's request bodies hold now, as its "
+                      "--max-held-body-bytes budget counts them", registry=self.registry)  # fmt: skip
+        gauge.set_function(held)
 
     def discovery_refuse(self, role: str, reason: str) -> None:
         self.discovery_refused.labels(role, reason).inc()

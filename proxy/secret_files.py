@@ -21,7 +21,7 @@ SECRET_FIELDS = ("api_key", "discovery_secret", "upstream_api_key", "admin_api_k
 
 def read_secret_file(path: str, what: str) -> str:
     """The secret in ``path`` (one trailing newline dropped); ValueError says why not."""
-    text = _read(path, what)
+    text = _read(path, what, logger.warning)
     if not text.strip():
         raise ValueError(f"{what}: {path} is empty (leave the option unset to turn it off)")
     return text

@@ -67,8 +67,13 @@ ROLES = ("P", "D")
 MAX_CLOCK_SKEW_S = 30.0
 # Registrations are a few hundred bytes; refuse anything absurd before it is parsed.
 MAX_MESSAGE_BYTES = 64 * 1024
-# Known fields are 12; a few unknown ones are tolerated (and ignored) for compatibility.
+# Known fields are 12; a few unknown ones are tolerated (and ignored, never kept) for compatibility.
 MAX_FIELDS = 24
+# Any one string or bytes value (an address is at most MAX_ADDRESS_LEN, an endpoint a little more),
+# and the entries of any map or array (twice MAX_FIELDS: the field checks say why up to there):
+# larger ones are refused while decoding, before they cost an object each.
+MAX_VALUE_BYTES = 1024
+MAX_ENTRIES = 2 * MAX_FIELDS
 MAX_KEY_LEN = 64
 MAX_HOST_LEN = 253  # RFC 1035 limit on a DNS name's text form
 MAX_ADDRESS_LEN = MAX_HOST_LEN + 6  # ":65535"
@@ -91,8 +96,6 @@ _PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
 _HEX_HMAC = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _HEX_NONCE = re.compile(r"[0-9a-f]{16,64}", re.ASCII)
 _HEX_KEY = re.compile(r"[0-9a-f]{32,64}", re.ASCII)
-_KNOWN = frozenset({"type", "http_address", "zmq_address", "load", "leave", "ts", "nonce", "hmac",
-                    "kv_transport_fallbacks", "kv_events", "output_limits", "instance_key", "generation"})
 # A token limit beyond any context length vLLM runs with.
 MAX_OUTPUT_TOKENS = 2**31 - 1
 _LIMIT_KEYS = ("default", "override", "context")
@@ -161,7 +164,6 @@ class Registration:
     load: Load | None = None
     leave: bool = False
     ts: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     nonce: str | None = None
     kv_transport_fallbacks: int = 0
     kv_events: EventsEndpoint | None = None
@@ -372,7 +374,15 @@ def decode(
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(data)} bytes > {MAX_MESSAGE_BYTES}", MALFORMED)
     try:
-        fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        # Bounded as it is read: no field holds more than a few entries or a short string, so
+        # a 64 KiB message of unknown fields cannot make tens of thousands of objects.
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True, max_str_len=MAX_VALUE_BYTES,
+                                 max_bin_len=MAX_VALUE_BYTES, max_array_len=MAX_ENTRIES, max_map_len=MAX_ENTRIES,
+                                 max_ext_len=MAX_VALUE_BYTES)
+    except ValueError as e:
+        if "exceeds max_" in str(e):  # msgpack's words for a bound broken: say which
+            raise ProtocolError(f"a value over the decoding bounds: {e}", MALFORMED) from None
+        raise ProtocolError(f"not msgpack: {type(e).__name__}", MALFORMED) from None
     except Exception as e:  # msgpack raises several unrelated types
         raise ProtocolError(f"not msgpack: {type(e).__name__}", MALFORMED) from None
     if not isinstance(fields, dict):
@@ -413,7 +423,6 @@ def decode(
         load=load,
         leave=leave,
         ts=ts,
-        extra={k: v for k, v in fields.items() if k not in _KNOWN},
         nonce=nonce,
         kv_transport_fallbacks=fallbacks,
         kv_events=kv_events,

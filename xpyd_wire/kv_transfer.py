@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "DEBUG_CORRUPT_KV_PARAM", "Hello", "KV_PROTOCOL_VERSION", "Op", "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader",
-    "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM", "TRANSFER_ID_PARAM", "is_part", "ok",
-    "version_mismatch",
+    "CLIENT_PARAMS", "DEBUG_CORRUPT_KV_PARAM", "DEBUG_PARAM_PREFIX", "PARAM_PREFIX", "Hello", "KV_PROTOCOL_VERSION", "Op",
+    "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader", "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM",
+    "TRANSFER_ID_PARAM", "is_part", "ok", "version_mismatch",
 ]
 
 # The protocol's version, exchanged in every hello (request and reply). Bump it when a message
@@ -286,6 +286,11 @@ REPORT_KEY_PARAM = "xpyd_report_transfer_key"
 TRANSFER_ID_PARAM = "xpyd_transfer_id"
 # Test hook (with the connector's allow_debug_corruption): corrupt the loaded KV.
 DEBUG_CORRUPT_KV_PARAM = "xpyd_debug_corrupt_kv"
+# Every field above is named xpyd_*; the proxy owns them all (it strips a client's) but those a
+# client may ask with; debug fields pass only where the proxy is told to (a test hook).
+PARAM_PREFIX = "xpyd_"
+DEBUG_PARAM_PREFIX = "xpyd_debug_"
+CLIENT_PARAMS = frozenset({REPORT_KEY_PARAM})
 # The key under which the connector reports a finished request's transfer in the response's
 # ``kv_transfer_params``: ``{"xpyd": {...}}`` (send_type, prompt_tokens, shipped_blocks,
 # skipped_blocks on P; loaded_tokens, load_failed on D; transfer_key when asked).

@@ -242,7 +242,7 @@ class StorageEngine:
         buf = self._host_buffer(len(spec.keys))
         for i, key in enumerate(spec.keys):
             # A file the producer has not renamed into place yet: wait for it.
-            while spec.wait_s > 0 and not self.store.path(key).exists():
+            while spec.wait_s > 0 and not self.store.stored(key):
                 if time.monotonic() >= deadline or self._stop.is_set():
                     break
                 self._stop.wait(FILE_POLL_S)

@@ -16,7 +16,6 @@ vLLM rewrites that token's slot.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,7 @@ from connector.scheduler import tokens_computed_before
 from connector.shared_storage import keys as kvkeys
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec
-from connector.shared_storage.store import block_path
+from connector.shared_storage.store import is_stored
 from connector.stats import XpydStats
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
@@ -115,7 +114,7 @@ class SharedStorageScheduler:
 
     def _stored(self, key: bytes) -> bool:
         k = kvkeys.name(key)
-        return all(os.path.exists(block_path(self._cfg.path, k, r, self._world)) for r in range(self._world))
+        return all(is_stored(self._cfg.path, k, r, self._world) for r in range(self._world))
 
     def _producer_was_asked(self, request: "Request") -> bool:
         """The proxy sent this request to a producer first, which stores its prompt."""

@@ -18,6 +18,12 @@ block both produce a complete file (the last rename wins; contents are equal).
 
 Recency for eviction is the file's mtime: a read or a skipped re-store touches
 it, so least-recently-*used* files go first, whichever instance used them.
+
+Inside the store nothing is followed: the key directories and block files are opened
+relative to their parent's descriptor with O_NOFOLLOW, so a link planted in the store
+(by whoever else may write there) is a miss, never a read or a write elsewhere; a file that
+is not a regular one is a miss too. What the store creates is its owner's alone: directories
+0700, files 0600 (the root is the configured path: created 0700 when missing, else as it is).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -49,7 +56,47 @@ STALE_TMP_S = 600.0
 
 
 def block_path(root: Path, key: str, rank: int, world: int) -> Path:
-    return root / key[:2] / f"{key}.r{rank}of{world}{SUFFIX}"
+    return root / key[:2] / _block_name(key, rank, world)
+
+
+def _block_name(key: str, rank: int, world: int) -> str:
+    return f"{key}.r{rank}of{world}{SUFFIX}"
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted under a block's name is not waited on (fstat refuses it).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _key_dir(root: Path, key: str, create: bool = False) -> int:
+    """A descriptor of the key's directory in the store, never through a link (OSError:
+    ELOOP/ENOTDIR for one, FileNotFoundError when absent)."""
+    rfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if create:
+            try:
+                os.mkdir(key[:2], 0o700, dir_fd=rfd)
+            except FileExistsError:
+                pass
+        return os.open(key[:2], _DIR_FLAGS, dir_fd=rfd)
+    finally:
+        os.close(rfd)
+
+
+def is_stored(root: Path, key: str, rank: int, world: int) -> bool:
+    """A block file is in place: a regular file in a real directory of the store (a link is
+    not: read_into would refuse it)."""
+    try:
+        dfd = _key_dir(root, key)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.stat(_block_name(key, rank, world), dir_fd=dfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+    finally:
+        os.close(dfd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,63 +146,84 @@ class BlockStore:
         self.meta = meta
         self.verify = verify
         self.fsync = fsync
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def path(self, key: str) -> Path:
         return block_path(self.root, key, self.meta.rank, self.meta.world)
+
+    def _name(self, key: str) -> str:
+        return _block_name(key, self.meta.rank, self.meta.world)
+
+    def stored(self, key: str) -> bool:
+        return is_stored(self.root, key, self.meta.rank, self.meta.world)
 
     # ---- write ----
     def write(self, key: str, index: int, block: torch.Tensor) -> int:
         """Store one block (all layers, contiguous CPU tensor) unless a file for the
         key exists; returns the bytes written (0: it existed, and was touched)."""
-        final = self.path(key)
-        if touch(final):
-            return 0
-        payload = _bytes_view(block)
-        header = dict(self.meta.header(), key=key, index=index, nbytes=len(payload),
-                      crc32=zlib.crc32(payload), created=time.time())
-        hb = json.dumps(header, separators=(",", ":")).encode()
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f"{TMP_PREFIX}{final.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
+        name = self._name(key)
+        dfd = _key_dir(self.root, key, create=True)
         try:
-            with open(tmp, "wb") as f:
-                f.write(_PREFIX.pack(MAGIC, len(hb)))
-                f.write(hb)
-                f.write(payload)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)  # atomic: readers see no file or the whole file
-        except BaseException:
+            if _touch(dfd, name):
+                return 0
+            payload = _bytes_view(block)
+            header = dict(self.meta.header(), key=key, index=index, nbytes=len(payload),
+                          crc32=zlib.crc32(payload), created=time.time())
+            hb = json.dumps(header, separators=(",", ":")).encode()
+            tmp = f"{TMP_PREFIX}{name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
             try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
-        return _PREFIX.size + len(hb) + len(payload)
+                with os.fdopen(os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dfd), "wb") as f:
+                    f.write(_PREFIX.pack(MAGIC, len(hb)))
+                    f.write(hb)
+                    f.write(payload)
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                # Atomic (readers see no file or the whole file); a link at `name` is replaced, not followed.
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except OSError:
+                    pass
+                raise
+            return _PREFIX.size + len(hb) + len(payload)
+        finally:
+            os.close(dfd)
 
     # ---- read ----
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous CPU tensor of one block's size) from the key's file,
         or raise Miss. Damaged files are deleted; mismatched ones are left alone."""
-        path = self.path(key)
+        name = self._name(key)
         try:
-            f = open(path, "rb")
+            dfd = _key_dir(self.root, key)
         except FileNotFoundError:
             raise Miss("not stored") from None
-        except OSError as e:
+        except OSError as e:  # ELOOP / ENOTDIR: a link where the key's directory belongs
             raise Miss(f"unreadable: {e}") from None
         try:
-            with f:
-                try:
-                    self._read(f, key, _bytes_view(out))
-                except Miss as m:
-                    if m.damaged:
-                        _unlink_if_same(path, f)
-                    raise
-        except OSError as e:
-            raise Miss(f"read error: {e}") from None
-        touch(path)
+            try:
+                f = os.fdopen(os.open(name, _READ_FLAGS, dir_fd=dfd), "rb")
+            except FileNotFoundError:
+                raise Miss("not stored") from None
+            except OSError as e:  # ELOOP: a link
+                raise Miss(f"unreadable: {e}") from None
+            try:
+                with f:
+                    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                        raise Miss("not a regular file")
+                    try:
+                        self._read(f, key, _bytes_view(out))
+                    except Miss as m:
+                        if m.damaged:
+                            _unlink_if_same(dfd, name, f)
+                        raise
+            except OSError as e:
+                raise Miss(f"read error: {e}") from None
+            _touch(dfd, name)
+        finally:
+            os.close(dfd)
 
     def _read(self, f: Any, key: str, out: memoryview) -> None:
         prefix = f.read(_PREFIX.size)
@@ -189,22 +257,27 @@ class BlockStore:
             raise Miss("checksum mismatch", damaged=True)
 
 
-def touch(path: Path) -> bool:
-    """Mark a file used now (eviction order); False if it does not exist."""
+def _touch(dfd: int, name: str) -> bool:
+    """Mark a file used now (eviction order); False if it does not exist. A link is touched
+    itself, never what it points at."""
     try:
-        os.utime(path)
+        os.utime(name, dir_fd=dfd, follow_symlinks=False)
         return True
     except FileNotFoundError:
         return False
-    except OSError:
-        return path.exists()  # e.g. read-only share: still a hit
+    except OSError:  # e.g. a read-only share: still a hit
+        try:
+            os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
 
 
-def _unlink_if_same(path: Path, f: Any) -> None:
+def _unlink_if_same(dfd: int, name: str, f: Any) -> None:
     """Delete a damaged file unless a writer already replaced it with a new one."""
     try:
-        if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
-            path.unlink()
+        if os.stat(name, dir_fd=dfd, follow_symlinks=False).st_ino == os.fstat(f.fileno()).st_ino:
+            os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
 

@@ -17,7 +17,6 @@ from proxy.dispatch import first_token
 from proxy.dispatch.call import LOCAL_RESCUE, Call, DecodeFailed
 from proxy.dispatch.decode import Decode
 from proxy.dispatch.relay import Answer, StreamFailed
-from proxy.dispatch.rewrite import IdRewrite
 from proxy.errors import ProxyError, sse_event_of
 from proxy.metrics import Metrics
 from proxy.openai_api import COMPLETIONS
@@ -44,7 +43,7 @@ class Continuation:
         asks for what follows it (proxy/dispatch/first_token.py)."""
         body = call.req.body
         usage = first_token.usage_wanted(body)
-        rewrite = None if self._expose else IdRewrite(headers["x-request-id"])
+        rewrite = None if self._expose else self.decode.ids.rewrite(headers["x-request-id"])
         call.flight.extra.append((XPYD_FIRST_TOKEN_RAW, b"prefill"))
         call.t_decode = time.perf_counter()
         limits = d.output_limits

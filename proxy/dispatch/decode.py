@@ -13,7 +13,7 @@ from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
 from proxy.dispatch.call import Call, DecodeFailed
 from proxy.dispatch.relay import Answer, read_lead
-from proxy.dispatch.rewrite import IdRewrite, neutral_id
+from proxy.dispatch.rewrite import NeutralIds
 from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
@@ -32,10 +32,11 @@ class Decode:
         self._phase = metrics.phase_children
         # Off (default): clients see no instance address and a neutral request id.
         self.expose = cfg.expose_routing_headers
+        self.ids = NeutralIds()
 
     def client_id(self, rid: str) -> bytes:
         """The request id the client is told (x-request-id, and inside vLLM's answer)."""
-        return (rid if self.expose else neutral_id(rid)).encode()
+        return (rid if self.expose else self.ids.neutral(rid)).encode()
 
     def upstream_error(self, status: int, data: bytes, phase: str, inst: Instance,
                        headers: dict[str, str]) -> bytes:  # fmt: skip
@@ -44,7 +45,7 @@ class Decode:
         body = upstream_error_body(status, data, phase, inst.http_address if self.expose else None)
         if self.expose:
             return body
-        return IdRewrite(headers["x-request-id"]).whole(body)
+        return self.ids.rewrite(headers["x-request-id"]).whole(body)
 
     def observe_ttfb(self, call: Call, since: float) -> None:
         call.t_decode = since
@@ -120,7 +121,7 @@ class Decode:
             resp = await self.upstream.request("POST", d.url + (path or req.path), raw, headers)
             if not 200 <= resp.status < 300:
                 raise self.refused(d, resp.status, await resp.read(), headers)
-            rewrite = None if self.expose else IdRewrite(headers["x-request-id"])
+            rewrite = None if self.expose else self.ids.rewrite(headers["x-request-id"])
             if resp.content_type.startswith("text/event-stream"):
                 chunks = resp.chunks()
                 return Answer(resp, await anext(chunks, b""), True, chunks, rewrite)

@@ -51,7 +51,7 @@ class Dispatcher:
         # Off (default): clients see no instance address and a neutral request id.
         self._expose = cfg.expose_routing_headers
         self._relay = Relay(metrics, cfg.stream_idle_timeout, self._expose)
-        decode = Decode(cfg, metrics, upstream)
+        self.decode = decode = Decode(cfg, metrics, upstream)
         self._local = Local(metrics, decode)
         self._disaggregated = Disaggregated(cfg, selector, metrics, upstream, decode,
                                             Continuation(cfg, selector, metrics, decode))

@@ -3,8 +3,11 @@
 The internal id names P's and D's KV addresses (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``,
 or ``xpyd-local-{uuid}``) and vLLM echoes it in every answer (``"id": "cmpl-{id}"``, chat
 ``"chatcmpl-{id}"``, batches and n > 1 alike, since all are built from the header). Unless
---expose-routing-headers, the relayed bytes get the uuid hex in its place, so ids look like
-vLLM's own (``cmpl-<32 hex>``) and the x-request-id header says the same.
+--expose-routing-headers, the relayed bytes get the neutral id in its place, so ids look like
+vLLM's own (``cmpl-<32 hex>``) and the x-request-id header says the same. The neutral id is a
+keyed hash of the uuid (a key of this proxy's, drawn at start): it names no transfer, so a
+client cannot work out the transfer key (uuid + prompt index) that P's and D's connectors
+move its KV under; only a request that asks (xpyd_report_transfer_key) is told it.
 
 A streamed id may be split across two upstream chunks: the rewriter holds back only a tail
 that is a proper prefix of the internal id. vLLM's chunks end with an SSE event ("\\n\\n"),
@@ -13,14 +16,33 @@ where nothing can be held: that is the fast path, one bytes.replace per chunk.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 
 _HEX = b"0123456789abcdef"
 
 
-def neutral_id(internal: str) -> str:
-    """The uuid hex both internal forms end with."""
-    return internal[-32:]
+class NeutralIds:
+    """The neutral id of each internal one, keyed by a secret of this proxy's: 32 hex digits,
+    as vLLM's own, from which the uuid both internal forms end with cannot be worked out."""
+
+    __slots__ = ("_key", "_last")
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = os.urandom(16) if key is None else key
+        self._last = ("", "")  # a request asks twice (header, rewrite): computed once
+
+    def neutral(self, internal: str) -> str:
+        last = self._last
+        if last[0] == internal:
+            return last[1]
+        out = hashlib.blake2b(internal[-32:].encode("ascii"), digest_size=16, key=self._key).hexdigest()
+        self._last = (internal, out)
+        return out
+
+    def rewrite(self, internal: str) -> IdRewrite:
+        return IdRewrite(internal, self.neutral(internal))
 
 
 class IdRewrite:
@@ -28,9 +50,9 @@ class IdRewrite:
 
     __slots__ = ("old", "new", "_lead", "_held")
 
-    def __init__(self, internal: str, neutral: str | None = None) -> None:
+    def __init__(self, internal: str, neutral: str) -> None:
         self.old = internal.encode("ascii")
-        self.new = (neutral if neutral is not None else neutral_id(internal)).encode("ascii")
+        self.new = neutral.encode("ascii")
         # The held tail can never overlap a replacement: `new` is hex only and `old` starts
         # with a non-hex byte, so a tail that is a prefix of `old` starts after any `new`.
         # A chunk ending in "\n" holds nothing back: the id has no newline.

@@ -20,9 +20,9 @@ from starlette.routing import Route
 
 from proxy.asgi import Receive, Scope, Send
 from proxy.config import ProxyConfig
-from proxy.credentials import forwards_client_auth, on_behalf_headers
+from proxy.credentials import on_behalf_headers
 from proxy.errors import ProxyError, error_dict, upstream_error_body, upstream_text
-from proxy.membership.discovery import Discovery
+from proxy.membership.discovery import Discovery, DiscoveryLimits
 from proxy.membership.probe import Prober
 from proxy.metrics import Metrics
 from proxy.api_routes import ADMIN, ONE_DECODE, ONE_INSTANCE, P_THEN_D, REFUSED, ROUTES, STORED_RESPONSE, ApiRoute
@@ -52,13 +52,12 @@ class ProxyState:
             cfg.discovery_host,
             cfg.discovery_port,
             cfg.discovery_secret,
+            DiscoveryLimits.of(cfg),
         )
         self.kv_events = KVEvents(self.registry, self.metrics, EventsConfig(
             default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
         self.router = Router(cfg, self.registry, self.metrics, self.upstream, self.kv_events)
-        self.passthrough = Passthrough(cfg, self.router.selector, self.metrics, self.upstream,
-                                       self.router.dispatcher.stored, self.router.check_auth,
-                                       self.router.base_headers(), forwards_client_auth(cfg))
+        self.passthrough = Passthrough(cfg, self.router, self.metrics, self.upstream)
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         self.adapters = Adapters(cfg, self.registry, self.metrics, self.upstream, self.prober, self.label)
         # Subscribe as soon as an instance becomes a candidate, not at the next sweep.

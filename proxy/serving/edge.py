@@ -5,7 +5,8 @@ deadline before a request's headers are in nor while its body arrives: one conne
 growing one header, or thousands trickling bytes or saying nothing, hold memory and file
 descriptors without end. Here, per connection, before any authentication:
 
-* request line + headers over `max_header_bytes`: 431;
+* request line + headers over `max_header_bytes`: 431 (a head that arrives in one read too:
+  the parser is fed no more than the limit while a head is open);
 * headers not complete `header_timeout` s after the connection opened (or after the
   request's first byte on a kept-alive connection): 408;
 * a body not complete `body_timeout` s after its headers (a Content-Length larger than
@@ -148,12 +149,25 @@ def guarded_protocol(base: type[asyncio.Protocol], edge: Edge, h11_parser: bool)
                 return
             if self._edge_since is None:  # a kept-alive connection's next request begins
                 self._edge_since = edge.now
+            room = max_head - self._edge_bytes
+            if len(data) > room:
+                # The parser would finish a head that arrived whole (and reset the count)
+                # before any check: it gets no more than the limit while the head is open.
+                self._edge_bytes = max_head
+                super().data_received(data[:room])
+                if h11_parser:
+                    self._h11_phase()
+                if self._edge_phase == HEAD and self._edge_bytes == max_head:  # the head goes on
+                    if not self.transport.is_closing():
+                        self._head_too_large()
+                    return
+                if self._edge_phase != LINGER and not self.transport.is_closing():
+                    self.data_received(data[room:])  # the rest, in whatever phase is now
+                return
             self._edge_bytes += len(data)
             super().data_received(data)
             if h11_parser:
                 self._h11_phase()
-            if self._edge_phase == HEAD and self._edge_bytes > max_head and not self.transport.is_closing():
-                self._head_too_large()
 
         # httptools' parser callbacks: a head complete, a message complete.
         def on_headers_complete(self) -> None:

@@ -21,21 +21,21 @@ from proxy.asgi import JSON_CT, ClientGone, Receive, Scope, Send, read_body, sen
 from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
 from proxy.dispatch.rewrite import UsageRewrite
-from proxy.dispatch.stored import MAX_RESPONSE_ID, StoredResponses
+from proxy.dispatch.stored import MAX_RESPONSE_ID
 from proxy.errors import ProxyError, instance_text, sse_error_event, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
 from proxy.request import RouteRequest
-from proxy.routing.selection import Selector
+from proxy.serving.intake import upstream_headers
+from proxy.serving.routes import Router
 from proxy.upstream.base import Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("xpyd.proxy.passthrough")
 
 NOT_FOUND = b'{"detail":"Not Found"}'  # FastAPI's, as vLLM answers a path it does not serve
-# Request headers that belong to the client's connection to the proxy, not to the instance's.
-_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
-                  b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
-                  b"expect", b"accept-encoding"})  # fmt: skip
+# Beyond the headers vLLM reads (serving/intake.py), these routes pass the body's content type (JSON,
+# multipart audio) and the client's own request id (vLLM names its answer after it).
+_OWN_HEADERS = frozenset({b"content-type", b"x-request-id"})
 
 
 class _NotFound:
@@ -63,17 +63,16 @@ class _Endpoint:
 
 
 class Passthrough:
-    def __init__(self, cfg: ProxyConfig, selector: Selector, metrics: Metrics, upstream: Upstream,
-                 stored: StoredResponses, check_auth, base_headers: dict[str, str],
-                 forward_auth: bool) -> None:  # fmt: skip
+    def __init__(self, cfg: ProxyConfig, router: Router, metrics: Metrics, upstream: Upstream) -> None:
         self.cfg = cfg
-        self.selector = selector
+        self.selector = router.selector
         self.metrics = metrics
         self.upstream = upstream
-        self.stored = stored
-        self.check_auth = check_auth
-        self._base = base_headers
-        self._drop = _HOP if forward_auth else _HOP | {b"authorization"}
+        self.stored = router.dispatcher.stored
+        self.check_auth = router.check_auth
+        self._bodies = router.bodies
+        self._base = router.base_headers()
+        self._allow = router.forwarded() | _OWN_HEADERS
         other = "D" if cfg.passthrough_role == "P" else "P"
         self._roles = {ONE_DECODE: ("D", "P"), STORED_RESPONSE: ("D",)}
         self._default_roles = (cfg.passthrough_role, other)
@@ -87,8 +86,9 @@ class Passthrough:
         started = False
         try:
             self.check_auth(scope["headers"])
-            headers, length = self._headers(scope["headers"])
-            body = await read_body(receive, length, self.cfg.max_body_bytes) if scope["method"] != "GET" else b""
+            headers, length = upstream_headers(scope["headers"], self._allow, self._base)
+            get = scope["method"] == "GET"
+            body = b"" if get else await read_body(receive, length, self.cfg.max_body_bytes, self._bodies)
             path = scope.get("raw_path") or scope["path"].encode()
             target = path.decode("latin-1") + (("?" + scope["query_string"].decode("latin-1"))
                                                if scope.get("query_string") else "")  # fmt: skip
@@ -112,16 +112,6 @@ class Passthrough:
             raise
         finally:
             self.metrics.observe_request(route.path, status, time.perf_counter() - t0)
-
-    def _headers(self, raw: list[tuple[bytes, bytes]]) -> tuple[dict[str, str], bytes | None]:
-        fwd = self._base.copy()
-        length = None
-        for k, v in raw:
-            if k == b"content-length":
-                length = v
-            elif k not in self._drop:
-                fwd[k.decode("latin-1")] = v.decode("latin-1")
-        return fwd, length
 
     def _model(self, headers: dict[str, str], body: bytes) -> str | None:
         """The body's model, where instances serve more than one (only then does it choose)."""

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from proxy.asgi import ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
+from proxy.asgi import Bodies, ClientGone, Flight, Headers, Receive, Scope, Send, read_body, send_error
 from proxy.asgi import watch_disconnect as _watch
 from proxy.config import ProxyConfig
 from proxy.credentials import forwards_client_auth, upstream_key_header
@@ -26,34 +26,11 @@ from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
 from proxy.routing.selection import Selector
 from proxy.serving.corked import FLUSH, WATCH
+from proxy.serving.intake import cleaned, cleaned_unparsed, forwarded, upstream_headers
 from proxy.upstream.base import Upstream
 from xpyd_wire.headers import XPYD_PREFIX_RAW
 
 log = logging.getLogger("xpyd.proxy.routing")
-
-# Never forwarded upstream: hop-by-hop headers, ones the client library recomputes, the
-# client's request id (ours replaces it) and Accept-Encoding (we relay bytes verbatim).
-DROP_REQUEST_HEADERS = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"trailers",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"content-type",
-        b"expect",
-        b"x-request-id",
-        b"accept-encoding",
-    }
-)
-
 
 def _header_name(k: bytes) -> str:
     """A timing header's name for the log: without the xpyd prefix."""
@@ -91,9 +68,11 @@ class Router:
         # The client's Authorization goes upstream only when asked for (--forward-client-auth)
         # and never over --upstream-api-key: see proxy/credentials.py.
         upstream_key = upstream_key_header(cfg)
-        self._drop = DROP_REQUEST_HEADERS
-        if not forwards_client_auth(cfg):
-            self._drop = DROP_REQUEST_HEADERS | {b"authorization"}
+        self._forwarded = forwarded(forwards_client_auth(cfg))  # what vLLM reads: proxy/serving/intake.py
+        self._debug = cfg.forward_debug_params
+        # What bodies may cost, together and each (proxy/asgi.py).
+        self._bodies = Bodies(cfg.max_held_body_bytes, cfg.max_body_values, cfg.max_body_containers)
+        metrics.watch_held_body_bytes(lambda: self._bodies.held)
         self._base_headers = {"content-type": "application/json"}
         self._loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once known
         if upstream_key is not None:
@@ -102,6 +81,15 @@ class Router:
     def base_headers(self) -> dict[str, str]:
         """What every upstream request carries besides the client's headers (the upstream key)."""
         return {k: v for k, v in self._base_headers.items() if k != "content-type"}
+
+    def forwarded(self) -> frozenset[bytes]:
+        """The client headers that go upstream (proxy/serving/intake.py)."""
+        return self._forwarded
+
+    @property
+    def bodies(self) -> Bodies:
+        """The budget every request body is read within (proxy/asgi.py)."""
+        return self._bodies
 
     def endpoint(self, path: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
         return _Endpoint(self, path)
@@ -124,23 +112,17 @@ class Router:
     async def _read(self, path: str, scope: Scope, receive: Receive) -> RouteRequest:
         headers = scope["headers"]
         self.check_auth(headers)
-        fwd = self._base_headers.copy()
-        drop = self._drop
-        length: bytes | None = None
-        for k, v in headers:
-            if k not in drop:
-                fwd[k.decode("latin-1")] = v.decode("latin-1")
-            elif k == b"content-length":
-                length = v
-        raw = await read_body(receive, length, self.cfg.max_body_bytes)
+        fwd, length = upstream_headers(headers, self._forwarded, self._base_headers)
+        raw = await read_body(receive, length, self.cfg.max_body_bytes, self._bodies)
         try:
             # orjson: 4-8x faster than json here, which matters for long prompts.
             body = orjson.loads(raw)
             validate_body(path, body)
         except (ValueError, ProxyError):
             # vLLM's answer to it is vLLM's to give (its 400, or an answer where its parser
-            # accepts what ours does not): the body goes to one D as it came.
-            return RouteRequest(path, raw, {}, 0, fwd, verdict=True)
+            # accepts what ours does not): the body goes to one D as it came (less the proxy's fields).
+            return RouteRequest(path, cleaned_unparsed(raw, self._debug), {}, 0, fwd, verdict=True)
+        raw = cleaned(raw, body, self._debug)  # the proxy's kv_transfer_params are its own
         req = RouteRequest(path, raw, body, estimate_prompt_tokens(body, path), fwd, body.get("model"))
         if path == RESPONSES:
             req.response_id = response_id(body)

@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from proxy.config import ProxyConfig
+from proxy.config import ProxyConfig, is_loopback
 from proxy.serving.app import ProxyState, create_app, fast_path
 from proxy.serving.corked import corked_protocol
 from proxy.serving.edge import Edge, EdgeLimits
@@ -30,6 +30,10 @@ class ProxyServer(uvicorn.Server):
         limits = EdgeLimits(cfg.max_header_bytes, cfg.header_timeout, cfg.body_timeout, cfg.max_connections)
         refused = self.proxy.metrics.http_refused
         self.edge = Edge(limits, lambda reason: refused.labels(reason).inc())
+        if not is_loopback(cfg.host) and cfg.api_key is None:
+            log.warning("serving the API on %s without --api-key: anyone who reaches it can use every instance "
+                        "(set --api-key-file or XPYD_API_KEY, or bind --host 127.0.0.1 behind a gateway that "
+                        "authenticates)", cfg.host)
         if self.edge.max_connections < cfg.max_connections:
             log.info("max_connections lowered to %d: half the file-descriptor limit (raise `ulimit -n`)",
                         self.edge.max_connections)

@@ -93,9 +93,10 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str]
            pooling: bool = False) -> System:
     disc = e2e_cluster.free_port()
     pool_port = e2e_cluster.free_port()
-    # The shipped defaults; with `pooling`, a static P serving the tiny model as an embedding model too.
-    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir,
-                                ["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else [])
+    # The shipped defaults, but a request may ask D to zero its KV (the power test); with `pooling`,
+    # a static P serving the tiny model as an embedding model too.
+    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir, ["--forward-debug-params"] + (
+        ["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else []))
     started = [proxy]
     try:
         pool = None

@@ -25,11 +25,11 @@ REQUEST_ID_RE = (
 )
 
 
-def relayed(rec) -> bytes:
+def relayed(rec, px: ProxyHandle) -> bytes:
     """An instance's answer as clients get it by default: vLLM's echo of the internal request
-    id replaced by its uuid hex (the neutral id; --expose-routing-headers keeps it)."""
-    rid = rec.request_id.encode()
-    return bytes(rec.sent).replace(rid, rid[-32:])
+    id replaced by the proxy's neutral id (--expose-routing-headers keeps it)."""
+    rid = rec.request_id
+    return bytes(rec.sent).replace(rid.encode(), px.neutral(rid).encode())
 
 
 @dataclass
@@ -47,6 +47,13 @@ class ProxyHandle:
     @property
     def registry(self):
         return self.server.proxy.registry
+
+    def neutral(self, rid: str) -> str:
+        """The id clients are told for the internal request id `rid` (a keyed hash of its uuid)."""
+        return self.server.proxy.router.dispatcher.decode.ids.neutral(rid)
+
+    def relayed(self, rec) -> bytes:
+        return relayed(rec, self)
 
     async def fake(self, role: str, **kwargs: Any) -> FakeVLLM:
         """Start a fake instance registering with this proxy, and wait until it is live."""

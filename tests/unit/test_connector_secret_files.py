@@ -166,3 +166,34 @@ def test_the_launcher_refuses_a_secret_in_argv_or_the_topology(tmp_path, capsys,
     out = capsys.readouterr()
     assert "secrets belong in the environment" in out.err and "sk-in-the-topology" not in out.out + out.err
 
+
+
+def test_a_fifo_is_refused_at_once_and_a_loose_file_warned_about(tmp_path, no_secret_env, caplog):
+    """vLLM's start-up must not hang on a FIFO named as kv_secret_file (the old reader blocked
+    in open()); a file its group may read is used, with a warning."""
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    out: dict = {}
+
+    def run():
+        try:
+            _cfg(kv_secret_file=str(fifo))
+        except ValueError as e:
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # releases the blocked reader
+        t.join(10)
+        pytest.fail("reading kv_secret_file blocked on a FIFO")
+    assert "not a regular file" in str(out.get("error")), out
+    loose = _file(tmp_path, "kv", "kv-1")
+    os.chmod(loose, 0o640)
+    with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.config"):
+        assert _cfg(kv_secret_file=loose).kv_secret == "kv-1"
+    assert "is readable by its group (mode 0640)" in caplog.text

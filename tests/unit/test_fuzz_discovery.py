@@ -275,7 +275,9 @@ async def test_fuzzed_registrations_leave_the_proxy_serving(secret, caplog):
         expected[r] = expected.get(r, 0) + 1
 
     t0 = time.monotonic()
-    async with running_proxy(discovery_secret=secret, heartbeat_timeout=1.0) as px:
+    # Every fuzzed message is to be judged: no per-source rate here (its own test: test_proxy_discovery).
+    async with running_proxy(discovery_secret=secret, heartbeat_timeout=1.0, discovery_max_source_rate=10**6,
+                             discovery_cpu_share=1.0) as px:
         p, d = await px.pd(secret=secret, heartbeat_interval=0.1)
         # Registered before the flood, which may fill its source's bound (all of it comes
         # from 127.0.0.1): its later heartbeats are updates, never refused.

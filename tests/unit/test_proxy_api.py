@@ -60,12 +60,12 @@ async def test_two_phase_relay(path, body, stream, expose):
         assert pre.path == dec.path == path
         assert pre.received_at <= dec.received_at
         # The same request id, in the connector's format, to P and D; the client is told
-        # it with --expose-routing-headers, else its uuid (the neutral id).
+        # it with --expose-routing-headers, else the neutral id (a keyed hash of its uuid).
         rid = pre.request_id
         assert dec.request_id == rid
         m = re.match(REQUEST_ID_RE, rid)
         assert m and m["p"] == p.zmq_address and m["d"] == d.zmq_address
-        assert resp.headers["x-request-id"] == (rid if expose else m["uuid"])
+        assert resp.headers["x-request-id"] == (rid if expose else px.neutral(rid))
         # Prefill: one token, not streamed, no stream_options; D: the client's bytes.
         assert pre.json["max_tokens"] == 1 and pre.json["stream"] is False
         assert "stream_options" not in pre.json
@@ -87,7 +87,7 @@ async def test_two_phase_relay(path, body, stream, expose):
         if expose:
             assert resp.content == bytes(dec.sent)
         else:
-            assert resp.content == bytes(dec.sent).replace(rid.encode(), m["uuid"].encode())
+            assert resp.content == bytes(dec.sent).replace(rid.encode(), px.neutral(rid).encode())
             assert b"prefill_addr" not in resp.content
             if not stream:  # recomputed: the neutral id is shorter
                 assert int(resp.headers["content-length"]) == len(resp.content)
@@ -126,28 +126,26 @@ async def test_stream_is_relayed_incrementally():
         assert arrivals[-1] - arrivals[0] > 0.15  # not buffered until the end
 
 
-async def test_headers_forwarded():
+async def test_only_the_headers_vllm_reads_are_forwarded():
+    """P and D get the client's trace context, data-parallel rank, session id, priority and
+    load-metrics format (what vLLM 0.32 reads), the proxy's own content-type and request id;
+    nothing else of the client's: no cookie, forwarding chain, custom or x-xpyd-* header."""
+    kept = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "tracestate": "a=1",
+            "x-data-parallel-rank": "0", "x-session-id": "s1", "x-vllm-priority": "3",
+            "endpoint-load-metrics-format": "json"}
+    dropped = {"authorization": "Bearer client-token", "cookie": "session=secret", "forwarded": "for=10.0.0.1",
+               "x-forwarded-for": "10.0.0.1", "x-real-ip": "10.0.0.1", XPYD_PREFIX + "path": "local_decode",
+               "x-custom": "1", "x-request-id": "client-chosen", "te": "trailers", "user-agent": "sdk/1"}
     async with running_proxy() as px:
         p, d = await px.pd()
-        resp = await px.client.post(
-            "/v1/completions",
-            json=COMPLETION,
-            headers={
-                "authorization": "Bearer client-token",
-                "x-custom": "1",
-                "x-request-id": "client-chosen",
-                "te": "trailers",
-                "connection": "keep-alive",
-            },
-        )
+        resp = await px.client.post("/v1/completions", json=COMPLETION, headers={**kept, **dropped})
         assert resp.status_code == 200
         for rec in (p.completions()[0], d.completions()[0]):
             # The client's key stays with the proxy (--forward-client-auth: test_proxy_security).
-            assert "authorization" not in rec.headers
-            assert rec.headers["x-custom"] == "1"
+            assert {k: rec.headers.get(k) for k in kept} == kept
+            assert not set(dropped) - {"x-request-id"} & set(rec.headers), rec.headers
             assert rec.headers["content-type"] == "application/json"
             assert rec.headers["x-request-id"].startswith("___prefill_addr_")
-            assert "te" not in rec.headers
 
 
 async def test_token_id_prompts_and_extra_fields_pass_through():
@@ -273,8 +271,9 @@ async def test_fastapi_app_serves_completions_without_fast_path():
                     r = await client.post(path, json={**body, "stream": stream})
                     assert r.status_code == 200
                     rec = fakes[1].completions()[-1]
-                    rid = rec.request_id.encode()  # clients get its uuid (the neutral id)
-                    assert r.content == bytes(rec.sent).replace(rid, rid[-32:])
+                    rid = rec.request_id  # clients get the neutral id
+                    neutral = state.router.dispatcher.decode.ids.neutral(rid)
+                    assert r.content == bytes(rec.sent).replace(rid.encode(), neutral.encode())
             bad = await client.post("/v1/completions", content=b"{")
             assert bad.status_code == 400 and bad.json()["error"]["type"] == "Bad Request"  # D's vLLM judged it
             assert fakes[1].requests[-1].body == b"{"

@@ -12,7 +12,7 @@ import pytest
 
 from proxy.upstream.base import UpstreamError
 from proxy.upstream.factory import make_upstream
-from tests.support.proxy_helpers import Fault, relayed, running_proxy, wait_until
+from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 from tests.support.raw_instance import HEAD, RawInstance
 from tests.support.raw_server import RawServer, read_request, reset
 
@@ -23,10 +23,10 @@ async def test_alternative_upstream_client(client):
         p, d = await px.pd()
         body = {"prompt": "x", "max_tokens": 3}
         ok = await px.client.post("/v1/completions", json=body)
-        assert ok.status_code == 200 and ok.content == relayed(d.completions()[-1])
+        assert ok.status_code == 200 and ok.content == px.relayed(d.completions()[-1])
         stream = await px.client.post("/v1/completions", json={**body, "stream": True})
         assert stream.text.endswith("data: [DONE]\n\n")
-        assert stream.content == relayed(d.completions()[-1])
+        assert stream.content == px.relayed(d.completions()[-1])
         assert p.completions()[-1].json["max_tokens"] == 1
 
         p.fault = Fault(status=500, times=1)  # P fails: relayed, D not called

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # default that changes, or a field that is added, must change this table on purpose (and the
 # docs: scripts/gen_flags.py). Comparing ProxyConfig() with itself cannot fail.
 DOCUMENTED_DEFAULTS = {
-    "host": "0.0.0.0",
+    "host": "127.0.0.1",
     "port": 8000,
     "discovery_host": "127.0.0.1",
     "discovery_port": 30001,
@@ -28,6 +29,10 @@ DOCUMENTED_DEFAULTS = {
     "heartbeat_timeout": 10.0,
     "discovery_max_per_role": 1024,
     "discovery_max_per_source": 64,
+    "discovery_cpu_share": 0.2,
+    "discovery_max_source_rate": 200,
+    "discovery_max_connections": 2112,
+    "discovery_max_connections_per_source": 128,
     "prefill_policy": "round_robin",
     "decode_policy": "round_robin",
     "cache_aware_chunk_tokens": 16,
@@ -54,7 +59,11 @@ DOCUMENTED_DEFAULTS = {
     "admin_api_key_file": None,
     "max_adapters": 64,
     "adapter_timeout": 120.0,
+    "forward_debug_params": False,
     "max_body_bytes": 16 * 1024 * 1024,
+    "max_held_body_bytes": 1024 * 1024 * 1024,
+    "max_body_values": 1024 * 1024,
+    "max_body_containers": 64 * 1024,
     "max_header_bytes": 32 * 1024,
     "header_timeout": 10.0,
     "body_timeout": 60.0,
@@ -279,3 +288,20 @@ def test_secrets_stay_out_of_the_config_repr():
     for secret in ("k-123", "u-456", "d-789"):
         assert secret not in text
     assert "discovery_port=30001" in text  # the rest is still there
+
+
+@pytest.mark.parametrize("host, api_key, warned", [
+    ("0.0.0.0", None, True), ("::", None, True), ("10.1.2.3", None, True),
+    ("0.0.0.0", "k", False), ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False),
+])  # fmt: skip
+def test_serving_a_wider_address_without_an_api_key_is_warned_about(host, api_key, warned, caplog):
+    """The API binds loopback by default (docs/security.md says so); a wider --host without
+    --api-key serves anyone who reaches it, and the proxy says so once at start-up."""
+    from proxy.serving.server import ProxyServer
+
+    assert ProxyConfig().host == "127.0.0.1" and load_config([], env={}).host == "127.0.0.1"
+    cfg = ProxyConfig(host=host, port=0, api_key=api_key).validate()
+    with caplog.at_level(logging.WARNING, logger="xpyd.proxy"):
+        ProxyServer(cfg, handle_signals=False)
+    said = [r.getMessage() for r in caplog.records if "without --api-key" in r.getMessage()]
+    assert bool(said) is warned, said

@@ -15,7 +15,7 @@ import pytest
 
 from proxy.config import ProxyConfig
 from tests.support.fake_vllm import DISAGGREGATED_ID
-from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, relayed, running_proxy, wait_until
+from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
@@ -269,13 +269,13 @@ async def test_rescue_decode_alone_after_failed_kv_load(path, body, dispatch):
         # The second time D got the client's request unchanged, under a plain id: no KV to
         # load, D prefills itself; the client gets exactly what D computed alone.
         assert local_id(second.request_id) and second.json == body
-        assert resp.content == relayed(second)
+        assert resp.content == px.relayed(second)
         if body.get("stream"):
             assert resp.text.endswith("data: [DONE]\n\n")
         else:
             assert resp.json()["choices"][0]["text"] == " t0 t1 t2 t3 t4"
         assert resp.headers[XPYD_PATH] == "local_rescue"
-        assert resp.headers["x-request-id"] == second.request_id[-32:]
+        assert resp.headers["x-request-id"] == px.neutral(second.request_id)
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert await px.metric("xpyd_dispatch_total", path="disaggregated") == 1
         assert await px.metric("xpyd_decode_retries_total") == 0
@@ -297,7 +297,7 @@ async def test_rescue_after_every_decode_retry_failed():
         seen = d1.completions() + d2.completions()
         assert [request_id.parse(r.request_id) is not None for r in seen].count(True) == 2
         (alone,) = [r for r in seen if local_id(r.request_id)]
-        assert resp.content == relayed(alone)
+        assert resp.content == px.relayed(alone)
         assert len(p.completions()) == 2  # one P/D pair per D
         assert await px.metric("xpyd_decode_retries_total") == 1
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
@@ -318,7 +318,7 @@ async def test_rescue_goes_to_a_d_not_tried_yet():
         (failed,) = idle.completions()
         assert request_id.parse(failed.request_id) is not None and failed.status == 500
         (alone,) = busy.completions()
-        assert local_id(alone.request_id) and resp.content == relayed(alone)
+        assert local_id(alone.request_id) and resp.content == px.relayed(alone)
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
 
 
@@ -355,8 +355,8 @@ async def test_rescue_failing_too_relays_the_original_error(body):
         first, second = d.completions()
         assert local_id(second.request_id)
         # The disaggregated attempt's error (it quotes that request's id), with its headers.
-        assert err["message"] == f"Internal server error ({first.request_id[-32:]})"
-        assert resp.headers["x-request-id"] == first.request_id[-32:]
+        assert err["message"] == f"Internal server error ({px.neutral(first.request_id)})"
+        assert resp.headers["x-request-id"] == px.neutral(first.request_id)
         assert resp.headers[XPYD_PATH] == "disaggregated"
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
@@ -451,7 +451,7 @@ async def test_stream_error_event_before_content_is_rescued(path, body):
                                      else b"data: {\"error\"")  # fmt: skip
         # ...and the client got none of it: only what D computed alone.
         assert local_id(second.request_id) and second.json == body
-        assert resp.content == relayed(second)
+        assert resp.content == px.relayed(second)
         assert not any("error" in e for e in sse(resp.text))
         assert resp.text.endswith("data: [DONE]\n\n")
         assert resp.headers[XPYD_PATH] == "local_rescue"
@@ -490,7 +490,7 @@ async def test_stream_client_error_event_is_relayed(path, body):
         resp = await px.client.post(path, json=body)
         assert resp.status_code == 200
         (rec,) = d.completions() + other.completions()
-        assert resp.content == relayed(rec)
+        assert resp.content == px.relayed(rec)
         assert sse(resp.text)[-1]["error"]["code"] == 400
         assert await px.metric("xpyd_decode_retries_total") == 0
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
@@ -504,7 +504,7 @@ async def test_stream_error_event_after_content_is_relayed(path, body):
         resp = await px.client.post(path, json=body)
         assert resp.status_code == 200
         (rec,) = d.completions()
-        assert resp.content == relayed(rec)
+        assert resp.content == px.relayed(rec)
         events = sse(resp.text)
         assert events[-1]["error"]["code"] == 500 and "choices" in events[-2]
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 0
@@ -524,7 +524,7 @@ async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
             held_for = time.monotonic() - t0
             rest = b"".join([c async for c in chunks])
         (rec,) = d.completions()
-        assert head == relayed(rec)  # the role chunk, held until the deadline
+        assert head == px.relayed(rec)  # the role chunk, held until the deadline
         assert 0.4 < held_for < 0.9, held_for
         error, done = rest.decode().split("\n\n")[:2]
         assert json.loads(error[6:])["error"]["code"] == "decode_timeout" and done == "data: [DONE]"
@@ -548,7 +548,7 @@ async def test_stream_first_token_is_not_delayed_by_the_hold():
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert [e["choices"][0]["delta"].get("content") for e in events[1:]] == [" t0"]
         assert took < 0.5, took  # role chunk + t0 at ~0.3 s, t1 at ~0.6 s
-        assert head + rest == relayed(d.completions()[0])
+        assert head + rest == px.relayed(d.completions()[0])
 
 
 async def test_stream_broken_off_before_content_is_rescued():
@@ -561,7 +561,7 @@ async def test_stream_broken_off_before_content_is_rescued():
         assert resp.status_code == 200
         first, second = d.completions()
         assert first.fault_closed and local_id(second.request_id)
-        assert resp.content == relayed(second)
+        assert resp.content == px.relayed(second)
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
 
 
@@ -580,7 +580,7 @@ async def test_stream_error_event_when_the_rescue_fails_too(path, body):
                                          "code": 500}}  # fmt: skip
         first, second = d.completions()
         assert local_id(second.request_id)
-        assert resp.headers["x-request-id"] == first.request_id[-32:]
+        assert resp.headers["x-request-id"] == px.neutral(first.request_id)
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
 

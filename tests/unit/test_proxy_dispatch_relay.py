@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from proxy.dispatch.relay import LEAD_MAX_BYTES as CAP
-from tests.support.proxy_helpers import Fault, relayed, running_proxy, wait_until
+from tests.support.proxy_helpers import Fault, running_proxy, wait_until
 
 STREAM = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5, "stream": True}
 
@@ -28,7 +28,7 @@ async def test_every_chunk_pushes_the_idle_deadline_back():
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200
         (rec,) = d.completions()
-        assert resp.content == relayed(rec) and resp.text.endswith("data: [DONE]\n\n")
+        assert resp.content == px.relayed(rec) and resp.text.endswith("data: [DONE]\n\n")
         assert "error" not in resp.text
 
 
@@ -338,7 +338,7 @@ async def test_the_client_gets_ds_content_type(stream):
         want = "text/event-stream; charset=utf-8" if stream else "application/json"
         assert resp.headers.get_list("content-type") == [want]
         (rec,) = d.completions()
-        assert resp.content == relayed(rec)
+        assert resp.content == px.relayed(rec)
         if not stream:  # one write with its length, not a chunked body (mutant: the length misnamed)
             assert resp.headers.get_list("content-length") == [str(len(resp.content))]
             assert "transfer-encoding" not in resp.headers
@@ -494,6 +494,6 @@ async def test_relay_sends_what_the_rewrite_held_back_at_a_clean_end():
     from proxy.dispatch.rewrite import IdRewrite
 
     internal = "___prefill_addr_127.0.0.1:2___decode_addr_127.0.0.1:3_" + "0123456789abcdef" * 2
-    rewrite = IdRewrite(internal)
+    rewrite = IdRewrite(internal, "ab" * 16)
     sent, _ = await _relay(_T0, _Script([b": tail ___pre"], "late-eof"), rewrite=rewrite)
     assert [m[1:3] for m in sent[1:]] == [(_T0, True), (b": tail ", True), (b"___pre", False)]

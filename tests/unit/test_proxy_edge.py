@@ -91,6 +91,35 @@ async def test_a_growing_header_gets_431(http):
         assert await proxy.metric("xpyd_http_refused_total", reason="headers_too_large") == 1
 
 
+def _head(size: int, method: bytes = b"GET", path: bytes = b"/health", extra: bytes = b"") -> bytes:
+    """A request head (request line, headers, blank line) of exactly `size` bytes."""
+    start = method + b" " + path + b" HTTP/1.1\r\nhost: x\r\n" + extra + b"x-pad: "
+    head = start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+    assert len(head) == size
+    return head
+
+
+@pytest.mark.parametrize("http", PARSERS)
+async def test_a_head_over_the_limit_in_one_write_gets_431_at_the_bound(http):
+    """A head that arrives in one read is measured too (the parser finishes it before any
+    check could see its size): exactly max_header_bytes is served, one byte more is 431,
+    with or without a body in the same write."""
+    limit = 32 * 1024
+    async with running_proxy(http=http, max_header_bytes=limit) as proxy:
+        for size, body, want in ((limit, b"", 200), (limit + 1, b"", 431), (limit - 40, b"", 200),
+                                 (limit + 1, b"{}", 431), (2 * limit, b"", 431)):
+            reader, writer = await connect(proxy.server.port)
+            extra = b"content-length: %d\r\nconnection: close\r\n" % len(body)
+            writer.write(_head(size, extra=extra) + body)
+            raw = await read_all(reader, 10.0)
+            writer.close()
+            status = int(raw.split(b" ", 2)[1])
+            assert status == want, (size, raw[:200])
+            if want == 431:
+                assert_openai_error(parse(raw)[1], "request_header_fields_too_large")
+        assert await proxy.metric("xpyd_http_refused_total", reason="headers_too_large") == 3
+
+
 @pytest.mark.parametrize("http", PARSERS)
 async def test_slowloris_and_silent_connections_are_closed(http):
     """60 connections trickling header bytes and 200 silent ones: every one gets 408 JSON

@@ -121,7 +121,7 @@ async def test_prefill_500_is_relayed_and_decode_never_called():
         err = assert_error(resp, 500)
         assert err["message"] == "fake P failure"  # vLLM's error JSON, relayed as is
         # The neutral id: the uuid of the one P was sent (no addresses).
-        assert resp.headers["x-request-id"] == p.completions()[0].request_id[-32:]
+        assert resp.headers["x-request-id"] == px.neutral(p.completions()[0].request_id)
         assert not d.completions()
         assert (
             await px.metric(

@@ -28,6 +28,8 @@ LONG_MODULES = {
     "proxy/config.py": 530,
     # The KV-event intake: one class (KVEvents) owning every instance's SUB sockets.
     "proxy/routing/kv_events.py": 630,
+    # Every flag: one frozen dataclass, its help text and checks, and the loader (CLI > env > YAML).
+    "proxy/config.py": 600,
 }
 
 

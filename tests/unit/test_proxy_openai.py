@@ -71,7 +71,7 @@ async def test_openai_client(proxy_and_client):
     raw = await client.completions.with_raw_response.create(
         model="fake-model", prompt="Hello", max_tokens=1
     )
-    assert raw.headers["x-request-id"] == d.completions()[-1].request_id[-32:]
+    assert raw.headers["x-request-id"] == px.neutral(d.completions()[-1].request_id)
     assert raw.parse().id.startswith("cmpl-" + raw.headers["x-request-id"])
 
 

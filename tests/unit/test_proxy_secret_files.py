@@ -109,3 +109,55 @@ def test_a_proxy_started_with_a_key_file_serves_with_it_and_argv_holds_only_the_
             proc.kill()
             proc.wait(timeout=10)
     assert "command line" not in (proc.stderr.read() or "")
+
+
+def _in_thread(fn, unblock, timeout: float = 10.0):
+    """fn()'s result or exception; a call still blocked after `timeout` is released with
+    unblock() and fails the test (the old reader blocked forever on a FIFO)."""
+    import threading
+
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        unblock()
+        t.join(timeout)
+        pytest.fail(f"reading the secret file blocked for {timeout}s")
+    return out
+
+
+def test_a_fifo_or_directory_is_refused_at_once_not_waited_on(tmp_path):
+    """A FIFO (nobody writing) would hold start-up forever in open(); a directory or device
+    holds no secret: each is a configuration error naming the file."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def unblock():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+    out = _in_thread(lambda: load_config(["--api-key-file", str(fifo)], env={}), unblock)
+    assert isinstance(out.get("error"), ConfigError) and "not a regular file" in str(out["error"]), out
+    for path in (str(tmp_path), "/dev/zero"):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            load_config(["--discovery-secret-file", path], env={})
+
+
+def test_a_secret_file_others_may_read_is_warned_about(tmp_path, caplog):
+    private, loose = _file(tmp_path, "private", "k-1"), _file(tmp_path, "loose", "k-2")
+    os.chmod(private, 0o600)
+    os.chmod(loose, 0o644)
+    with caplog.at_level(logging.WARNING, logger="xpyd.proxy.config"):
+        assert load_config(["--api-key-file", private], env={}).api_key == "k-1"
+    assert "readable by" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="xpyd.proxy.config"):
+        assert load_config(["--api-key-file", loose], env={}).api_key == "k-2"
+    assert f"{loose} is readable by its group and everyone (mode 0644): chmod 600" in caplog.text and "k-2" not in caplog.text

@@ -14,13 +14,14 @@ import pytest
 
 from proxy.dispatch.relay import at_event_boundary
 from proxy.dispatch.rewrite import IdRewrite
-from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, free_port, relayed, running_proxy, wait_until
+from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, free_port, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH, XPYD_PREFILL_INSTANCE, XPYD_PREFILL_MS
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 HEX32 = re.compile(r"[0-9a-f]{32}")
 INTERNAL = "___prefill_addr_127.0.0.1:21001___decode_addr_[::1]:21002_" + "ab" * 16
+NEUTRAL = "ef" * 16
 
 
 def leaks(text: str, *fakes) -> list[str]:
@@ -42,21 +43,21 @@ def error_events(text: str) -> list[dict]:
 
 
 def test_rewrite_whole_body_and_every_split_of_the_id():
-    neutral = "ab" * 16
+    neutral = NEUTRAL
     event = b'data: {"id":"cmpl-' + INTERNAL.encode() + b'","choices":[]}\n\n'
     want = event.replace(INTERNAL.encode(), neutral.encode())
-    assert IdRewrite(INTERNAL).whole(event * 3) == want * 3
+    assert IdRewrite(INTERNAL, NEUTRAL).whole(event * 3) == want * 3
     stream = event * 3 + b"data: [DONE]\n\n"
     expected = stream.replace(INTERNAL.encode(), neutral.encode())
     # Two chunks, split at every byte: the id is rebuilt whatever the split.
     for cut in range(len(stream) + 1):
-        rw = IdRewrite(INTERNAL)
+        rw = IdRewrite(INTERNAL, NEUTRAL)
         out = rw.feed(stream[:cut]) + rw.feed(stream[cut:]) + rw.flush()
         assert out == expected, cut
     # Random chunkings, down to one byte per chunk.
     rng = random.Random(10)
     for _ in range(200):
-        rw, out, i = IdRewrite(INTERNAL), [], 0
+        rw, out, i = IdRewrite(INTERNAL, NEUTRAL), [], 0
         while i < len(stream):
             n = rng.randint(1, 40)
             out.append(rw.feed(stream[i : i + n]))
@@ -65,7 +66,7 @@ def test_rewrite_whole_body_and_every_split_of_the_id():
 
 
 def test_rewrite_holds_back_only_a_proper_prefix_of_the_id():
-    rw = IdRewrite(INTERNAL)
+    rw = IdRewrite(INTERNAL, NEUTRAL)
     # The fast path: a chunk that ends an event holds nothing back.
     assert rw.feed(b"data: x\n\n") == b"data: x\n\n"
     # Underscores that cannot start the id are not held; "___pre" can.
@@ -79,11 +80,11 @@ def test_rewrite_holds_back_only_a_proper_prefix_of_the_id():
     assert rw.flush() == b""
     assert rw.feed(b"x___") == b"x" and rw.flush() == b"___"
     # The local path's id likewise.
-    local = IdRewrite("xpyd-local-" + "cd" * 16)
+    local = IdRewrite("xpyd-local-" + "ab" * 16, "cd" * 16)
     assert local.feed(b"cmpl-xpyd-lo") == b"cmpl-"
-    assert local.feed(b"cal-" + b"cd" * 16 + b"-0\n\n") == b"cd" * 16 + b"-0\n\n"
+    assert local.feed(b"cal-" + b"ab" * 16 + b"-0\n\n") == b"cd" * 16 + b"-0\n\n"
     with pytest.raises(ValueError):
-        IdRewrite("0123" + "ab" * 16)  # an id starting with hex could overlap its rewrite
+        IdRewrite("0123" + "ab" * 16, NEUTRAL)  # an id starting with hex could overlap its rewrite
 
 
 def test_event_boundary():
@@ -115,9 +116,11 @@ async def test_neutral_ids_and_no_addresses_by_default(path, body):
             internal = re.fullmatch(REQUEST_ID_RE, rec.request_id)
             assert internal and p.completions()[-1].request_id == rec.request_id
             neutral = resp.headers["x-request-id"]
-            assert neutral == internal["uuid"]
+            assert HEX32.fullmatch(neutral) and neutral == px.neutral(rec.request_id)
+            # It names no transfer: the uuid P's and D's connectors key the KV by is nowhere.
+            assert neutral != internal["uuid"] and internal["uuid"] not in resp.text + str(resp.headers)
             if XPYD_FIRST_TOKEN not in resp.headers:  # else P's token, then D's (test_proxy_first_token.py)
-                assert resp.content == relayed(rec) != bytes(rec.sent)
+                assert resp.content == px.relayed(rec) != bytes(rec.sent)
             assert not leaks(resp.text + str(resp.headers), p, d), (req, resp.headers)
             prefix = "chatcmpl-" if "messages" in body else "cmpl-"
             ids = {json.loads(line[6:])["id"] for line in resp.text.splitlines()
@@ -135,8 +138,8 @@ async def test_local_path_id_is_neutral_too():
             assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_short"
             rec = d.completions()[-1]
             assert rec.request_id.startswith("xpyd-local-")
-            assert resp.headers["x-request-id"] == rec.request_id.removeprefix("xpyd-local-")
-            assert resp.content == relayed(rec) and not leaks(resp.text, p, d)
+            assert resp.headers["x-request-id"] == px.neutral(rec.request_id)
+            assert resp.content == px.relayed(rec) and not leaks(resp.text, p, d)
         assert not p.completions()
 
 
@@ -429,3 +432,62 @@ async def test_launcher_sees_registrations_with_or_without_addresses(expose):
         assert await asyncio.to_thread(registered, spec, insts) == {"p0", "d0"}
         two_d = insts + [InstanceSpec("d1", "D", "127.0.0.1", free_port(), 3)]
         assert await asyncio.to_thread(registered, spec, two_d) == {"p0"} | ({"d0"} if expose else set())
+
+
+# ---------------------------------------------------------------- the proxy's kv_transfer_params
+
+CLIENT_PARAMS = {"xpyd_skip_tokens": 3, "xpyd_prefill_prompt_tokens": 2, "xpyd_debug_corrupt_kv": True,
+                 "xpyd_later_field": 1, "xpyd_report_transfer_key": True, "other": {"x": 1}}
+KEPT = {"xpyd_report_transfer_key": True, "other": {"x": 1}}
+
+
+def _params(rec) -> dict:
+    return json.loads(rec.body.replace(b"NaN", b"null"))["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("case", ["disaggregated", "first_token", "local", "unparsed", "chat"])
+async def test_a_clients_proxy_fields_in_kv_transfer_params_reach_neither_p_nor_d(case):
+    """Every xpyd_* field of kv_transfer_params but those a client may ask with is the proxy's:
+    a client's own (xpyd_skip_tokens would steer D's KV plan) is stripped on every path, the
+    disaggregated one (P and D), the first token from P (P and D's continuation), D alone, a
+    body the proxy cannot read (NaN: vLLM's parser takes it; it goes to one D) and chat."""
+    body = {**COMPLETION, "kv_transfer_params": dict(CLIENT_PARAMS)}
+    path = "/v1/completions"
+    opts = {}
+    if case == "first_token":
+        body["stream"] = True
+    elif case == "local":
+        opts["local_prefill_threshold"] = 10_000
+    elif case == "chat":
+        body = {**CHAT, "kv_transfer_params": dict(CLIENT_PARAMS)}
+        path = "/v1/chat/completions"
+    async with running_proxy(**opts) as px:
+        p, d = await px.pd()
+        if case == "unparsed":
+            raw = json.dumps({**body, "temperature": float("nan")}).encode()
+            assert b"NaN" in raw
+            resp = await px.client.post(path, content=raw, headers={"content-type": "application/json"})
+        else:
+            resp = await px.client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        if case == "first_token":
+            assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        sent = [*p.completions(), *d.completions()]
+        assert len(sent) == (1 if case in ("local", "unparsed") else 2), [r.path for r in sent]
+        for rec in sent:
+            params = _params(rec)
+            assert {k: v for k, v in params.items() if k not in KEPT} == \
+                ({"xpyd_prefill_prompt_tokens": params.get("xpyd_prefill_prompt_tokens")}
+                 if case == "first_token" and rec in d.completions() else {}), (rec.path, params)
+            assert {k: params[k] for k in KEPT} == KEPT
+        if case == "first_token":  # the proxy's own value, not the client's
+            assert _params(d.completions()[0])["xpyd_prefill_prompt_tokens"] != 2
+
+
+async def test_debug_fields_pass_only_with_forward_debug_params():
+    async with running_proxy(forward_debug_params=True) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json={**COMPLETION, "kv_transfer_params": dict(CLIENT_PARAMS)})
+        assert resp.status_code == 200
+        for rec in (*p.completions(), *d.completions()):
+            assert _params(rec) == {**KEPT, "xpyd_debug_corrupt_kv": True}

@@ -283,3 +283,67 @@ def test_no_limit_never_evicts_and_stale_temp_files_are_swept(tmp_path: Path):
     assert len(list(tmp_path.rglob("*.kv"))) == 3
     Evictor(tmp_path, 10**12, rescan_s=0.0).maybe_evict()
     assert not stale.exists()
+
+
+# ---------------------------------------------------------------- what others may plant in the store
+
+
+def test_what_the_store_creates_is_private(tmp_path: Path):
+    root = tmp_path / "store"
+    s = BlockStore(root, meta())
+    k = "a1" * 32
+    s.write(k, 0, block(1))
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    assert os.stat(s.path(k).parent).st_mode & 0o777 == 0o700
+    assert os.stat(s.path(k)).st_mode & 0o777 == 0o600
+
+
+def test_a_link_planted_in_the_store_is_never_followed(tmp_path: Path):
+    """Someone who may write the shared directory links a key's directory, or a block's name,
+    to files elsewhere: reads miss (a valid block there is not loaded), writes do not land
+    there, and the target is neither touched nor deleted."""
+    elsewhere = BlockStore(tmp_path / "elsewhere", meta())
+    s = BlockStore(tmp_path / "store", meta())
+    k_dir, k_file = "b2" * 32, "c3" * 32
+    for k in (k_dir, k_file):
+        elsewhere.write(k, 0, block(7))
+    # The key's directory is a link to the other store's.
+    os.symlink(elsewhere.path(k_dir).parent, s.root / k_dir[:2])
+    # The block file's name is a link to a valid block of the same key elsewhere.
+    s.path(k_file).parent.mkdir(mode=0o700)
+    os.symlink(elsewhere.path(k_file), s.path(k_file))
+    target = elsewhere.path(k_file)
+    os.utime(target, (1_000_000, 1_000_000))
+    for k in (k_dir, k_file):
+        assert not s.stored(k)
+        with pytest.raises(Miss):
+            s.read_into(k, empty())
+    assert os.stat(target).st_mtime == 1_000_000 and target.exists()
+    with pytest.raises(OSError):  # a link where the key's directory belongs: nothing is written through it
+        s.write(k_dir, 0, block(1))
+    assert sorted(p.name for p in elsewhere.path(k_dir).parent.iterdir()) == [elsewhere.path(k_dir).name]
+    s.write(k_file, 0, block(1))  # the link is touched, not its target
+    assert os.stat(target).st_mtime == 1_000_000
+
+
+def test_a_fifo_under_a_blocks_name_is_a_miss_not_a_wait(tmp_path: Path):
+    s = BlockStore(tmp_path, meta())
+    k = "d4" * 32
+    s.path(k).parent.mkdir(mode=0o700)
+    os.mkfifo(s.path(k))
+    result: list = []
+
+    def read():
+        try:
+            s.read_into(k, empty())
+        except Miss as e:
+            result.append(e.reason)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():
+        os.close(os.open(s.path(k), os.O_WRONLY | os.O_NONBLOCK))  # release the reader
+        t.join(10)
+        pytest.fail("reading a FIFO in the store blocked")
+    assert result and not s.stored(k)

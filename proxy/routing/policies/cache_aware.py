@@ -52,17 +52,20 @@ class PrefixIndex:
         self._lru: dict[Instance, OrderedDict[int, None]] = {}
 
     def chain(self, key: str | list[int], adapter: str | None = None) -> list[int]:
-        """Chain hashes of every full chunk of `key`, first chunk first; a LoRA `adapter`
-        salts the chain (vLLM never shares a prefix between adapters or with the base model)."""
+        """Chain hashes of the full chunks of `key`, first chunk first, at most as many as an
+        instance holds (capacity_chunks): one holds no longer a prefix, and a long prompt
+        costs no more than that (a 16 MiB prompt took ~1 s). A LoRA `adapter` salts the chain
+        (vLLM never shares a prefix between adapters or with the base model)."""
         size = self.chunk_chars if isinstance(key, str) else self.chunk_tokens
         out: list[int] = []
         h = 0 if adapter is None else hash(("lora", adapter))
+        end = min(len(key) - size + 1, self.capacity_chunks * size)
         if isinstance(key, str):
-            for i in range(0, len(key) - size + 1, size):
+            for i in range(0, end, size):
                 h = hash((h, key[i : i + size]))
                 out.append(h)
         else:
-            for i in range(0, len(key) - size + 1, size):
+            for i in range(0, end, size):
                 h = hash((h, tuple(key[i : i + size])))
                 out.append(h)
         return out
