@@ -9,9 +9,12 @@ probe's own condition): a small file in /dev/shm named after the rank's KV addre
 
 Layout: a 16-byte magic, the writer's pid (8 bytes, little-endian), 8 reserved bytes, then
 ``SLOTS`` slots of 16 bytes, each a 128-bit BLAKE2b digest
-of a transfer key whose whole payload was stored (every piece, for heterogeneous TP),
-written round-robin. The board only ever says "it arrived" (a reader asks the worker when
-it does not): a payload dropped since (its TTL) fails a synchronous load as it would fail
+of a transfer key whose whole payload was stored (every piece, for heterogeneous TP), or of
+``begun:`` and a key that a sender began to send (its reservation, its first part, its refusal
+or its abort: the transfer has started or will not come), written round-robin. "Arrived" is
+only ever a yes (a reader asks the worker when it sees no yes); "begun" is read from a board
+the reader can map, and lets D's scheduler wait for a prefill that has not begun without
+holding KV-cache blocks (connector/scheduler.py). "Arrived": a payload dropped since (its TTL) fails a synchronous load as it would fail
 an asynchronous one (the blocks go to vLLM's kv_load_failure_policy), and keys are
 per-request uuids, so an old or stale entry never names a new request's transfer. A torn
 slot (read while written) matches nothing: the worker is asked then.
@@ -35,10 +38,10 @@ from connector.log import get_logger
 
 logger = get_logger(__name__)
 
-MAGIC = b"xpyd-arrivals-v2"  # 16 bytes: this layout
+MAGIC = b"xpyd-arrivals-v3"  # 16 bytes: this layout (v3: 4,096 slots, "begun" digests)
 HEADER = 32  # the magic, the writer's pid, reserved
 DIGEST = 16
-SLOTS = 1024  # the last 1,024 arrivals: far more than wait to be planned at once
+SLOTS = 4096  # the last 4,096 events (two or more per transfer): far more than wait at once
 SIZE = HEADER + SLOTS * DIGEST
 _PREFIX = "xpyd-arrivals-"
 _SWEEP_MAX = 1024  # directory entries a sweep looks at
@@ -46,6 +49,10 @@ _SWEEP_MAX = 1024  # directory entries a sweep looks at
 
 def _digest(key: str) -> bytes:
     return hashlib.blake2b(key.encode(), digest_size=DIGEST).digest()
+
+
+def _begun_digest(key: str) -> bytes:
+    return hashlib.blake2b(b"begun:" + key.encode(), digest_size=DIGEST).digest()
 
 
 def board_path(kv_address: str, directory: str | None = None) -> Path:
@@ -133,7 +140,14 @@ class ArrivalWriter:
         return self._path
 
     def publish(self, key: str) -> None:
-        h = _digest(key)
+        """The whole payload of `key` is stored."""
+        self._write(_digest(key))
+
+    def publish_begun(self, key: str) -> None:
+        """A sender began `key` (reserved, sent a part, was refused or gave up)."""
+        self._write(_begun_digest(key))
+
+    def _write(self, h: bytes) -> None:
         with self._lock:
             at = HEADER + (self._next % SLOTS) * DIGEST
             self._next += 1
@@ -208,6 +222,20 @@ class ArrivalReader:
         # A miss costs one stat more: a board mapped before this instance's worker made its
         # own (a stale file of the same name) is swapped for the live one.
         return self._replaced() and self._open() and self._find(h)
+
+    def begun(self, key: str) -> bool | None:
+        """Whether a sender began `key` or it arrived; None when no board can be read (ask
+        the worker then)."""
+        if self._mm is None and not self._open():
+            return None
+        hs = (_begun_digest(key), _digest(key))
+        if any(self._find(h) for h in hs):
+            return True
+        if self._replaced():
+            if not self._open():
+                return None
+            return any(self._find(h) for h in hs)
+        return False
 
     def close(self) -> None:
         if self._mm is not None:

@@ -217,6 +217,12 @@ class ConnectorConfig:
     # synchronously (before the forward pass of the step that schedules the request) instead
     # of one engine step later; False: always asynchronously.
     sync_load: bool = True
+    # D: a request whose prefill has not begun sending (no reservation, part or refusal on the
+    # arrival board) waits in vLLM's queue without KV-cache blocks and without its load deadline
+    # running, for at most this long; then D computes the prompt itself. The load deadline
+    # (kv_load_timeout_s) runs from when the sender began: a P that is queued or slow cannot
+    # fail D's load (the proxy's concurrent dispatch asks D before P has even started).
+    kv_prefill_wait_s: float = 600.0
     # Longest a worker waits for a transfer to progress (KV arriving, a send ending) in an
     # engine step that computes nothing: vLLM steps without pause while a request waits for
     # remote KV or its blocks wait for a send, and on a CPU box shared with another engine
@@ -305,6 +311,7 @@ class ConnectorConfig:
             output_limits=output_limits(model_config),
             generation=generation_defaults(model_config, reasoning_parser),
             sync_load=_flag(extra.get("sync_load", True)),
+            kv_prefill_wait_s=_positive_seconds(extra, "kv_prefill_wait_s", 600.0),
             idle_wait_ms=_idle_wait_ms(extra),
             send_granularity=granularity,
             byte_stream=_flag(extra.get("byte_stream", True)),

@@ -233,6 +233,12 @@ class KVEngine:
         return self._transport.refusals()
 
     # ---- server side (transport thread) ----
+    def _begun(self, key: str) -> None:
+        """Tell this instance's scheduler, through the arrival board, that a sender began the
+        transfer (a piece's key names its transfer): a request waiting for it may take blocks."""
+        if self._arrivals is not None:
+            self._arrivals.publish_begun(key.rpartition("/")[0] or key)
+
     def _handle(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
         op = header.get(OP_KEY)
         key = header.get("key")
@@ -243,10 +249,12 @@ class KVEngine:
             if type(nbytes) is not int or nbytes < 0:
                 return Refusal("reserve needs nbytes").encode(), []
             refused = self._recv.reserve(key, nbytes)
+            self._begun(key)  # room promised, or refused (recorded as failed): either way, begun
             if refused:
                 return _refusal(key, refused), []
             return ok(), []
         if op == Op.PUT:
+            self._begun(key)
             if is_part(header):  # a layer-wise sender: the payload comes a run of layers at a time
                 payload, refused = self._parts.add(key, header, tensors)
                 if refused:
@@ -271,6 +279,7 @@ class KVEngine:
             for k, why in keys.items():
                 if isinstance(k, str) and self._recv.fail(k, str(why)):
                     self._parts.drop(k)
+                    self._begun(k)  # a load waiting for it fails at once
                     logger.warning("kv transfer=%s will not come: %s", k, why)
             return ok(), []
         if op == Op.GET:

@@ -121,6 +121,13 @@ class ArrivalProbe:
         self._transport = TcpTransport(auth=auth, max_idle_per_peer=1, byte_stream=cfg.byte_stream)
         self._log = RateLimitedLog(logger.warning)
 
+    def begun(self, key: str) -> bool:
+        """Whether a sender began the transfer (or its KV arrived) at some rank, as the boards
+        say; True where no board can be read (nothing to wait on: the load then waits under
+        its deadline, as without the boards)."""
+        seen = [b.begun(key) for b in self._boards]
+        return any(s is not False for s in seen)
+
     def arrived(self, key: str) -> bool:
         if all(b.arrived(key) for b in self._boards):
             return True
@@ -153,6 +160,8 @@ class P2pScheduler:
         # None: every load is asynchronous. GET pulls the KV only once the load is planned.
         self._probe = probe if cfg.loads_sync else None
         self._sync: set[str] = set()  # requests told "synchronous" by the last matched-tokens call
+        # Requests waiting (unallocated) for their prefill to begin sending -> since when.
+        self._unstarted: dict[str, float] = {}
         self._probe_ms: dict[str, float] = {}  # how long the last probe of a request took (its log line)
         self._kv_cache_manager: KVCacheManager | None = None
         # Producer: requests whose prompt still has to be sent, sends planned,
@@ -245,7 +254,7 @@ class P2pScheduler:
             self._grace.pop(tid.key, None)  # a late sibling: it loads too
             self._unplanned.setdefault(tid.key, set()).add(rid)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid in self._loaded:
             return 0, False  # loaded (or failed) once already: recompute locally
@@ -268,9 +277,27 @@ class P2pScheduler:
             self._probe_ms[rid] = (time.perf_counter() - t0) * 1e3
             if here:
                 # The KV is here: load it in the step that schedules the request, not one later.
+                self._unstarted.pop(rid, None)
                 self._sync.add(rid)
                 return n, False
+            if not self._probe.begun(tid.key):
+                return self._prefill_not_begun(rid, tid.key)
+        self._unstarted.pop(rid, None)
         return n, True
+
+    def _prefill_not_begun(self, rid: str, key: str) -> tuple[int | None, bool]:
+        """No sender began this transfer (P is queued or computing, or the proxy asked D with
+        P): the request waits in vLLM's queue without blocks (None: ask again next step), and
+        its load deadline does not run, for kv_prefill_wait_s at most; then D computes the
+        prompt itself (the key is released: a late payload is refused as unneeded)."""
+        now = time.monotonic()
+        since = self._unstarted.setdefault(rid, now)
+        if now - since < self._cfg.kv_prefill_wait_s:
+            return None, False
+        del self._unstarted[rid]
+        logger.warning("kv prefill sent nothing req=%s transfer=%s for %.0fs: computing the prompt here",
+                       rid, key, now - since)
+        return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         tid = _transfer(request)
@@ -394,6 +421,7 @@ class P2pScheduler:
         rid = request.request_id
         self._live.discard(rid)
         self._sync.discard(rid)  # told "synchronous", then aborted before its blocks came
+        self._unstarted.pop(rid, None)  # aborted while its prefill had not begun
         self._probe_ms.pop(rid, None)
         self._covered.pop(rid, None)
         self._outgoing.pop(rid, None)  # finished before its prompt completed

@@ -32,6 +32,21 @@ def test_a_published_transfer_is_seen_and_no_other(board):
     assert r.arrived(KEY[:-1] + "1") is False  # another prompt of the same request
 
 
+def test_a_begun_transfer_is_seen_as_begun_not_arrived(board):
+    w, r = board
+    assert r.begun(KEY) is False
+    w.publish_begun(KEY)
+    assert r.begun(KEY) is True and r.arrived(KEY) is False
+    assert r.begun(KEY[:-1] + "1") is False
+    w.publish("other-0")  # arrived implies begun
+    assert r.begun("other-0") is True
+
+
+def test_begun_on_no_board_is_unknown(tmp_path):
+    r = ArrivalReader(board_path("127.0.0.1:40009", str(tmp_path)))
+    assert r.begun(KEY) is None
+
+
 def test_the_board_remembers_the_last_slots_arrivals(board):
     w, r = board
     w.publish(KEY)

@@ -295,10 +295,10 @@ def test_kv_already_here_is_loaded_synchronously(engines):
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     dst = (0, 15, 5, 6, 8)
     ds, early = _scheduler_pair(prod, cons)
-    _, is_async, load = _admit(ds, early, dst)
-    assert is_async and not load.sync  # nothing sent yet
+    # Nothing sent yet: the request waits without blocks until a sender begins.
+    assert ds.get_num_new_matched_tokens(early, 0) == (None, False)
     ds.shutdown()
-    key = load.transfer_key  # the proxy's uuid and the prompt's index
+    key = f"{KEY}-0"  # the proxy's uuid and the prompt's index
 
     dst_before = snapshot(cons.caches)
     prod.save(save_spec(prod, rank0(cons), key=key))
@@ -357,6 +357,26 @@ def test_kv_here_is_read_off_the_arrival_board_without_asking(engines):
     finally:
         board.close()
         probe.close()
+
+
+def test_a_sender_that_begins_is_on_the_board_before_its_kv(engines, kv_client):
+    """A reservation (or a refusal, or an abort) marks the transfer begun on D's arrival board:
+    D's scheduler then gives the waiting request its blocks and its load deadline starts."""
+    from connector.arrivals import ArrivalReader, board_path
+
+    cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
+    board = ArrivalReader(board_path(cons.address))
+    try:
+        assert board.begun(KEY) is False
+        reply, _ = kv_client.call(rank0(cons), {"op": "reserve", "key": KEY, "nbytes": 1024})
+        assert reply["ok"] and board.begun(KEY) and not board.arrived(KEY)
+        reply, _ = kv_client.call(rank0(cons), {"op": "reserve", "key": "big-0", "nbytes": 10**12})
+        assert not reply["ok"] and board.begun("big-0")  # refused for room: the load fails at once
+        kv_client.call(rank0(cons), {"op": "abort", "keys": {"gave-up-0": "P timed out"}})
+        assert board.begun("gave-up-0")
+        assert board.begun("never-0") is False
+    finally:
+        board.close()
 
 
 def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, kv_client):

@@ -143,10 +143,14 @@ class ArrivalDouble:
 
     here: set[str] = field(default_factory=set)
     asked: list[str] = field(default_factory=list)
+    started: set[str] | None = None  # keys a sender began (None: every key, as without boards)
 
     def arrived(self, key: str) -> bool:
         self.asked.append(key)
         return key in self.here
+
+    def begun(self, key: str) -> bool:
+        return self.started is None or key in self.started or key in self.here
 
     def close(self) -> None:
         pass
@@ -190,6 +194,53 @@ def test_consumer_synchronous_answer_is_per_call():
     assert s.get_num_new_matched_tokens(aborted, 0) == (299, False)
     s.request_finished(aborted, [])
     assert s._sync == set()
+
+
+def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
+    """Concurrent dispatch asks D before P has begun: the request waits in vLLM's queue holding
+    no blocks (None) and no load planned, until the sender begins; the load's deadline then
+    runs from there. Past kv_prefill_wait_s without a sender, D computes the prompt itself."""
+    import dataclasses
+
+    from connector import scheduler as sched
+
+    clock = [1000.0]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
+    probe = ArrivalDouble(started=set())
+    cfg = dataclasses.replace(make_cfg("kv_consumer"), kv_prefill_wait_s=60.0)
+    s = P2pScheduler(cfg, BS, start_registrar=False, probe=probe)
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    for _ in range(3):
+        assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+        clock[0] += 10.0
+    assert s.build_connector_meta(sched_out()).loads == []
+    probe.started.add(TK)  # P reserved room in D's buffer: its KV is on its way
+    assert admit(s, req, 0, [1, 2, 3]) == (299, True)
+    assert s.build_connector_meta(sched_out()).loads[0].num_tokens == 299
+    # Never begun: after kv_prefill_wait_s, D computes it (and the key is let go).
+    late = make_req(pd_id(key=KEY2), 300)
+    s.on_new_request(late)
+    assert s.get_num_new_matched_tokens(late, 0) == (None, False)
+    clock[0] += 59.0
+    assert s.get_num_new_matched_tokens(late, 0) == (None, False)
+    clock[0] += 1.0
+    assert admit(s, late, 0, [4, 5, 6]) == (0, False)
+    assert f"{KEY2}-0" in s.build_connector_meta(sched_out()).release
+    # Aborted while waiting: nothing is left behind.
+    gone = make_req(pd_id(key="ab" * 16), 300)
+    s.on_new_request(gone)
+    assert s.get_num_new_matched_tokens(gone, 0) == (None, False)
+    s.request_finished(gone, [])
+    assert s._unstarted == {}
+
+
+def test_consumer_kv_that_arrived_needs_no_begun_mark():
+    probe = ArrivalDouble({TK}, started=set())
+    s = P2pScheduler(make_cfg("kv_consumer"), BS, start_registrar=False, probe=probe)
+    req = make_req(pd_id(), 300)
+    s.on_new_request(req)
+    assert admit(s, req, 0, [1, 2, 3]) == (299, False)
 
 
 @pytest.mark.parametrize("extra", [{"send_type": "GET"}, {"sync_load": False}])
