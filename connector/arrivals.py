@@ -7,7 +7,9 @@ control socket costs a round trip through two processes on vLLM's scheduling thr
 no system call. The worker rank writes, the scheduler reads, both on the same host (the
 probe's own condition): a small file in /dev/shm named after the rank's KV address.
 
-Layout: a 16-byte magic, the writer's pid (8 bytes, little-endian), 8 reserved bytes, then
+Layout: a 16-byte magic, the writer's pid (8 bytes, little-endian), the count of digests
+written so far (8 bytes, little-endian: a reader that looked for a key at that count need not
+look again until it moves; a request waiting for its prefill is asked about every step), then
 ``SLOTS`` slots of 16 bytes, each a 128-bit BLAKE2b digest
 of a transfer key whose whole payload was stored (every piece, for heterogeneous TP), or of
 ``begun:`` and a key that a sender began to send (its reservation, its first part, its refusal
@@ -39,11 +41,13 @@ from connector.log import get_logger
 logger = get_logger(__name__)
 
 MAGIC = b"xpyd-arrivals-v3"  # 16 bytes: this layout (v3: 4,096 slots, "begun" digests)
-HEADER = 32  # the magic, the writer's pid, reserved
+HEADER = 32  # the magic, the writer's pid, the count of digests written
+_COUNT = slice(24, 32)
 DIGEST = 16
 SLOTS = 4096  # the last 4,096 events (two or more per transfer): far more than wait at once
 SIZE = HEADER + SLOTS * DIGEST
 _PREFIX = "xpyd-arrivals-"
+_REMEMBERED = 4096  # keys a reader remembers as not begun (cleared past it: a scan each, once)
 _SWEEP_MAX = 1024  # directory entries a sweep looks at
 
 
@@ -152,6 +156,7 @@ class ArrivalWriter:
             at = HEADER + (self._next % SLOTS) * DIGEST
             self._next += 1
             self._mm[at:at + DIGEST] = h
+            self._mm[_COUNT] = self._next.to_bytes(8, "little")  # after the slot: a reader at this count sees it
 
     def close(self) -> None:
         with self._lock:
@@ -173,6 +178,8 @@ class ArrivalReader:
         self._path = path
         self._mm: mmap.mmap | None = None
         self._inode = -1  # of the board mapped
+        # Keys last found not begun, and the board's count then (bounded: the waiting requests').
+        self._not_begun: dict[str, int] = {}
 
     def _open(self) -> bool:
         self.close()
@@ -228,13 +235,22 @@ class ArrivalReader:
         the worker then)."""
         if self._mm is None and not self._open():
             return None
+        count = self._mm[_COUNT]
+        if self._not_begun.get(key) == count:
+            return False  # nothing written since this key was last looked for
         hs = (_begun_digest(key), _digest(key))
-        if any(self._find(h) for h in hs):
-            return True
-        if self._replaced():
+        found = any(self._find(h) for h in hs)
+        if not found and self._replaced():
             if not self._open():
                 return None
-            return any(self._find(h) for h in hs)
+            count = self._mm[_COUNT]
+            found = any(self._find(h) for h in hs)
+        if found:
+            self._not_begun.pop(key, None)
+            return True
+        if len(self._not_begun) >= _REMEMBERED:
+            self._not_begun.clear()
+        self._not_begun[key] = count
         return False
 
     def close(self) -> None:

@@ -126,12 +126,11 @@ class ProxyConfig:
     prefill_retries: int = 2
     # Redo a request on another D (with a new P/D pair) when D fails before its first byte.
     decode_retries: int = 1
-    # sequential: D gets the request when P has answered; concurrent: as soon as P is
-    # chosen, while P has nothing else queued (else after P answered, as sequential), and
-    # then D computes the first token even with first_token "prefill" (P's is for a busy P).
-    # Sequential stays the default: concurrent saves ~10 ms on an idle pair, but D's KV
-    # deadline then also covers P's delays the proxy cannot see (README: Concurrent dispatch).
-    dispatch: str = "sequential"
+    # concurrent: D gets the request as soon as P is chosen (it parses, tokenizes and queues it
+    # while P prefills, holding no KV blocks until P begins sending: connector/scheduler.py), and
+    # computes the first token itself, unless P is busy and the first token may be P's (then D is
+    # asked after P's token, as sequential); sequential: D gets the request when P has answered.
+    dispatch: str = "concurrent"
     # prefill: the client's first token is P's, sent as soon as P answers, and D continues
     # from prompt + that token (streaming completions whose parameters allow it:
     # proxy/dispatch/first_token.py); TTFT then waits for neither the transfer nor D's first step.
@@ -365,8 +364,8 @@ HELP = MappingProxyType(
         "stream_idle_timeout": "max seconds between two chunks of D's stream",
         "prefill_retries": "extra attempts on another P after a connect error or timeout",
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
-        "dispatch": "sequential: D is asked after P answered; concurrent: while P has nothing queued, D is "
-                    "asked with P and computes the first token itself (else as sequential)",
+        "dispatch": "concurrent: D is asked with P and computes the first token itself (a busy P's eligible "
+                    "request keeps P's token, D asked after it); sequential: D is asked after P answered",
         "first_token": "prefill: P's token goes to the client as soon as P answers and D continues from it "
                        "(streaming completions whose parameters allow it); decode: D computes the first token",
         "local_prefill_threshold": "prompts under this many estimated tokens (4 characters each) skip P (0: never)",

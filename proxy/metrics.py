@@ -114,6 +114,14 @@ class Metrics:
             "Requests redone on another D after D failed before its first byte",
             registry=r,
         )
+        self.concurrent_dispatches = Counter(
+            "xpyd_concurrent_dispatch",
+            "Disaggregated attempts under concurrent dispatch by the chosen P's state: idle (no other request "
+            "of this proxy in flight on it and none waiting in its last heartbeat: an eligible request gets "
+            "D's first token) or busy (an eligible request gets P's token, D asked after P answered)",
+            ["prefill"],
+            registry=r,
+        )
         self.first_token_fallbacks = Counter(
             "xpyd_first_token_to_decode",
             "Requests eligible for the first token from P whose answer went to D's first token instead "
@@ -193,6 +201,9 @@ class Metrics:
         if lat is None:
             lat = self._lat_children[route] = self.latency.labels(route)
         lat.observe(seconds)
+
+    def concurrent_dispatch(self, state: str) -> None:
+        self.concurrent_dispatches.labels(state).inc()
 
     def first_token_to_d(self, reason: str) -> None:
         self.first_token_fallbacks.labels(reason).inc()

@@ -97,8 +97,11 @@ class Disaggregated:
                  or await self.selector.acquire("P", req, slow))  # fmt: skip
             if p is None:
                 break
-            # D is asked early only while P has nothing else to do (see _prefill_then_open).
+            # An idle P's eligible request gets D's first token, a busy P's P's own (see
+            # _prefill_then_open); whichever P is, D is asked at once unless P's token goes first.
             idle = self._concurrent and _idle(p)
+            if self._concurrent:
+                self.metrics.concurrent_dispatch("idle" if idle else "busy")
             first_mode = eligible and not (either and idle)
             pre_raw = pre_first if first_mode else pre_plain
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
@@ -113,7 +116,7 @@ class Disaggregated:
                 self.metrics.prefill_retries.inc()
             try:
                 opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req,
-                                                                    early=idle and not first_mode)
+                                                                    early=self._concurrent and not first_mode)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
                 kind = e.kind if isinstance(e, UpstreamError) else "timeout"
@@ -161,15 +164,15 @@ class Disaggregated:
     async def _prefill_then_open(self, loop: asyncio.AbstractEventLoop, p: Instance, d: Instance, pre_raw: bytes,
                                  headers: dict[str, str], req: RouteRequest, early: bool
                                  ) -> tuple[asyncio.Task[Answer] | None, bytes]:  # fmt: skip
-        """Run P's prefill and return its answer; ``early`` (concurrent dispatch, P idle, D to
-        compute the first token), D's request goes out at the same time (D parses, tokenizes
-        and schedules while P prefills; its connector waits for the KV under its own deadline)
-        and the still-running D task is returned with it.
+        """Run P's prefill and return its answer; ``early`` (concurrent dispatch, D computes
+        the first token), D's request goes out at the same time (D parses, tokenizes and
+        queues it while P prefills) and the still-running D task is returned with it.
 
-        P's failure aborts D's request at once; D's failure before P is done aborts P's.
-        D is asked early only while P has nothing else to do: behind a queue on P, D would
-        hold the prompt's KV blocks and its load deadline (kv_load_timeout_s) would run
-        for the whole wait, for a saving of a few ms."""
+        D's connector gives the request KV-cache blocks, and starts its load deadline, only
+        once P began sending (connector/scheduler.py): a P that is queued or slow costs D
+        nothing but a waiting entry. P's failure aborts D's request at once; D's failure
+        before P is done aborts P's. A busy P's request that may start with P's token keeps
+        it (first_token): D is asked once P answered, as with sequential dispatch."""
         try:
             if not early:
                 return None, await self._prefill(loop, p, req.path, pre_raw, headers)

@@ -98,6 +98,11 @@ async def running_proxy(**overrides: Any) -> AsyncIterator[ProxyHandle]:
         # path; the shipped threshold (128) would serve them all from D alone. Tests of the
         # threshold set it themselves; test_proxy_config checks the shipped value.
         local_prefill_threshold=0,
+        # Most tests here pin down what happens around P and D one after the other (sequential
+        # dispatch: D is asked once P answered, and never when P failed). Concurrent dispatch,
+        # the shipped default, asks D with P: the tests of it say so (test_proxy_dispatch.py),
+        # and the e2e tier runs the shipped defaults.
+        dispatch="sequential",
     )
     # Run the whole suite against another upstream client with XPYD_TEST_UPSTREAM_CLIENT.
     if os.environ.get("XPYD_TEST_UPSTREAM_CLIENT"):

@@ -42,6 +42,23 @@ def test_a_begun_transfer_is_seen_as_begun_not_arrived(board):
     assert r.begun("other-0") is True
 
 
+def test_a_key_not_begun_is_not_looked_for_again_until_the_board_changes(board, monkeypatch):
+    """A request waiting for its prefill is asked about every engine step: the reader scans the
+    board for it again only once something new was written."""
+    w, r = board
+    scans = []
+    find = r._find
+    monkeypatch.setattr(r, "_find", lambda h: scans.append(h) or find(h))
+    assert r.begun(KEY) is False
+    n = len(scans)
+    assert r.begun(KEY) is False and r.begun(KEY) is False
+    assert len(scans) == n  # nothing written: no scan
+    w.publish_begun("other-0")
+    assert r.begun(KEY) is False and len(scans) > n
+    w.publish_begun(KEY)
+    assert r.begun(KEY) is True
+
+
 def test_begun_on_no_board_is_unknown(tmp_path):
     r = ArrivalReader(board_path("127.0.0.1:40009", str(tmp_path)))
     assert r.begun(KEY) is None

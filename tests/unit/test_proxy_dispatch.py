@@ -18,7 +18,7 @@ from tests.support.fake_vllm import DISAGGREGATED_ID
 from tests.support.proxy_helpers import REQUEST_ID_RE, Fault, running_proxy, wait_until
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
-from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH
+from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
@@ -107,39 +107,45 @@ async def test_concurrent_dispatch_overlaps_decode_with_prefill():
         assert pre.json["max_tokens"] == 1 and dec.json["max_tokens"] == 5
 
 
-async def test_concurrent_dispatch_waits_for_p_while_p_has_a_queue():
-    """Behind other work on P, D is asked only after P answered (as `sequential`): an
-    early D would hold the prompt's KV blocks and spend its load deadline on P's queue.
-    Two signs of a queue: another request of this proxy in flight on P, or P's heartbeat
-    reporting requests waiting (other proxies' traffic)."""
+async def test_concurrent_dispatch_asks_d_at_once_and_a_busy_ps_stream_keeps_ps_token():
+    """D is asked with P whether P is idle or busy (D's connector holds no blocks while P has
+    not begun sending); only a request that may start with P's token keeps it when P is busy
+    (another request of this proxy in flight on it, or requests waiting in its heartbeat): D is
+    then asked once P answered. xpyd_concurrent_dispatch_total says which P each request met."""
     async with running_proxy(dispatch="concurrent") as px:
         p, d = await px.pd()
         p.fault = Fault(delay=0.4)
         first = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))
         await wait_until(lambda: len(p.completions()) == 1, timeout=5, what="P busy")
-        second = await px.client.post("/v1/completions", json=COMPLETION)
-        assert (await first).status_code == 200 and second.status_code == 200
+        second = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))  # not a stream
+        await wait_until(lambda: len(p.completions()) == 2, timeout=5, what="P busier")
+        third = await px.client.post("/v1/completions", json=STREAM)  # may start with P's token
+        assert [r.status_code for r in (await first, await second, third)] == [200, 200, 200]
         pre = {r.request_id: r for r in p.completions()}
-        dec = {r.request_id: r for r in d.completions()}
-        early, late = sorted(dec, key=lambda rid: pre[rid].received_at)
-        assert dec[early].received_at < pre[early].received_at + 0.3  # idle P: early
-        assert dec[late].received_at >= pre[late].received_at + 0.35  # after P's answer
+        dec = {r.request_id: r for r in d.completions() if r.request_id in pre}
+        idle, busy_whole = sorted((rid for rid in dec if not dec[rid].json.get("stream")),
+                                  key=lambda rid: pre[rid].received_at)
+        assert dec[idle].received_at < pre[idle].received_at + 0.3  # idle P: at once
+        assert dec[busy_whole].received_at < pre[busy_whole].received_at + 0.3  # busy P, no P token: at once
+        assert third.headers.get(XPYD_FIRST_TOKEN) == "prefill"  # busy P: P's token first, D after it
+        assert await px.metric("xpyd_concurrent_dispatch_total", prefill="idle") == 1
+        assert await px.metric("xpyd_concurrent_dispatch_total", prefill="busy") == 2
     for waiting in (1, 3):  # one request waiting on P is already a queue
         async with running_proxy(dispatch="concurrent") as px:
             p = await px.fake("P", load=Load(running=1, waiting=waiting))
             d = await px.fake("D")
             p.fault = Fault(delay=0.4)
-            resp = await px.client.post("/v1/completions", json=COMPLETION)
-            assert resp.status_code == 200
+            resp = await px.client.post("/v1/completions", json=STREAM)
+            assert resp.status_code == 200 and resp.headers.get(XPYD_FIRST_TOKEN) == "prefill", waiting
             (pre,), (dec,) = p.completions(), d.completions()
             assert dec.received_at >= pre.received_at + 0.35, waiting
 
 
 async def test_shipped_defaults_serve_short_prompts_from_d():
-    """The shipped defaults (not running_proxy's): sequential dispatch, and prompts under
-    128 estimated tokens answered by D alone, longer ones disaggregated."""
+    """The shipped defaults (not running_proxy's): concurrent dispatch, and prompts under
+    128 estimated tokens answered by D alone, longer ones disaggregated with D asked at once."""
     shipped = ProxyConfig()
-    assert (shipped.dispatch, shipped.local_prefill_threshold) == ("sequential", 128)
+    assert (shipped.dispatch, shipped.local_prefill_threshold) == ("concurrent", 128)
     async with running_proxy(dispatch=shipped.dispatch,
                              local_prefill_threshold=shipped.local_prefill_threshold) as px:
         p, d = await px.pd()
@@ -152,7 +158,7 @@ async def test_shipped_defaults_serve_short_prompts_from_d():
         resp = await px.client.post("/v1/completions", json=long)
         assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
         (pre,), dec = p.completions(), d.completions()[1]
-        assert pre.request_id == dec.request_id and dec.received_at >= pre.received_at + 0.25
+        assert pre.request_id == dec.request_id and dec.received_at < pre.received_at + 0.25
 
 
 async def test_concurrent_dispatch_prefill_failure_aborts_decode_at_once():
