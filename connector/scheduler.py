@@ -160,8 +160,10 @@ class P2pScheduler:
         # None: every load is asynchronous. GET pulls the KV only once the load is planned.
         self._probe = probe if cfg.loads_sync else None
         self._sync: set[str] = set()  # requests told "synchronous" by the last matched-tokens call
-        # Requests waiting (unallocated) for their prefill to begin sending -> since when.
+        # Requests waiting (unallocated) for their prefill to begin sending -> since when, and
+        # those that stopped waiting (computed here, reported as a failed load).
         self._unstarted: dict[str, float] = {}
+        self._gave_up: set[str] = set()
         self._probe_ms: dict[str, float] = {}  # how long the last probe of a request took (its log line)
         self._kv_cache_manager: KVCacheManager | None = None
         # Producer: requests whose prompt still has to be sent, sends planned,
@@ -281,22 +283,25 @@ class P2pScheduler:
                 self._sync.add(rid)
                 return n, False
             if not self._probe.begun(tid.key):
-                return self._prefill_not_begun(rid, tid.key)
+                return self._prefill_not_begun(rid, tid)
         self._unstarted.pop(rid, None)
         return n, True
 
-    def _prefill_not_begun(self, rid: str, key: str) -> tuple[int | None, bool]:
-        """No sender began this transfer (P is queued or computing, or the proxy asked D with
-        P): the request waits in vLLM's queue without blocks (None: ask again next step), and
-        its load deadline does not run, for kv_prefill_wait_s at most; then D computes the
-        prompt itself (the key is released: a late payload is refused as unneeded)."""
+    def _prefill_not_begun(self, rid: str, tid: request_id.TransferId) -> tuple[int | None, bool]:
+        """No sender began this transfer: the request waits in vLLM's queue without blocks
+        (None: ask again next step), its load deadline not running, for kv_prefill_wait_s when
+        the proxy asked D before P answered (P may be queued or computing), else for
+        kv_load_timeout_s (P answered: its send has begun, or will not come, e.g. refused for
+        a wrong secret); then D computes the prompt itself, reported as a failed load (the
+        key is released: a late payload is refused as unneeded)."""
         now = time.monotonic()
         since = self._unstarted.setdefault(rid, now)
-        if now - since < self._cfg.kv_prefill_wait_s:
+        if now - since < (self._cfg.kv_prefill_wait_s if tid.early else self._cfg.kv_load_timeout_s):
             return None, False
         del self._unstarted[rid]
-        logger.warning("kv prefill sent nothing req=%s transfer=%s for %.0fs: computing the prompt here",
-                       rid, key, now - since)
+        self._gave_up.add(rid)
+        logger.error("kv load timed out req=%s transfer=%s: no sender began it in %.1fs; computing the prompt here",
+                     rid, tid.key, now - since)
         return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -432,6 +437,9 @@ class P2pScheduler:
             # Aborted before admission, or loaded nothing: no load will come from it.
             self._planned(rid, tid.key)
         key = {"transfer_key": tid.key} if tid is not None and _asked_for_key(request) else {}
+        if rid in self._gave_up:  # no sender began its transfer: computed here
+            self._gave_up.discard(rid)
+            return False, {RESPONSE_KEY: {**key, "loaded_tokens": 0, "load_failed": True}}
         save = self._saving.pop(rid, None)
         if save is not None:
             # With PUT_ASYNC the send may still be running: this says what was

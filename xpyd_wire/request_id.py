@@ -1,7 +1,7 @@
 """The request-id wire format, built (proxy) and parsed (connector) here only.
 
 The proxy sends ``X-Request-Id: ___prefill_addr_{P}___decode_addr_{D}_{uuid hex}``
-to P and D. vLLM turns that header into engine ids of its own:
+to P and D (``xpyd-early`` in front when D is asked before P answered: EARLY). vLLM turns that header into engine ids of its own:
 
 - completions: ``cmpl-{id}-{prompt index}-{8 hex}`` (one per prompt of a batch),
 - chat: ``chatcmpl-{id}-{8 hex}``,
@@ -27,9 +27,13 @@ from xpyd_wire.kv_transfer import PREFILL_PROMPT_TOKENS_PARAM, SKIP_TOKENS_PARAM
 # A prompt index has at most 7 digits, the random suffix exactly 8 hex digits:
 # that tells a completion's "-{index}" from a chat's all-digit "-{suffix}".
 _PATTERN = re.compile(
-    r"___prefill_addr_(?P<prefill>\S+?:\d+)___decode_addr_(?P<decode>\S+?:\d+)"
+    r"(?P<early>xpyd-early)?___prefill_addr_(?P<prefill>\S+?:\d+)___decode_addr_(?P<decode>\S+?:\d+)"
     r"_(?P<uuid>[0-9a-f]{32})(?:-(?P<index>\d{1,7}))?(?:-[0-9a-f]{8})?$"
 )
+# Marks a transfer whose D request the proxy sends before P answered (concurrent dispatch): D
+# may wait long for P to begin sending (P may be queued). Without it, P answered first, so its
+# send has begun or will not come. A prefix, so a parser that predates it still finds the rest.
+EARLY = "xpyd-early"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,7 @@ class TransferId:
     prompt_index: int  # which prompt of a batch (0 for chat and single prompts)
     prefill_addr: str  # P's kv host:port (rank 0)
     decode_addr: str  # D's kv host:port (rank 0)
+    early: bool = False  # D was asked before P answered (EARLY)
 
     @property
     def key(self) -> str:
@@ -53,9 +58,11 @@ def new_uuid() -> str:
     return b.hex()
 
 
-def build(prefill_addr: str, decode_addr: str, uuid: str | None = None) -> str:
-    """The X-Request-Id the proxy sends to P and D for one client request."""
-    return f"___prefill_addr_{prefill_addr}___decode_addr_{decode_addr}_{uuid or new_uuid()}"
+def build(prefill_addr: str, decode_addr: str, uuid: str | None = None, early: bool = False) -> str:
+    """The X-Request-Id the proxy sends to P and D for one client request; `early`: D is asked
+    before P answered."""
+    head = EARLY if early else ""
+    return f"{head}___prefill_addr_{prefill_addr}___decode_addr_{decode_addr}_{uuid or new_uuid()}"
 
 
 def build_local(uuid: str | None = None) -> str:
@@ -73,6 +80,7 @@ def parse(request_id: str) -> TransferId | None:
         prompt_index=int(m["index"] or 0),
         prefill_addr=m["prefill"],
         decode_addr=m["decode"],
+        early=m["early"] is not None,
     )
 
 

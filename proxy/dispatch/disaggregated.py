@@ -104,7 +104,8 @@ class Disaggregated:
                 self.metrics.concurrent_dispatch("idle" if idle else "busy")
             first_mode = eligible and not (either and idle)
             pre_raw = pre_first if first_mode else pre_plain
-            rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address)
+            early = self._concurrent and not first_mode  # D asked with P (the id says so to D's connector)
+            rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address, early=early)
             if req.response_id is not None:  # the transfer rides in P's body (openai_api.prefill_body)
                 pre_raw = orjson.dumps(prefill_body(req.path, req.body, skip, rid))
             headers = {**req.headers, "x-request-id": rid}
@@ -115,8 +116,7 @@ class Disaggregated:
             else:
                 self.metrics.prefill_retries.inc()
             try:
-                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req,
-                                                                    early=self._concurrent and not first_mode)
+                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req, early)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
                 kind = e.kind if isinstance(e, UpstreamError) else "timeout"

@@ -21,7 +21,7 @@ from tests.support.waiting import wait_until
 __all__ = ["Fault", "FakeVLLM", "ProxyHandle", "register_dead", "running_proxy", "wait_until", "free_port", "relayed"]
 
 REQUEST_ID_RE = (
-    r"^___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_(?P<uuid>[0-9a-f]{32})$"
+    r"^(?:xpyd-early)?___prefill_addr_(?P<p>[^_]+:\d+)___decode_addr_(?P<d>[^_]+:\d+)_(?P<uuid>[0-9a-f]{32})$"
 )
 
 

@@ -218,8 +218,9 @@ def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
     probe.started.add(TK)  # P reserved room in D's buffer: its KV is on its way
     assert admit(s, req, 0, [1, 2, 3]) == (299, True)
     assert s.build_connector_meta(sched_out()).loads[0].num_tokens == 299
-    # Never begun: after kv_prefill_wait_s, D computes it (and the key is let go).
-    late = make_req(pd_id(key=KEY2), 300)
+    # Never begun: asked before P answered (the proxy's early mark), D waits kv_prefill_wait_s,
+    # then computes it (the key let go, the load reported failed).
+    late = make_req(pd_id(key=KEY2).replace("___prefill_addr_", "xpyd-early___prefill_addr_"), 300)
     s.on_new_request(late)
     assert s.get_num_new_matched_tokens(late, 0) == (None, False)
     clock[0] += 59.0
@@ -227,6 +228,14 @@ def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
     clock[0] += 1.0
     assert admit(s, late, 0, [4, 5, 6]) == (0, False)
     assert f"{KEY2}-0" in s.build_connector_meta(sched_out()).release
+    assert s.request_finished(late, [4, 5, 6])[1] == {"xpyd": {"loaded_tokens": 0, "load_failed": True}}
+    # Asked after P answered (no mark): P's send has begun or will not come (a wrong secret):
+    # kv_load_timeout_s (30 s here), not kv_prefill_wait_s.
+    after = make_req(pd_id(key="cd" * 16), 300)
+    s.on_new_request(after)
+    assert s.get_num_new_matched_tokens(after, 0) == (None, False)
+    clock[0] += 30.0
+    assert s.get_num_new_matched_tokens(after, 0) == (0, False)
     # Aborted while waiting: nothing is left behind.
     gone = make_req(pd_id(key="ab" * 16), 300)
     s.on_new_request(gone)

@@ -111,3 +111,16 @@ def test_new_uuid_random_bits_are_not_copies_of_their_neighbours():
     # independent nibbles agree 1 time in 16 (16 of 256 expected); copies agree every time
     assert sum((b[6] & 0x0F) == (b[7] & 0x0F) for b in raw) < 64
     assert sum((b[8] & 0x3F) == (b[9] & 0x3F) for b in raw) < 64
+
+
+def test_an_early_transfer_is_marked_and_still_found_by_the_rest_of_the_pattern():
+    """The proxy marks a D request sent before P answered; the mark is a prefix, so the transfer
+    it names is the same, and a parser that predates it still finds it."""
+    early = request_id.build("10.0.0.1:21001", "10.0.0.2:22001", "ab" * 16, early=True)
+    plain = request_id.build("10.0.0.1:21001", "10.0.0.2:22001", "ab" * 16)
+    assert early == request_id.EARLY + plain
+    for engine_id in (f"cmpl-{early}-0-1a2b3c4d", f"chatcmpl-{early}-1a2b3c4d", f"resp_x", early):
+        tid = request_id.transfer_of(engine_id, {"xpyd_transfer_id": early})
+        assert tid is not None and tid.early and tid.key == f"{'ab' * 16}-0"
+    tid = request_id.parse(f"cmpl-{plain}-0-1a2b3c4d")
+    assert tid is not None and not tid.early
