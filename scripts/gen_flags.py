@@ -59,12 +59,13 @@ CONNECTOR_MEANINGS: dict[str, str] = {
     "payload's bytes move, so a burst cannot exceed it",
     "kv_load_timeout_s": "D waits at most this long for KV, then reports the load failed "
     "(vLLM recomputes or fails, per `kv_load_failure_policy`)",
-    "kv_prefill_wait_s": "D: a request whose prefill has not begun sending to D (no reservation, part, refusal or "
-    "abort seen on D's arrival board) waits in vLLM's queue holding no KV-cache blocks and with no load deadline "
-    "running, at most this long; then D computes the prompt itself. `kv_load_timeout_s` then counts from when the "
-    "sender began, so a queued or slow P does not fail D's load (concurrent dispatch asks D before P starts). "
-    "Needs the arrival board (`sync_load`, PUT modes, P and D ranks on one host); without it the deadline counts "
-    "from D's admission",
+    "kv_prefill_wait_s": "D: a request the proxy sent before P answered (concurrent dispatch: its transfer id is "
+    "marked early) whose prefill has not begun sending to D (no reservation, part, refusal or abort seen on D's "
+    "arrival board) waits in vLLM's queue holding no KV-cache blocks and with no load deadline running, at most this "
+    "long (any other request: `kv_load_timeout_s`); then D computes the prompt itself and reports the load failed. "
+    "`kv_load_timeout_s` counts from when the sender began, so a queued or slow P does not fail D's load. Needs the "
+    "arrival board (`sync_load`, PUT modes, D's ranks on its scheduler's host); without it the deadline counts from "
+    "D's admission",
     "sync_load": "D: when the prompt's KV is already in D's buffer as the scheduler plans the load (the usual case "
     "with sequential dispatch), load it before the forward pass of the step that schedules the request (vLLM's "
     "synchronous load) instead of one engine step later; `false`: always asynchronously. A synchronous load that "
