@@ -34,6 +34,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from connector.log import get_logger
@@ -180,6 +181,7 @@ class ArrivalReader:
         self._inode = -1  # of the board mapped
         # Keys last found not begun, and the board's count then (bounded: the waiting requests').
         self._not_begun: dict[str, int] = {}
+        self._stale_check_at = 0.0  # monotonic time the next miss may look for a newer board
 
     def _open(self) -> bool:
         self.close()
@@ -240,11 +242,14 @@ class ArrivalReader:
             return False  # nothing written since this key was last looked for
         hs = (_begun_digest(key), _digest(key))
         found = any(self._find(h) for h in hs)
-        if not found and self._replaced():
+        now = time.monotonic()
+        if not found and now >= self._stale_check_at and self._replaced():  # a stat at most once a second
             if not self._open():
                 return None
             count = self._mm[_COUNT]
             found = any(self._find(h) for h in hs)
+        if not found:
+            self._stale_check_at = now + 1.0
         if found:
             self._not_begun.pop(key, None)
             return True

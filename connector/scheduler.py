@@ -274,17 +274,18 @@ class P2pScheduler:
             return 0, False
         self._sync.discard(rid)
         if self._probe is not None:
+            # Asked every engine step while the prefill has not begun: the board alone answers
+            # that (no system call), before the arrival probe, which may ask the worker.
+            if not self._probe.begun(tid.key):
+                return self._prefill_not_begun(rid, tid)
+            self._unstarted.pop(rid, None)
             t0 = time.perf_counter()
             here = self._probe.arrived(tid.key)
             self._probe_ms[rid] = (time.perf_counter() - t0) * 1e3
             if here:
                 # The KV is here: load it in the step that schedules the request, not one later.
-                self._unstarted.pop(rid, None)
                 self._sync.add(rid)
                 return n, False
-            if not self._probe.begun(tid.key):
-                return self._prefill_not_begun(rid, tid)
-        self._unstarted.pop(rid, None)
         return n, True
 
     def _prefill_not_begun(self, rid: str, tid: request_id.TransferId) -> tuple[int | None, bool]:

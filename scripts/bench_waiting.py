@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""What requests waiting for their prefill cost a decode instance's running streams.
+
+Concurrent dispatch (the proxy's default) sends D each request as soon as P is chosen; D's
+connector keeps a request whose P has not begun sending in vLLM's queue without KV-cache
+blocks (connector/scheduler.py) and looks it up on the arrival board every engine step. This
+benchmark starts one D (vLLM's CPU build, our connector, 127.0.0.1), streams one long plain
+completion on it, and measures that stream's inter-token latency (ITL) while N requests wait for
+a prefill that never begins (their P address is dead, their transfer id marked early), for each
+N of ``--waiting``; N = 0 is the baseline, measured in the same run. The tiny model: the
+engine step is short, so what the waiting requests add to it shows.
+
+    .venv/bin/python -m scripts.bench_waiting --waiting 0 16 64 --rounds 3
+
+Every process started here is stopped by its process group; the waiting requests are closed
+(vLLM aborts them) after each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from scripts import bench_e2e  # noqa: E402  (histogram_sums)
+from tests.support import cluster  # noqa: E402
+from xpyd_wire import request_id  # noqa: E402
+
+
+def _post(url: str, body: dict, headers: dict[str, str], timeout: float) -> urllib.request.addinfourl:
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", **headers})
+    return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 (loopback)
+
+
+def stream_itl_ms(d: cluster.Server, tokens: int) -> list[float]:
+    """The gaps between a plain stream's token events on D, in ms."""
+    body = {"model": "tiny-llama", "prompt": "The river runs past the old mill. " * 8, "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    stamps: list[float] = []
+    with _post(d.url, body, {"X-Request-Id": request_id.build_local()}, 300) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                stamps.append(time.perf_counter())
+    return [(b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:])]  # from the second token on
+
+
+def engine_itl(d: cluster.Server) -> tuple[float, float]:
+    """(sum, count) of D's own inter-token latency histogram: the engine's view, which a loaded
+    client (reading several events at once) cannot blur."""
+    with urllib.request.urlopen(d.url + "/metrics", timeout=30) as r:  # noqa: S310 (loopback)
+        text = r.read().decode()
+    return bench_e2e.histogram_sums(text, {"itl": "vllm:inter_token_latency_seconds"})["itl"]
+
+
+def waiters(d: cluster.Server, n: int) -> list[http.client.HTTPConnection]:
+    """n requests whose prefill never begins (a dead P address, the early mark): sent, their
+    answers never read; closing the connections ends them (vLLM aborts on disconnect)."""
+    dead_p = f"{cluster.HOST}:{cluster.free_port()}"
+    conns = []
+    for i in range(n):
+        rid = request_id.build(dead_p, f"{cluster.HOST}:{d.kv_port}", early=True)
+        body = {"model": "tiny-llama", "prompt": f"{i} " + "waiting for a prefill " * 40, "max_tokens": 4}
+        conn = http.client.HTTPConnection(cluster.HOST, d.port, timeout=600)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json",
+                                                                    "X-Request-Id": rid})
+        conns.append(conn)
+    return conns
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--waiting", type=int, nargs="+", default=[0, 16, 64], help="requests waiting, per point")
+    ap.add_argument("--rounds", type=int, default=3, help="streams per point (medians over them)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens of the measured stream")
+    ap.add_argument("--settle-s", type=float, default=2.0, help="from the waiters' start to the stream")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-waiting-"))
+    port = cluster.free_port()
+    d = cluster.start_vllm("decode", port, log_dir, env={"VLLM_CPU_OMP_THREADS_BIND": None},
+                           kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), port, None))
+    results = []
+    try:
+        cluster.wait_until([d], "/health", 600)
+        stream_itl_ms(d, 8)  # warm-up
+        for n in args.waiting:
+            p50s, p99s, means = [], [], []
+            for _ in range(args.rounds):
+                conns = waiters(d, n)
+                time.sleep(args.settle_s if n else 0.0)
+                before = engine_itl(d)
+                gaps = sorted(stream_itl_ms(d, args.tokens))
+                after = engine_itl(d)
+                means.append((after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e3)
+                p50s.append(statistics.median(gaps))
+                p99s.append(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))])
+                for conn in conns:
+                    conn.close()
+                time.sleep(args.settle_s if n else 0.0)  # D aborts them
+            results.append({"waiting": n, "engine_itl_ms": round(statistics.median(means), 2),
+                            "client_itl_p50_ms": round(statistics.median(p50s), 2),
+                            "client_itl_p99_ms": round(statistics.median(p99s), 2)})
+        base = results[0]
+        for r in results:
+            r["engine_ratio"] = round(r["engine_itl_ms"] / base["engine_itl_ms"], 3)
+            print(f"{r['waiting']:4d} waiting: D's mean ITL {r['engine_itl_ms']:.2f} ms ({r['engine_ratio']:.2f}x); "
+                  f"client p50 {r['client_itl_p50_ms']:.2f} / p99 {r['client_itl_p99_ms']:.2f} ms", flush=True)
+    finally:
+        d.stop()
+    out = {"results": results, "rounds": args.rounds, "tokens": args.tokens, "cpus": os.cpu_count(),
+           "load": os.getloadavg(), "command": " ".join(sys.argv), "logs": str(log_dir)}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
