@@ -135,10 +135,7 @@ class Passthrough:
                 self.selector.take(inst, req)
                 pinned = None
             else:
-                for role in roles:
-                    inst = await self.selector.acquire(role, req, tried)
-                    if inst is not None:
-                        break
+                inst = await self._pick(roles, req, tried)
             if inst is None:
                 break
             try:
@@ -159,6 +156,17 @@ class Passthrough:
         if last is not None:
             raise last
         raise ProxyError(503, "no instance is available", "no_instance")
+
+    async def _pick(self, roles: tuple[str, ...], req: RouteRequest, tried: list[Instance]) -> Instance | None:
+        """An instance of the first role that has one serving the body's model; none serves it:
+        any instance, whose vLLM answers its own 404 for the model."""
+        for model in (req.model, None) if req.model is not None else (None,):
+            req.model = model
+            for role in roles:
+                inst = await self.selector.acquire(role, req, tried)
+                if inst is not None:
+                    return inst
+        return None
 
     async def _open(self, inst: Instance, method: str, target: str, req: RouteRequest) -> UpstreamResponse:
         loop = asyncio.get_running_loop()

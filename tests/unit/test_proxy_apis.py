@@ -293,3 +293,13 @@ async def test_multipart_audio_goes_to_one_d_byte_for_byte():
         seen = d.requests[-1]
         assert (seen.path, seen.body, seen.headers["content-type"]) == ("/v1/audio/transcriptions", raw, ctype)
         assert not any(r.path.startswith("/v1/audio") for r in p.requests)
+
+
+async def test_a_model_no_instance_serves_gets_vllms_own_answer_on_a_passthrough_route():
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        await px.fake("P", model="other-model")  # two models served: the body's model chooses
+        resp = await px.client.post("/tokenize", json={"model": "no-such-model", "prompt": "x"})
+        assert resp.status_code == 404 and resp.json()["error"]["type"] == "NotFoundError"
+        resp = await px.client.post("/tokenize", json={"model": "other-model", "prompt": "xy"})
+        assert resp.status_code == 200
