@@ -46,6 +46,9 @@ class Fault:
     # (chat: and after the role chunk, as vLLM does), then [DONE].
     stream_error: int | None = None
     stream_error_after: int = 0
+    # stream: the body's end (its last chunk) waits for this event after [DONE], as when
+    # vLLM writes it apart and a client that read [DONE] has closed in between.
+    hold_end: asyncio.Event | None = None
     times: int | None = None
     paths: tuple[str, ...] = ()  # only these paths (empty: all)
     # Only requests whose X-Request-Id starts with this (DISAGGREGATED_ID: a P/D transfer,
@@ -635,6 +638,10 @@ class FakeVLLM:
             conn.write(_chunk(event))
             if delay:
                 await asyncio.sleep(delay)
+        if fault is not None and fault.hold_end is not None:
+            await fault.hold_end.wait()
+            if conn.closed:
+                raise asyncio.CancelledError()
         conn.write(b"0\r\n\r\n")
 
 
