@@ -501,6 +501,8 @@ async def test_transport_fallbacks_reach_instances():
             return [i["kv_transport_fallbacks"] for i in (await px.client.get("/instances")).json() if i["role"] == "P"]
 
         assert await shown() == [0]
+        # Its own heartbeats (fallbacks 0) stopped first: one could overwrite the 2 before it is seen.
+        p.stop_heartbeats()
         await p.send_raw(encode(Registration("P", p.http_address, p.zmq_address, kv_transport_fallbacks=2)))
         await wait_until(lambda: px.registry.live("P")[0].kv_transport_fallbacks == 2, what="fallbacks")
         assert await shown() == [2]
