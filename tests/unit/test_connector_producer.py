@@ -321,14 +321,14 @@ def test_a_get_copy_pushed_out_by_a_newer_one_is_counted(engines):
 def test_a_put_to_a_decode_marked_dead_fails_at_once(engines):
     """PUT (the worker thread sends): once a send found D dead, the next one fails at once,
     logged as unreachable since when, instead of waiting out another send_timeout."""
-    prod = engines("kv_producer", "PUT", seed=1, send_timeout_s=0.5)
+    prod = engines("kv_producer", "PUT", seed=1, send_timeout_s=2.0)
     dead = f"127.0.0.1:{free_port()}"
     prod.save(save_spec(prod, dead, req_id="first", key="a" * 32, delay_free=False))
     assert prod.producer.peer(dead).dead_since is not None
     with connector_log() as lines:
         t0 = time.monotonic()
         prod.save(save_spec(prod, dead, req_id="second", key="b" * 32, delay_free=False))
-        assert time.monotonic() - t0 < 0.4
+        assert time.monotonic() - t0 < 1.5  # at once, not another 2 s (slack for a loaded box)
     said = [x for x in lines.lines if x.startswith("kv send failed req=second ")]
     assert len(said) == 1, lines.lines
     m = re.fullmatch(
