@@ -37,6 +37,7 @@ class Fault:
     error_body: bytes | None = None  # default: vLLM's error JSON
     content_type: str = "application/json"
     delay: float = 0.0  # before the response headers
+    gate: asyncio.Event | None = None  # before the delay: wait until the test sets it
     hang: bool = False  # never answer (until the client goes away)
     fail_after: int | None = None  # stream: drop the connection after N data events
     stall_after: int | None = None  # stream: send N events then nothing more
@@ -486,6 +487,8 @@ class FakeVLLM:
             return self._send_json(conn, req, rec, 404, b'{"detail":"Not Found"}')
         fault = self._take_fault(path, req.headers.get("x-request-id", ""))
         if fault is not None:
+            if fault.gate is not None:
+                await fault.gate.wait()
             if fault.delay:
                 await asyncio.sleep(fault.delay)
             if fault.hang:

@@ -364,19 +364,20 @@ async def test_rescue_failing_too_relays_the_original_error(body):
 
 async def test_rescue_keeps_to_the_failed_attempts_deadline():
     """D alone gets what is left of the decode_ttfb_timeout of the attempt it rescues."""
-    async with running_proxy(decode_ttfb_timeout=1.0) as px:
+    # 4 s, the failure at 2.8 s: 0.9 s of slack either side for a loaded box (was 1 s / 0.7 s).
+    async with running_proxy(decode_ttfb_timeout=4.0) as px:
         p, d = await px.pd()
-        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "delay": 0.7, "times": 1})
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "delay": 2.8, "times": 1})
         task = asyncio.get_running_loop().create_task(
             px.client.post("/v1/completions", json=COMPLETION)
         )
         await wait_until(lambda: d.completions(), what="D got the disaggregated request")
         t0 = time.monotonic()
         d.fault = Fault(hang=True)  # D alone never answers
-        resp = await asyncio.wait_for(task, 5)
+        resp = await asyncio.wait_for(task, 30)
         elapsed = time.monotonic() - t0
         assert resp.status_code == 500 and "Internal server error" in resp.json()["error"]["message"]
-        assert 0.9 < elapsed < 1.45, elapsed  # not 0.7 s + another full 1 s
+        assert 3.1 < elapsed < 4.9, elapsed  # not 2.8 s + another full 4 s
         first, second = d.completions()
         assert local_id(second.request_id)
         await wait_until(lambda: second.cancelled, what="D alone aborted")
@@ -534,21 +535,19 @@ async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
 
 
 async def test_stream_first_token_is_not_delayed_by_the_hold():
-    """The role chunk waits only for the first token, which is relayed the moment it comes."""
+    """The role chunk waits only for the first token, which is relayed the moment it comes:
+    D sends the role chunk and t0, then nothing more; both reach the client (a hold that
+    waited for more would relay nothing: no timing to race on a loaded box)."""
     async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
-        d.fault = Fault(token_delay=0.3)
-        t0 = time.monotonic()
+        d.fault = Fault(stall_after=2)  # the role chunk and t0, then silence
         async with px.client.stream("POST", "/v1/chat/completions", json=CHAT_STREAM) as r:
-            chunks = r.aiter_raw()
-            head = await anext(chunks)
-            took = time.monotonic() - t0
-            rest = b"".join([c async for c in chunks])
+            async with asyncio.timeout(30):  # generous: not the subject
+                head = await anext(r.aiter_raw())
         events = sse(head.decode())
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert [e["choices"][0]["delta"].get("content") for e in events[1:]] == [" t0"]
-        assert took < 0.5, took  # role chunk + t0 at ~0.3 s, t1 at ~0.6 s
-        assert head + rest == relayed(d.completions()[0])
+        assert head == relayed(d.completions()[0])
 
 
 async def test_stream_broken_off_before_content_is_rescued():

@@ -136,7 +136,7 @@ async def test_tokenizing_has_a_budget_then_the_guess():
                                                                          "max_tokens": 2})) for p in prompts[1:]]
         answers = await asyncio.gather(first, *rest)
         assert all(r.status_code == 200 for r in answers)
-        assert time.perf_counter() - t0 < 1.0 + 1.0  # serially it would be 5 s
+        assert time.perf_counter() - t0 < 3.5  # serially it would be 5 s (slack for a loaded box)
         assert await proxy.metric("xpyd_prompt_ids_total", result="timeout") == 1
         assert await proxy.metric("xpyd_prompt_ids_total", result="queue_full") == 4
         big = {"model": "fake-model", "prompt": "word " * 1000, "max_tokens": 2}
