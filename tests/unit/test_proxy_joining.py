@@ -378,17 +378,17 @@ async def test_join_probes_are_bounded_in_concurrency():
 
     servers = [await asyncio.start_server(silent, f"127.0.0.{k}", 0) for k in range(1, 11)]
     try:
-        async with running_proxy(probe_concurrency=2, probe_timeout=0.3, health_interval=5) as px:
+        async with running_proxy(probe_concurrency=2, probe_timeout=1.0, health_interval=5) as px:
             sender = await px.fake("P", register=False)
             for srv in servers:
                 host, port = srv.sockets[0].getsockname()[:2]
                 await sender.send_raw(encode(Registration("D", f"{host}:{port}", "127.0.0.1:1")))
             await wait_until(lambda: len([i for i in px.registry.every() if i.probe_error]) == 10,
-                             timeout=10, what="all ten probed")  # fmt: skip
+                             what="all ten probed")  # fmt: skip
             assert all(i.probe_error == "timeout" for i in px.registry.every())
             assert not px.registry.live("D")
         assert len(spans) == 10
-        assert most_open(slack=0.1) == 2, spans  # each lasts probe_timeout, 0.3 s
+        assert most_open(slack=0.5) == 2, spans  # each lasts probe_timeout, 1 s (slack for a loaded box)
     finally:
         for srv in servers:
             srv.close()
