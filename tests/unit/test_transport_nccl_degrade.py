@@ -138,3 +138,45 @@ def test_transfers_hanging_past_their_deadline_move_the_peer_to_tcp(pair):
     t0 = time.monotonic()
     _roundtrip(client, addr, 9, timeout_s=30.0)
     assert time.monotonic() - t0 < 10.0  # the host path, not NCCL's wait to the 30 s deadline
+
+
+def test_a_peer_on_another_nccl_version_is_one_fallback(pair):
+    client, server, addr, reasons = pair(server_lib=FakeNccl(pair.fabric, version="2.21.5"))
+    for seed in range(3):
+        _roundtrip(client, addr, seed)
+    assert reasons == ["version"] and client.fallbacks()[addr]["reason"] == "version"
+
+
+def test_set_ups_that_keep_failing_stop_after_a_few(pair, caplog):
+    """Each set-up that fails after its unique id was made leaves NCCL's bootstrap thread
+    and socket behind (real library): after _MAX_FAILED_SETUPS in a row NCCL with that
+    peer is off until restart, so no more ids are made for it; its KV still goes inline."""
+    from connector.transport import nccl as nccl_mod
+
+    server_lib = FakeNccl(pair.fabric, init_error=2)
+    client_lib = FakeNccl(pair.fabric)
+    client, server, addr, reasons = pair(server_lib=server_lib, client_lib=client_lib, retry_s=0.05)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for seed in range(nccl_mod._MAX_FAILED_SETUPS * 3):
+            _roundtrip(client, addr, seed)
+            time.sleep(0.12)  # past the (short) back-off: every call may retry NCCL
+    assert addr in client.quarantined()
+    assert client_lib.unique_ids == nccl_mod._MAX_FAILED_SETUPS  # then no more
+    assert server_lib.recv_bytes == 0
+    assert sum("set-ups failed in a row" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_failed_set_ups_in_all_turn_nccl_off_here(pair, monkeypatch):
+    """Across peers too: after _MAX_FAILED_SETUPS_TOTAL failed set-ups NCCL is off here
+    (each may leave a bootstrap thread behind), and calls keep their tensors inline."""
+    from connector.transport import nccl as nccl_mod
+
+    monkeypatch.setattr(nccl_mod, "_MAX_FAILED_SETUPS_TOTAL", 2)
+    client_lib = FakeNccl(pair.fabric)
+    client, _, addr1, _ = pair(server_lib=FakeNccl(pair.fabric, init_error=2), client_lib=client_lib, retry_s=60)
+    _, _, addr2, _ = pair(server_lib=FakeNccl(pair.fabric, init_error=2))
+    _, _, addr3, _ = pair()  # a healthy peer, asked after the bound was reached
+    for seed, addr in enumerate((addr1, addr2, addr3)):
+        _roundtrip(client, addr, seed)
+    assert client_lib.unique_ids == 2  # none for the third peer
+    assert client.communicators()["out"] == 0
