@@ -969,7 +969,7 @@ async def test_a_failing_stream_is_retried_with_a_doubling_backoff_reset_by_a_st
     s.index.live = True
     task = asyncio.get_running_loop().create_task(d.events._run(s))
     try:
-        await wait_until(lambda: not outcomes and len(retries) == 8, timeout=5)
+        await wait_until(lambda: not outcomes and len(retries) == 8)
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -1430,7 +1430,7 @@ async def test_reconcile_runs_every_reconcile_s_and_a_failure_is_logged_not_fata
             ep = EventsEndpoint(pub2.endpoint, pub2.replay_endpoint, pub2.topic, None)
             reg = discovery.Registration("D", "127.0.0.1:18001", "127.0.0.1:14580", kv_events=ep)
             h.registry.admit(h.registry.upsert(reg))  # no kick(): the periodic pass finds it
-            await wait_until(lambda: len(h.events.streams()) == 2, timeout=5)
+            await wait_until(lambda: len(h.events.streams()) == 2)
             real, calls = h.events.reconcile, []
 
             def failing() -> None:

@@ -133,7 +133,7 @@ async def test_concurrent_dispatch_closes_ds_opened_answer_when_p_fails():
         assert resp.status_code == 500 and resp.json()["error"]["message"] == "fake P failure"
         (dec,) = d.completions()
         assert dec.sent.startswith(b"data: ")  # D's answer was open before P failed
-        await wait_until(lambda: dec.cancelled, timeout=2, what="D aborted")
+        await wait_until(lambda: dec.cancelled, what="D aborted")
 
 
 @pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])

@@ -279,7 +279,7 @@ async def test_answering_instance_becomes_a_candidate_promptly(capsys):
                 assert not px.registry.live("D")
             started = time.monotonic()
             await early.start()  # binds the port now
-            await wait_until(lambda: px.registry.live("D"), timeout=5, what="early D admitted")
+            await wait_until(lambda: px.registry.live("D"), what="early D admitted")
             retry_ms = (time.monotonic() - started) * 1000
         finally:
             await early.stop()
