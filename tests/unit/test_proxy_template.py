@@ -97,7 +97,7 @@ async def test_a_trusted_template_goes_to_the_instances_unrendered():
         t0 = time.perf_counter()
         request = asyncio.create_task(proxy.client.post(CHAT, json=body))
         await asyncio.sleep(0.05)
-        assert await ready_latency(proxy) < 1.0
+        assert await ready_latency(proxy) < 5.0  # the template, run, would take minutes (slack for a loaded box)
         r = await request
         assert r.status_code == 200 and time.perf_counter() - t0 < 5.0
         assert d.completions()[-1].json["chat_template_kwargs"] == {"chat_template": SLOW_TEMPLATE}
@@ -106,15 +106,15 @@ async def test_a_trusted_template_goes_to_the_instances_unrendered():
 
 async def test_tokenizing_never_runs_on_the_event_loop():
     """A short prompt (a 2-token body, which was tokenized inline) whose tokenizing takes
-    1.5 s leaves /ready answering at once."""
+    4 s leaves /ready answering at once (2 s: slack for a loaded box)."""
     async with precise() as proxy:
         await proxy.pd()
         seen: list[str] = []
-        slow_down(tokenizer_of(proxy), 1.5, seen)
+        slow_down(tokenizer_of(proxy), 4.0, seen)
         request = asyncio.create_task(proxy.client.post(COMPLETIONS, json={"model": "fake-model", "prompt": "hi",
                                                                            "max_tokens": 2}))  # fmt: skip
         await asyncio.sleep(0.2)
-        assert await ready_latency(proxy) < 0.5
+        assert await ready_latency(proxy) < 2.0
         assert (await request).status_code == 200
         assert seen and threading.main_thread().name not in seen
 
