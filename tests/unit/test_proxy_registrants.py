@@ -349,7 +349,8 @@ async def test_a_large_batch_never_stalls_the_event_loop():
             inst = ev.add(EventsEndpoint(pub.endpoint, pub.replay_endpoint), 18004)
             await wait_until(lambda: ev.events.state(inst) is IndexState.KNOWN)
             tick = asyncio.get_running_loop().create_task(ticker())
-            await _publish_until(pub, ev, inst, [AllBlocksCleared(), _chain(1, n)], timeout=20)
+            # 60 s: a 3.4 MiB batch took longer than 20 s to decode and apply at load 34 (not the subject).
+            await _publish_until(pub, ev, inst, [AllBlocksCleared(), _chain(1, n)], timeout=60)
             stop.set()
             await tick
             assert len(ev.stream(inst).index) == n

@@ -180,6 +180,7 @@ def test_first_only_and_template_kwargs_in_the_tokenizer():
 def test_a_wrong_tokenizer_is_a_configuration_error(tmp_path):
     cmd = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", "0", "--discovery-port", "0",
            "--prefill-policy", "precise", "--tokenizer", str(tmp_path / "no-such-tokenizer")]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # 240 s: the proxy's start (torch, transformers) took over 120 s at load 34.
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "configuration error: --tokenizer" in done.stderr and "Traceback" not in done.stderr
