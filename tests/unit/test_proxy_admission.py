@@ -140,7 +140,8 @@ async def test_openai_client_sees_rate_limit_error():
 
     async with running_proxy(decode_max_in_flight=1, queue_size=0) as px:
         p, d = await px.pd()
-        d.fault = Fault(delay=0.5, times=1)
+        gate = asyncio.Event()  # the first holds D's only slot until the client was refused
+        d.fault = Fault(gate=gate, times=1)
         first = asyncio.create_task(px.client.post("/v1/completions", json=body("first")))
         await wait_until(lambda: len(d.completions()) == 1)
         client = openai.AsyncOpenAI(base_url=px.url + "/v1", api_key="x", max_retries=0,
@@ -153,6 +154,7 @@ async def test_openai_client_sees_rate_limit_error():
             assert e.response.headers["retry-after"] == "1"
         finally:
             await client.close()
+            gate.set()
         assert (await first).status_code == 200
 
 
