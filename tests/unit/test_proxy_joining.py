@@ -66,6 +66,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------- the burst
 
 
+@pytest.mark.timeout(600)  # its waits are sized for a box at load 30
 async def test_burst_of_dead_registrations_costs_no_request_and_little_memory(tmp_path, capsys):
     """5,000 registrations of addresses where nothing listens, in one burst from the source
     the real instances use (the default set-up: everything on loopback, no secret), while and
@@ -139,9 +140,9 @@ async def test_burst_of_dead_registrations_costs_no_request_and_little_memory(tm
                     dead = [i for i in insts if i["http_address"] not in (p.http_address, d.http_address)]
                     return dead if all(i["probe_error"] for i in dead) else []
 
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + 120  # 20 s ran out at load 30 on 2 cores
                 while not (dead := await probed()):
-                    assert time.monotonic() < deadline, "pending instances not probed in 20 s"
+                    assert time.monotonic() < deadline, "pending instances not probed in 120 s"
                     await asyncio.sleep(0.05)
                 after = rss_kib(proc.pid)
                 text = (await client.get("/metrics")).text
