@@ -393,25 +393,42 @@ class PeerSender:
 
     def _hello(self, deadline: float) -> tuple[dict[str, Any], str]:
         """Ask the decode's rank of our number, or its rank 0 when that is no rank of it
-        (unreachable, or another engine answers): (reply, who answered). Raises
-        TransportError when neither answers by ``deadline``.
+        (unreachable, another engine answers, or rank 0's TP size has no rank of our number):
+        (reply, who answered). Raises TransportError when neither answers by ``deadline``.
 
         First contact opens a connection and may meet a busy peer: it gets the same budget as
         the send it precedes (it had a 2 s cap of its own, which a loaded box's ordinary
-        stall outlasted: issue 21)."""
-        def left() -> float:
-            return max(0.05, deadline - time.monotonic())
+        stall outlasted: issue 21). A rank other than 0 asks rank 0 first, with at most half
+        of it: a decode with fewer ranks has none of our number, and asking that one would
+        wait out the whole budget (an unreachable peer looks like a slow one) and leave rank
+        0 nothing (issue 48)."""
+        def left(share: float = 1.0) -> float:
+            return max(0.05, (deadline - time.monotonic()) * share)
 
+        if self._rank == 0:
+            reply, _ = self._transport.call(self.home, Hello.request(), timeout_s=left())
+            return reply, self.home
+        first = rank_address(self.instance, 0)
+        first_reply: dict[str, Any] | None = None
+        try:
+            first_reply, _ = self._transport.call(first, Hello.request(), timeout_s=left(0.5))
+        except TransportError:
+            pass
+        else:
+            size = first_reply.get("tp_size")
+            if not first_reply.get(OK_KEY) or (type(size) is int and 0 < size <= self._rank):
+                return first_reply, first  # a refusal, or a decode without a rank of our number
         try:
             reply, _ = self._transport.call(self.home, Hello.request(), timeout_s=left())
-            if self._rank == 0 or not reply.get(OK_KEY) or reply.get("rank") == self._rank:
-                return reply, self.home
         except TransportError:
-            if self._rank == 0:
+            if first_reply is None:
                 raise
-        first = rank_address(self.instance, 0)
-        reply, _ = self._transport.call(first, Hello.request(), timeout_s=left())
-        return reply, first
+            return first_reply, first
+        if reply.get(OK_KEY) and reply.get("rank") != self._rank:  # another engine at our number
+            if first_reply is None:
+                first_reply, _ = self._transport.call(first, Hello.request(), timeout_s=left())
+            return first_reply, first
+        return reply, self.home
 
     def _plan(self, reply: dict[str, Any], contact: str) -> str | None:
         """Set where sends go from a checked hello; why not, when we cannot send there."""

@@ -109,8 +109,9 @@ class Result:
 
 
 def measure(channel: str, direction: str, transfers: int = 1000, mib: int = 16, tensors: int = 4,
-            hold: int = 1, warmup: int = 20) -> Result:
-    """``transfers`` calls after ``warmup`` ones; the receiver's RSS and faults around them."""
+            hold: int = 1, warmup: int = 20, start_timeout: float = 60.0) -> Result:
+    """``transfers`` calls after ``warmup`` ones; the receiver's RSS and faults around them
+    (``start_timeout``: seconds for the receiver process to start, torch's import included)."""
     cmd = [sys.executable, "-m", "scripts.bench_recv_memory", "--serve", "--channel", channel, "--mib", str(mib),
            "--tensors", str(tensors), "--hold", str(hold)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -120,9 +121,9 @@ def measure(channel: str, direction: str, transfers: int = 1000, mib: int = 16, 
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
         reader.start()
-        reader.join(timeout=60)
+        reader.join(timeout=start_timeout)
         if not line or not line[0].strip().isdigit():
-            raise RuntimeError("server did not start")
+            raise RuntimeError(f"server did not start in {start_timeout:g} s")
         peer = f"127.0.0.1:{int(line[0])}"
         src = payload(mib, tensors)
         nbytes = sum(t.numel() for t in src)

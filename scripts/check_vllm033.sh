@@ -10,9 +10,12 @@
 # scheduler/connector modules the tests need are pure Python and do not need them.
 # Nothing here starts a vLLM server.
 #
+# CI runs it in the rest tier (tests/unit/test_vllm033.py, marker vllm033).
+#
 # Usage: scripts/check_vllm033.sh [extra pytest args]
 # Env:   XPYD_VENV (default .venv), VLLM033_WHEEL_DIR (default /tmp/vllm033whl)
-# Exit:  pytest's status (non-zero also when the download/install/import fails).
+# Exit:  pytest's status; 77 when the wheel cannot be fetched (no index reachable: the
+#        caller skips, saying why); another non-zero status when the install or import fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -37,7 +40,15 @@ wheels=("$WHEEL_DIR"/vllm-"$VERSION"-*.whl)
 if [ ${#wheels[@]} -eq 0 ]; then
   echo "== downloading vllm==$VERSION (no deps) into $WHEEL_DIR"
   mkdir -p "$WHEEL_DIR"
-  timeout 1200 "${PIP[@]}" download --no-deps "vllm==$VERSION" -d "$WHEEL_DIR"
+  rc=0
+  timeout 1200 "${PIP[@]}" download --no-deps "vllm==$VERSION" -d "$WHEEL_DIR.partial" >"$WHEEL_DIR.log" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    why=$(grep -E "ERROR|Error" "$WHEEL_DIR.log" | tail -1)
+    [ "$rc" -eq 124 ] && why="the download did not finish in 1200 s"
+    echo "cannot fetch vllm==$VERSION: ${why:-pip download exited $rc} (see $WHEEL_DIR.log)" >&2
+    exit 77
+  fi
+  mv "$WHEEL_DIR.partial"/vllm-"$VERSION"-*.whl "$WHEEL_DIR"/ && rm -rf "$WHEEL_DIR.partial"
   wheels=("$WHEEL_DIR"/vllm-"$VERSION"-*.whl)
 fi
 [ ${#wheels[@]} -ge 1 ] || { echo "no vllm-$VERSION wheel in $WHEEL_DIR" >&2; exit 2; }
@@ -86,8 +97,13 @@ target, version, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
 import vllm
 assert vllm.__version__ == version and vllm.__file__.startswith(target), (vllm.__version__, vllm.__file__)
 import pytest
+# Every unit test module that uses vLLM's own types (the connector's scheduler and facade,
+# its stats, the connector API review, the shared-storage scheduler, vLLM's KV cache views,
+# vLLM's generation defaults).
 rc = int(pytest.main(["-q", "-p", "no:cacheprovider", "tests/unit/test_connector_scheduler.py",
-                      "tests/unit/test_connector_units.py", "tests/unit/test_connector_stats.py", *extra]))
+                      "tests/unit/test_connector_units.py", "tests/unit/test_connector_stats.py",
+                      "tests/unit/test_connector_vllm_api.py", "tests/unit/test_shared_storage_scheduler.py",
+                      "tests/unit/test_connector_layout.py", "tests/unit/test_generation_defaults.py", *extra]))
 print(f"== pytest exit status {rc} (vllm {vllm.__version__} from {vllm.__file__})")
 sys.exit(rc)
 EOF

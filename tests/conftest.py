@@ -21,7 +21,7 @@ _MISSING_IMPORT = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 # Tiers. A test with none of these markers needs no vLLM server, no external binary (NVIDIA's
 # libnccl included) and no GPU: it gets the `unit` marker, so `pytest -m unit` is the fast tier
 # and `-m "not unit"` the rest.
-NOT_UNIT = ("vllm", "docker", "tool", "gpu", "nccl")
+NOT_UNIT = ("vllm", "docker", "tool", "gpu", "nccl", "vllm033")
 # Per-test time limits (pytest-timeout; the default, 300 s, is in pyproject.toml). pytest-timeout
 # counts fixture set-up in the test's time, so the first test of a module that starts vLLM
 # servers in a module fixture (several minutes on a loaded 2-core box) carries their start-up.
@@ -29,6 +29,7 @@ SERVER_TIMEOUT_S = 1200  # tests marked vllm or docker
 SLOW_SETUP_TIMEOUT_S = {  # unit modules whose module fixture may take long on a fresh machine
     "test_nccl_real_lib.py": 1200,  # fetches 1.7 GB of NCCL wheels once (scripts/nccl_wheels.py)
     "test_doctor.py": 900,  # the doctor's no-GPU run: ~105 s idle, over 300 s at load 12-15 (engine pairs ~63 s each)
+    "test_vllm033.py": 3000,  # vLLM 0.33's GPU wheel, ~340 MB, fetched once (scripts/check_vllm033.sh)
 }
 # External binaries that CI is meant to have (scripts/setup_system.sh installs them from Debian's
 # packages). Where CI=true a test that finds one missing fails instead of skipping.

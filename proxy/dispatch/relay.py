@@ -258,27 +258,43 @@ class Relay:
             flight.done = True
             await send({"type": "http.response.body", "body": first, "more_body": False})
             return
+        # D's [DONE] ends the client's response at once: vLLM writes its body's end apart, and
+        # a client that read [DONE] may close (the openai SDK does) before it comes, which must
+        # not read as the client leaving. `tail`: D's last raw bytes, to find [DONE] split.
+        tail = first[-_TAIL:]
+        over = _over(tail)
         if rw is not None:
-            first = rw.feed(first)
-        await send({"type": "http.response.body", "body": first, "more_body": True})
+            first = rw.feed(first) + (rw.flush() if over else b"")
+        if over:
+            flight.done = True
+        await send({"type": "http.response.body", "body": first, "more_body": not over})
         assert answer.chunks is not None
+        if over:
+            await self._drain(answer)
+            return
         loop = flight.task.get_loop() if flight.task is not None else asyncio.get_running_loop()
         last = first[-4:]  # the stream's last bytes sent: is an error event on a boundary?
+        ended = False  # the response's end sent with D's last piece or its [DONE]
         try:
             async with Deadline.after(loop, idle) as deadline:
                 async for chunk in answer.chunks:
+                    tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
                     if rw is not None:
                         chunk = rw.feed(chunk)
-                    if resp.at_eof():  # last piece: send it with the end of the response
+                    if resp.at_eof() or _over(tail):  # last piece: send it with the end of the response
                         if rw is not None:
                             chunk += rw.flush()
-                        flight.done = True
+                        flight.done = ended = True
                         await send({"type": "http.response.body", "body": chunk, "more_body": False})
-                        return
+                        break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     if chunk:
                         last = chunk if len(chunk) >= 4 else (last + chunk)[-4:]
                     deadline.reschedule(loop.time() + idle)
+            if ended:
+                if not resp.at_eof():
+                    await self._drain(answer)
+                return
             error = b""
         except TimeoutError:
             metrics.upstream_error("D", d.http_address, "stream_idle_timeout")
@@ -310,3 +326,27 @@ class Relay:
             body = rw.flush() if rw is not None else b""
         flight.done = True
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _drain(self, answer: Answer) -> None:
+        """D's body after its [DONE], read to its end within DRAIN_S so that its connection
+        goes back to the pool; whatever comes or fails then is not the client's (its answer
+        is complete): past the bound, closing the answer closes the connection."""
+        assert answer.chunks is not None
+        loop = asyncio.get_running_loop()
+        try:
+            async with Deadline.after(loop, DRAIN_S):
+                async for _ in answer.chunks:
+                    pass
+        except (TimeoutError, UpstreamError, StreamFailed) as e:
+            log.debug("decode stream after [DONE] not read to its end: %r", e)
+
+
+# How long D's body end is awaited after its [DONE] (vLLM writes it at once).
+DRAIN_S = 1.0
+_TAIL = len(DONE_EVENT) + 4  # [DONE] and the event end before it
+
+
+def _over(tail: bytes) -> bool:
+    """Whether a stream whose last bytes are `tail` (all of it when shorter) ended with its
+    [DONE] event: vLLM's last, on an event boundary (not a data line of a longer event)."""
+    return tail.endswith(DONE_EVENT) and at_event_boundary(tail[: -len(DONE_EVENT)])

@@ -538,6 +538,10 @@ class KVEvents:
                 if verify:
                     if batch.seq != start or _digest(frames[3]) != stream.last_digest:
                         return "mismatch"
+                    # What follows may be on its way on the SUB too (vLLM sends a batch,
+                    # then buffers it): its live copy is a duplicate, not a restart.
+                    if stream.replayed_from is None or stream.replayed_from > start:
+                        stream.replayed_from = start
                     continue
                 stream.replayed_from = start
                 if batch.seq == 0:

@@ -39,6 +39,7 @@ class Fault:
     error_body: bytes | None = None  # default: vLLM's error JSON
     content_type: str = "application/json"
     delay: float = 0.0  # before the response headers
+    gate: asyncio.Event | None = None  # before the delay: wait until the test sets it
     hang: bool = False  # never answer (until the client goes away)
     fail_after: int | None = None  # stream: drop the connection after N data events
     stall_after: int | None = None  # stream: send N events then nothing more
@@ -48,6 +49,9 @@ class Fault:
     # (chat: and after the role chunk, as vLLM does), then [DONE].
     stream_error: int | None = None
     stream_error_after: int = 0
+    # stream: the body's end (its last chunk) waits for this event after [DONE], as when
+    # vLLM writes it apart and a client that read [DONE] has closed in between.
+    hold_end: asyncio.Event | None = None
     times: int | None = None
     paths: tuple[str, ...] = ()  # only these paths (empty: all)
     # Only requests whose X-Request-Id starts with this (DISAGGREGATED_ID: a P/D transfer,
@@ -518,6 +522,8 @@ class FakeVLLM:
             return self._send_json(conn, req, rec, 404, b'{"detail":"Not Found"}')
         fault = self._take_fault(path, req.headers.get("x-request-id", ""))
         if fault is not None:
+            if fault.gate is not None:
+                await fault.gate.wait()
             if fault.delay:
                 await asyncio.sleep(fault.delay)
             if fault.hang:
@@ -721,6 +727,10 @@ class FakeVLLM:
             conn.write(_chunk(event))
             if delay:
                 await asyncio.sleep(delay)
+        if fault is not None and fault.hold_end is not None:
+            await fault.hold_end.wait()
+            if conn.closed:
+                raise asyncio.CancelledError()
         conn.write(b"0\r\n\r\n")
 
 

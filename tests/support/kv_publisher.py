@@ -3,7 +3,9 @@ event-intake tests: the same sockets (PUB, ROUTER replay), frames, seq numbering
 buffer, bound on 127.0.0.1 (vLLM binds only `tcp://*:PORT`). Payloads are encoded with
 xpyd_wire.kv_events.encode_batch, which tests/unit/test_kv_events.py checks decodes exactly like
 vLLM's own msgspec encoding. Knobs for faults: lose batches (a gap), restart (seq from 0),
-go silent, send raw frames."""
+go silent, send raw frames. Its order differs from vLLM's (one thread that sends a batch, then
+buffers it, and answers replays between batches): it buffers first and answers replays on a
+thread of its own; tests/unit/test_kv_events_vllm_publisher.py runs the intake against vLLM's."""
 
 from __future__ import annotations
 

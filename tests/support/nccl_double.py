@@ -470,7 +470,7 @@ def rand_bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def until(pred: Callable[[], Any], timeout_s: float = 5.0) -> bool:
+def until(pred: Callable[[], Any], timeout_s: float = 30.0) -> bool:
     """Poll pred until it holds or timeout_s passed; its last answer."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

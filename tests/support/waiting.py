@@ -9,7 +9,7 @@ from typing import Any
 
 
 async def wait_until(
-    predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01, what: str = ""
+    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.01, what: str = ""
 ) -> Any:
     """Poll predicate until truthy; fail the test after timeout seconds."""
     deadline = time.monotonic() + timeout

@@ -992,7 +992,7 @@ def test_closing_a_consumer_waits_for_no_fetch_and_starts_none(engines):
         wait_for(lambda: len(p.gets) == GET_POOL_SIZE)
         t0 = time.monotonic()
         cons.close()
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 5.0  # not the fetches' 30 s (slack for a loaded box)
         for t in set(threading.enumerate()) - before:
             if t.name.startswith("xpyd-kv-get"):
                 t.join(15.0)

@@ -321,14 +321,14 @@ def test_a_get_copy_pushed_out_by_a_newer_one_is_counted(engines):
 def test_a_put_to_a_decode_marked_dead_fails_at_once(engines):
     """PUT (the worker thread sends): once a send found D dead, the next one fails at once,
     logged as unreachable since when, instead of waiting out another send_timeout."""
-    prod = engines("kv_producer", "PUT", seed=1, send_timeout_s=0.5)
+    prod = engines("kv_producer", "PUT", seed=1, send_timeout_s=2.0)
     dead = f"127.0.0.1:{free_port()}"
     prod.save(save_spec(prod, dead, req_id="first", key="a" * 32, delay_free=False))
     assert prod.producer.peer(dead).dead_since is not None
     with connector_log() as lines:
         t0 = time.monotonic()
         prod.save(save_spec(prod, dead, req_id="second", key="b" * 32, delay_free=False))
-        assert time.monotonic() - t0 < 0.4
+        assert time.monotonic() - t0 < 1.5  # at once, not another 2 s (slack for a loaded box)
     said = [x for x in lines.lines if x.startswith("kv send failed req=second ")]
     assert len(said) == 1, lines.lines
     m = re.fullmatch(
@@ -760,20 +760,25 @@ def test_a_layer_wise_send_done_before_the_seal_reports_every_layer(engines):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_first_contact_with_a_dead_decode_waits_no_longer_than_the_send_would(engines, rank):
-    """The hello gets the send's budget (send_timeout_s): rank 0 asks D's rank 0 for 0.3 s;
-    rank 1 asks D's rank 1 for the 0.3 s, then D's rank 0 with what is left (the 0.05 s
-    floor), and says what the last one answered."""
-    prod = engines("kv_producer", "PUT_ASYNC", seed=1, rank=rank, send_timeout_s=0.3)
+    """The hello gets the send's budget (send_timeout_s, 3 s): rank 0 asks D's rank 0 for all
+    of it; rank 1 asks D's rank 0 for half of it, then D's rank 1 for what is left, and says
+    what the last one answered. (Each ask waits its whole budget: an unreachable peer looks
+    like a slow one; the slack below is for a loaded box.)"""
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, rank=rank, send_timeout_s=3.0)
     port = free_port()
     dead = f"127.0.0.1:{port}"
     with connector_log() as lines:
+        t0 = time.monotonic()
         prod.producer.prepare(dead)
         wait_for(lambda: any("first contact ahead of the send failed" in x for x in lines.lines))
+        took = time.monotonic() - t0
     (line,) = lines.lines
-    head = f"kv peer {dead}: first contact ahead of the send failed: peer {dead} unreachable: no connection within "
+    peer = dead if rank == 0 else f"127.0.0.1:{port + 1}"  # the last asked
+    head = f"kv peer {dead}: first contact ahead of the send failed: peer {peer} unreachable: no connection within "
     assert line.startswith(head) and line.endswith("s"), line
     within = float(line.removeprefix(head).removesuffix("s"))
-    assert (0.2 <= within <= 0.3) if rank == 0 else within == 0.05, line
+    assert (2.0 <= within <= 3.0) if rank == 0 else (0.05 <= within <= 1.5), line
+    assert 2.7 <= took < 3.0 + 10, took  # the send's budget, not more
 
 
 def test_a_prompt_send_is_logged_at_info(engines, caplog):

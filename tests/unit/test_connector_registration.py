@@ -233,12 +233,12 @@ async def test_registrar_advertises_events_and_the_proxy_subscribes(health_serve
                 [entry] = (await px.client.get("/instances")).json()
                 return entry["kv_events"]
 
-            for _ in range(100):
+            for _ in range(600):  # 30 s at most: a loaded box
                 if (await view())["state"] == "known":
                     break
                 await asyncio.sleep(0.05)
             assert (await view())["state"] == "known" and (await view())["cap"] == 2048
-            for _ in range(100):  # until the SUB connection is up (ZMQ's slow joiner)
+            for _ in range(600):  # until the SUB connection is up (ZMQ's slow joiner); 30 s at most
                 pub.publish([BlockStored((1, 2), None, tuple(range(32)), 16, None, "GPU", 0)])
                 await asyncio.sleep(0.05)
                 if (await view())["blocks"] == 2:

@@ -1027,7 +1027,7 @@ def test_arrival_probe_of_a_silent_rank_says_no_within_its_bound(caplog):
         with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.scheduler"):
             t0 = time.monotonic()
             assert probe.arrived(TK) is False
-            assert time.monotonic() - t0 < ARRIVAL_PROBE_TIMEOUT_S + 0.5
+            assert time.monotonic() - t0 < ARRIVAL_PROBE_TIMEOUT_S + 1.0  # slack for a loaded box
         (line,) = [r.getMessage() for r in caplog.records]
         assert line.startswith(f"kv arrival probe of 127.0.0.1:{base} failed (loads stay asynchronous): ")
     finally:

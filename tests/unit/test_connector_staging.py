@@ -280,14 +280,14 @@ def test_pool_is_allocated_at_start_off_the_receive_path():
 
     t0 = time.monotonic()
     st = RecvStager(0, 4096, pool_factory=slow, on_device=lambda t: True)
-    assert time.monotonic() - t0 < 0.5
-    deadline = time.monotonic() + 5
+    assert time.monotonic() - t0 < 2.5  # not the allocation's 5 s (slack for a loaded box)
+    deadline = time.monotonic() + 30
     while not threads and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threads and threads[0] != threading.current_thread().name  # started before any receive
     t0 = time.monotonic()
     why = st.admit(payload(400, 1))
-    assert time.monotonic() - t0 < 0.5 and why is not None and "still being allocated" in why
+    assert time.monotonic() - t0 < 2.5 and why is not None and "still being allocated" in why
     gate.set()
     assert st.wait_pool(5) and st.pool is not None
     assert st.admit(payload(400, 2)) is None and st.staged == 1
@@ -321,7 +321,7 @@ def test_decode_on_gpu_stages_overflow_in_pinned_memory_and_loads_it(engines):
     for i, dst in enumerate(((7, 2, 11), (13, 14, 15))):
         key = f"{i:032x}"
         prod.save(save_spec(prod, rank0(cons), req_id=f"P{i}", key=key))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while cons._stager.staged < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert cons._stager.staged == 1

@@ -317,6 +317,25 @@ def test_prefill_tp2_to_decode_tp1_waits_for_every_piece(instances):
     _check_decode([dec], p_ranks, [before])
 
 
+def test_a_prefill_rank_with_no_decode_rank_of_its_number_asks_rank_0_at_once(instances):
+    """P tp=2 -> D tp=1: P's rank 1 asks D's rank 0 first, whose TP size says D has no rank 1:
+    its send goes without waiting out its budget on a rank that does not exist (before: the
+    whole send_timeout_s, 30 s here, then rank 0 with a 0.05 s floor, which a loaded box
+    missed: issue 48)."""
+    import time
+
+    from tests.support.kv_engines import load_spec, plan_load, poll_until, rank0, save_spec
+
+    p_ranks = instances("kv_producer", "PUT_ASYNC", 2, 4, seed=1, blocks_heads=2, send_timeout_s=30.0)
+    (dec,) = instances("kv_consumer", "PUT_ASYNC", 1, 4, seed=2, blocks_heads=4)
+    plan_load(dec, load_spec(rank0(p_ranks[0]), (7, 2, 11), 2))
+    t0 = time.monotonic()
+    p_ranks[1].save(save_spec(p_ranks[1], rank0(dec)))
+    poll_until(p_ranks[1], lambda r: "P-req" in r.finished_sending, finished={"P-req"}, timeout=60)
+    assert time.monotonic() - t0 < 15, "waited for a decode rank that does not exist"
+    assert p_ranks[1].producer.peer(rank0(dec)).peer == rank0(dec)
+
+
 def test_replicated_heads_come_from_one_prefill_rank(instances):
     """1 KV head, P tp=2 (both ranks hold it), D tp=1: rank 0 sends, rank 1 sends nothing
     and still finishes its send at once."""

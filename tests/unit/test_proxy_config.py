@@ -267,7 +267,7 @@ def test_cli_config_error_exit_code():
         [sys.executable, "-m", "proxy", "--port", "99999"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=240,  # a proxy's start took over 120 s at load 34
         cwd=ROOT,
     )
     assert proc.returncode == 2

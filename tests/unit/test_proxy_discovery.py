@@ -42,20 +42,19 @@ async def test_registration_shows_in_instances_and_ready():
 
 
 async def test_expiry_of_any_instance_and_reregistration():
-    async with running_proxy(heartbeat_timeout=0.5) as px:
+    # 3 s: the two that keep heartbeating (every 0.1 s) must not lapse on a loaded box.
+    async with running_proxy(heartbeat_timeout=3.0) as px:
         fakes = [await px.fake("D", heartbeat_interval=0.1) for _ in range(3)]
         middle = fakes[1]
         middle.stop_heartbeats()  # the middle entry of the table goes quiet
         await wait_until(
             lambda: middle.http_address not in _addresses(px.registry, "D"),
-            timeout=5,
             what="middle instance expired",
         )
         assert _addresses(px.registry, "D") == [fakes[0].http_address, fakes[2].http_address]
         middle.start_heartbeats()  # comes back: registered again
         await wait_until(
             lambda: middle.http_address in _addresses(px.registry, "D"),
-            timeout=5,
             what="re-registration",
         )
         assert len(px.registry.live("D")) == 3
@@ -513,6 +512,8 @@ async def test_transport_fallbacks_reach_instances():
             return [i["kv_transport_fallbacks"] for i in (await px.client.get("/instances")).json() if i["role"] == "P"]
 
         assert await shown() == [0]
+        # Its own heartbeats (fallbacks 0) stopped first: one could overwrite the 2 before it is seen.
+        p.stop_heartbeats()
         await p.send_raw(encode(Registration("P", p.http_address, p.zmq_address, kv_transport_fallbacks=2)))
         await wait_until(lambda: px.registry.live("P")[0].kv_transport_fallbacks == 2, what="fallbacks")
         assert await shown() == [2]

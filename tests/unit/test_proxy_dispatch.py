@@ -96,12 +96,12 @@ async def test_decode_retries_zero_relays_the_first_failure():
 async def test_concurrent_dispatch_overlaps_decode_with_prefill():
     async with running_proxy(first_token="decode", dispatch="concurrent") as px:
         p, d = await px.pd()
-        p.fault = Fault(delay=0.3)
+        p.fault = Fault(delay=2.0)  # sequential: D at 2 s at the earliest; 1.5 s of slack for a loaded box
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and "data: [DONE]" in resp.text
         (pre,), (dec,) = p.completions(), d.completions()
         # D had the request while P was still prefilling, with the same transfer id.
-        assert dec.received_at < pre.received_at + 0.25
+        assert dec.received_at < pre.received_at + 1.5
         assert pre.request_id == dec.request_id
         assert re.match(REQUEST_ID_RE, dec.request_id)
         assert pre.json["max_tokens"] == 1 and dec.json["max_tokens"] == 5
@@ -114,19 +114,19 @@ async def test_concurrent_dispatch_asks_d_at_once_and_a_busy_ps_stream_keeps_ps_
     then asked once P answered. xpyd_concurrent_dispatch_total says which P each request met."""
     async with running_proxy(dispatch="concurrent") as px:
         p, d = await px.pd()
-        p.fault = Fault(delay=0.4)
+        p.fault = Fault(delay=2.0)  # early: within 1.5 s (slack for a loaded box); late: after 2 s
         first = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))
-        await wait_until(lambda: len(p.completions()) == 1, timeout=5, what="P busy")
+        await wait_until(lambda: len(p.completions()) == 1, what="P busy")
         second = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))  # not a stream
-        await wait_until(lambda: len(p.completions()) == 2, timeout=5, what="P busier")
+        await wait_until(lambda: len(p.completions()) == 2, what="P busier")
         third = await px.client.post("/v1/completions", json=STREAM)  # may start with P's token
         assert [r.status_code for r in (await first, await second, third)] == [200, 200, 200]
         pre = {r.request_id: r for r in p.completions()}
         dec = {r.request_id: r for r in d.completions() if r.request_id in pre}
         idle, busy_whole = sorted((rid for rid in dec if not dec[rid].json.get("stream")),
                                   key=lambda rid: pre[rid].received_at)
-        assert dec[idle].received_at < pre[idle].received_at + 0.3  # idle P: at once
-        assert dec[busy_whole].received_at < pre[busy_whole].received_at + 0.3  # busy P, no P token: at once
+        assert dec[idle].received_at < pre[idle].received_at + 1.5  # idle P: at once (slack for a loaded box)
+        assert dec[busy_whole].received_at < pre[busy_whole].received_at + 1.5  # busy P, no P token: at once
         assert third.headers.get(XPYD_FIRST_TOKEN) == "prefill"  # busy P: P's token first, D after it
         assert await px.metric("xpyd_concurrent_dispatch_total", prefill="idle") == 1
         assert await px.metric("xpyd_concurrent_dispatch_total", prefill="busy") == 2
@@ -138,7 +138,7 @@ async def test_concurrent_dispatch_asks_d_at_once_and_a_busy_ps_stream_keeps_ps_
             resp = await px.client.post("/v1/completions", json=STREAM)
             assert resp.status_code == 200 and resp.headers.get(XPYD_FIRST_TOKEN) == "prefill", waiting
             (pre,), (dec,) = p.completions(), d.completions()
-            assert dec.received_at >= pre.received_at + 0.35, waiting
+            assert dec.received_at >= pre.received_at + 0.35, waiting  # after P's answer (only later on a loaded box)
 
 
 async def test_shipped_defaults_serve_short_prompts_from_d():
@@ -168,7 +168,7 @@ async def test_concurrent_dispatch_prefill_failure_aborts_decode_at_once():
         p.fault = Fault(status=500, delay=0.2)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         assert resp.status_code == 500 and resp.json()["error"]["message"] == "fake P failure"
-        await wait_until(lambda: d.completions()[0].cancelled, timeout=2, what="D aborted")
+        await wait_until(lambda: d.completions()[0].cancelled, what="D aborted")
 
 
 async def test_concurrent_dispatch_dead_decode_aborts_prefill_and_retries():
@@ -183,9 +183,8 @@ async def test_concurrent_dispatch_dead_decode_aborts_prefill_and_retries():
         assert resp.headers[XPYD_DECODE_INSTANCE] == d2.http_address
         # The prefill paired with the dead D was abandoned as soon as D refused (if it
         # reached P at all): only the retry's prefill ran to its end.
-        await asyncio.sleep(0.6)
+        await wait_until(lambda: all(r.completed or r.cancelled for r in p.completions()), what="P's requests over")
         assert [r.completed for r in p.completions()].count(True) == 1
-        assert all(r.completed or r.cancelled for r in p.completions())
 
 
 async def test_short_prompt_goes_to_decode_alone():
@@ -370,19 +369,20 @@ async def test_rescue_failing_too_relays_the_original_error(body):
 
 async def test_rescue_keeps_to_the_failed_attempts_deadline():
     """D alone gets what is left of the decode_ttfb_timeout of the attempt it rescues."""
-    async with running_proxy(decode_ttfb_timeout=1.0) as px:
+    # 4 s, the failure at 2.8 s: 0.9 s of slack either side for a loaded box (was 1 s / 0.7 s).
+    async with running_proxy(decode_ttfb_timeout=4.0) as px:
         p, d = await px.pd()
-        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "delay": 0.7, "times": 1})
+        d.fault = Fault(**{**KV_LOAD_FAILED.__dict__, "delay": 2.8, "times": 1})
         task = asyncio.get_running_loop().create_task(
             px.client.post("/v1/completions", json=COMPLETION)
         )
         await wait_until(lambda: d.completions(), what="D got the disaggregated request")
         t0 = time.monotonic()
         d.fault = Fault(hang=True)  # D alone never answers
-        resp = await asyncio.wait_for(task, 5)
+        resp = await asyncio.wait_for(task, 30)
         elapsed = time.monotonic() - t0
         assert resp.status_code == 500 and "Internal server error" in resp.json()["error"]["message"]
-        assert 0.9 < elapsed < 1.45, elapsed  # not 0.7 s + another full 1 s
+        assert 3.1 < elapsed < 4.9, elapsed  # not 2.8 s + another full 4 s
         first, second = d.completions()
         assert local_id(second.request_id)
         await wait_until(lambda: second.cancelled, what="D alone aborted")
@@ -519,7 +519,8 @@ async def test_stream_error_event_after_content_is_relayed(path, body):
 async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
     """D sends the role chunk, then nothing: at the first-byte deadline what was held is
     relayed, and the stream goes on as without the hold (here: the idle deadline ends it)."""
-    async with running_proxy(first_token="decode", decode_ttfb_timeout=0.5, stream_idle_timeout=0.4) as px:
+    # 1.5 s and 3 s: held to the first, never to both (4.5 s), with slack for a loaded box.
+    async with running_proxy(first_token="decode", decode_ttfb_timeout=1.5, stream_idle_timeout=3.0) as px:
         p, d = await px.pd()
         d.fault = Fault(stall_after=1)  # the role chunk, then silence
         t0 = time.monotonic()
@@ -531,7 +532,7 @@ async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
             rest = b"".join([c async for c in chunks])
         (rec,) = d.completions()
         assert head == px.relayed(rec)  # the role chunk, held until the deadline
-        assert 0.4 < held_for < 0.9, held_for
+        assert 1.4 < held_for < 3.5, held_for
         error, done = rest.decode().split("\n\n")[:2]
         assert json.loads(error[6:])["error"]["code"] == "decode_timeout" and done == "data: [DONE]"
         await wait_until(lambda: rec.cancelled, what="D saw the abort")
@@ -540,21 +541,19 @@ async def test_stream_lead_is_not_held_past_the_first_byte_deadline():
 
 
 async def test_stream_first_token_is_not_delayed_by_the_hold():
-    """The role chunk waits only for the first token, which is relayed the moment it comes."""
+    """The role chunk waits only for the first token, which is relayed the moment it comes:
+    D sends the role chunk and t0, then nothing more; both reach the client (a hold that
+    waited for more would relay nothing: no timing to race on a loaded box)."""
     async with running_proxy(first_token="decode") as px:
         p, d = await px.pd()
-        d.fault = Fault(token_delay=0.3)
-        t0 = time.monotonic()
+        d.fault = Fault(stall_after=2)  # the role chunk and t0, then silence
         async with px.client.stream("POST", "/v1/chat/completions", json=CHAT_STREAM) as r:
-            chunks = r.aiter_raw()
-            head = await anext(chunks)
-            took = time.monotonic() - t0
-            rest = b"".join([c async for c in chunks])
+            async with asyncio.timeout(30):  # generous: not the subject
+                head = await anext(r.aiter_raw())
         events = sse(head.decode())
         assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert [e["choices"][0]["delta"].get("content") for e in events[1:]] == [" t0"]
-        assert took < 0.5, took  # role chunk + t0 at ~0.3 s, t1 at ~0.6 s
-        assert head + rest == px.relayed(d.completions()[0])
+        assert head == px.relayed(d.completions()[0])
 
 
 async def test_stream_broken_off_before_content_is_rescued():

@@ -75,6 +75,50 @@ async def test_a_stream_broken_off_ends_with_a_midstream_event(expose, caplog):
     assert line.startswith(f"decode stream broke instance={d.http_address} error=")
 
 
+@pytest.mark.parametrize("first_token", ["decode", "prefill"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"], ids=["completions", "chat"])
+async def test_a_client_closing_once_it_read_done_got_a_complete_answer(first_token, path, caplog):
+    """The openai SDK closes its connection once it read [DONE]; vLLM writes its body's end
+    apart from [DONE], here only after the proxy saw the client close. The answer was
+    complete: the client's response ends with [DONE], a 200 in the metrics, no disconnect
+    counted or logged, and D's body is still read to its end (before: [DONE] went out as
+    more to come while the relay awaited D's end, and the close read as the client leaving:
+    499, xpyd_client_disconnects, 'client disconnected')."""
+    import asyncio
+
+    release = asyncio.Event()
+    body = dict(STREAM) if path == "/v1/completions" else {
+        "model": "fake-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5,
+        "stream": True}  # fmt: skip
+    async with running_proxy(first_token=first_token) as px:
+        p, d = await px.pd()
+        d.fault = Fault(hold_end=release)
+        raw = json.dumps(body).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", px.server.port)
+        writer.write(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % (path.encode(), len(raw)) + raw)  # fmt: skip
+        got = b""
+        with caplog.at_level(logging.INFO, logger="xpyd.proxy"):
+            async with asyncio.timeout(30):  # generous: the deadline is not the subject
+                while b"data: [DONE]\n\n" not in got:
+                    piece = await reader.read(65536)
+                    assert piece, got
+                    got += piece
+            writer.close()  # as the SDK does: [DONE] read, the connection closed
+            await wait_until(lambda: not px.server.server_state.connections, timeout=30,
+                             what="the proxy saw the client close")  # fmt: skip
+            release.set()  # only now does D's body end
+            await wait_until(lambda: d.completions()[-1].completed or d.completions()[-1].cancelled, timeout=30)
+            await wait_until(lambda: px.state.metrics.requests.collect()[0].samples, timeout=30,
+                             what="the request counted")  # fmt: skip
+        assert got.startswith(b"HTTP/1.1 200 ")
+        assert await px.metric("xpyd_client_disconnects_total") == 0
+        assert await px.metric("xpyd_requests_total", route=path, status="200") == 1
+        assert await px.metric("xpyd_requests_total", route=path, status="499") == 0
+        assert d.completions()[-1].completed  # D's end was read: its connection goes back to the pool
+    assert not [r for r in caplog.records if "client disconnected" in r.getMessage()]
+
+
 # ---------------------------------------------------------------- the stream's lead, judged
 
 
@@ -368,6 +412,10 @@ class _Script:
             yield piece
         if self.end == "break":
             raise UpstreamError("disconnect", "instance closed the connection")
+        if self.end == "hang":  # the body's end never comes
+            import asyncio
+
+            await asyncio.Event().wait()
         self.ended = True
 
     def chunks(self):
@@ -481,11 +529,68 @@ async def test_relay_tells_a_break_to_the_client_and_the_log(expose, caplog):
 
 
 async def test_relay_ends_a_stream_whose_end_came_apart_from_its_last_piece():
-    """The last piece was sent as one with more to come; the end, seen after it, is an empty
-    last write (mutants: a body that is not bytes, or bytes added)."""
-    sent, flight = await _relay(_T0, _Script([b"data: [DONE]\n\n"], "late-eof"))
-    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (b"data: [DONE]\n\n", True), (b"", False)]
+    """A stream without [DONE] (not vLLM's): the last piece was sent as one with more to come;
+    the end, seen after it, is an empty last write (mutants: a body that is not bytes, or
+    bytes added)."""
+    sent, flight = await _relay(_T0, _Script([_T0], "late-eof"))
+    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (_T0, True), (b"", False)]
     assert sent[-1][4] and not flight.disconnected
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "first,rest,writes",
+    [
+        (_T0, [_DONE], [(_T0, True), (_DONE, False)]),  # vLLM's: [DONE] a piece of its own
+        (_T0, [_T0 + _DONE], [(_T0, True), (_T0 + _DONE, False)]),
+        (_T0, [b"data: [DO", b"NE]\n\n"], [(_T0, True), (b"data: [DO", True), (b"NE]\n\n", False)]),
+        (_T0, [b"\n" + _DONE], [(_T0, True), (b"\n" + _DONE, False)]),  # its end split from the event before
+        (_T0 + _DONE, [], [(_T0 + _DONE, False)]),  # all of it in D's first bytes
+        (_DONE, [], [(_DONE, False)]),  # nothing but [DONE]
+        (_T0.replace(b"\n\n", b"\r\n\r\n"), [_DONE], [(_T0.replace(b"\n\n", b"\r\n\r\n"), True), (_DONE, False)]),
+    ],
+    ids=["own-piece", "with-the-last-event", "split", "boundary-split", "in-first", "only-done", "crlf"],
+)
+async def test_relay_ends_the_response_with_ds_done_before_ds_body_ends(first, rest, writes):
+    """D's [DONE] is the response's last write although D's body end comes after it (vLLM
+    writes it apart; a client that read [DONE] may close at once), and D's body is then read
+    to its end, for its connection to be reused (mutants: [DONE] sent as more to come, the
+    end not drained, [DONE] found only whole in one piece)."""
+    script = _Script(rest, "late-eof")
+    sent, flight = await _relay(first, script)
+    assert [m[1:3] for m in sent[1:]] == writes
+    assert sent[-1][4] and not flight.disconnected and script.ended
+
+
+@pytest.mark.parametrize("rest", [[_T0[:-1], _DONE], [b'data: {"x": 1}\n', _DONE]], ids=["one-lf", "data-line"])
+async def test_relay_takes_done_inside_an_event_for_data(rest):
+    """`data: [DONE]` after a single LF is another data line of the same event, not the
+    stream's end: sent as more to come, the end is D's (mutant: the boundary not checked)."""
+    sent, flight = await _relay(_T0, _Script(rest, "late-eof"))
+    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (rest[0], True), (_DONE, True), (b"", False)]
+
+
+async def test_relay_after_done_gives_up_on_a_body_end_that_never_comes(monkeypatch):
+    """A D that sends [DONE] but never its body's end holds the relay DRAIN_S at most: the
+    client's answer is complete, closing the answer then closes D's connection (mutant: the
+    drain unbounded)."""
+    import asyncio
+
+    from proxy.dispatch import relay
+
+    monkeypatch.setattr(relay, "DRAIN_S", 0.05)
+    async with asyncio.timeout(30):  # generous: only the drain's bound can end the relay
+        sent, flight = await _relay(_T0, _Script([_DONE], "hang"))
+    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (_DONE, False)] and not flight.disconnected
+
+
+async def test_relay_after_done_ignores_a_break_of_ds_body():
+    """D breaks off after its [DONE]: the client had all of it, no error event follows and
+    no mid-stream failure is counted (mutant: the drain's failure not caught)."""
+    sent, flight = await _relay(_T0, _Script([_DONE], "break"))
+    assert [m[1:3] for m in sent[1:]] == [(_T0, True), (_DONE, False)] and not flight.disconnected
 
 
 async def test_relay_sends_what_the_rewrite_held_back_at_a_clean_end():

@@ -198,7 +198,8 @@ async def test_all_prefill_unreachable_falls_back_to_decode_or_is_502():
 
 
 async def test_prefill_timeout_retries_then_504():
-    async with running_proxy(prefill_timeout=0.3, expose_routing_headers=True) as px:
+    # 2 s: the other P must answer within it on a loaded box.
+    async with running_proxy(prefill_timeout=2.0, expose_routing_headers=True) as px:
         slow, fast = await px.fake("P"), await px.fake("P")
         d = await px.fake("D")
         slow.fault = Fault(hang=True)

@@ -365,7 +365,7 @@ def events(text: str) -> list[dict | str]:
 async def test_client_gets_p_token_then_d_continues_from_it():
     async with running_proxy() as px:  # the default
         p, d = await px.pd()
-        d.fault = Fault(delay=0.6)  # D's answer comes late: P's token must not wait for it
+        d.fault = Fault(delay=3.0)  # D's answer comes late: P's token must not wait for it (2.5 s of slack)
         t0 = time.monotonic()
         async with px.client.stream("POST", "/v1/completions", json=STREAM) as resp:
             assert resp.status_code == 200
@@ -375,7 +375,7 @@ async def test_client_gets_p_token_then_d_continues_from_it():
             t_first = time.monotonic() - t0
             rest = first + "\n" + "\n".join([line async for line in lines])
         t_all = time.monotonic() - t0
-        assert t_first < 0.5 <= t_all, (t_first, t_all)
+        assert t_first < 2.5 <= t_all, (t_first, t_all)
         got = events(rest)
         assert got[0]["choices"][0]["text"] == " t0" and got[0]["choices"][0]["finish_reason"] is None
         # D goes on from P's token (the fake continues its own tokens, as a model would).
@@ -652,11 +652,7 @@ async def test_client_leaving_after_p_token_aborts_d():
                 lines = resp.aiter_lines()
                 await anext(lines)  # P's token
                 await anext(lines)
-        for _ in range(50):
-            if d.completions() and d.completions()[0].cancelled:
-                break
-            await asyncio.sleep(0.05)
-        assert d.completions()[0].cancelled
+        await wait_until(lambda: d.completions() and d.completions()[0].cancelled, what="D aborted")
 
 
 @pytest.mark.parametrize("choice", [

@@ -66,6 +66,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------- the burst
 
 
+@pytest.mark.timeout(600)  # its waits are sized for a box at load 30
 async def test_burst_of_dead_registrations_costs_no_request_and_little_memory(tmp_path, capsys):
     """5,000 registrations of addresses where nothing listens, in one burst from the source
     the real instances use (the default set-up: everything on loopback, no secret), while and
@@ -141,9 +142,9 @@ async def test_burst_of_dead_registrations_costs_no_request_and_little_memory(tm
                     dead = [i for i in insts if i["http_address"] not in (p.http_address, d.http_address)]
                     return dead if all(i["probe_error"] for i in dead) else []
 
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + 120  # 20 s ran out at load 30 on 2 cores
                 while not (dead := await probed()):
-                    assert time.monotonic() < deadline, "pending instances not probed in 20 s"
+                    assert time.monotonic() < deadline, "pending instances not probed in 120 s"
                     await asyncio.sleep(0.05)
                 after = rss_kib(proc.pid)
                 text = (await client.get("/metrics")).text
@@ -285,7 +286,7 @@ async def test_answering_instance_becomes_a_candidate_promptly(capsys):
                 assert not px.registry.live("D")
             started = time.monotonic()
             await early.start()  # binds the port now
-            await wait_until(lambda: px.registry.live("D"), timeout=5, what="early D admitted")
+            await wait_until(lambda: px.registry.live("D"), what="early D admitted")
             retry_ms = (time.monotonic() - started) * 1000
         finally:
             await early.stop()
@@ -384,17 +385,17 @@ async def test_join_probes_are_bounded_in_concurrency():
 
     servers = [await asyncio.start_server(silent, f"127.0.0.{k}", 0) for k in range(1, 11)]
     try:
-        async with running_proxy(probe_concurrency=2, probe_timeout=0.3, health_interval=5) as px:
+        async with running_proxy(probe_concurrency=2, probe_timeout=1.0, health_interval=5) as px:
             sender = await px.fake("P", register=False)
             for srv in servers:
                 host, port = srv.sockets[0].getsockname()[:2]
                 await sender.send_raw(encode(Registration("D", f"{host}:{port}", "127.0.0.1:1")))
             await wait_until(lambda: len([i for i in px.registry.every() if i.probe_error]) == 10,
-                             timeout=10, what="all ten probed")  # fmt: skip
+                             what="all ten probed")  # fmt: skip
             assert all(i.probe_error == "timeout" for i in px.registry.every())
             assert not px.registry.live("D")
         assert len(spans) == 10
-        assert most_open(slack=0.1) == 2, spans  # each lasts probe_timeout, 0.3 s
+        assert most_open(slack=0.5) == 2, spans  # each lasts probe_timeout, 1 s (slack for a loaded box)
     finally:
         for srv in servers:
             srv.close()

@@ -120,7 +120,7 @@ async def test_models_are_refreshed():
         p, d = await px.pd(model="alpha")
         await learned(px, "alpha")
         p.model = d.model = "alpha-v2"  # redeployed under a new name
-        await wait_until(lambda: list(px.registry.models()) == ["alpha-v2"], timeout=5)
+        await wait_until(lambda: list(px.registry.models()) == ["alpha-v2"])
         assert_error(await px.client.post("/v1/completions", json=body("alpha")), 404)
         assert (await px.client.post("/v1/completions", json=body("alpha-v2"))).status_code == 200
 

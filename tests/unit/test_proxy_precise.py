@@ -148,7 +148,7 @@ async def test_events_that_stop_turn_the_instance_back_to_the_guess():
         await publish_until(c.pubs[1], [blocks_of(PROMPT, 1000)], lambda: len(c.index(1)) == 5)
         assert pol.choose(c.insts, request(PROMPT)) is c.insts[1] and choices == ["events"]
         c.pubs[1].answer_replays = False  # the publisher stops answering its probe
-        await wait_until(lambda: c.index(1).state is IndexState.UNKNOWN, timeout=5)
+        await wait_until(lambda: c.index(1).state is IndexState.UNKNOWN)
         assert pol.held_tokens(c.insts[1], request(PROMPT)) is None
         # The guess was kept warm by the choice above: the prompt still goes there.
         assert pol.choose(c.insts, request(PROMPT)) is c.insts[1] and choices[-1] == "guess"
@@ -245,7 +245,7 @@ async def test_two_proxies_route_every_prompt_to_its_holder():
                     pubs[idx].publish([blocks_of(pid, 10_000 * (k + 1) + 100 * idx)])
             for k, pid in enumerate(ids):
                 for idx in (k % 2, 2 + (k + 1) % 2):
-                    await wait_until(lambda: _all_hold((a, b), fakes[idx], pid), timeout=5,
+                    await wait_until(lambda: _all_hold((a, b), fakes[idx], pid),
                                      what=f"prompt {k} indexed for instance {idx}")
             for k, text in enumerate(prompts):
                 for proxy in (a, b):
@@ -267,7 +267,7 @@ async def test_two_proxies_route_every_prompt_to_its_holder():
         async with running_proxy(**cfg, send_only_missing=False) as c:
             await wait_until(lambda: all(len(c.registry.live(r)) == 2 for r in "PD"), timeout=10)
             await _holders_ready((c,), fakes)
-            await wait_until(lambda: _all_hold((c,), fakes[3], ids[0]), timeout=5)
+            await wait_until(lambda: _all_hold((c,), fakes[3], ids[0]))
             r = await c.client.post("/v1/completions", json={"model": "fake-model", "prompt": prompts[0],
                                                               "max_tokens": 4})
             assert r.status_code == 200
@@ -278,7 +278,7 @@ async def test_two_proxies_route_every_prompt_to_its_holder():
         async with running_proxy(**cfg, local_prefill_threshold=32) as c:
             await wait_until(lambda: all(len(c.registry.live(r)) == 2 for r in "PD"), timeout=10)
             await _holders_ready((c,), fakes)
-            await wait_until(lambda: _all_hold((c,), fakes[3], ids[0]), timeout=5)
+            await wait_until(lambda: _all_hold((c,), fakes[3], ids[0]))
             before = [_served(f) for f in fakes]
             r = await c.client.post("/v1/completions", json={"model": "fake-model", "prompt": prompts[0],
                                                               "max_tokens": 4})
@@ -320,7 +320,7 @@ async def test_local_cached_reads_what_d_really_holds_not_the_guess():
             assert estimate_prompt_tokens({"prompt": prompts[0]}) - held[0] < threshold <= len(ids[0]) - held[0]
             for k, n in enumerate(held):
                 pubs[1].publish([blocks_of(ids[k][:n], 50_000 + 1000 * k)])
-                await wait_until(lambda: _all_hold((c,), fakes[1], ids[k][:n]), timeout=5, what="D's blocks indexed")
+                await wait_until(lambda: _all_hold((c,), fakes[1], ids[k][:n]), what="D's blocks indexed")
             for n, text in enumerate(prompts, 1):
                 r = await c.client.post("/v1/completions", json={"model": "fake-model", "prompt": text,
                                                                   "max_tokens": 4})

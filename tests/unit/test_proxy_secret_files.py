@@ -87,7 +87,7 @@ def test_a_proxy_started_with_a_key_file_serves_with_it_and_argv_holds_only_the_
         env={k: v for k, v in os.environ.items() if not k.startswith("XPYD_")})
     try:
         url = f"http://127.0.0.1:{port}/instances"
-        deadline = time.monotonic() + 60  # a loaded 2-core box imports FastAPI slowly
+        deadline = time.monotonic() + 240  # a loaded 2-core box imports FastAPI slowly (over 120 s at load 34)
         status = None
         while time.monotonic() < deadline and proc.poll() is None:
             try:

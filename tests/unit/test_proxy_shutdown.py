@@ -70,7 +70,7 @@ async def test_sigterm_grace_period_bounds_the_drain(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(proc.wait(), 20) == 0
         # The proxy cut the stream at the deadline, and D saw the abort.
-        await wait_until(lambda: d.completions()[0].cancelled, timeout=5, what="D abort")
+        await wait_until(lambda: d.completions()[0].cancelled, what="D abort")
     finally:
         await stop(proc)
         await p.stop()
@@ -109,7 +109,7 @@ async def test_sigterm_makes_ready_503_during_the_drain():
             with px.server.capture_signals():
                 assert signal.getsignal(signal.SIGTERM) == px.server.handle_exit  # else the kill ends pytest
                 os.kill(os.getpid(), signal.SIGTERM)
-                await wait_until(lambda: px.server.should_exit, timeout=5, what="the signal handled")
+                await wait_until(lambda: px.server.should_exit, what="the signal handled")
             ready = await inproc.get("/ready")
             assert ready.status_code == 503 and ready.json()["draining"] is True
             async for chunk in chunks:

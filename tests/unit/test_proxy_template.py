@@ -97,7 +97,7 @@ async def test_a_trusted_template_goes_to_the_instances_unrendered():
         t0 = time.perf_counter()
         request = asyncio.create_task(proxy.client.post(CHAT, json=body))
         await asyncio.sleep(0.05)
-        assert await ready_latency(proxy) < 1.0
+        assert await ready_latency(proxy) < 5.0  # the template, run, would take minutes (slack for a loaded box)
         r = await request
         assert r.status_code == 200 and time.perf_counter() - t0 < 5.0
         assert d.completions()[-1].json["chat_template_kwargs"] == {"chat_template": SLOW_TEMPLATE}
@@ -106,15 +106,15 @@ async def test_a_trusted_template_goes_to_the_instances_unrendered():
 
 async def test_tokenizing_never_runs_on_the_event_loop():
     """A short prompt (a 2-token body, which was tokenized inline) whose tokenizing takes
-    1.5 s leaves /ready answering at once."""
+    4 s leaves /ready answering at once (2 s: slack for a loaded box)."""
     async with precise() as proxy:
         await proxy.pd()
         seen: list[str] = []
-        slow_down(tokenizer_of(proxy), 1.5, seen)
+        slow_down(tokenizer_of(proxy), 4.0, seen)
         request = asyncio.create_task(proxy.client.post(COMPLETIONS, json={"model": "fake-model", "prompt": "hi",
                                                                            "max_tokens": 2}))  # fmt: skip
         await asyncio.sleep(0.2)
-        assert await ready_latency(proxy) < 0.5
+        assert await ready_latency(proxy) < 2.0
         assert (await request).status_code == 200
         assert seen and threading.main_thread().name not in seen
 
@@ -136,7 +136,7 @@ async def test_tokenizing_has_a_budget_then_the_guess():
                                                                          "max_tokens": 2})) for p in prompts[1:]]
         answers = await asyncio.gather(first, *rest)
         assert all(r.status_code == 200 for r in answers)
-        assert time.perf_counter() - t0 < 1.0 + 1.0  # serially it would be 5 s
+        assert time.perf_counter() - t0 < 3.5  # serially it would be 5 s (slack for a loaded box)
         assert await proxy.metric("xpyd_prompt_ids_total", result="timeout") == 1
         assert await proxy.metric("xpyd_prompt_ids_total", result="queue_full") == 4
         big = {"model": "fake-model", "prompt": "word " * 1000, "max_tokens": 2}
@@ -180,6 +180,7 @@ def test_first_only_and_template_kwargs_in_the_tokenizer():
 def test_a_wrong_tokenizer_is_a_configuration_error(tmp_path):
     cmd = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", "0", "--discovery-port", "0",
            "--prefill-policy", "precise", "--tokenizer", str(tmp_path / "no-such-tokenizer")]  # fmt: skip
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # 240 s: the proxy's start (torch, transformers) took over 120 s at load 34.
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "configuration error: --tokenizer" in done.stderr and "Traceback" not in done.stderr

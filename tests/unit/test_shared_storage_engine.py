@@ -142,7 +142,11 @@ def test_aborted_load_writes_nothing(engines):
     assert ea.flush(10)
     before = {n: t.clone() for n, t in b.items()}
     eb.submit_load(FetchSpec("d", (4, 5), ks, 0, 0.0))
-    time.sleep(0.2)  # the read is done; the request finished before poll applied it
+    read = eb._reads["d"]
+    deadline = time.monotonic() + 30
+    while not read.done:  # the read is done; the request finished before poll applied it
+        assert time.monotonic() < deadline, "the read never finished"
+        time.sleep(0.01)
     r = eb.poll({"d"})
     assert r.finished == {"d"} and r.invalid_block_ids == set()
     for n in LAYERS:
@@ -152,17 +156,18 @@ def test_aborted_load_writes_nothing(engines):
 
 def test_full_writer_queue_blocks_the_step_then_drops(engines, monkeypatch):
     """Back-pressure: a store that does not fit waits for the writer, up to
-    queue_wait_s, and is dropped (logged) if the writer is stuck."""
+    queue_wait_s, and is dropped (logged) if the writer is stuck. (2 s: the writer, let go,
+    frees room well within it on a loaded box.)"""
     a = caches(1)
     one = 2 * BS * 8 * 2 * len(LAYERS)  # bytes of one block, all layers
-    ea = engines(a, queue_bytes=2 * one, queue_wait_s=0.3)
+    ea = engines(a, queue_bytes=2 * one, queue_wait_s=2.0)
     gate = threading.Event()
     real_write = ea.store.write
     monkeypatch.setattr(ea.store, "write", lambda *a, **k: (gate.wait(10), real_write(*a, **k))[1])
     assert ea.submit_store(StoreSpec("p1", (0, 1), chain(2, 1), 0))  # taken by the writer, stuck
     t0 = time.monotonic()
     assert ea.submit_store(StoreSpec("p2", (0, 1), chain(2, 2), 0)) is False
-    assert 0.25 <= time.monotonic() - t0 < 3
+    assert 1.9 <= time.monotonic() - t0 < 6
     assert ea.stats.dropped_stores == 1
     # Once the writer moves, a waiting store goes through.
     threading.Timer(0.1, gate.set).start()

@@ -344,7 +344,7 @@ def test_curve_roundtrip_and_refused_handshakes(started):
     with pytest.raises(TransportError, match="unreachable"):
         started.client().call(peer, {"op": "put"}, [x], timeout_s=1.0)  # no CURVE at all
     assert len(rec.calls) == 1
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while srv.refusals()["handshake"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert srv.refusals()["handshake"] >= 1

@@ -144,16 +144,16 @@ def test_peer_dying_mid_transfer_fails_the_call_by_its_deadline(fabric):
 def test_server_side_wait_is_bounded_when_the_caller_dies(fabric):
     """The caller posts its control message but its sends never run (its library is dead):
     the server must give up at the call's budget, abort, and keep serving others."""
-    client, server, addr = _pair(fabric, max_wait_s=0.5)
+    client, server, addr = _pair(fabric, max_wait_s=1.0)
     try:
         client.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
         client._lib.kill()
         t0 = time.monotonic()
-        reply, back = client.call(addr, {"op": "put"}, [rand_bytes(1 << 12, 2)], timeout_s=2.0)
-        # The server gave up at its max_wait_s (not the caller's 2 s) and said its receive
+        reply, back = client.call(addr, {"op": "put"}, [rand_bytes(1 << 12, 2)], timeout_s=6.0)
+        # The server gave up at its max_wait_s (not the caller's 6 s) and said its receive
         # failed: the call was resent inline and served.
         assert reply["ok"] and torch.equal(back[0], rand_bytes(1 << 12, 2).flip(0))
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 4.0  # 1 s, with slack for a loaded box
         deadline = time.monotonic() + 3
         while server.communicators()["in"] and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -180,7 +180,7 @@ def test_set_up_with_a_peer_that_never_joins_times_out_and_aborts(fabric):
         assert reply["ok"] and torch.equal(back[0], rand_bytes(10, 1).flip(0))
         assert time.monotonic() - t0 < 2.0
         assert server._lib.recv_bytes == 0 and client.communicators()["out"] == 0
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30
         while (client._lib.aborts, server._lib.aborts) != (1, 1) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (client._lib.aborts, server._lib.aborts) == (1, 1)  # the server's: bye, or its reaper
@@ -275,7 +275,7 @@ def test_unreachable_peer_fails_within_the_deadline(fabric):
         t0 = time.monotonic()
         with pytest.raises(TransportError):
             client.call(f"{HOST}:1", {"op": "x"}, [rand_bytes(10, 1)], timeout_s=0.5)
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 3.0  # slack for a loaded box; no deadline would hang
     finally:
         client.close()
 

@@ -121,21 +121,23 @@ def test_a_success_between_failures_resets_the_count(pair):
 
 def test_transfers_hanging_past_their_deadline_move_the_peer_to_tcp(pair):
     """The peer's NCCL wedges (nothing posted ever launches): each call ends by its deadline,
-    and after fallback_after of them the peer's calls take the host path, promptly."""
+    and after fallback_after of them the peer's calls take the host path, promptly. Each
+    call's 2 s covers a new communicator's set-up on a loaded box (0.6 s did not: a set-up
+    that timed out is no transfer failure, and the count fell short)."""
     client, server, addr, reasons = pair(fallback_after=3, max_wait_s=5.0)
     _roundtrip(client, addr, 0)
     server._lib.stall = True
     for seed in range(1, 4):
         t0 = time.monotonic()
         try:
-            _roundtrip(client, addr, seed, timeout_s=0.6)  # resent inline if time was left
+            _roundtrip(client, addr, seed, timeout_s=2.0)  # resent inline if time was left
         except Exception as e:  # noqa: BLE001 - a TransportError at the deadline is fine here
             assert "timeout" in str(e) or "nccl" in str(e), e
-        assert time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 < 2.0 + 3.0  # by its deadline (slack for a loaded box)
     assert reasons == ["transfers"]
     t0 = time.monotonic()
-    _roundtrip(client, addr, 9, timeout_s=2.0)
-    assert time.monotonic() - t0 < 0.5
+    _roundtrip(client, addr, 9, timeout_s=30.0)
+    assert time.monotonic() - t0 < 10.0  # the host path, not NCCL's wait to the 30 s deadline
 
 
 def test_a_peer_on_another_nccl_version_is_one_fallback(pair):

@@ -102,9 +102,10 @@ def test_a_call_during_set_up_waits_at_most_half_its_budget_then_goes_inline(fab
     client = _client(fabric, closing, init_timeout_s=10)
     t = rand_bytes(3000, 2)
     t0 = time.monotonic()
-    reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=1.0)
+    # 2 s: half of it (1 s) for the set-up, the rest inline, which a loaded box needs (1 s was tight).
+    reply, back = client.call(addr, {"op": "x"}, [t], timeout_s=2.0)
     assert reply["ok"] and torch.equal(back[0], t.flip(0))
-    assert 0.4 < time.monotonic() - t0 < 1.0
+    assert 0.9 < time.monotonic() - t0 < 2.0
     assert server._lib.recv_bytes == 0  # inline, over the control socket
 
 
@@ -122,7 +123,7 @@ def test_failed_set_ups_leave_no_incoming_communicator(fabric, closing):
         except TransportError:
             pass
     assert until(lambda: len(server._in) == 0, 3.0), f"server still holds {len(server._in)}"
-    assert until(lambda: server._lib.aborts == 4, 3.0)
+    assert until(lambda: server._lib.aborts == 4)
     _no_freed_use(server)
 
 
@@ -212,7 +213,9 @@ def test_pings_are_answered_while_a_receive_waits(fabric, closing):
     """The caller's sends never come (its NCCL died): the receive waits up to its budget,
     but pings and other callers' calls are served meanwhile (else they time out and this
     decode is marked dead by every prefill)."""
-    server, addr = _server(fabric, closing, max_wait_s=3.0)
+    # The stuck receive waits 8 s: the ping and the other call get 3 s each (slack for a
+    # loaded box), and one served only after it would time out.
+    server, addr = _server(fabric, closing, max_wait_s=8.0)
     stuck = _client(fabric, closing)
     stuck.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
     stuck._lib.kill()
@@ -220,7 +223,7 @@ def test_pings_are_answered_while_a_receive_waits(fabric, closing):
 
     def long_call():
         try:
-            stuck.call(addr, {"op": "put"}, [rand_bytes(1 << 12, 2)], timeout_s=3.0)
+            stuck.call(addr, {"op": "put"}, [rand_bytes(1 << 12, 2)], timeout_s=8.0)
         except TransportError:
             pass
         done.set()
@@ -229,15 +232,14 @@ def test_pings_are_answered_while_a_receive_waits(fabric, closing):
     time.sleep(0.3)
     raw = TcpTransport()
     closing.append(raw)
-    t0 = time.monotonic()
-    reply, _ = raw.call(addr, {"op": "ping"}, timeout_s=1.0)
-    assert reply["ok"] and time.monotonic() - t0 < 0.5
+    reply, _ = raw.call(addr, {"op": "ping"}, timeout_s=3.0)
+    assert reply["ok"]
     other = _client(fabric, closing)
     t = rand_bytes(500, 5)
-    reply, back = other.call(addr, {"op": "x"}, [t], timeout_s=2.0)
+    reply, back = other.call(addr, {"op": "x"}, [t], timeout_s=3.0)
     assert reply["ok"] and torch.equal(back[0], t.flip(0))
     assert not done.is_set()  # the stuck receive was still waiting
-    assert done.wait(5)
+    assert done.wait(30)
     _no_freed_use(server, other)
 
 
@@ -247,8 +249,9 @@ def test_a_hung_abort_holds_up_nothing_and_quarantines_the_peer(fabric, closing)
     (its calls go inline) while everything else goes on."""
     gate = threading.Event()
     closing.append(gate)
+    # abort_timeout_s 3 s: a ping served only once the abort is given up would miss its 2 s.
     server, addr = _server(fabric, closing, lib=FakeNccl(fabric, abort_gate=gate), max_wait_s=0.3,
-                           abort_timeout_s=0.5)
+                           abort_timeout_s=3.0)
     stuck = _client(fabric, closing, serve=True)
     stuck.call(addr, {"op": "warm"}, [rand_bytes(10, 1)], timeout_s=5)
     stuck._lib.kill()
@@ -257,11 +260,10 @@ def test_a_hung_abort_holds_up_nothing_and_quarantines_the_peer(fabric, closing)
     assert until(lambda: server._lib.aborting == 1)
     raw = TcpTransport()
     closing.append(raw)
-    t0 = time.monotonic()
-    reply, _ = raw.call(addr, {"op": "ping"}, timeout_s=1.0)
-    assert reply["ok"] and time.monotonic() - t0 < 0.5
+    reply, _ = raw.call(addr, {"op": "ping"}, timeout_s=2.0)
+    assert reply["ok"]
     assert all(not n.startswith("xpyd-tcp-server") for n in server._lib.abort_threads)
-    assert until(lambda: stuck._address in server.quarantined(), 3.0)
+    assert until(lambda: stuck._address in server.quarantined())
     # Others still get NCCL.
     other = _client(fabric, closing)
     t = rand_bytes(300, 3)
@@ -281,7 +283,7 @@ def test_reply_tensors_stay_alive_until_the_abort_returned(fabric, closing):
     client._lib.kill()
     with pytest.raises(TransportError):
         client.call(addr, {"op": "get"}, timeout_s=0.5)
-    assert until(lambda: server._lib.aborts == 1, 5.0)
+    assert until(lambda: server._lib.aborts == 1)
     gc.collect()
     _no_freed_use(server)
 
@@ -304,7 +306,7 @@ def test_send_tensors_stay_alive_until_the_abort_returned(fabric, closing):
     del t
     gc.collect()
     gate.set()
-    assert until(lambda: client._lib.aborts >= 1, 5.0)
+    assert until(lambda: client._lib.aborts >= 1)
     _no_freed_use(client)
 
 

@@ -128,13 +128,14 @@ stop = []
 srv = TcpTransport()
 srv.start("127.0.0.1", 0, handler)
 print(srv.bound_port, flush=True)
-deadline = __import__("time").monotonic() + 120
+deadline = __import__("time").monotonic() + 400
 while not stop and __import__("time").monotonic() < deadline:
     __import__("time").sleep(0.05)
 srv.close()
 """
 
 
+@pytest.mark.timeout(600)  # its waits are sized for a box at load 30
 def test_two_processes_bit_identical(client):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
@@ -145,7 +146,7 @@ def test_two_processes_bit_identical(client):
         port_line: list[str] = []
         reader = threading.Thread(target=lambda: port_line.append(proc.stdout.readline()), daemon=True)
         reader.start()
-        reader.join(timeout=60)
+        reader.join(timeout=240)  # the child's start (torch's import) took over 60 s at load 30
         why = proc.stderr.read() if proc.poll() is not None else "no port"
         assert port_line and port_line[0].strip().isdigit(), why
         peer = f"{HOST}:{int(port_line[0])}"
@@ -328,7 +329,7 @@ def test_close_is_prompt_and_idempotent(client):
     assert client.call(peer, {})[0]["ok"]
     t0 = time.monotonic()
     srv.close()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 1.5  # not a thread join's 2 s (slack for a loaded box)
     srv.close()  # idempotent
     with pytest.raises(TransportError):
         srv.call(peer, {})
@@ -340,7 +341,7 @@ def test_close_is_prompt_and_idempotent(client):
     t0 = time.monotonic()
     client.close()
     client.close()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 1.5
 
 
 def test_bind_conflict_raises(server):
@@ -379,8 +380,9 @@ def test_deferred_replies_leave_the_server_serving():
 
     def handler(header, tensors):
         if header.get("op") == "slow":
-            d = Deferred(time.monotonic() + 5.0)
-            threading.Timer(0.5, d.resolve, ({"late": header["n"]}, [t * 2 for t in tensors])).start()
+            # Resolved 3 s later: a fast call answered only after it would take that long.
+            d = Deferred(time.monotonic() + 10.0)
+            threading.Timer(3.0, d.resolve, ({"late": header["n"]}, [t * 2 for t in tensors])).start()
             return d
         if header.get("op") == "never":
             d = Deferred(time.monotonic() + 0.2)
@@ -396,15 +398,15 @@ def test_deferred_replies_leave_the_server_serving():
         out: dict = {}
 
         def slow() -> None:
-            out["slow"] = cli.call(addr, {"op": "slow", "n": 7}, [torch.arange(4)], timeout_s=3)
+            out["slow"] = cli.call(addr, {"op": "slow", "n": 7}, [torch.arange(4)], timeout_s=10)
 
         t = threading.Thread(target=slow)
         t.start()
         time.sleep(0.1)
         t0 = time.monotonic()
-        reply, _ = cli.call(addr, {"op": "fast"}, timeout_s=1)
-        assert reply == {"ok": True, "now": True} and time.monotonic() - t0 < 0.3
-        t.join(3)
+        reply, _ = cli.call(addr, {"op": "fast"}, timeout_s=5)
+        assert reply == {"ok": True, "now": True} and time.monotonic() - t0 < 2.0  # slack for a loaded box
+        t.join(30)
         reply, tensors = out["slow"]
         assert reply == {"ok": True, "late": 7} and torch.equal(tensors[0], torch.arange(4) * 2)
         # zmq: the caller times out; the byte stream: the server closes the connection at
