@@ -699,6 +699,9 @@ class TcpTransport(Transport):
             # IMMEDIATE=1: POLLOUT only once a connection is up, so an unreachable peer is
             # told apart from a slow one and no message sits queued for a dead endpoint.
             if not self._connected(sock, peer, deadline):
+                # Nothing was sent, so no late reply can come on it: it stays pooled and its
+                # connection (a handshake slow under load) goes on for the next call.
+                reusable = True
                 hint = (" (a peer with another kv_secret refuses the handshake and may look like this; see its "
                         "refused counter)" if self._auth is not None else "")
                 raise TransportError(f"peer {peer} unreachable: no connection within {timeout_s:g}s{hint}")
@@ -976,6 +979,7 @@ class TcpTransport(Transport):
         self._stop.set()
         self._wake_server()  # it polls with a timeout: without this, close waits up to poll_interval_s
         for s in idle:
+            self._unwatch(s)
             s.close(linger=0)
         for s in idle_streams:
             s.close()
