@@ -64,6 +64,17 @@ def _proxies(extra: dict[str, Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only (a name may resolve to anything)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _flag(value: Any) -> bool:
     """A boolean option; JSON strings like "false" or "0" mean False (bool() says True)."""
     if isinstance(value, str):
@@ -236,6 +247,12 @@ class ConnectorConfig:
     # the KV port (transport/stream.py); False: zmq alone (for a firewall that passes only
     # the KV ports).
     byte_stream: bool = True
+    # A KV port bound beyond loopback without kv_secret needs this explicit opt-in: anyone who
+    # reaches it can put KV for a transfer (which vLLM's prefix cache then serves to others).
+    allow_unauthenticated_kv: bool = False
+    # zmq connections a KV port holds, in all and from one host; new ones beyond are shut down.
+    kv_max_connections: int = 1024
+    kv_max_connections_per_host: int = 256
 
     def layerwise_on(self, transport: str) -> bool:
         """Whether this instance ships each layer as its forward ends, over ``transport`` ("tcp"
@@ -285,6 +302,15 @@ class ConnectorConfig:
             raise ValueError(f"send_granularity 'layer' needs send_type PUT_ASYNC, got {send_type!r}")
         discovery_secret = _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET",
                                    extra.get("discovery_secret_file"))
+        kv_secret = _secret(extra, "kv_secret", "XPYD_KV_SECRET", extra.get("kv_secret_file")) or discovery_secret
+        allow_open = _flag(extra.get("allow_unauthenticated_kv", False))
+        if kv_secret is None and not allow_open and not is_loopback(kv_ip):
+            raise ValueError(
+                f"the KV port binds {kv_ip!r} without kv_secret: anyone who reaches it can put KV for a transfer "
+                "(vLLM's prefix cache then serves it to other requests with the same prefix), read or fail "
+                "transfers, and make the engine hold what it sends. Set kv_secret_file (or XPYD_KV_SECRET, or "
+                "discovery_secret) alike on every instance, bind kv_ip to 127.0.0.1, or set "
+                "allow_unauthenticated_kv: true for a network only trusted peers reach")
         return ConnectorConfig(
             role=role,
             kv_ip=kv_ip,
@@ -302,7 +328,7 @@ class ConnectorConfig:
             thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
             discovery_secret=discovery_secret,
             allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
-            kv_secret=_secret(extra, "kv_secret", "XPYD_KV_SECRET", extra.get("kv_secret_file")) or discovery_secret,
+            kv_secret=kv_secret,
             kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
             nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
             mem_pool_size_gb=_pool_gb(extra, role),
@@ -315,6 +341,9 @@ class ConnectorConfig:
             idle_wait_ms=_idle_wait_ms(extra),
             send_granularity=granularity,
             byte_stream=_flag(extra.get("byte_stream", True)),
+            allow_unauthenticated_kv=allow_open,
+            kv_max_connections=_positive_int(extra, "kv_max_connections") or 1024,
+            kv_max_connections_per_host=_positive_int(extra, "kv_max_connections_per_host") or 256,
         )
 
 

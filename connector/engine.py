@@ -26,7 +26,6 @@ are counted by reason (op ``stats``, ``vllm:xpyd_kv_refused_messages_total``).
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -39,7 +38,7 @@ from connector import layout as kvlayout
 from connector.arrivals import ArrivalWriter, board_path
 from connector.assembly import PartAssembler
 from connector.buffer import GONE, KVBuffer, Payload
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, is_loopback
 from connector.consumer import Consumer
 from connector.log import get_logger
 from connector.metadata import LoadSpec, SaveSpec
@@ -87,17 +86,8 @@ def make_transport(cfg: ConnectorConfig, device: torch.device, cpus: affinity.Cp
     not load), tcp on CPU. The tcp knobs apply to the nccl transport's control socket."""
     return transport_factory(cfg.transport, device, num_channels=cfg.nccl_num_channels, cpus=cpus,
                              max_msg_bytes=max_msg_bytes, max_frames=max_frames, auth=auth,
-                             byte_stream=cfg.byte_stream)
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
+                             byte_stream=cfg.byte_stream, max_connections=cfg.kv_max_connections,
+                             max_connections_per_host=cfg.kv_max_connections_per_host)
 
 
 def _refusal(key: str, why: str, part: object = None) -> dict[str, Any]:
@@ -193,10 +183,12 @@ class KVEngine:
         if cfg.loads_sync:
             self._arrivals = _arrival_writer(self.address)
         if not getattr(self._transport, "authenticated", False) and not is_loopback(host):
+            # Only with allow_unauthenticated_kv (the config refuses it otherwise).
             logger.warning(
-                "kv port %s is unauthenticated: anyone who reaches it can put, read or fail KV transfers. "
-                "Set kv_secret (or XPYD_KV_SECRET, or discovery_secret) alike on every instance, "
-                "or keep the port on a trusted network", self.address)
+                "kv port %s is unauthenticated (allow_unauthenticated_kv): anyone who reaches it can put KV for a "
+                "transfer (served by vLLM's prefix cache to others), read or fail transfers. Set kv_secret "
+                "(or XPYD_KV_SECRET, or discovery_secret) alike on every instance, or keep the port on a network "
+                "only trusted peers reach", self.address)
         self._sweeper = threading.Thread(target=self._sweep, name="xpyd-kv-sweep", daemon=True)
         self._sweeper.start()
         logger.info(

@@ -37,7 +37,7 @@ from connector.config import ConnectorConfig
 from connector.log import get_logger
 from connector.metadata import SaveSpec
 from connector.stats import StatsRecorder
-from connector.transport import Transport, TransportError, TransportRefused
+from connector.transport import HandshakeRefused, Transport, TransportError, TransportRefused
 from xpyd_wire.kv_transfer import (
     ERROR_KEY,
     GONE_KEY,
@@ -629,7 +629,8 @@ class PeerSender:
                            spec.req_id, spec.transfer_key, self.peer, e, phases.describe())
             # Refused before its handler (another kv_secret, too large): no byte was taken.
             self._stats.failure("send", "refused" if isinstance(e, TransportRefused) else "transport")
-            self._notice(spec.transfer_key, str(e), pending)
+            if not isinstance(e, HandshakeRefused):  # else no call reaches D, which knows (and logged it)
+                self._notice(spec.transfer_key, str(e), pending)
         else:
             logger.error("kv send failed req=%s transfer=%s peer=%s", spec.req_id, spec.transfer_key, self.peer,
                          exc_info=e)

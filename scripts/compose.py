@@ -72,6 +72,9 @@ def _kv_json(profile: str, topo: Topology, inst: InstanceSpec, env: dict[str, st
                                   proxy_hosts={p.name: _var(env, "XPYD_PROXY_HOST") for p in topo.proxies})
     extra = cfg["kv_connector_extra_config"]
     extra["proxy_port"] = "@DISCOVERY@"
+    # The KV ports bind the engines' internal network (never published to the host), as discovery
+    # does: without XPYD_KV_SECRET from the shell they serve unsigned there, on purpose.
+    extra["allow_unauthenticated_kv"] = True
     return json.dumps(cfg, separators=(",", ":")).replace('"@DISCOVERY@"', _var(env, "XPYD_DISCOVERY_PORT"))
 
 

@@ -88,8 +88,13 @@ CONNECTOR_MEANINGS: dict[str, str] = {
     "falls back to `discovery_secret`; empty is an error",
     "kv_secret_file": "a file holding `kv_secret` (or env `XPYD_KV_SECRET_FILE`): the secret stays out of "
     "vLLM's command line and its start-up log",
-    "kv_auth": "with a secret: `mac` (a MAC on every call: same throughput, +0.1 ms per call) or `curve` "
-    "(ZMQ CURVE: authenticated and encrypted, 2.5–5× slower transfers)",
+    "kv_auth": "with a secret: `mac` (a MAC on every call, and each zmq connection proves the key at its handshake: "
+    "same throughput, +0.1 ms per call) or `curve` (ZMQ CURVE: authenticated and encrypted, 2.5–5× slower transfers)",
+    "allow_unauthenticated_kv": "allow a KV port on a non-loopback `kv_ip` without `kv_secret` (else a start-up "
+    "error): anyone who reaches it can put KV for a transfer, which vLLM's prefix cache then serves to other "
+    "requests; for a network only trusted peers reach",
+    "kv_max_connections": "zmq connections one KV port holds; new ones beyond are shut down as they come",
+    "kv_max_connections_per_host": "zmq connections one KV port holds from one host; new ones beyond are shut down",
     "thread_affinity": "on CPU, move the connector's and libzmq's threads off the core vLLM's OpenMP binding pinned "
     "the worker to (`off`: leave them, e.g. when you pin threads yourself)",
     "transport": "`auto`: `nccl` when the KV cache is on CUDA and an NCCL library loads (vLLM's libnccl, else the one "

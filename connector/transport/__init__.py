@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from .auth import KVAuth, derive_kv_key
-from .base import Handler, Transport, TransportError, TransportRefused
+from .base import Handler, HandshakeRefused, Transport, TransportError, TransportRefused
 from .tcp import TcpTransport
 
-__all__ = ["Handler", "KVAuth", "TcpTransport", "Transport", "TransportError", "TransportRefused", "derive_kv_key",
+__all__ = ["Handler", "HandshakeRefused", "KVAuth", "TcpTransport", "Transport", "TransportError", "TransportRefused", "derive_kv_key",
            "make_transport"]
 
 TRANSPORTS = ("auto", "tcp", "nccl")

@@ -23,6 +23,17 @@ Two mechanisms (``KVAuth.mode``):
   ``\\xc1`` is never used by msgpack: a peer without a secret cannot mistake the
   auth frame for a header, and says so.
 
+  The zmq port also authenticates each connection at its handshake (ZMQ's PLAIN
+  mechanism, checked by a ZAP handler): the password is ``connect_token``, a key
+  derived from the KV key for that alone. libzmq takes no message from a connection
+  before its handshake is done and hands a message over only once all of it arrived,
+  so without this a peer without the key could make the engine hold frames with
+  MORE set, as many as it sent, until it left; now a peer without the key gets no
+  further than the handshake (refused: counted as ``handshake``). The token travels in
+  clear: someone who reads the traffic can connect too (and still forge nothing: the
+  MAC). The byte stream needs no such gate: it reads a header and checks it before
+  any payload.
+
 - ``curve``: ZMQ CURVE (CurveZMQ: authenticated and encrypted) with server and client
   key pairs derived from the key, and a ZAP handler that admits only the derived
   client key. Peers are authenticated at the handshake, before libzmq buffers any of
@@ -64,6 +75,7 @@ REQ_AUTH_LEN = len(REQ_MAGIC) + _TS.size + _NONCE + _TAG
 REP_AUTH_LEN = len(REP_MAGIC) + _NONCE + _TAG
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ZAP_DOMAIN = b"xpyd-kv"
+PLAIN_USERNAME = b"xpyd-kv"  # mac's handshake: PLAIN, this name, the connect token as password
 
 
 def derive_kv_key(secret: str) -> bytes:
@@ -89,6 +101,7 @@ class KVAuth:
     mac_key: bytes = field(repr=False)
     curve_server: tuple[bytes, bytes] = field(repr=False)  # (public, secret), z85
     curve_client: tuple[bytes, bytes] = field(repr=False)
+    connect_token: bytes = field(default=b"", repr=False)  # mac: the zmq handshake's password
     window_s: float = 30.0
     replay_capacity: int = 1 << 17
 
@@ -104,7 +117,7 @@ class KVAuth:
             return zmq.curve_public(sk), sk
 
         return cls(mode, _sub(key, b"mac"), pair(b"curve-server"), pair(b"curve-client"),  # type: ignore[arg-type]
-                   **kw)
+                   _sub(key, b"connect"), **kw)
 
 
 def is_request_auth(frame: Buffer) -> bool:
@@ -230,11 +243,13 @@ class RateLimitedLog:
 
 
 class ZapHandler:
-    """ZAP (RFC 27) for one zmq context: admits CURVE clients with the derived client
-    key only. Runs in its own thread; refusals go to ``on_refuse``."""
+    """ZAP (RFC 27) for one zmq context: admits CURVE clients with the derived client key,
+    or (mac) PLAIN clients with the connect token, only. Runs in its own thread; refusals
+    go to ``on_refuse``."""
 
-    def __init__(self, ctx: zmq.Context, client_public: bytes, on_refuse: Callable[[str, str], None]) -> None:
-        self._client = z85.decode(client_public)
+    def __init__(self, ctx: zmq.Context, auth: KVAuth, on_refuse: Callable[[str, str], None]) -> None:
+        self._client = z85.decode(auth.curve_client[0]) if auth.mode == "curve" else None
+        self._token = auth.connect_token if auth.mode == "mac" else None
         self._on_refuse = on_refuse
         self._stop = threading.Event()
         self._sock = ctx.socket(zmq.REP)
@@ -255,15 +270,22 @@ class ZapHandler:
                                          b"", b""])
                     continue
                 version, request_id, _domain, address, _identity, mechanism, *creds = msg
-                ok = mechanism == b"CURVE" and len(creds) == 1 and hmac.compare_digest(creds[0], self._client)
+                ok = self._admits(mechanism, creds)
                 if not ok:
                     self._on_refuse(address.decode(errors="replace"), mechanism.decode(errors="replace"))
                 sock.send_multipart([version, request_id, b"200" if ok else b"400",
-                                     b"OK" if ok else b"unknown client key", b"", b""])
+                                     b"OK" if ok else b"another kv_secret", b"", b""])
         except zmq.ZMQError:
             pass  # context terminated
         finally:
             sock.close(linger=0)
+
+    def _admits(self, mechanism: bytes, creds: list[bytes]) -> bool:
+        if mechanism == b"CURVE" and self._client is not None:
+            return len(creds) == 1 and hmac.compare_digest(creds[0], self._client)
+        if mechanism == b"PLAIN" and self._token is not None:
+            return len(creds) == 2 and creds[0] == PLAIN_USERNAME and hmac.compare_digest(creds[1], self._token)
+        return False
 
     def close(self) -> None:
         self._stop.set()

@@ -15,7 +15,8 @@ from typing import Literal
 
 import torch
 
-__all__ = ["FALLBACK_REASONS", "REFUSAL_REASONS", "Deferred", "Fallback", "Handler", "Refusal", "Transport", "TransportError", "TransportRefused"]
+__all__ = ["FALLBACK_REASONS", "REFUSAL_REASONS", "Deferred", "Fallback", "Handler", "HandshakeRefused", "Refusal",
+           "Transport", "TransportError", "TransportRefused"]
 
 # Why a request never reached the handler (a fixed set: these label a Prometheus series).
 # unauthenticated: no auth frame (or, with no secret here, a signed call); bad_mac: a
@@ -48,6 +49,11 @@ class TransportError(RuntimeError):
 class TransportRefused(TransportError):
     """The peer refused the call before its handler saw it (authentication, size):
     its answer says why, but is not signed, so it only ever means failure."""
+
+
+class HandshakeRefused(TransportRefused):
+    """The peer refused the connection itself at its handshake (another kv_secret, or a secret
+    on one side only): no call of ours reaches it, and it counted and logged the refusal."""
 
 
 class Deferred:

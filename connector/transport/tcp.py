@@ -19,13 +19,20 @@ throughput of KV-sized payloads. A peer whose stream is gone or refuses it gets 
 over zmq.
 
 With ``auth`` (a shared secret, see ``connector.transport.auth``) requests and replies
-carry an auth frame in front (``mac``), or the sockets run CURVE (``curve``). A request
+carry an auth frame in front (``mac``, whose zmq connections also authenticate at their
+handshake: PLAIN with a token derived from the secret), or the sockets run CURVE
+(``curve``). A connection that fails its handshake is closed before libzmq takes any of its
+messages (counted as ``handshake``; the caller is told at once, not at its deadline). A request
 that fails authentication, or that is larger than ``max_msg_bytes`` over all its frames
 (or has more than ``max_frames``), never reaches the handler: it is counted by reason
 (``refusals()``, ``on_refuse``), logged at most once per 10 s per reason, and answered
 with a plain ``{"ok": false, "error": ..., "refused": reason}`` so the caller learns why.
 A client with a secret treats such an unauthenticated answer as a failure only
 (``TransportRefused``): it acts on nothing a holder of the key did not sign.
+
+Connections to the zmq port are counted as libzmq accepts them (its socket monitor): past
+``max_connections``, or ``max_connections_per_host`` from one host, a new one is shut down at
+once; one that does not complete its handshake within HANDSHAKE_S is dropped by libzmq.
 
 Server: one ROUTER socket served by one daemon thread; handlers run in that thread. A
 handler may answer later instead (it returns a :class:`Deferred` and resolves it from
@@ -42,10 +49,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import queue
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -59,8 +68,8 @@ from zmq.utils.monitor import recv_monitor_message
 from connector.affinity import CpuPlan, pin_current_thread
 
 from . import stream
-from .auth import KVAuth, MacAuth, RateLimitedLog, ZapHandler, is_reply_auth, is_request_auth
-from .base import REFUSAL_REASONS, Deferred, Handler, Transport, TransportError, TransportRefused
+from .auth import PLAIN_USERNAME, ZAP_DOMAIN, KVAuth, MacAuth, RateLimitedLog, ZapHandler, is_reply_auth, is_request_auth
+from .base import REFUSAL_REASONS, Deferred, Handler, HandshakeRefused, Transport, TransportError, TransportRefused
 from .wire import (
     ID_KEY,
     MAX_HEADER_BYTES,
@@ -88,8 +97,10 @@ _REFUSAL_TEXT: MappingProxyType[str, str] = MappingProxyType({
     "signed_no_secret": "kv auth: this engine has no kv_secret but the caller signed its call "
                         "(set the same kv_secret on both sides)",
 })
-_CURVE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+HANDSHAKE_S = 5.0  # a connection to the zmq port must complete its handshake within this
+MAX_CONNECTIONS, MAX_CONNECTIONS_PER_HOST = 1024, 256  # zmq connections an engine port holds
 
 class _NotServed(Exception):
     """A peer's byte stream did not take the call (no connection, refused): nothing ran."""
@@ -171,6 +182,8 @@ class TcpTransport(Transport):
         byte_stream: serve and use the byte stream (``stream.py``); never with CURVE.
         recv_memory_bytes: memory reused for tensors received over the stream (default:
             ``max_msg_bytes``, else 1 GiB); virtual until messages touch it.
+        max_connections, max_connections_per_host: zmq connections the server holds, in all
+            and from one host; new ones beyond are shut down as they come.
     """
 
     name = "tcp"
@@ -188,6 +201,8 @@ class TcpTransport(Transport):
         auth: KVAuth | None = None,
         byte_stream: bool = True,
         recv_memory_bytes: int | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        max_connections_per_host: int = MAX_CONNECTIONS_PER_HOST,
     ) -> None:
         self._hwm = hwm
         self._cpus = cpus
@@ -236,6 +251,13 @@ class TcpTransport(Transport):
             recv_memory_bytes if recv_memory_bytes is not None else (max_msg_bytes or 1 << 30))
         self.stream_calls = 0  # calls this client made over the stream (tests, benchmarks)
         self.stream_received_bytes = 0  # tensor bytes this server received over it (engine stats)
+        # Server: zmq connections held (descriptor -> peer host), per host; the server thread's.
+        self._max_conns, self._max_per_host = max_connections, max_connections_per_host
+        self._conns: dict[int, str] = {}
+        self._per_host: Counter[str] = Counter()
+        self.refused_connections = 0  # shut down past a cap (tests, stats)
+        # Client: the monitor of each new socket until its handshake is done (id(socket) ->).
+        self._handshakes: dict[int, zmq.Socket] = {}
 
     @property
     def authenticated(self) -> bool:
@@ -314,17 +336,22 @@ class TcpTransport(Transport):
         monitor = None
         try:
             self._configure(sock, bind_host.strip("[]"))
-            if self._curve is not None:
-                # ZAP must answer before the first handshake; it admits the client key only.
-                self._zap = ZapHandler(self._ctx, self._curve.curve_client[0],
+            sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+            if self._auth is not None:
+                # ZAP must answer before the first handshake; it admits the derived client
+                # key (curve) or the connect token (mac) only.
+                self._zap = ZapHandler(self._ctx, self._auth,
                                        lambda addr, mech: self._count_refusal(
                                            "handshake", f"{mech} client {addr} with another key (kv_secret?)"))
-                sock.setsockopt(zmq.CURVE_SERVER, 1)
-                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.curve_server[1])
-                sock.setsockopt(zmq.ZAP_DOMAIN, b"xpyd-kv")
-                # A peer with another secret derives another server key: the handshake
-                # fails inside libzmq, before ZAP. The monitor sees (and we count) it.
-                monitor = sock.get_monitor_socket(_CURVE_FAILED)
+                sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+                if self._curve is not None:
+                    sock.setsockopt(zmq.CURVE_SERVER, 1)
+                    sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.curve_server[1])
+                else:
+                    sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            # Every connection as libzmq accepts and drops it (the caps), and every failed
+            # handshake (a peer with another secret, or none: counted).
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             if port == 0:
                 self.bound_port = sock.bind_to_random_port(f"tcp://{bind_host}")
             else:
@@ -373,7 +400,7 @@ class TcpTransport(Transport):
                 try:
                     ready = dict(poller.poll(self._poll_ms))
                     if monitor is not None and monitor in ready:
-                        self._handshake_failures(monitor)
+                        self._connection_events(monitor)
                     if later or wake in ready:
                         self._send_resolved(sock, wake, later)
                     if sock not in ready:
@@ -468,12 +495,54 @@ class TcpTransport(Transport):
         srv = self._stream_server  # where this server's byte stream is (signed with the reply)
         return encode(reply_header, reply_tensors, call_id, {STREAM_KEY: [srv.port, srv.token]} if srv else None)
 
-    def _handshake_failures(self, monitor: zmq.Socket) -> None:
-        while monitor.poll(0):
+    def _connection_events(self, monitor: zmq.Socket) -> None:
+        for _ in range(256):  # bounded: the server thread goes back to its messages
+            if not monitor.poll(0):
+                return
             event = recv_monitor_message(monitor)
-            if event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+            kind, fd = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                host = self._conns.pop(fd, None)
+                if host is not None:
+                    self._per_host[host] -= 1
+                    if self._per_host[host] <= 0:
+                        del self._per_host[host]
+            elif kind & (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 # EVENT_HANDSHAKE_FAILED_AUTH is ZAP's refusal, counted by the ZAP handler.
-                self._count_refusal("handshake", "CURVE handshake failed (another kv_secret, or no CURVE)")
+                self._count_refusal("handshake", "handshake failed (another kv_secret or kv_auth, or a secret on "
+                                    "one side only)")
+
+    def _accepted(self, fd: int) -> None:
+        """A connection libzmq accepted: counted, or past a cap shut down at once (its read
+        fails and libzmq drops it: nothing of it is held)."""
+        try:  # a descriptor of our own: libzmq's stays libzmq's
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return  # closed already
+        try:
+            try:
+                if conn.getsockname()[1] != self.bound_port:
+                    return  # the number was reused by another connection meanwhile
+                host = str(conn.getpeername()[0])
+            except (OSError, IndexError):
+                return
+            if len(self._conns) < self._max_conns and self._per_host[host] < self._max_per_host:
+                self._conns[fd] = host
+                self._per_host[host] += 1
+                return
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            with self._lock:
+                self.refused_connections += 1
+            self._log_refusal("connections", "tcp transport: connection from %s refused on port %s: %d held, %d from "
+                              "its host (caps %d, %d per host)", host, self.bound_port, len(self._conns),
+                              self._per_host[host], self._max_conns, self._max_per_host)  # fmt: skip
+        finally:
+            conn.close()
 
     def _refuse(self, reason: str, detail: str, text: str | None = None) -> list[Any]:
         self._count_refusal(reason, detail)
@@ -629,9 +698,12 @@ class TcpTransport(Transport):
         try:
             # IMMEDIATE=1: POLLOUT only once a connection is up, so an unreachable peer is
             # told apart from a slow one and no message sits queued for a dead endpoint.
-            if not sock.poll(_ms_left(deadline), zmq.POLLOUT):
-                hint = (" (kv_auth=curve: a peer with another kv_secret refuses the handshake and looks "
-                        "like this; see its refused counter)" if self._curve is not None else "")
+            if not self._connected(sock, peer, deadline):
+                # Nothing was sent, so no late reply can come on it: it stays pooled and its
+                # connection (a handshake slow under load) goes on for the next call.
+                reusable = True
+                hint = (" (a peer with another kv_secret refuses the handshake and may look like this; see its "
+                        "refused counter)" if self._auth is not None else "")
                 raise TransportError(f"peer {peer} unreachable: no connection within {timeout_s:g}s{hint}")
             # Tracked only with tensors: the caller's memory (a tracker costs ~0.1 ms).
             tracker = sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False, track=bool(tensors))
@@ -818,6 +890,41 @@ class TcpTransport(Transport):
             error = "an answer that is neither signed nor readable"
         raise TransportRefused(f"peer {peer} refused the call (unauthenticated answer): {error}")
 
+    def _connected(self, sock: zmq.Socket, peer: str, deadline: float) -> bool:
+        """Whether the socket can send before the deadline. A new one's handshake is watched:
+        a peer that refuses it (another kv_secret, or a secret on one side only) is a
+        TransportRefused at once, not a wait until the deadline."""
+        monitor = self._handshakes.get(id(sock))
+        if monitor is None:
+            return bool(sock.poll(_ms_left(deadline), zmq.POLLOUT))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLOUT)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(_ms_left(deadline)))
+            if sock in ready:
+                self._unwatch(sock)
+                return True
+            if monitor not in ready:
+                return False  # the deadline
+            event = recv_monitor_message(monitor)
+            kind = event["event"]
+            if kind & _HANDSHAKE_FAILED:
+                self._unwatch(sock)
+                why = ("it refused this kv_secret" if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                       else "it speaks another kv_auth, or has a kv_secret where this side has none (or the reverse)")
+                raise HandshakeRefused(f"peer {peer} refused the connection at its handshake: {why}; is kv_secret the "
+                                       "same on both sides?")
+
+    def _unwatch(self, sock: zmq.Socket) -> None:
+        monitor = self._handshakes.pop(id(sock), None)
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+
     def _checkout(self, peer: str) -> zmq.Socket:
         endpoint = _split_peer(peer)
         with self._lock:
@@ -835,6 +942,10 @@ class TcpTransport(Transport):
                 sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.curve_server[0])
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.curve_client[0])
                 sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.curve_client[1])
+            elif self._auth is not None:  # mac: the connection proves the key at its handshake
+                sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USERNAME)
+                sock.setsockopt(zmq.PLAIN_PASSWORD, self._auth.connect_token)
+            self._handshakes[id(sock)] = sock.get_monitor_socket(_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sock.connect(endpoint)
             return sock
         except zmq.ZMQError as e:
@@ -850,6 +961,7 @@ class TcpTransport(Transport):
                     idle.append(sock)
                     sock = None
         if sock is not None:
+            self._unwatch(sock)
             sock.close(linger=0)  # on failure: drops any queued message and late reply
         self._maybe_term_ctx()
 
@@ -867,6 +979,7 @@ class TcpTransport(Transport):
         self._stop.set()
         self._wake_server()  # it polls with a timeout: without this, close waits up to poll_interval_s
         for s in idle:
+            self._unwatch(s)
             s.close(linger=0)
         for s in idle_streams:
             s.close()

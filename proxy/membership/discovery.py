@@ -5,12 +5,11 @@ messages or TURN_S seconds of work per event-loop turn (then yields: a flood can
 HTTP side), and at most `cpu_share` of each second (then waits for the next second: the rest
 stays queued in ZMQ, fairly among the connections, and TCP holds their senders back); a source
 host's messages beyond `max_source_rate` a second are dropped before they are decoded
-(`rate_limited`). Connections are counted as libzmq
-accepts them (its socket monitor): beyond `max_connections` (and a quarter of the
-file-descriptor limit), or `max_connections_per_source` from one host, a new one is shut
-down at once, so idle senders cannot take the descriptors clients need; one that never
-completes ZMTP's handshake is dropped after HANDSHAKE_S, and one that stops answering ZMTP
-heartbeats after HEARTBEAT_TIMEOUT_S.
+(`rate_limited`). Connections are counted as libzmq accepts them (its socket monitor): beyond
+`max_connections` (and a quarter of the file-descriptor limit), or `max_connections_per_source`
+from one host, a new one is shut down at once, so idle senders cannot take the descriptors
+clients need; one that never completes ZMTP's handshake is dropped after HANDSHAKE_S, and one
+that stops answering ZMTP heartbeats after HEARTBEAT_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from proxy.config import ProxyConfig
 from proxy.metrics import Metrics
 from proxy.registry import RegistrationRefused, Registry
 from xpyd_wire.discovery import (
@@ -69,10 +69,9 @@ class DiscoveryLimits:
     max_connections_per_source: int = 128  # ... from one source host
 
     @staticmethod
-    def of(cfg: object) -> DiscoveryLimits:
-        return DiscoveryLimits(cfg.discovery_cpu_share, cfg.discovery_max_source_rate,  # type: ignore[attr-defined]
-                               cfg.discovery_max_connections,  # type: ignore[attr-defined]
-                               cfg.discovery_max_connections_per_source)  # type: ignore[attr-defined]
+    def of(cfg: ProxyConfig) -> DiscoveryLimits:
+        return DiscoveryLimits(cfg.discovery_cpu_share, cfg.discovery_max_source_rate, cfg.discovery_max_connections,
+                               cfg.discovery_max_connections_per_source)
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ D instances directly (the proxy's part is covered elsewhere).
   before any byte moves, D1's load fails on its next step and D1 recomputes.
 - D2 is frozen (SIGSTOP): sends to it wait out their deadline on its own queue,
   while D1's transfers go through at once.
-- D3 has another kv_secret than P: P's reservation is refused (P ships no KV byte),
+- D3 has another kv_secret than P: P's connection is refused at its handshake (P ships no KV byte),
   D3 gets nothing, waits out its short load deadline and recomputes.
 
 P, D1 and D2 share a kv_secret: every transfer here is authenticated.
@@ -149,12 +149,13 @@ def test_decode_with_another_secret_refuses_the_kv_and_recomputes(pdd, tokenizer
     xpyd = data["kv_transfer_params"]["xpyd"]
     assert xpyd["load_failed"] is True and xpyd["loaded_tokens"] == 0
     assert elapsed < OTHER_LOAD_TIMEOUT_S + 20, f"D3 took {elapsed:.1f}s (deadline {OTHER_LOAD_TIMEOUT_S}s)"
-    # P learnt why from D3's answer to its reservation, before shipping any KV byte.
-    assert re.search(r"kv send failed .*refused the call .*MAC does not verify", p.log()), "P did not say why"
-    assert re.search(r"refused bad_mac request", d3.log())
+    # D3 refused P's connection at its handshake (P holds another key), before any KV byte; P says why.
+    assert re.search(r"kv send failed .*refused the connection at its handshake: it refused this kv_secret",
+                     p.log()), "P did not say why"
+    assert re.search(r"refused handshake request", d3.log())
     assert re.search(r"kv load timed out", d3.log())
     st = _kv_stats(d3, OTHER_SECRET)
-    assert st["refused"]["bad_mac"] >= 1 and st["refused"]["unauthenticated"] == 0
+    assert st["refused"]["handshake"] >= 1 and st["refused"]["unauthenticated"] == 0
     assert all(st[k] == 0 for k in ("recv_bytes", "recv_reserved_bytes", "recv_items", "pending_loads"))
     # The rest of the system is unaffected: authenticated transfers to D1 still move.
     small = make_prompt(tokenizer, 60, seed=4602)

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import zmq
 
-from connector.transport.auth import MacAuth
+from connector.transport.auth import PLAIN_USERNAME, KVAuth, MacAuth
 from connector.transport.wire import encode as _encode
 from connector.transport.wire import frame_lens as _lens
 
 
 class Raw:
-    """A bare zmq DEALER: sends whatever frames it is given."""
+    """A bare zmq DEALER: sends whatever frames it is given. With ``auth`` (mac) it passes the
+    connection's handshake as a holder of the secret does (PLAIN, the connect token): a peer
+    that read the token off the wire, or a faulty one; without, a ``mac`` port lets it no
+    further than the handshake."""
 
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, auth: KVAuth | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if auth is not None:
+            self.sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USERNAME)
+            self.sock.setsockopt(zmq.PLAIN_PASSWORD, auth.connect_token)
         self.sock.connect(f"tcp://{peer}")
 
     def ask(self, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:

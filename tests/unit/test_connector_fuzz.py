@@ -192,7 +192,10 @@ def test_fuzz_kv_control_socket(engines, secret):
     fuzz = Fuzzer(random.Random(SEED + (secret is not None)), cons, mac)
     sent: Counter[str] = Counter()
     unanswered: list[str] = []
-    raw = Raw(cons.address)
+    # With a secret, a connection that has not proven it gets no further than its handshake
+    # (test_connector_auth.py): the fuzzer plays a peer that read the connect token off the wire.
+    token = KVAuth.from_secret(secret) if secret is not None else None
+    raw = Raw(cons.address, token)
     deadline = time.monotonic() + TIME_BUDGET_S
     try:
         for kind, frames in fuzz.stream():
@@ -203,7 +206,7 @@ def test_fuzz_kv_control_socket(engines, secret):
             if kind == "oversized_frame":
                 assert reply is None  # libzmq dropped the connection; nothing reached the engine
                 raw.close()
-                raw = Raw(cons.address)
+                raw = Raw(cons.address, token)
             elif reply is None:
                 unanswered.append(kind)
     finally:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from connector.config import ConnectorConfig
-from connector.transport import KVAuth, TcpTransport
+from connector.transport import KVAuth, TcpTransport, TransportRefused
 from tests.support.kv_engines import (
     SRC_IDS,
     assert_loaded,
@@ -103,8 +103,8 @@ def test_engines_keyed_from_one_file_move_kv_and_refuse_the_unsigned(tmp_path, n
     res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
     assert res.failed_recving == set()
     assert_loaded(cons, before, prod, (7, 2, 11), SRC_IDS[2:])
-    with TcpTransport() as plain:
-        assert plain.call(rank0(cons), {"op": "ping"}, timeout_s=5)[0]["refused"] == "unauthenticated"
+    with TcpTransport() as plain, pytest.raises(TransportRefused, match="handshake"):
+        plain.call(rank0(cons), {"op": "ping"}, timeout_s=5)
     with TcpTransport(auth=KVAuth.from_secret("one-file-secret")) as signed:
         assert signed.call(rank0(cons), {"op": "ping"}, timeout_s=5)[0]["ok"] is True
 

@@ -18,6 +18,7 @@ import pytest
 from tests.support.fake_vllm import FakeVLLM
 from tests.support.proxy_helpers import running_proxy
 from tests.support.proxy_process import ROOT, start_proxy, stop, wait_ready
+from tests.support.zmtp import closed, idle_connection
 
 FLOOD_S = 4.0
 # /health's slowest answer during the flood. A loaded 2-core box answers in well under it; the
@@ -104,31 +105,6 @@ async def test_a_flood_of_small_messages_leaves_health_fast_and_the_proxy_servin
 
 # ---------------------------------------------------------------- idle connections
 
-# ZMTP 3.0: the greeting (signature, version 3.0, mechanism NULL, as-server 0) and the NULL
-# mechanism's READY command: after these the connection is a DEALER that never says a thing.
-GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-_READY = b"\x05READY" + b"\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
-READY = b"\x04" + bytes([len(_READY)]) + _READY
-
-
-def idle_zmtp(port: int, source: str) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
-    s.sendall(GREETING + READY)
-    return s
-
-
-def closed(s: socket.socket) -> bool:
-    """Whether the proxy closed this connection (what it sent before is read and dropped)."""
-    s.settimeout(0.0)
-    try:
-        while True:
-            if not s.recv(4096):
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
 
 async def settled(socks: list[socket.socket], n_closed: int, timeout: float = 10.0) -> list[bool]:
     """Each socket closed or not, once `n_closed` of them are (or at the deadline)."""
@@ -150,11 +126,11 @@ async def test_idle_connections_are_held_only_up_to_the_caps():
     async with running_proxy(discovery_max_connections=12, discovery_max_connections_per_source=8) as px:
         port = px.state.discovery.port
         try:
-            first = [idle_zmtp(port, "127.0.0.1") for _ in range(10)]
+            first = [idle_connection(port, "127.0.0.1") for _ in range(10)]
             socks += first
             state = await settled(first, 2)
             assert sum(state) == 2 and not any(state[:8]), state
-            second = [idle_zmtp(port, "127.0.0.2") for _ in range(6)]
+            second = [idle_connection(port, "127.0.0.2") for _ in range(6)]
             socks += second
             state = await settled(second, 2)
             assert sum(state) == 2 and not any(state[:4]), state
@@ -171,7 +147,7 @@ async def test_idle_connections_are_held_only_up_to_the_caps():
             while await px.metric("xpyd_discovery_connections") > 8:
                 assert time.monotonic() < deadline, "closed connections still counted"
                 await asyncio.sleep(0.05)
-            third = [idle_zmtp(port, "127.0.0.2") for _ in range(4)]
+            third = [idle_connection(port, "127.0.0.2") for _ in range(4)]
             socks += third
             assert await settled(third, 1, timeout=1.0) == [False] * 4
         finally:

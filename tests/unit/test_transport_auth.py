@@ -137,29 +137,41 @@ def test_mac_roundtrip_with_tensors(started):
     assert counts(srv) == {}
 
 
-def test_wrong_secret_and_no_secret_are_refused_before_the_handler(started):
+def eventually(srv: TcpTransport, want: dict[str, int]) -> None:
+    """The server's refusal counts become `want` (handshake ones are counted by its ZAP and
+    monitor threads, a moment after the caller heard)."""
+    deadline = time.monotonic() + 10
+    while counts(srv) != want:
+        assert time.monotonic() < deadline, counts(srv)
+        time.sleep(0.02)
+
+
+def test_wrong_secret_and_no_secret_are_refused_at_the_handshake(started):
+    """A connection proves the key at its handshake: another secret, or none, gets no further
+    (libzmq takes none of its messages), and the caller is told at once and why."""
     srv, peer, rec = started(auth=auth())
-    with pytest.raises(TransportRefused, match="MAC does not verify"):
-        started.client(auth=auth("wrong")).call(peer, {"op": "put"}, [torch.ones(4)])
-    # A peer without a secret is told in plain words (it reads an ordinary error reply).
-    reply, _ = started.client().call(peer, {"op": "put"}, [torch.ones(4)])
-    assert reply["ok"] is False and "requires a kv_secret" in reply["error"]
-    assert reply["refused"] == "unauthenticated"
+    t0 = time.monotonic()
+    with pytest.raises(TransportRefused, match="refused the connection at its handshake: it refused this kv_secret"):
+        started.client(auth=auth("wrong")).call(peer, {"op": "put"}, [torch.ones(4)], timeout_s=20)
+    with pytest.raises(TransportRefused, match="has a kv_secret where this side has none"):
+        started.client().call(peer, {"op": "put"}, [torch.ones(4)], timeout_s=20)
+    assert time.monotonic() - t0 < 10  # told, not left to its deadline
     assert rec.calls == []
-    assert counts(srv) == {"bad_mac": 1, "unauthenticated": 1}
+    eventually(srv, {"handshake": 2})
 
 
 def test_signed_call_to_an_engine_without_secret_says_so(started):
     srv, peer, rec = started()
-    with pytest.raises(TransportRefused, match="has no kv_secret"):
-        started.client(auth=auth()).call(peer, {"op": "ping"})
-    assert rec.calls == [] and counts(srv) == {"malformed": 1}
+    with pytest.raises(TransportRefused, match="kv_secret"):
+        started.client(auth=auth()).call(peer, {"op": "ping"}, timeout_s=20)
+    assert rec.calls == []
+    eventually(srv, {"handshake": 1})
 
 
 def test_replayed_and_tampered_requests_are_refused(started):
     srv, peer, rec = started(auth=auth())
     mac = MacAuth(auth())
-    raw = Raw(peer)
+    raw = Raw(peer, auth())  # past the handshake: one who read the connect token off the wire
     try:
         msg = signed(mac, {"op": "put", "key": "k1"}, [torch.ones(8)])
         first = raw.ask(msg)
@@ -229,6 +241,11 @@ def test_client_acts_only_on_signed_replies(started):
     ctx = zmq.Context()
     fake = ctx.socket(zmq.ROUTER)
     fake.setsockopt(zmq.LINGER, 0)
+    # It takes any password (and learns it): a PLAIN server whose ZAP handler admits everyone.
+    zap = ctx.socket(zmq.REP)
+    zap.bind("inproc://zeromq.zap.01")
+    fake.setsockopt(zmq.PLAIN_SERVER, 1)
+    fake.setsockopt(zmq.ZAP_DOMAIN, b"any")
     port = fake.bind_to_random_port(f"tcp://{HOST}")
     ok = msgpack.packb({"ok": True, "tensors": []})
     lying = msgpack.packb({"ok": True, "error": "fine\nkv loaded req=forged " + "x" * 1000, "tensors": []})
@@ -240,8 +257,16 @@ def test_client_acts_only_on_signed_replies(started):
 
     def serve():
         for answer in answers:
-            if not fake.poll(5000):
-                return
+            poller = zmq.Poller()
+            poller.register(fake, zmq.POLLIN)
+            poller.register(zap, zmq.POLLIN)
+            deadline = time.monotonic() + 5
+            while fake not in dict(poller.poll(100)):
+                while zap.poll(0):  # each connection's handshake: admitted
+                    version, request_id, *_ = zap.recv_multipart()
+                    zap.send_multipart([version, request_id, b"200", b"OK", b"", b""])
+                if time.monotonic() > deadline:
+                    return
             ident, *frames = fake.recv_multipart()
             seen.append(frames)
             fake.send_multipart([ident, *answer(frames[0][14:30])])  # magic 6 + ts 8, nonce 16
@@ -258,13 +283,14 @@ def test_client_acts_only_on_signed_replies(started):
     finally:
         t.join(timeout=10)
         fake.close(linger=0)
+        zap.close(linger=0)
         ctx.term()
     assert len(seen) == 2 and all(len(f[0]) == REQ_AUTH_LEN for f in seen)
 
 
 def test_refusals_are_logged_at_a_limited_rate(started, caplog):
     srv, peer, _ = started(auth=auth())
-    raw = Raw(peer)
+    raw = Raw(peer, auth())
     try:
         with caplog.at_level(logging.WARNING, logger="connector.transport.tcp"):
             for i in range(200):
@@ -282,7 +308,8 @@ def test_refusal_hook_sees_every_refusal(started):
     srv.on_refuse = got.append
     with pytest.raises(TransportRefused):
         started.client(auth=auth("wrong")).call(peer, {"op": "ping"})
-    assert got == ["bad_mac"]
+    eventually(srv, {"handshake": 1})
+    assert got == ["handshake"]
     assert set(srv.refusals()) == set(REFUSAL_REASONS)
 
 
@@ -339,9 +366,9 @@ def test_curve_roundtrip_and_refused_handshakes(started):
     x = torch.randn(64, 32)
     reply, got = cli.call(peer, {"op": "put"}, [x])
     assert reply["ok"] and torch.equal(got[0], x)
-    with pytest.raises(TransportError, match="kv_auth=curve"):
+    with pytest.raises(TransportError, match="handshake"):
         started.client(auth=auth("wrong", mode="curve")).call(peer, {"op": "put"}, [x], timeout_s=1.0)
-    with pytest.raises(TransportError, match="unreachable"):
+    with pytest.raises(TransportError, match="handshake|unreachable"):
         started.client().call(peer, {"op": "put"}, [x], timeout_s=1.0)  # no CURVE at all
     assert len(rec.calls) == 1
     deadline = time.monotonic() + 30
