@@ -214,6 +214,8 @@ def estimate_prompt_tokens(body: dict, kind: str = COMPLETIONS) -> int:
     if isinstance(prompt, (str, list)):
         if isinstance(prompt, str):
             return len(prompt) // 4 + 1
+        if prompt and type(prompt[0]) is int:
+            return len(prompt)  # token ids (validate_body checked every one): no walk over a long list
         total = 0
         for p in prompt:
             if isinstance(p, str):
