@@ -59,12 +59,11 @@ class Local:
         call.went_local = True
         self.metrics.dispatch(path)
         rid = request_id.build_local()
-        call.flight.extra.append((b"x-request-id", self.decode.client_id(rid)))
         call.flight.extra.append((XPYD_PATH_RAW, path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
         opening = self.decode.open(call.req, d, headers)
-        answer = await self.decode.first_bytes(call.loop, d, opening, headers, limit)
+        answer = await self.decode.first_bytes(call.loop, d, opening, headers, limit, call.req.client_id)
         self.decode.observe_ttfb(call, t)
         return answer
 
