@@ -16,6 +16,7 @@ from proxy.config import ProxyConfig
 from proxy.dispatch import first_token
 from proxy.dispatch.call import LOCAL_RESCUE, Call, DecodeFailed
 from proxy.dispatch.decode import Decode
+from proxy.dispatch.events import ContinuationEvents
 from proxy.dispatch.relay import Answer, StreamFailed
 from proxy.errors import ProxyError, sse_event_of
 from proxy.metrics import Metrics
@@ -53,14 +54,14 @@ class Continuation:
         stitched = _Stitched()
         # D's events get the id the client sees: the rewrite then finds nothing left to do.
         event_id = first.id if rewrite is None else rewrite.text(first.id)
-        events = first_token.ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat,
+        events = ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat,
                                                 first.created)
         cont = first_token.continuation(body, first, limits)
         stitched.gen = self._continue(call, d, cont, headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
     async def _continue(self, call: Call, d: Instance, cont: dict, headers: dict[str, str], stitched: _Stitched,
-                        events: first_token.ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
+                        events: ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
         """D's continuation of P's token (``cont``: D's completions request, also for a chat
         request: ContinuationEvents turns its chunks into chat chunks), for the relay. The client
         has P's token and the 200 already, so a failure can only reach it as an error event:

@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from proxy.dispatch import events as d_events
 from proxy.dispatch import first_token
 from proxy.dispatch.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
@@ -254,7 +255,7 @@ def test_continuation_events_count_p_token_across_any_split():
               b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":9,"total_tokens":13,'
               b'"completion_tokens":4}}\n\ndata: [DONE]\n\n')
     for cut in range(1, len(events)):
-        shift = first_token.ContinuationEvents(3, "cmpl-p")
+        shift = d_events.ContinuationEvents(3, "cmpl-p")
         out = shift.feed(events[:cut]) + shift.feed(events[cut:]) + shift.flush()
         first, usage_event, done = out.split(b"\n\n")[:3]
         assert out.count(b'"id":"cmpl-p"') == 2 and b"cmpl-x" not in out, cut  # P's id, D's is gone
@@ -279,7 +280,7 @@ def test_chat_continuation_events_are_chat_chunks_across_any_split():
              "usage": {"prompt_tokens": 8, "total_tokens": 11, "completion_tokens": 3,
                        "completion_tokens_details": None}}, "[DONE]"]  # vLLM's chat writes it on a token's usage
     for cut in range(1, len(stream)):
-        shift = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True)
+        shift = d_events.ContinuationEvents(0, "chatcmpl-p", chat=True)
         out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
         assert events(out.decode()) == want, cut
 
@@ -324,14 +325,14 @@ def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
         if "usage" in src:  # on a chunk with a token: vLLM's chat adds completion_tokens_details
             want["usage"] = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                              "completion_tokens_details": None}
-        out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk + b"data: [DONE]\n\n")
+        out = d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk + b"data: [DONE]\n\n")
         assert events(out.decode()) == [want, "[DONE]"], chunk
         if not text.isascii():  # \\u escapes, which orjson would write as UTF-8: kept by the regex pass only
             raw_text = chunk.split(b'"text":', 1)[1].split(b',"logprobs"', 1)[0]
             assert (b'"content":' + raw_text + b"}" in out) == (chunk in usual), chunk
     # All of them in one piece, as D's answer often arrives.
     stream = b"".join(usual + other) + b"data: [DONE]\n\n"
-    out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(stream)
+    out = d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(stream)
     got = events(out.decode())
     assert len(got) == len(usual) + len(other) + 1 and got[-1] == "[DONE]"
     assert all(e["object"] == "chat.completion.chunk" and "text" not in e["choices"][0] for e in got[:-1])
@@ -340,7 +341,7 @@ def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
 def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
     """Events before the last one's start go out as they come, whatever their line ends
     (CRLF too); only the event still arriving waits."""
-    shift = first_token.ContinuationEvents(0, "cmpl-p")
+    shift = d_events.ContinuationEvents(0, "cmpl-p")
     assert shift.feed(b'data: {"a":1}\r\n\r\ndata: {"b"') == b'data: {"a":1}\r\n\r\n'
     assert shift.feed(b':2}\r\n\r\n') == b'data: {"b":2}\r\n\r\n'
     assert shift.feed(b": comment, no data\n") == b": comment, no data\n"  # no event start: nothing to hold
@@ -348,7 +349,7 @@ def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
     assert shift.feed(b'ta: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n') == \
         b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n'
     crlf_usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\n\r\n'
-    assert b'"prompt_tokens":2' in first_token.ContinuationEvents(0, "cmpl-p").feed(crlf_usage)
+    assert b'"prompt_tokens":2' in d_events.ContinuationEvents(0, "cmpl-p").feed(crlf_usage)
 
 
 def events(text: str) -> list[dict | str]:
@@ -1095,15 +1096,15 @@ def test_continuation_events_carry_ps_created_across_any_split(chat):
         b'"total_tokens":11,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
     )
     for cut in range(len(stream)):
-        shift = first_token.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000005)
+        shift = d_events.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000005)
         out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
         got = events(out.decode())
         assert [e["created"] for e in got[:-1]] == [1700000005] * 2 and got[-1] == "[DONE]", cut
         assert b"1700000007" not in out
         assert got[1]["usage"]["completion_tokens"] == 3
-    same = first_token.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000007).feed(stream)
+    same = d_events.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000007).feed(stream)
     assert [e["created"] for e in events(same.decode())[:-1]] == [1700000007] * 2
-    kept = first_token.ContinuationEvents(0, "cmpl-p", chat=chat).feed(stream)  # created None: D's stays
+    kept = d_events.ContinuationEvents(0, "cmpl-p", chat=chat).feed(stream)  # created None: D's stays
     assert [e["created"] for e in events(kept.decode())[:-1]] == [1700000007] * 2
 
 
@@ -1116,7 +1117,7 @@ def test_chat_translation_keeps_a_choices_index():
         ('{"text":" a","logprobs":null,"finish_reason":null}', 0),
     ):
         chunk = f'data: {{"id":"cmpl-x","object":"text_completion","choices":[{choice}]{usage}}}\n\n'.encode()
-        (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk).decode())
+        (got,) = events(d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk).decode())
         assert got["choices"] == [
             {"index": index, "delta": {"content": " a"}, "logprobs": None, "finish_reason": None, "token_ids": None}
         ]
@@ -1134,7 +1135,7 @@ def test_events_nothing_is_rewritten_in_pass_byte_for_byte(offset):
     too), also when another event of the same piece is rewritten."""
     plain = b'data: {"id":"cmpl-p","choices":[{"index":0,"text":"caf\\u00e9","logprobs":null}]}\n\n'
     usage = b'data: {"id":"cmpl-p","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
-    out = first_token.ContinuationEvents(offset, "cmpl-p").feed(plain + usage)
+    out = d_events.ContinuationEvents(offset, "cmpl-p").feed(plain + usage)
     assert out.startswith(plain) and b'"prompt_tokens":2' in out[len(plain) :]
 
 
@@ -1148,13 +1149,13 @@ def test_events_nothing_is_rewritten_in_pass_byte_for_byte(offset):
     ],
 )
 def test_continuation_events_rewrite_only_one_line_events(event):
-    out = first_token.ContinuationEvents(3, "cmpl-p").feed(event + b"\n\n")
+    out = d_events.ContinuationEvents(3, "cmpl-p").feed(event + b"\n\n")
     assert out == event + b"\n\n"
 
 
 def test_an_extra_blank_line_does_not_hide_an_event_from_the_rewrite():
     usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}'
-    out = first_token.ContinuationEvents(0, "cmpl-p").feed(usage + b"\n\n\n")
+    out = d_events.ContinuationEvents(0, "cmpl-p").feed(usage + b"\n\n\n")
     assert out == b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n\n'
 
 
@@ -1165,7 +1166,7 @@ def test_continuation_events_survive_choices_not_vllms():
         b'data: {"choices":["x",{"logprobs":null},{"logprobs":{"text_offset":null}},'
         b'{"logprobs":{"text_offset":[null,2,"7"]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
     )
-    out = first_token.ContinuationEvents(3, "cmpl-p").feed(event)
+    out = d_events.ContinuationEvents(3, "cmpl-p").feed(event)
     (got,) = events(out.decode())
     assert got["choices"] == [
         "x",
@@ -1181,13 +1182,13 @@ def test_chat_events_that_carry_an_error_are_not_made_chunks():
         b'data: {"error":{"message":"x","type":"BadRequestError","param":null,"code":400},"choices":[],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
     )
-    (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(error).decode())
+    (got,) = events(d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(error).decode())
     assert "object" not in got and got["choices"] == [] and got["error"]["code"] == 400
 
 
 def test_chat_usage_event_without_an_object_is_counted_and_made_a_chunk():
     usage = b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n'
-    (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(usage).decode())
+    (got,) = events(d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(usage).decode())
     assert got == {
         "id": "chatcmpl-p",
         "object": "chat.completion.chunk",
@@ -1198,9 +1199,9 @@ def test_chat_usage_event_without_an_object_is_counted_and_made_a_chunk():
 
 def test_an_event_is_held_up_to_the_bound_then_passed():
     """An event still arriving waits up to _HOLD_MAX bytes; past that it goes on unchanged."""
-    shift = first_token.ContinuationEvents(0, "cmpl-p")
-    part = b'data: {"usage":{"x":"' + b"y" * (first_token._HOLD_MAX - 21)
-    assert len(part) == first_token._HOLD_MAX
+    shift = d_events.ContinuationEvents(0, "cmpl-p")
+    part = b'data: {"usage":{"x":"' + b"y" * (d_events._HOLD_MAX - 21)
+    assert len(part) == d_events._HOLD_MAX
     assert shift.feed(part) == b""
     assert shift.feed(b"z") == part + b"z"
     assert shift.flush() == b""
