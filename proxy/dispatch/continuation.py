@@ -54,8 +54,8 @@ class Continuation:
         stitched = _Stitched()
         # D's events get the id the client sees: the rewrite then finds nothing left to do.
         event_id = first.id if rewrite is None else rewrite.text(first.id)
-        events = ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat,
-                                                first.created)
+        events = ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat, first.created,
+                                    first_token.stream_details(first.usage))
         cont = first_token.continuation(body, first, limits)
         stitched.gen = self._continue(call, d, cont, headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)

@@ -19,7 +19,7 @@ from proxy.dispatch.call import DISAGGREGATED, PREFILL_ALONE, Call
 from proxy.dispatch.continuation import Continuation
 from proxy.dispatch.decode import Decode, too_large
 from proxy.dispatch.relay import Answer
-from proxy.dispatch.rewrite import UsageRewrite, prefill_cache_usage
+from proxy.dispatch.rewrite import DetailsRewrite, IdRewrite, UsageRewrite, prefill_cache_usage, prefill_details
 from proxy.errors import ProxyError, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, prefill_body
@@ -155,6 +155,8 @@ class Disaggregated:
             if req.response_id is not None and (usage := prefill_cache_usage(pre_answer)) is not None:
                 answer.rewrite = UsageRewrite(*usage)  # P's cache figures, not D's (rewrite.py)
                 call.cache_usage = usage
+            elif (figures := prefill_details(pre_answer)) is not None and isinstance(answer.rewrite, IdRewrite | None):
+                answer.rewrite = DetailsRewrite(figures, answer.rewrite)  # likewise (--enable-prompt-tokens-details)
             return answer
         raise PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 

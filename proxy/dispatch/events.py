@@ -48,12 +48,16 @@ class ContinuationEvents:
     """D's events as the client's request counts them: usage with P's token as generated
     rather than prompt (every usage D reports: a server may force it), logprobs text
     offsets after P's token, and P's event id (one stream, one id, also when D answered
-    under another request id: a rescue, or a server that adds a suffix). The stream
+    under another request id: a rescue, or a server that adds a suffix), and P's prompt-cache
+    figures in place of D's, which counts the KV it loaded as cached (``details``: P's
+    prompt_tokens_details as a stream writes them; None: P reported none). The stream
     arrives in arbitrary pieces: what precedes the last event's start passes at once, that
     event waits for its end (bounded)."""
 
-    def __init__(self, text_offset: int, event_id: str, chat: bool = False, created: int | None = None) -> None:
+    def __init__(self, text_offset: int, event_id: str, chat: bool = False, created: int | None = None,
+                 details: dict | None = None) -> None:
         self._chat = chat  # D's completion chunks become chat chunks (delta.content)
+        self._details = details
         self._offset = text_offset
         self._held = b""
         self._id = b'"id":' + orjson.dumps(event_id)
@@ -113,6 +117,8 @@ class ContinuationEvents:
                 and type(u.get("completion_tokens")) is int:
             u["prompt_tokens"] -= 1
             u["completion_tokens"] += 1
+            if self._details is not None and isinstance(u.get("prompt_tokens_details"), dict):
+                u["prompt_tokens_details"] = dict(self._details)
         if offsets:
             for choice in obj.get("choices") or ():
                 lp = choice.get("logprobs") if isinstance(choice, dict) else None

@@ -60,10 +60,11 @@ _SAME = frozenset({
     "logit_bias", "allowed_token_ids", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
     "skip_special_tokens", "spaces_between_special_tokens", "user", "priority", "cache_salt",
     "request_id",  # vLLM takes the X-Request-Id header first, which the proxy sets
-    "truncate_prompt_tokens", "truncation_side", "add_special_tokens",  # P tokenizes; D gets its ids
+    "truncation_side", "add_special_tokens",  # P tokenizes; D gets its ids
 })
-# Checked by ``eligible`` itself (prompt, limits, logprobs, usage options).
-_CHECKED_CHAT = frozenset({"stream", "max_tokens", "min_tokens", "stream_options", "kv_transfer_params"})
+# Checked by ``eligible`` itself (prompt, limits, logprobs, usage options, truncation).
+_CHECKED_CHAT = frozenset({"stream", "max_tokens", "min_tokens", "stream_options", "kv_transfer_params",
+                           "truncate_prompt_tokens"})
 _CHECKED = _CHECKED_CHAT | {"prompt", "logprobs"}
 # Let through only at these values (a value is neutral when it equals one of the same type:
 # True is not 1). None (JSON null) is neutral everywhere: vLLM reads it as absent.
@@ -188,10 +189,58 @@ def _fields_pass(body: dict, chat: bool) -> bool:
 def _defaults_pass(body: dict, defaults: GenerationDefaults, chat: bool) -> bool:
     """The server's own sampling defaults change nothing here: each is one P and D apply
     alike, or the request sets that field itself. A chat answer a reasoning parser reads
-    (its split into reasoning and content, its special tokens) is D's whole answer."""
-    if chat and defaults.reasoning_parser:
-        return False
+    (its split into reasoning and content, its special tokens) is D's whole answer, and so is
+    one whose request a tool parser adjusts (it may keep special tokens: D's completion would
+    drop them); vLLM 0.32 lets it when tool_choice is not "none" (null included), or always."""
+    if chat:
+        if defaults.reasoning_parser:
+            return False
+        adjusts = defaults.tool_parser  # None: not known
+        if adjusts != "none" and not (adjusts == "tool_choice" and body.get("tool_choice", "none") == "none"):
+            return False
     return all(name in _SAMPLING_SAME or body.get(name) is not None for name, _ in defaults.sampling)
+
+
+# pydantic 2's bool in lax mode, which vLLM's request models use: these strings (any case), the
+# ints 0 and 1 and the floats 0.0 and 1.0; anything else is refused (vLLM's 400).
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(value: Any) -> bool | None:
+    """``value`` as vLLM reads a bool field (None: absent, JSON null, or a value it refuses:
+    ``lax_bool_valid`` tells those apart)."""
+    if value is True or value is False:
+        return value
+    if type(value) is int or type(value) is float:
+        return True if value == 1 else False if value == 0 else None
+    if isinstance(value, str):
+        low = value.lower()
+        return True if low in _TRUE else False if low in _FALSE else None
+    return None
+
+
+def lax_bool_valid(value: Any) -> bool:
+    """vLLM accepts ``value`` for a ``bool | None`` field."""
+    return value is None or lax_bool(value) is not None
+
+
+def _truncation_pass(body: dict, chat: bool) -> bool:
+    """P cuts the prompt as vLLM would for the client's request. truncate_prompt_tokens -1 keeps
+    as many tokens as the context allows, less one when the request names a limit (vLLM 0.32's
+    TokenizeParams.max_truncation_tokens, with chat's max_completion_tokens or max_tokens, a
+    completion's max_tokens: 16 when absent, 0 when null): P, asked for one token, always keeps
+    one fewer than the context, so -1 passes only with a limit. Another form vLLM converts
+    ("5", 5.0) goes to D as the client's own request."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None or (type(value) is int and value >= 0):
+        return True
+    if chat:
+        limit = body.get("max_completion_tokens")
+        limit = body.get("max_tokens") if limit is None else limit
+    else:
+        limit = body.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    return value == -1 and type(value) is int and bool(limit)
 
 
 def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: GenerationDefaults | None) -> bool:
@@ -221,7 +270,7 @@ def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: Generatio
             return False
     else:
         return False
-    if not _fields_pass(body, chat) or not _defaults_pass(body, defaults, chat):
+    if not _fields_pass(body, chat) or not _defaults_pass(body, defaults, chat) or not _truncation_pass(body, chat):
         return False
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
@@ -232,17 +281,19 @@ def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: Generatio
     if not isinstance(body.get("kv_transfer_params", {}), dict):
         return False
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}
+                             or not all(map(lax_bool_valid, opts.values()))):  # else vLLM's 400
         return False
     return True
 
 
 def usage_wanted(body: dict) -> tuple[bool, bool]:
-    """(a usage event at the end, usage on every event), as vLLM reads stream_options."""
+    """(a usage event at the end, usage on every event), as vLLM reads stream_options (its
+    should_include_usage, with each value read as its model reads a bool: ``1``, "yes" are true)."""
     opts = body.get("stream_options")
-    if not isinstance(opts, dict) or opts.get("include_usage") is not True:
+    if not isinstance(opts, dict) or not lax_bool(opts.get("include_usage")):
         return False, False
-    return True, opts.get("continuous_usage_stats") is True
+    return True, bool(lax_bool(opts.get("continuous_usage_stats")))
 
 
 def prefill_request(path: str, body: dict, skip_tokens: int = 0) -> dict:
@@ -479,10 +530,24 @@ def _event(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _counts(usage: dict, completion_tokens: int | None = None) -> dict:
+def stream_details(usage: dict | None) -> dict | None:
+    """P's prompt_tokens_details (--enable-prompt-tokens-details: its prompt-cache figures, the
+    ones one server that computed the prompt reports) as a stream's last usage writes them:
+    without null members. None: P reported none."""
+    details = usage.get("prompt_tokens_details") if usage is not None else None
+    return {k: v for k, v in details.items() if v is not None} if isinstance(details, dict) else None
+
+
+def _counts(usage: dict, completion_tokens: int | None = None, last: bool = False) -> dict:
     """P's usage as a stream's usage event carries it: the counts (``completion_tokens``: in
-    place of P's), and what else P's server reports that is not null."""
+    place of P's), and what else P's server reports that is not null; prompt_tokens_details
+    only on the ``last`` usage event (vLLM writes it there alone), as a stream writes it."""
     out = {k: v for k, v in usage.items() if v is not None}
+    if "prompt_tokens_details" in out:
+        if last:
+            out["prompt_tokens_details"] = stream_details(usage)
+        else:
+            del out["prompt_tokens_details"]
     if completion_tokens is not None:
         out["completion_tokens"] = completion_tokens
         out["total_tokens"] = usage.get("prompt_tokens", 0) + completion_tokens
@@ -525,7 +590,7 @@ def first_events(first: FirstToken, final: bool, usage: tuple[bool, bool]) -> by
     out += _event(event)
     if final:
         if include_usage and first.usage is not None:
-            last: dict[str, Any] = {**head, "choices": [], "usage": _counts(first.usage)}
+            last: dict[str, Any] = {**head, "choices": [], "usage": _counts(first.usage, last=True)}
             if first.fingerprint is not None:
                 last["system_fingerprint"] = first.fingerprint
             out += _event(last)

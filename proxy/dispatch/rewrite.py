@@ -163,3 +163,69 @@ class UsageRewrite:
 
     def drop(self) -> None:
         self._held = b""
+
+
+# ---------------------------------------------------------------- completions' and chat's usage
+# With --enable-prompt-tokens-details vLLM reports the prompt tokens it found in its prefix cache
+# (and, for chat, those it wrote to it) in prompt_tokens_details. D counts the KV it loaded from P
+# as found: P's figures, which one server that computed the prompt reports, replace D's, in the
+# one place vLLM writes them (compact JSON, fixed field order: the whole answer, or a stream's last
+# usage). Off (the default), vLLM writes null there: P's answer is then searched once, and no
+# rewrite is attached.
+_DETAILS_OPEN = b'"prompt_tokens_details":{'
+_DETAILS = re.compile(rb'"prompt_tokens_details":\{"cached_tokens":(\d+|null)(?:,"created_cache_tokens":(\d+|null))?')
+
+
+def prefill_details(p_answer: bytes) -> tuple[bytes, bytes] | None:
+    """P's (cached_tokens, created_cache_tokens) as JSON values, from its answer; None: absent."""
+    if _DETAILS_OPEN not in p_answer:
+        return None
+    m = _DETAILS.search(p_answer)
+    return (m.group(1), m.group(2) or b"null") if m else None
+
+
+class DetailsRewrite:
+    """D's completions or chat answer with P's prompt-cache figures (see above), over the id
+    rewrite (``inner``): the interface of IdRewrite. A stream is rewritten event by event: the
+    bytes after its last complete event are held until the event ends."""
+
+    __slots__ = ("_inner", "_cached", "_created", "_held")
+
+    def __init__(self, figures: tuple[bytes, bytes], inner: IdRewrite | None) -> None:
+        self._inner = inner
+        self._cached, self._created = figures
+        self._held = b""
+
+    def _one(self, m: re.Match[bytes]) -> bytes:
+        out = b'"prompt_tokens_details":{"cached_tokens":' + self._cached
+        return out + b',"created_cache_tokens":' + self._created if m.group(2) is not None else out
+
+    def _sub(self, data: bytes) -> bytes:
+        return _DETAILS.sub(self._one, data) if _DETAILS_OPEN in data else data
+
+    def text(self, value: str) -> str:
+        return value if self._inner is None else self._inner.text(value)
+
+    def whole(self, data: bytes) -> bytes:
+        return self._sub(data if self._inner is None else self._inner.whole(data))
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = chunk if self._inner is None else self._inner.feed(chunk)
+        if self._held:
+            data = self._held + data
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._held = data
+            return b""
+        self._held = data[end + 2:]
+        return self._sub(data[:end + 2])
+
+    def flush(self) -> bytes:
+        tail = b"" if self._inner is None else self._inner.flush()
+        held, self._held = self._held + tail, b""
+        return self._sub(held)
+
+    def drop(self) -> None:
+        if self._inner is not None:
+            self._inner.drop()
+        self._held = b""

@@ -1321,3 +1321,135 @@ def test_only_completions_and_chat_take_the_path_and_min_tokens_is_held_to_ds_ca
     capped = OutputLimits(override=3, context=4096)
     assert first_token.eligible(route({**STREAM, "min_tokens": 3}), capped, GEN)
     assert not first_token.eligible(route({**STREAM, "min_tokens": 4}), capped, GEN)
+
+
+# ---------------------------------------------------------------- issue 48: what a client could still tell
+
+
+@pytest.mark.parametrize("opts, ok, wanted", [
+    ({"include_usage": True}, True, (True, False)),
+    ({"include_usage": 1}, True, (True, False)),  # vLLM's model reads a bool as pydantic does in lax mode
+    ({"include_usage": "yes", "continuous_usage_stats": "TRUE"}, True, (True, True)),
+    ({"include_usage": 1.0, "continuous_usage_stats": "on"}, True, (True, True)),
+    ({"include_usage": "t", "continuous_usage_stats": 0}, True, (True, False)),
+    ({"include_usage": "0", "continuous_usage_stats": True}, True, (False, False)),  # continuous needs usage
+    ({"include_usage": "off"}, True, (False, False)),
+    ({"include_usage": None, "continuous_usage_stats": None}, True, (False, False)),
+    ({}, True, (False, False)),
+    ({"include_usage": "maybe"}, False, (False, False)),  # vLLM's 400: only D's first token answers it
+    ({"include_usage": 2}, False, (False, False)),
+    ({"include_usage": True, "continuous_usage_stats": " yes"}, False, (True, False)),
+    ({"include_usage": True, "continuous_usage_stats": []}, False, (True, False)),
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_options_are_read_as_vllms_model_reads_them(opts, ok, wanted, chat):
+    body, path = ({**CHAT_STREAM, "stream_options": opts}, CHAT) if chat else ({**STREAM, "stream_options": opts},
+                                                                              COMPLETIONS)
+    assert first_token.eligible(route(body, path), LIMITS, GEN) is ok
+    assert first_token.usage_wanted(body) == wanted
+
+
+@pytest.mark.parametrize("value, want", [
+    (True, True), (False, False), (1, True), (0, False), (1.0, True), (0.0, False), (2, None), (-1, None),
+    (0.5, None), ("1", True), ("Yes", True), ("y", True), ("ON", True), ("T", True), ("true", True),
+    ("0", False), ("No", False), ("n", False), ("OFF", False), ("f", False), ("false", False),
+    ("", None), (" true", None), ("01", None), ("truthy", None), (None, None), ([], None), ({}, None),
+])
+def test_lax_bool_is_pydantics(value, want):
+    """The rule vLLM 0.32's request models apply (pydantic 2, lax mode), checked against pydantic itself."""
+    pydantic = pytest.importorskip("pydantic")
+    assert first_token.lax_bool(value) is want
+    try:
+        theirs = pydantic.TypeAdapter(bool | None).validate_python(value)
+    except pydantic.ValidationError:
+        theirs = "refused"
+    assert (want if want is not None or value is None else "refused") == theirs
+
+
+@pytest.mark.parametrize("opts", [{"include_usage": 1}, {"include_usage": "yes", "continuous_usage_stats": "true"}])
+@pytest.mark.parametrize("limit", [1, 3])
+async def test_usage_options_vllm_coerces_get_their_usage_events(opts, limit):
+    """{"include_usage": 1} with one token asked: the usage event (P's answer is all of it); with
+    continuous_usage_stats "true": usage on P's event too."""
+    async with running_proxy() as px:
+        await px.pd()
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": limit, "stream_options": opts})
+        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        got = events(resp.text)
+        assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == limit
+        if "continuous_usage_stats" in opts:
+            assert got[0]["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({"truncate_prompt_tokens": 8}, True),
+    ({"truncate_prompt_tokens": 0}, True),
+    ({"truncate_prompt_tokens": -1}, True),  # with a limit: vLLM keeps context - 1, as P does
+    ({"truncate_prompt_tokens": -1, "max_completion_tokens": None}, False),  # none: the whole context (vLLM's 400)
+    ({"truncate_prompt_tokens": -1, "max_completion_tokens": None, "max_tokens": 4}, True),
+    ({"truncate_prompt_tokens": "8"}, False),  # vLLM converts it: D's first token answers as vLLM does
+    ({"truncate_prompt_tokens": 8.0}, False),
+    ({"truncate_prompt_tokens": True}, False),
+    ({"truncate_prompt_tokens": -2}, False),
+])
+def test_truncation_to_the_context_passes_only_where_p_cuts_as_vllm_would(change, ok):
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, GEN) is ok
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({"truncate_prompt_tokens": -1}, True),  # max_tokens 5
+    ({"truncate_prompt_tokens": -1, "max_tokens": None}, False),  # null: vLLM reads 0 here, the whole context
+])
+def test_completion_truncation_to_the_context(change, ok):
+    assert first_token.eligible(route({**STREAM, **change}), LIMITS, GEN) is ok
+    absent = {k: v for k, v in STREAM.items() if k != "max_tokens"}  # absent: 16, a limit
+    assert first_token.eligible(route({**absent, "truncate_prompt_tokens": -1}), LIMITS, GEN)
+
+
+@pytest.mark.parametrize("adjusts, change, ok", [
+    ("none", {"tool_choice": None}, True),
+    ("tool_choice", {}, True),  # absent: vLLM's default "none"
+    ("tool_choice", {"tool_choice": "none"}, True),
+    ("tool_choice", {"tool_choice": None}, False),  # null is not "none": the parser adjusts the request
+    ("tool_choice", {"tool_choice": "auto", "tools": []}, False),
+    ("always", {}, False),
+    ("always", {"tool_choice": "none"}, False),
+    (None, {}, False),  # not known (an older connector)
+])
+def test_a_tool_parser_that_adjusts_the_request_keeps_chat_on_ds_first_token(adjusts, change, ok):
+    """vLLM 0.32's renderer lets the parser adjust a chat request (skip_special_tokens off) when
+    tool_choice is not "none", or always for some parsers: D's completion would drop the special
+    tokens the answer shows. Completions are never adjusted."""
+    gen = GenerationDefaults(tool_parser=adjusts)
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, gen) is ok
+    assert first_token.eligible(route(STREAM), LIMITS, gen) is True
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("case", ["json", "stream", "first-token", "first-token-continuous", "p-alone"])
+async def test_prompt_cache_figures_are_ps_not_ds(chat, case):
+    """--enable-prompt-tokens-details: D counts the KV it loaded as cached; the client gets P's
+    figures (P computed the prompt, as one server would have), in the shape vLLM writes them: whole
+    in a JSON answer, without null members in a stream's last usage, on no other event."""
+    body = dict(CHAT_STREAM if chat else STREAM)
+    body["stream"] = case != "json"
+    if case != "json":
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": case == "first-token-continuous"}
+    if case == "p-alone":
+        body["max_completion_tokens" if chat else "max_tokens"] = 1
+    async with running_proxy(first_token="decode" if case in ("json", "stream") else "prefill") as px:
+        p, d = await px.pd()
+        p.prompt_details, d.prompt_details = (3, 128), (40, 0)
+        resp = await px.client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        assert resp.status_code == 200
+        if case == "json":
+            want = {"cached_tokens": 3, "created_cache_tokens": 128 if chat else None, "multimodal_tokens": None}
+            assert resp.json()["usage"]["prompt_tokens_details"] == want
+            return
+        assert (resp.headers.get(XPYD_FIRST_TOKEN) == "prefill") is (case != "stream")
+        got = [e for e in events(resp.text)[:-1] if e.get("usage")]
+        assert got[-1]["choices"] == []
+        assert got[-1]["usage"]["prompt_tokens_details"] == ({"cached_tokens": 3, "created_cache_tokens": 128}
+                                                             if chat else {"cached_tokens": 3})
+        assert not any("prompt_tokens_details" in e["usage"] for e in got[:-1])
+        assert len(got) > 1 if case == "first-token-continuous" else len(got) == 1
