@@ -1453,3 +1453,92 @@ async def test_prompt_cache_figures_are_ps_not_ds(chat, case):
                                                              if chat else {"cached_tokens": 3})
         assert not any("prompt_tokens_details" in e["usage"] for e in got[:-1])
         assert len(got) > 1 if case == "first-token-continuous" else len(got) == 1
+
+
+# ---------------------------------------------------------------- the allow-list, entry by entry
+# Every field the allow-list names, with the values a request may carry on P's-token path and one
+# it may not (None: any value passes). Written out here, not read from first_token's tables, so
+# that an entry flipped there (dropped, let through at any value, one neutral value dropped) fails
+# a case here (scripts/flip_allow_list.py flips each and runs this file).
+_BOTH: dict[str, tuple[list, Any]] = {
+    "model": (["other"], None), "temperature": ([0.7], None), "top_p": ([0.9], None), "top_k": ([5], None),
+    "min_p": ([0.1], None), "repetition_penalty": ([1.2], None), "length_penalty": ([1.5], None),
+    "logit_bias": ([{"5": 1.0}], None), "allowed_token_ids": ([[1, 2]], None), "stop_token_ids": ([[7]], None),
+    "include_stop_str_in_output": ([True], None), "ignore_eos": ([True], None),
+    "skip_special_tokens": ([False], None), "spaces_between_special_tokens": ([False], None), "user": (["u"], None),
+    "priority": ([3], None), "cache_salt": (["s"], None), "request_id": (["r"], None),
+    "truncation_side": (["left"], None), "add_special_tokens": ([False], None),
+    "stream": ([True], False), "min_tokens": ([2], 99), "stream_options": ([{"include_usage": True}], {"x": 1}),
+    "kv_transfer_params": ([{"a": 1}], "x"), "truncate_prompt_tokens": ([8], "8"),
+    "n": ([1], 2), "echo": ([False], True), "prompt_logprobs": ([], 1), "stop": (["", []], ["\n"]),
+    "presence_penalty": ([0, 0.0], 0.5), "frequency_penalty": ([0, 0.0], 0.5), "seed": ([], 7), "suffix": ([""], "x"),
+    "bad_words": ([[]], ["x"]), "return_token_ids": ([False], True), "return_tokens_as_token_ids": ([False], True),
+    "return_token_offsets": ([False], True), "logprob_token_ids": ([], [3]), "prompt_embeds": ([], "x"),
+    "response_format": ([], {"type": "json_object"}), "structured_outputs": ([], {"json": {}}),
+    "use_beam_search": ([False], True), "vllm_xargs": ([], {"a": 1}), "watermarking": ([], {"key": 1}),
+    "session_id": ([], "s"), "routed_experts_prompt_start": ([0], 3), "mm_payload": (["tensors"], "x"),
+    "return_mm_kwargs": ([], True), "ec_transfer_params": ([], {"a": 1}),
+    "repetition_detection": ([], {"max_pattern_size": 4}), "thinking_token_budget": ([], 8),
+    "stream_interval": ([1], 4),
+}
+ALLOWED = {
+    False: {**_BOTH, "max_tokens": ([5], 0), "prompt": (["text", [1, 2]], ["a", "b"]), "logprobs": ([1, 0], -1)},
+    True: {**_BOTH, "max_tokens": ([5], 0), "messages": ([[{"role": "user", "content": "x"}]], []),
+           "chat_template": (["{{ x }}"], None), "chat_template_kwargs": ([{"a": 1}], None),
+           "add_generation_prompt": ([False], None), "continue_final_message": ([True], None),
+           "documents": ([[{"a": "b"}]], None), "reasoning_effort": (["low"], None),
+           "max_completion_tokens": ([5], 0), "logprobs": ([False], True), "top_logprobs": ([0], 2),
+           "tools": ([[]], [{"type": "function", "function": {"name": "f"}}]), "tool_choice": (["none", "auto"], "required"),
+           "parallel_tool_calls": ([True, False], "x"), "include_reasoning": ([True], False),
+           "return_prompt_text": ([False], True), "media_io_kwargs": ([], {"a": 1}), "mm_processor_kwargs": ([], {"a": 1})},
+}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_field_the_allow_list_names_has_its_cases_here(chat):
+    assert set(ALLOWED[chat]) == set(first_token.fields_named(chat))
+
+
+@pytest.mark.parametrize("chat, name, value, ok", [
+    pytest.param(chat, name, value, ok, id=f"{'chat' if chat else 'completions'}-{name}-{value!r}-{ok}")
+    for chat, table in ALLOWED.items() for name, (values, bad) in table.items()
+    for value, ok in [*((v, True) for v in values), *([] if bad is None else [(bad, False)])]
+])
+def test_each_allow_list_entry(chat, name, value, ok):
+    base, path = (CHAT_STREAM, CHAT) if chat else (STREAM, COMPLETIONS)
+    assert first_token.eligible(route({**base, name: value}, path), LIMITS, GEN) is ok
+
+
+@pytest.mark.parametrize("name, same", [("temperature", True), ("top_p", True), ("top_k", True), ("min_p", True),
+                                        ("repetition_penalty", True), ("presence_penalty", False),
+                                        ("frequency_penalty", False)])
+@pytest.mark.parametrize("chat", [False, True])
+def test_each_server_sampling_default_that_means_the_same_on_p_and_d(name, same, chat):
+    assert set(first_token._SAMPLING_SAME) <= {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    base, path = (CHAT_STREAM, CHAT) if chat else (STREAM, COMPLETIONS)
+    gen = GenerationDefaults(((name, 0.5),))
+    assert first_token.eligible(route(base, path), LIMITS, gen) is same
+
+
+# What a chat request's continuation (a completion) carries of it, as the client sent it: the fields
+# a completion means the same way, and the neutral ones (left out, D's server would apply its
+# default). max_tokens, min_tokens and kv_transfer_params are the continuation's own (tested above).
+CARRIED = {"model": "m2", "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1,
+           "length_penalty": 1.2, "stop_token_ids": [7], "include_stop_str_in_output": True, "ignore_eos": True,
+           "skip_special_tokens": False, "spaces_between_special_tokens": False, "allowed_token_ids": [1, 2],
+           "logit_bias": {"5": 1.0}, "user": "u", "stream": True, "stream_options": {"include_usage": True},
+           "priority": 2, "cache_salt": "salt", "request_id": "r", "n": 1, "presence_penalty": 0,
+           "frequency_penalty": 0.0, "echo": False, "stop": [], "use_beam_search": False, "stream_interval": 1}
+
+
+def test_a_chat_continuation_carries_what_a_completion_means_the_same_way():
+    first = FIRST_TOKEN_CHAT
+    cont = first_token.continuation({**CHAT_STREAM, **CARRIED, "messages": [{"role": "user", "content": "hi"}],
+                                     "chat_template_kwargs": {"a": 1}, "tool_choice": "none"}, first, LIMITS)
+    assert {k: cont.get(k, "absent") for k in CARRIED} == CARRIED
+    assert {"messages", "chat_template_kwargs", "tool_choice", "max_completion_tokens"}.isdisjoint(cont)
+    assert set(first_token._COMPLETION_KEYS) <= set(CARRIED) | {"max_tokens", "min_tokens", "kv_transfer_params"}
+
+
+FIRST_TOKEN_CHAT = first_token.FirstToken(True, "chatcmpl-x", 1, "m", " a", [5], PromptIds.of([1, 2, 3]), None, None,
+                                          None, None)
