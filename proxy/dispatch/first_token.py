@@ -15,7 +15,7 @@ construction). ``eligible`` is an allow-list over every field of vLLM's request 
 field it does not name, or names at another value, keeps the request on D's first token.
 What the request cannot show, D's connector advertises (``OutputLimits``: how its vLLM
 caps answers and the context; ``GenerationDefaults``: the sampling defaults it applies and
-whether a reasoning parser reads its chat answers); an instance that advertises neither
+whether a reasoning or tool parser reads its chat answers); an instance that advertises neither
 (a static one) keeps D's first token.
 
 P's answer decides too (``parse`` and ``starts_answer``): a token that is part of a
@@ -188,16 +188,12 @@ def _fields_pass(body: dict, chat: bool) -> bool:
 
 def _defaults_pass(body: dict, defaults: GenerationDefaults, chat: bool) -> bool:
     """The server's own sampling defaults change nothing here: each is one P and D apply
-    alike, or the request sets that field itself. A chat answer a reasoning parser reads
-    (its split into reasoning and content, its special tokens) is D's whole answer, and so is
-    one whose request a tool parser adjusts (it may keep special tokens: D's completion would
-    drop them); vLLM 0.32 lets it when tool_choice is not "none" (null included), or always."""
-    if chat:
-        if defaults.reasoning_parser:
-            return False
-        adjusts = defaults.tool_parser  # None: not known
-        if adjusts != "none" and not (adjusts == "tool_choice" and body.get("tool_choice", "none") == "none"):
-            return False
+    alike, or the request sets that field itself. A chat answer a reasoning or a tool parser
+    reads is D's whole answer: vLLM 0.32 streams every chat answer through the parser, whatever
+    tool_choice says (it holds back or reshapes deltas: an empty last delta is written {}), and a
+    tool parser may adjust the request too (keep special tokens, which D's completion would drop)."""
+    if chat and (defaults.reasoning_parser or defaults.tool_parser != "none"):  # None: not known
+        return False
     return all(name in _SAMPLING_SAME or body.get(name) is not None for name, _ in defaults.sampling)
 
 

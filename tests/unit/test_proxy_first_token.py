@@ -1408,18 +1408,18 @@ def test_completion_truncation_to_the_context(change, ok):
 
 @pytest.mark.parametrize("adjusts, change, ok", [
     ("none", {"tool_choice": None}, True),
-    ("tool_choice", {}, True),  # absent: vLLM's default "none"
-    ("tool_choice", {"tool_choice": "none"}, True),
-    ("tool_choice", {"tool_choice": None}, False),  # null is not "none": the parser adjusts the request
-    ("tool_choice", {"tool_choice": "auto", "tools": []}, False),
+    ("none", {"tool_choice": "auto", "tools": []}, True),
+    ("tool_choice", {}, False),  # the parser reads every chat answer (vLLM streams it through the parser)
+    ("tool_choice", {"tool_choice": "none"}, False),
+    ("tool_choice", {"tool_choice": None}, False),  # and adjusts this request too: null is not "none"
     ("always", {}, False),
-    ("always", {"tool_choice": "none"}, False),
     (None, {}, False),  # not known (an older connector)
 ])
-def test_a_tool_parser_that_adjusts_the_request_keeps_chat_on_ds_first_token(adjusts, change, ok):
-    """vLLM 0.32's renderer lets the parser adjust a chat request (skip_special_tokens off) when
-    tool_choice is not "none", or always for some parsers: D's completion would drop the special
-    tokens the answer shows. Completions are never adjusted."""
+def test_a_tool_parser_keeps_chat_on_ds_first_token(adjusts, change, ok):
+    """vLLM 0.32 streams every chat answer through a configured tool parser, whatever tool_choice says
+    (an empty last delta becomes {}), and lets it adjust the request (skip_special_tokens off) when
+    tool_choice is not "none", or always: D's completion would answer otherwise. Completions are
+    never parsed nor adjusted."""
     gen = GenerationDefaults(tool_parser=adjusts)
     assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, gen) is ok
     assert first_token.eligible(route(STREAM), LIMITS, gen) is True
