@@ -18,6 +18,7 @@ from proxy.dispatch.call import (
     Call,
 )
 from proxy.dispatch.decode import Decode
+from proxy.dispatch.first_token import lax_bool
 from proxy.dispatch.relay import Answer
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -75,5 +76,6 @@ def _wants_prompt_logprobs(req: RouteRequest) -> bool:
     body = req.body
     if body.get("prompt_logprobs") is not None:
         return True
-    return req.path == COMPLETIONS and body.get("echo") is True and (
+    # echo as vLLM's request model reads a bool: 1 and "yes" are true too
+    return req.path == COMPLETIONS and lax_bool(body.get("echo")) is True and (
         body.get("logprobs") is not None or body.get("max_tokens") == 0)

@@ -380,6 +380,10 @@ def test_without_p_the_path_is_local_or_a_503_that_says_so():
         ({"messages": [], "logprobs": True, "top_logprobs": 2}, "/v1/chat/completions", False),
         ({"messages": [], "prompt_logprobs": 0}, "/v1/chat/completions", True),
         ({"prompt": "x", "prompt_logprobs": None}, "/v1/completions", False),
+        # echo as vLLM's model reads a bool (pydantic, lax): 1 and "true" are true, "0" is not
+        ({"prompt": "x", "echo": 1, "logprobs": 1}, "/v1/completions", True),
+        ({"prompt": "x", "echo": "true", "max_tokens": 0}, "/v1/completions", True),
+        ({"prompt": "x", "echo": "0", "logprobs": 1}, "/v1/completions", False),
     ],
 )
 def test_only_prompt_logprobs_keep_the_prefill_on_d(body, path, local):
