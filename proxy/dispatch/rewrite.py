@@ -54,14 +54,12 @@ class NeutralIds:
 
 
 def _border(old: bytes) -> bool:
-    """Whether some proper prefix of ``old`` is also its suffix (a border starts with old's
-    first byte: only those places are tried)."""
-    i = old.find(old[:1], 1)
-    while i > 0:
-        if old.startswith(old[i:]):
-            return True
-        i = old.find(old[:1], i + 1)
-    return False
+    """Whether some proper prefix of ``old`` is also its suffix. A border of 4 bytes or more starts
+    with old's first 4, which the ids the proxy builds hold only at their start ("___p", "xpyd"):
+    one search rules those out, then the 3 shorter ones are tried."""
+    if len(old) > 4 and old.find(old[:4], 1) < 0:
+        return old[:1] == old[-1:] or old[:2] == old[-2:] or old[:3] == old[-3:]
+    return any(old.startswith(old[i:]) for i in range(1, len(old)))
 
 
 class IdRewrite:
