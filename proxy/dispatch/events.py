@@ -51,8 +51,8 @@ class ContinuationEvents:
     under another request id: a rescue, or a server that adds a suffix), and P's prompt-cache
     figures in place of D's, which counts the KV it loaded as cached (``details``: P's
     prompt_tokens_details as a stream writes them; None: P reported none). The stream
-    arrives in arbitrary pieces: what precedes the last event's start passes at once, that
-    event waits for its end (bounded)."""
+    arrives in arbitrary pieces: the complete events pass at once, what follows the last one's
+    end (the event still arriving) waits for its end (bounded)."""
 
     def __init__(self, text_offset: int, event_id: str, chat: bool = False, created: int | None = None,
                  details: dict | None = None) -> None:
@@ -68,12 +68,16 @@ class ContinuationEvents:
 
     def feed(self, chunk: bytes) -> bytes:
         buf = self._held + chunk
-        if buf.endswith(EVENT_ENDS) or len(buf) > _HOLD_MAX:
+        if buf.endswith(EVENT_ENDS):
             cut = len(buf)
         else:
-            cut = buf.rfind(b"data:")
-            if cut < 0:  # no event starts here, unless the buffer ends with the start of "data:"
-                cut = len(buf) - next((k for k in range(4, 0, -1) if buf.endswith(b"data:"[:k])), 0)
+            # After the last complete event (vLLM writes each on one line: no event holds a blank
+            # line); the event still arriving waits, up to _HOLD_MAX bytes of it. (The bound once
+            # applied to the whole read: a read of 64 KiB and more, as a loaded proxy makes, then
+            # let the event it ended inside out in two pieces, neither rewritten.)
+            cut = max((i + len(end) for end in EVENT_ENDS if (i := buf.rfind(end)) >= 0), default=0)
+            if len(buf) - cut > _HOLD_MAX:
+                cut = len(buf)
         self._held, done = buf[cut:], buf[:cut]
         if self._d_id is None and (m := _EVENT_ID.search(done)) is not None:
             self._d_id = m.group(0)

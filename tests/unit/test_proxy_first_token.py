@@ -339,13 +339,13 @@ def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
 
 
 def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
-    """Events before the last one's start go out as they come, whatever their line ends
-    (CRLF too); only the event still arriving waits."""
+    """Complete events go out as they come, whatever their line ends (CRLF too); only what
+    follows the last one's end (the event still arriving) waits."""
     shift = d_events.ContinuationEvents(0, "cmpl-p")
     assert shift.feed(b'data: {"a":1}\r\n\r\ndata: {"b"') == b'data: {"a":1}\r\n\r\n'
     assert shift.feed(b':2}\r\n\r\n') == b'data: {"b":2}\r\n\r\n'
-    assert shift.feed(b": comment, no data\n") == b": comment, no data\n"  # no event start: nothing to hold
-    assert shift.feed(b"\n\nda") == b"\n\n"  # maybe the start of "data:": held
+    assert shift.feed(b": comment, no data\n") == b""  # not ended yet: held
+    assert shift.feed(b"\n\nda") == b": comment, no data\n\n\n"  # ended; what follows waits
     assert shift.feed(b'ta: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n') == \
         b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n'
     crlf_usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\n\r\n'
@@ -1195,6 +1195,35 @@ def test_chat_usage_event_without_an_object_is_counted_and_made_a_chunk():
         "choices": [],
         "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
     }
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_read_of_many_events_ending_inside_one_holds_that_one_back(chat):
+    """Issue 48's intermittent failure: on a loaded box the proxy read D's stream 64 KiB and more at
+    a time, and the bound on what waits was applied to the whole read, so the event the read ended
+    inside went out in two pieces, neither rewritten: a completion's text offsets not moved past P's
+    token (seen: one offset 4 short), a chat chunk left a completion (its text lost to the client:
+    a proxied answer 8 characters short at the context's end). Only the event still arriving waits."""
+    text = "\ufffdree"
+
+    def event(i: int) -> bytes:
+        return ('data: {"id":"cmpl-d","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+                f'"text":"{text}","logprobs":{{"text_offset":[{3 * i}],"token_logprobs":[-6.1],"tokens":["ree"],'
+                '"top_logprobs":[{"ree":-6.1}]},"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                '"token_ids":null}]}\n\n').encode()
+
+    stream = b"".join(event(i) for i in range(700))  # ~200 KB
+    assert len(stream) > 2 * d_events._HOLD_MAX
+    for cut in (d_events._HOLD_MAX + 100, d_events._HOLD_MAX + 431, 3 * d_events._HOLD_MAX - 7):
+        shift = d_events.ContinuationEvents(4, "cmpl-p", chat=chat)
+        out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
+        got = [json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: ")]
+        assert len(got) == 700, cut
+        if chat:
+            assert {e["object"] for e in got} == {"chat.completion.chunk"}, cut
+            assert "".join(e["choices"][0]["delta"]["content"] for e in got) == text * 700
+        else:
+            assert [e["choices"][0]["logprobs"]["text_offset"][0] for e in got] == [3 * i + 4 for i in range(700)], cut
 
 
 def test_an_event_is_held_up_to_the_bound_then_passed():
