@@ -457,6 +457,23 @@ def test_chat_without_a_limit_runs_to_the_context_end(shipped, stream):
     check(shipped, "/v1/chat/completions", {**body, "stream": stream}, route=FIRST if stream else SEQUENTIAL)
 
 
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_long_answer_to_the_context_end(shipped, kind):
+    """~800 tokens streamed to the context's end (issue 48: a loaded proxy read D's stream 64 KiB and
+    more at a time, and the event such a read ended inside went out unrewritten: a text offset not
+    moved past P's token, a chat chunk left a completion and its text lost). The completion is the
+    chat's rendered prompt as token ids, with logprobs: a KV difference shows as a logprob off."""
+    body = {**fitted(shipped, 800), "stream": True}
+    if kind == "chat":
+        check(shipped, "/v1/chat/completions", body, route=FIRST)
+        return
+    _, _, data = call(shipped, shipped.colocated.url, "/v1/chat/completions",
+                      {**body, "stream": False, "max_tokens": 1, "return_token_ids": True})
+    ids = data["prompt_token_ids"]
+    check(shipped, "/v1/completions", completion(ids, max_tokens=CONTEXT - len(ids), logprobs=2, stream=True),
+          route=FIRST)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_first_token_that_is_part_of_a_character(shipped, partial_prompts, kind, stream):
