@@ -23,12 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httptools
+import pydantic
 import zmq
 import zmq.asyncio
 
 from tests.support import fake_apis, fake_lora
 from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
+
+# How vLLM's request models read a bool field (pydantic in lax mode: 1, "yes", "TRUE" are true).
+_LAX_BOOL = pydantic.TypeAdapter(bool | None)
 
 
 @dataclass
@@ -294,6 +298,9 @@ class FakeVLLM:
         # answers for a one-token answer whose token is part of a character (it holds it back).
         self.first_text: str | None = None
         self.role_name = "assistant"  # a chat answer's role (vLLM's --response-role)
+        # vLLM's --enable-prompt-tokens-details: the (cached, created) prompt-cache figures it reports
+        # in usage.prompt_tokens_details (chat alone reports created); None: off, null there.
+        self.prompt_details: tuple[int, int] | None = None
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
         self.models_status = 200
@@ -620,6 +627,10 @@ class FakeVLLM:
         prompt = prompt_tokens(chat, body)
         usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n,
                  "prompt_tokens_details": None, "completion_tokens_details": None}
+        if self.prompt_details is not None:  # as vLLM 0.32 writes them whole
+            cached, created = self.prompt_details
+            usage["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": created if chat else None,
+                                              "multimodal_tokens": None}
         ids = body.get("return_token_ids") is True
         token_ids = [FIRST_TOKEN_ID + start + i for i in range(n)] if ids else None
         created = int(time.time())
@@ -658,7 +669,7 @@ class FakeVLLM:
         model = json.dumps(self.model)
         suffix = os.urandom(4).hex()
         opts = body.get("stream_options")
-        usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        usage = isinstance(opts, dict) and bool(_LAX_BOOL.validate_python(opts.get("include_usage")))
         fingerprint = "" if usage else ',"system_fingerprint":"%s"' % FINGERPRINT
         if chat:
             ident = json.dumps(f"chatcmpl-{rid}-{suffix}")
@@ -682,8 +693,12 @@ class FakeVLLM:
             events.append(head + ((last if i == n - 1 else mid) % (start + i)))
         if usage:
             prompt = prompt_tokens(chat, body)
-            events.append(head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d},'
-                          '"system_fingerprint":"%s"}' % (prompt, prompt + n, n, FINGERPRINT))
+            details = ""
+            if self.prompt_details is not None:  # as a stream's last usage: null members left out
+                details = ',"prompt_tokens_details":{"cached_tokens":%d%s}' % (
+                    self.prompt_details[0], ',"created_cache_tokens":%d' % self.prompt_details[1] if chat else "")
+            events.append(head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d%s},'
+                          '"system_fingerprint":"%s"}' % (prompt, prompt + n, n, details, FINGERPRINT))
         out = [b"data: " + e.encode() + b"\n\n" for e in events]
         out.append(b"data: [DONE]\n\n")
         return out
