@@ -51,6 +51,10 @@ from tests.support import cluster  # tests/support/cluster.py: the servers' spaw
 ROOT = Path(__file__).resolve().parent.parent
 SETUPS = ("colocated", "xpyd", "vllm-router")
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_s", "goodput")
+# Where the CPU went during a point (/proc, every process of a server's session): the front (the
+# setup's proxy or router) in ms a request, P and D in cores busy over the point's wall time.
+CPU = ("front_ms", "p_cores", "d_cores", "gap1_p50", "gap1_max")
+HZ = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,12 @@ def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int) -> dic
     if r["completed"] != p.prompts:
         errors = [e for e in r.get("errors", []) if e][:3]
         raise RuntimeError(f"{url}: {r['completed']} of {p.prompts} completed; {errors}\n{out.getvalue()[-2000:]}")
+    # The gap from each answer's first token to its second, which the ITL figures include: with
+    # the first token from P, D's first step after the KV load (issue 49 section 1).
+    gaps = sorted(1000 * itl[0] for itl in r["itls"] if itl)
     return {"ttft_p50": r["median_ttft_ms"], "ttft_p99": r["p99_ttft_ms"], "itl_p50": r["median_itl_ms"],
-            "itl_p99": r["p99_itl_ms"], "out_tok_s": r["output_throughput"], "goodput": r["request_goodput"]}
+            "itl_p99": r["p99_itl_ms"], "out_tok_s": r["output_throughput"], "goodput": r["request_goodput"],
+            "gap1_p50": statistics.median(gaps) if gaps else 0.0, "gap1_max": gaps[-1] if gaps else 0.0}
 
 
 def guidellm_point(url: str, model: Path, p: Profile, rate: float, seed: int, out_dir: Path) -> dict[str, float]:
@@ -174,9 +182,21 @@ def guidellm_metrics(report: dict, p: Profile) -> dict[str, float]:
 # ----------------------------------------------------------------------------- run
 
 
+def session_cpu(sessions: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of every process in each named session (a server and its children)."""
+    by_sid = {sid: name for name, sid in sessions.items()}
+    out = dict.fromkeys(sessions, 0.0)
+    for _, fields in cluster.proc_stats():
+        name = by_sid.get(int(fields[3]))
+        if name is not None:
+            out[name] += (int(fields[11]) + int(fields[12])) / HZ
+    return out
+
+
 def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles: list[Profile],
-          log_dir: Path) -> dict:  # fmt: skip
-    """{client: {profile: {rate: {setup: [metrics per round]}}}}, the setups taking turns."""
+          log_dir: Path, sessions: dict[str, int]) -> dict:  # fmt: skip
+    """{client: {profile: {rate: {setup: [metrics per round]}}}}, the setups taking turns.
+    ``sessions``: the session (leader pid) of P, D and each setup's front, named so."""
     clients = ["vllm"] + (["guidellm"] if args.client == "both" else []) if args.client != "guidellm" else ["guidellm"]
     res: dict = {c: {p.name: {r: {s: [] for s in urls} for r in p.rates} for p in profiles} for c in clients}
     names = list(urls)
@@ -188,9 +208,12 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                     for c in clients:
                         seed = args.seed + 10_000 * rnd + 1_000 * i + 100 * names.index(s) + 10 * clients.index(c)
                         seed += 5_000_000 * profiles.index(p)
-                        t0 = time.monotonic()
+                        t0, cpu0 = time.monotonic(), session_cpu(sessions)
                         point = (vllm_point(urls[s], model, p, rate, seed) if c == "vllm"
                                  else guidellm_point(urls[s], model, p, rate, seed, log_dir))
+                        wall, cpu1 = time.monotonic() - t0, session_cpu(sessions)
+                        point |= {"front_ms": 1000 * (cpu1[s] - cpu0[s]) / p.prompts,
+                                  "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
                         res[c][p.name][rate][s].append(point)
                         print(f"  round {rnd + 1}/{args.rounds} {c} {p.name} {rate:g}/s {s:<12} "
                               + " ".join(f"{k} {v:.1f}" for k, v in point.items())
@@ -199,7 +222,7 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
 
 
 def medians(res: dict) -> dict:
-    return {c: {p: {r: {s: {k: statistics.median(x[k] for x in runs) for k in METRICS}
+    return {c: {p: {r: {s: {k: statistics.median(x[k] for x in runs) for k in METRICS + CPU if k in runs[0]}
                         for s, runs in by_setup.items() if runs}
                     for r, by_setup in by_rate.items()} for p, by_rate in by_prof.items()}
             for c, by_prof in res.items()}
@@ -218,6 +241,16 @@ def report(med: dict, profiles: list[Profile], args: argparse.Namespace) -> list
                 for s, m in by_setup.items():
                     lines.append(f"| {rate:g} | {s} | {m['ttft_p50']:.0f} | {m['ttft_p99']:.0f} | {m['itl_p50']:.1f} | "
                                  f"{m['itl_p99']:.1f} | {m['out_tok_s']:.1f} | {m['goodput']:.2f} |")
+            rows = [(rate, s, m) for rate, by_setup in by_prof[p.name].items() for s, m in by_setup.items()
+                    if "front_ms" in m]
+            if rows:
+                lines.append("\nwhere the CPU went (/proc; the front: the setup's proxy or router, CPU ms a request; "
+                             "P and D: cores busy over the point, of the one each has) and the gap from each answer's "
+                             "first token to its second (in the ITL figures)")
+                lines.append("| rate/s | setup | front ms/req | P cores | D cores | token 1 -> 2 gap p50 / max ms |")
+                lines.append("|---|---|---|---|---|---|")
+                lines += [f"| {rate:g} | {s} | {m['front_ms']:.2f} | {m['p_cores']:.2f} | {m['d_cores']:.2f} | "
+                          f"{m.get('gap1_p50', 0):.0f} / {m.get('gap1_max', 0):.0f} |" for rate, s, m in rows]
     return lines
 
 
@@ -322,7 +355,9 @@ def main() -> int:
         for s, url in urls.items():
             wait_routed(url, s, 120)
         print(f"  up in {time.monotonic() - t0:.0f}s", flush=True)
-        res = sweep(args, urls, model, profiles, log_dir)
+        sessions = {"P": servers[2].proc.pid, "D": servers[3].proc.pid, "colocated": colocated.proc.pid,
+                    "xpyd": proxy.proc.pid, "vllm-router": router_pd.proc.pid}
+        res = sweep(args, urls, model, profiles, log_dir, sessions)
         after = machine()
         med = medians(res)
         title = (f"{before['lscpu']}; {args.model} model; medians of {args.rounds} rounds\n"

@@ -583,6 +583,7 @@ def bench(args: argparse.Namespace) -> int:
             for s in setups
         }
         report(results, args)
+        report_ratios(via, args)
         if args.profile:
             for s in setups:
                 if not s.variant.startswith("vllm-router"):
@@ -602,6 +603,23 @@ def bench(args: argparse.Namespace) -> int:
     finally:
         stop_all(procs)
     return 0
+
+
+def report_ratios(via: dict[tuple[str, int], list[Run]], args: argparse.Namespace) -> None:
+    """Each variant's CPU per request over the router's measured in the same round, the median
+    (and range) over the rounds: load from other processes that drifts between rounds cancels
+    out, which the medians of each variant alone do not (a loaded box moves them by 2x)."""
+    routers = [v for v, _ in via if v.startswith("vllm-router")]
+    if not routers or args.rounds < 2:
+        return
+    base = routers[0]
+    print(f"\nCPU per request / {base}'s in the same round, median (range) of {args.rounds} rounds:")
+    for (variant, c), runs in via.items():
+        if variant == base:
+            continue
+        ratios = sorted(r.cpu_ms / b.cpu_ms for r, b in zip(runs, via[(base, c)], strict=True) if b.cpu_ms)
+        if ratios:
+            print(f"  {variant:<40} c={c:<3} {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namespace) -> None:
