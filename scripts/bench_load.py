@@ -52,8 +52,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SETUPS = ("colocated", "xpyd", "vllm-router")
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_s", "goodput")
 # Where the CPU went during a point (/proc, every process of a server's session): the front (the
-# setup's proxy or router) in ms a request, P and D in cores busy over the point's wall time.
-CPU = ("front_ms", "p_cores", "d_cores", "gap1_p50", "gap1_max")
+# setup's proxy or router), P and D in cores busy over the point's wall time (a front's CPU a
+# request would count its idle heartbeats and probes over a slow point's minute).
+CPU = ("front_cores", "p_cores", "d_cores", "gap1_p50", "gap1_max")
 HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -212,7 +213,7 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                         point = (vllm_point(urls[s], model, p, rate, seed) if c == "vllm"
                                  else guidellm_point(urls[s], model, p, rate, seed, log_dir))
                         wall, cpu1 = time.monotonic() - t0, session_cpu(sessions)
-                        point |= {"front_ms": 1000 * (cpu1[s] - cpu0[s]) / p.prompts,
+                        point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
                                   "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
                         res[c][p.name][rate][s].append(point)
                         print(f"  round {rnd + 1}/{args.rounds} {c} {p.name} {rate:g}/s {s:<12} "
@@ -242,14 +243,14 @@ def report(med: dict, profiles: list[Profile], args: argparse.Namespace) -> list
                     lines.append(f"| {rate:g} | {s} | {m['ttft_p50']:.0f} | {m['ttft_p99']:.0f} | {m['itl_p50']:.1f} | "
                                  f"{m['itl_p99']:.1f} | {m['out_tok_s']:.1f} | {m['goodput']:.2f} |")
             rows = [(rate, s, m) for rate, by_setup in by_prof[p.name].items() for s, m in by_setup.items()
-                    if "front_ms" in m]
+                    if "front_cores" in m]
             if rows:
-                lines.append("\nwhere the CPU went (/proc; the front: the setup's proxy or router, CPU ms a request; "
-                             "P and D: cores busy over the point, of the one each has) and the gap from each answer's "
-                             "first token to its second (in the ITL figures)")
-                lines.append("| rate/s | setup | front ms/req | P cores | D cores | token 1 -> 2 gap p50 / max ms |")
+                lines.append("\nwhere the CPU went (/proc: cores busy over the point; the front: the setup's proxy or "
+                             "router; P and D have one core each) and the gap from each answer's first token to its "
+                             "second (in the ITL figures)")
+                lines.append("| rate/s | setup | front cores | P cores | D cores | token 1 -> 2 gap p50 / max ms |")
                 lines.append("|---|---|---|---|---|---|")
-                lines += [f"| {rate:g} | {s} | {m['front_ms']:.2f} | {m['p_cores']:.2f} | {m['d_cores']:.2f} | "
+                lines += [f"| {rate:g} | {s} | {m['front_cores']:.3f} | {m['p_cores']:.2f} | {m['d_cores']:.2f} | "
                           f"{m.get('gap1_p50', 0):.0f} / {m.get('gap1_max', 0):.0f} |" for rate, s, m in rows]
     return lines
 

@@ -126,7 +126,7 @@ def prompt_token_ids(prompt: Any) -> list[int]:
 @functools.lru_cache(maxsize=64)
 def _text_ids(text: str) -> tuple[int, ...]:
     """Remembered: a benchmark sends one prompt again and again, and tokenizing a 4k-character one
-    in Python twice a request (ids and usage) took ~0.3 ms of the cores the proxy measured
+    in Python twice a request (ids and usage) took 2 x ~0.36 ms of the cores the proxy measured
     beside it shares (scripts/bench_proxy.py, issue 49); a vLLM tokenizes in its own process."""
     return tuple(ord(c) % 800 for c in text)
 

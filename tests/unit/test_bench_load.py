@@ -23,11 +23,11 @@ def test_medians_are_per_setup_and_metric_over_rounds():
     lines = report(medians(res), [P], Args)
     assert "| 0.5 | xpyd | 20 | 40 | 5.0 | 9.0 | 100.0 | 0.30 |" in lines
     assert any("TTFT <= 1000 ms and TPOT <= 50 ms" in line for line in lines)
-    assert not any("front ms/req" in line for line in lines)  # no CPU figures measured
-    cpu = {"front_ms": 0.5, "p_cores": 0.9, "d_cores": 0.4}
-    res["vllm"]["long"][0.5]["xpyd"] = [_point(10, 0.1) | cpu, _point(10, 0.1) | cpu | {"front_ms": 0.7}]
+    assert not any("front cores" in line for line in lines)  # no CPU figures measured
+    cpu = {"front_cores": 0.5, "p_cores": 0.9, "d_cores": 0.4}
+    res["vllm"]["long"][0.5]["xpyd"] = [_point(10, 0.1) | cpu, _point(10, 0.1) | cpu | {"front_cores": 0.7}]
     lines = report(medians(res), [P], Args)
-    assert "| 0.5 | xpyd | 0.60 | 0.90 | 0.40 | 0 / 0 |" in lines
+    assert "| 0.5 | xpyd | 0.600 | 0.90 | 0.40 | 0 / 0 |" in lines
 
 
 def test_guidellm_report_gives_the_same_figures():
