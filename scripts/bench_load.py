@@ -120,11 +120,13 @@ def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int) -> dic
 
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
+    # --save-detailed keeps the per-request ITLs and errors in the result (nothing is written).
     argv = ["--backend", "openai", "--base-url", url, "--model", cluster_model_name(), "--tokenizer", str(model),
             "--dataset-name", "random", "--random-input-len", str(p.input_len), "--random-output-len",
             str(p.output_len), "--num-prompts", str(p.prompts), "--request-rate", str(rate), "--seed", str(seed),
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--goodput", f"ttft:{p.slo_ttft_ms:g}", f"tpot:{p.slo_tpot_ms:g}", "--disable-tqdm"]  # fmt: skip
+            "--goodput", f"ttft:{p.slo_ttft_ms:g}", f"tpot:{p.slo_tpot_ms:g}", "--disable-tqdm",
+            "--save-detailed"]  # fmt: skip
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         r = serve.main(parser.parse_args(argv))
