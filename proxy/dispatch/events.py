@@ -1,8 +1,8 @@
 """D's events on the first token from P's path (proxy/dispatch/first_token.py), as the client's
 request counts them: usage with P's token as generated, logprobs text offsets after P's token,
 P's id and ``created`` on every event, P's prompt-cache figures, and (chat) D's completion chunks
-made chat chunks. The bytes are rewritten where they must be, at C speed where vLLM writes its
-usual chunk."""
+made chat chunks (vLLM's usual ones by chat_chunks.py). The bytes are rewritten where they must be,
+at C speed where vLLM writes its usual chunk."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 
 import orjson
 
+from proxy.dispatch.chat_chunks import TRANSLATED, chat_chunks
 from proxy.dispatch.relay import EVENT_END, EVENT_ENDS
 
 _HOLD_MAX = 64 * 1024
@@ -18,30 +19,6 @@ _EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's
 
 _EVENT_ID = re.compile(rb'"id":\s*"(?:[^"\\]|\\.)*"')  # an event's first "id" is its top-level one
 _EVENT_CREATED = re.compile(rb'"created":\d+')  # outside strings: inside one its quotes are escaped
-
-
-_STR = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a JSON string (on one line, as JSON writes it)
-# vLLM's usual completion chunk, one per line: one choice, no logprobs, no usage, token-id
-# fields null, the last one with system_fingerprint (its serving code: pydantic,
-# exclude_unset).
-_MID_CHUNK = re.compile(
-    rb'(?m)^data: \{"id":(' + _STR + rb'),"object":"text_completion","created":(\d+),"model":(' + _STR
-    + rb'),"choices":\[\{"index":(\d+),"text":(' + _STR + rb'),"logprobs":null,"finish_reason":('
-    # null: the chat chunk has no stop_reason; the last chunk's reason keeps it
-    rb'null(?=,"stop_reason":null)|' + _STR + rb',"stop_reason":(?:null|-?\d+|' + _STR + rb'))'
-    rb'(?:,"stop_reason":null)?(?:,"[a-z_]+":null)*\}\]((?:,"system_fingerprint":' + _STR + rb')?)\}$'
-)
-
-
-def _mid_chat(m: re.Match[bytes]) -> bytes:
-    """A _MID_CHUNK match as the JSON path below makes it a chat chunk."""
-    ident, created, model, index, text, finish, fingerprint = m.groups()
-    return (b'data: {"id":' + ident + b',"object":"chat.completion.chunk","created":' + created + b',"model":'
-            + model + b',"choices":[{"index":' + index + b',"delta":{"content":' + text
-            + b'},"logprobs":null,"finish_reason":' + finish + b',"token_ids":null}]' + fingerprint + b"}")  # fmt: skip
-
-
-_TRANSLATED = b'"object":"chat.completion.chunk"'  # a completions server never writes it
 
 
 class ContinuationEvents:
@@ -89,9 +66,9 @@ class ContinuationEvents:
             if self._d_created is not None and self._d_created != self._created:
                 done = done.replace(self._d_created, self._created)
         if self._chat:
-            # The usual chunks in one pass in C: per event in Python, this cost more than all
+            # The usual chunks in C (chat_chunks.py): per event in Python, this cost more than all
             # the rest of a proxied chat stream. What is left goes through the JSON path.
-            done = _MID_CHUNK.sub(_mid_chat, done)
+            done = chat_chunks(done)
             if b'"text_completion"' not in done and b'"usage"' not in done:
                 return done
         elif b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
@@ -109,7 +86,7 @@ class ContinuationEvents:
         usage = b'"usage"' in event
         offsets = self._offset and b'"text_offset"' in event
         if not (usage or offsets or self._chat) or not event.startswith(b"data: ") or b"\n" in event \
-                or b"\r" in event or event == b"data: [DONE]" or _TRANSLATED in event:
+                or b"\r" in event or event == b"data: [DONE]" or TRANSLATED in event:
             return event  # not vLLM's one-line event (or made a chat chunk above): as it is
         try:
             obj = orjson.loads(event[6:])
