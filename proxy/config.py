@@ -85,6 +85,8 @@ class ProxyConfig:
     # Instance addresses in response headers and /instances, and vLLM's internal request
     # id (it names P's and D's KV addresses) left in responses; off: a neutral id instead.
     expose_routing_headers: bool = False
+    # X-Request-Id on every response, as vLLM's own flag of that name adds it (off: none, as vLLM).
+    enable_request_id_headers: bool = False
     # Sent as "Authorization: Bearer KEY" to instances started with their own --api-key.
     upstream_api_key: str | None = field(default=None, repr=False)
     upstream_api_key_file: str | None = None
@@ -336,6 +338,8 @@ HELP = MappingProxyType(
         "metrics_require_api_key": "/metrics requires the API key too",
         "expose_routing_headers": "show instance addresses (response headers, /instances) "
         "and vLLM's internal request ids to clients",
+        "enable_request_id_headers": "add X-Request-Id to every response, as vLLM's --enable-request-id-headers does "
+        "(the client's own, else a random one); off: none, as vLLM by default",
         "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
         "upstream_api_key_file": "file holding the upstream API key (keeps it out of the command line)",
         "forward_client_auth": "forward the client's Authorization header to instances",
