@@ -90,8 +90,12 @@ WANTED_PATHS = {"disaggregated", "first_token", "prefill_alone", "local_short", 
 class System:
     def __init__(self, proxy: cluster.Server, prefill: cluster.Server, decode: cluster.Server,
                  colocated: cluster.Server, pooling: cluster.Server | None = None, tap: Tap | None = None,
-                 log_dir: Path | None = None) -> None:
+                 log_dir: Path | None = None, sequential: cluster.Server | None = None) -> None:
         self.proxy, self.prefill, self.decode, self.colocated = proxy, prefill, decode, colocated
+        # The shipped dispatch (concurrent) gives an idle P's request D's first token; a second
+        # proxy on the same instances dispatches sequentially, so P's token path is exercised
+        # (the one a busy P's requests take under the default).
+        self.sequential = sequential or proxy
         self.pooling = pooling  # a static P of another model, served as an embedding model
         self.tap = tap  # D's recording relay: the proxy reaches D through it
         self.log_dir = log_dir
@@ -100,7 +104,8 @@ class System:
         self.client = httpx.Client(timeout=120)
 
     def servers(self) -> list[cluster.Server]:
-        return [self.proxy, self.prefill, self.decode, self.colocated] + ([self.pooling] if self.pooling else [])
+        return ([self.proxy, self.prefill, self.decode, self.colocated] + ([self.pooling] if self.pooling else [])
+                + ([self.sequential] if self.sequential is not self.proxy else []))
 
     def stop(self) -> None:
         self.client.close()
@@ -112,13 +117,17 @@ class System:
 
 def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str] | None = None,
            pooling: bool = False, proxy_args: list[str] | None = None) -> System:
-    disc = e2e_cluster.free_port()
+    discs = [e2e_cluster.free_port(), e2e_cluster.free_port()]
     pool_port = e2e_cluster.free_port()
     # The shipped defaults, but a request may ask D to zero its KV (the power test); with `pooling`,
-    # a static P serving the tiny model as an embedding model too.
-    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir, ["--forward-debug-params"] + (
-        ["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else []) + (proxy_args or []))
-    started = [proxy]
+    # a static P serving the tiny model as an embedding model too. The second proxy dispatches
+    # sequentially (System.sequential).
+    args = ["--forward-debug-params"] + (["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else []) + (
+        proxy_args or [])
+    proxy = cluster.start_proxy(e2e_cluster.free_port(), discs[0], log_dir, args)
+    sequential = cluster.start_proxy(e2e_cluster.free_port(), discs[1], log_dir, args + ["--dispatch", "sequential"],
+                                     name="proxy-sequential")
+    started = [proxy, sequential]
     tap = None
     try:
         pool = None
@@ -129,7 +138,8 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str]
             started.append(pool)
         servers = []
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
-            kv = cluster.kv_transfer_config(role, e2e_cluster.free_port_pair(), port := e2e_cluster.free_port(), disc)
+            kv = cluster.kv_transfer_config(role, e2e_cluster.free_port_pair(), port := e2e_cluster.free_port(), None,
+                                            proxies=[f"{cluster.HOST}:{d}" for d in discs], heartbeat_interval_s=1.0)
             kv.pop("kv_load_failure_policy")  # vLLM's default: fail
             if role == "kv_consumer":  # lets a request ask D to zero what it loads (the power test)
                 kv["kv_connector_extra_config"]["allow_debug_corruption"] = True
@@ -144,8 +154,9 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str]
                                        env={**e2e_cluster.bind_env(None), **REFERENCE_ENV, **(env or {})})
         started.append(colocated)
         cluster.wait_until(started, "/health", 600)
-        e2e_cluster.wait_instances(proxy, 1 + pooling, 1)
-        return System(proxy, servers[0], servers[1], colocated, pool, tap, log_dir)
+        for front in (proxy, sequential):
+            e2e_cluster.wait_instances(front, 1 + pooling, 1)
+        return System(proxy, servers[0], servers[1], colocated, pool, tap, log_dir, sequential)
     except BaseException:
         for s in started:
             s.stop()
@@ -248,9 +259,9 @@ FIRST = Route("disaggregated", True)
 ALONE = Route("prefill_alone", True)
 
 
-def _held_back(s: System) -> float:
+def _held_back(front: cluster.Server) -> float:
     """First tokens from P the proxy held back (part of a character), so far."""
-    text = cluster.http_get(s.proxy.url + "/metrics")[1].decode()
+    text = cluster.http_get(front.url + "/metrics")[1].decode()
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                if ln.startswith('xpyd_first_token_to_decode_total{reason="held_back"}'))
 
@@ -272,23 +283,25 @@ def _dump(s: System, what: str, why: str, got: bytes, want: bytes, d_bytes: list
 
 
 def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok: bool = True,
-          route: Route | None = None, headers: dict[str, str] | None = None) -> dict:
+          route: Route | None = None, headers: dict[str, str] | None = None, sequential: bool = False) -> dict:
     """Send the request to the colocated server and through the proxy; assert the answers
     are equal (see the module's text) and, with ``route``, that the proxy took that path; never a
-    rescue (D alone after a failed load: the equality could not show one). Returns the proxy's
+    rescue (D alone after a failed load: the equality could not show one). A route with P's token,
+    or ``sequential``, goes through the sequential proxy (System.sequential). Returns the proxy's
     response headers."""
+    front = s.sequential if sequential or (route is not None and route.first) else s.proxy
     want_status, _, want = call(s, s.colocated.url, path, body, raw, headers)
-    held = _held_back(s) if route is not None and route.first else 0.0
+    held = _held_back(front) if route is not None and route.first else 0.0
     mark = s.tap.mark() if s.tap is not None else {}
-    got_status, head, got = call(s, s.proxy.url, path, body, raw, headers)
-    bytes_got, bytes_want = s.raw[s.proxy.url], s.raw[s.colocated.url]  # before a near tie's judge asks again
+    got_status, head, got = call(s, front.url, path, body, raw, headers)
+    bytes_got, bytes_want = s.raw[front.url], s.raw[s.colocated.url]  # before a near tie's judge asks again
     _seen(head)
     what = f"{path} {json.dumps(body)[:300] if raw is None else raw[:80]!r} via {head.get(XPYD_PATH)}"
     assert head.get(XPYD_PATH) != "local_rescue", f"{what}: rescued"
     assert got_status == want_status, f"{what}: status {got_status} vs {want_status}: {got!r:.400} / {want!r:.400}"
     if route is not None:
         taken = head.get(XPYD_PATH), head.get(XPYD_FIRST_TOKEN) == "prefill"
-        assert taken == tuple(route) or (route.first and taken == (route.path, False) and _held_back(s) > held), \
+        assert taken == tuple(route) or (route.first and taken == (route.path, False) and _held_back(front) > held), \
             f"{what}: took {taken}, not {tuple(route)}"
     if want_status != 200:
         # vLLM's refusal: the same status, error type and parameter (the message may name a
@@ -482,10 +495,11 @@ def test_first_token_that_is_part_of_a_character(shipped, partial_prompts, kind,
     the answer. Streamed, the proxy now leaves it to D's first token."""
     for limit in (6, 1):
         if kind == "completions":
-            head = check(shipped, "/v1/completions", completion(partial_prompts[kind], max_tokens=limit, stream=stream))
+            head = check(shipped, "/v1/completions", completion(partial_prompts[kind], max_tokens=limit, stream=stream),
+                         sequential=True)
         else:
             head = check(shipped, "/v1/chat/completions", continuing(partial_prompts[kind], max_tokens=limit,
-                                                                      stream=stream))
+                                                                      stream=stream), sequential=True)
         if stream and limit > 1:
             assert head.get(XPYD_FIRST_TOKEN) is None and head[XPYD_PATH] == "disaggregated"
             SEEN["first_token_to_decode"] += 1
@@ -850,9 +864,10 @@ def test_power_corrupted_kv_is_caught_on_the_other_routes(shipped, path):
 def test_no_load_failed_and_nothing_was_rescued(shipped):
     """Every disaggregated answer above loaded P's KV (vLLM's default policy fails a lost
     load: the proxy would have rescued it with D alone, which the equality cannot show)."""
-    text = cluster.http_get(shipped.proxy.url + "/metrics")[1].decode()
-    rescued = [ln for ln in text.splitlines() if ln.startswith('xpyd_dispatch_total{path="local_rescue"}')]
-    assert not rescued or float(rescued[0].rsplit(" ", 1)[1]) == 0, rescued
+    for front in (shipped.proxy, shipped.sequential):
+        text = cluster.http_get(front.url + "/metrics")[1].decode()
+        rescued = [ln for ln in text.splitlines() if ln.startswith('xpyd_dispatch_total{path="local_rescue"}')]
+        assert not rescued or float(rescued[0].rsplit(" ", 1)[1]) == 0, (front.name, rescued)
     assert "kv load failed" not in shipped.decode.log()
 
 
