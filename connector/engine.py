@@ -53,10 +53,15 @@ from xpyd_wire.kv_transfer import (
     KV_PROTOCOL_VERSION,
     OP_KEY,
     VERSION_KEY,
+    Abort,
+    Get,
     Hello,
     Op,
     PutHeader,
+    Ready,
     Refusal,
+    Release,
+    Reserve,
     is_part,
     ok,
     version_mismatch,
@@ -70,6 +75,9 @@ logger = get_logger(__name__)
 _SWEEP_S = 0.5
 # Bytes a control message may carry beyond the KV it announces (its header).
 _HEADER_SLACK = 1 << 20
+# The requests _handle decodes into their typed message before serving them.
+_TYPED_REQUESTS = {Op.RESERVE: Reserve.decode, Op.ABORT: Abort.decode, Op.GET: Get.decode,
+                   Op.RELEASE: Release.decode, Op.READY: Ready.decode}
 
 
 @dataclass(slots=True)
@@ -236,11 +244,13 @@ class KVEngine:
         key = header.get("key")
         if op in KEYED_OPS and not isinstance(key, str):
             return Refusal(f"{op} without key").encode(), []
+        decode = _TYPED_REQUESTS.get(op)
+        try:
+            msg: Any = None if decode is None else decode(header)
+        except ValueError as e:  # the typed message says why (xpyd_wire/kv_transfer.py)
+            return Refusal(str(e)).encode(), []
         if op == Op.RESERVE:
-            nbytes = header.get("nbytes")
-            if type(nbytes) is not int or nbytes < 0:
-                return Refusal("reserve needs nbytes").encode(), []
-            refused = self._recv.reserve(key, nbytes)
+            refused = self._recv.reserve(key, msg.nbytes)
             self._begun(key)  # room promised, or refused (recorded as failed): either way, begun
             if refused:
                 return _refusal(key, refused), []
@@ -265,11 +275,8 @@ class KVEngine:
                     self._arrivals.publish(whole)
             return ok(), []
         if op == Op.ABORT:
-            keys = header.get("keys")
-            if not isinstance(keys, dict):
-                return Refusal("abort needs keys").encode(), []
-            for k, why in keys.items():
-                if isinstance(k, str) and self._recv.fail(k, str(why)):
+            for k, why in msg.keys.items():
+                if self._recv.fail(k, why):
                     self._parts.drop(k)
                     self._begun(k)  # a load waiting for it fails at once
                     logger.warning("kv transfer=%s will not come: %s", k, why)
@@ -290,12 +297,12 @@ class KVEngine:
             return ok(**payload.header), payload.tensors
         if op == Op.RELEASE:
             # GET: D holds the payload now; this is where P's send ends.
-            payload = self._sendbuf.pop(key)
+            payload = self._sendbuf.pop(msg.key)
             if payload is not None:
                 self.xfer_stats.transfer("send", "ok", payload.nbytes, "sent")
             return ok(), []
         if op == Op.READY:  # this instance's scheduler: is a transfer's KV here (a synchronous load)?
-            return ok(ready=isinstance(key, str) and self.consumer.ready(key)), []
+            return Ready.answer(self.consumer.ready(msg.key)), []
         if op == Op.PING:
             return ok(address=self.address), []
         if op == Op.HELLO:  # first contact: what a sender must match before shipping KV

@@ -42,12 +42,13 @@ from xpyd_wire.kv_transfer import (
     ERROR_KEY,
     GONE_KEY,
     OK_KEY,
-    OP_KEY,
     REFUSED_KEY,
     UNKNOWN_OP_KEY,
     VERSION_KEY,
+    Abort,
     Hello,
-    Op,
+    Ping,
+    Reserve,
     ok,
     version_mismatch,
 )
@@ -327,7 +328,7 @@ class PeerSender:
 
     def _probe(self) -> bool:
         try:
-            self._call_unawaited(self.peer, {OP_KEY: Op.PING}, PROBE_TIMEOUT_S)
+            self._call_unawaited(self.peer, Ping().encode(), PROBE_TIMEOUT_S)
         except TransportError:
             return False
         if self._stop.is_set():
@@ -379,7 +380,7 @@ class PeerSender:
     def _deliver(self, notices: dict[str, dict[str, str]]) -> None:
         for i, (addr, keys) in enumerate(notices.items()):
             try:
-                self._call_unawaited(addr, {OP_KEY: Op.ABORT, "keys": keys},
+                self._call_unawaited(addr, Abort(keys).encode(),
                                      min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
             except TransportError as e:
                 with self._cond:  # keep them for when the peer answers again
@@ -494,7 +495,7 @@ class PeerSender:
         reply = ok()
         if part is None or part[0] == 0:
             total = nbytes if part is None else nbytes * part[2] // (part[1] - part[0])
-            reply, _ = self._transport.call(addr, {OP_KEY: Op.RESERVE, "key": header["key"], "nbytes": total},
+            reply, _ = self._transport.call(addr, Reserve(header["key"], total).encode(),
                                             timeout_s=max(0.05, deadline - time.monotonic()))
             t = phases.add("reserve", t)
         if reply.get(OK_KEY):

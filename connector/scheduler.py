@@ -27,12 +27,11 @@ from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
 from xpyd_wire.kv_transfer import (
     DEBUG_CORRUPT_KV_PARAM,
-    OP_KEY,
     PREFILL_PROMPT_TOKENS_PARAM,
     REPORT_KEY_PARAM,
     RESPONSE_KEY,
     SKIP_TOKENS_PARAM,
-    Op,
+    Ready,
 )
 
 if TYPE_CHECKING:
@@ -137,11 +136,11 @@ class ArrivalProbe:
             if left <= 0:
                 return False
             try:
-                reply, _ = self._transport.call(addr, {OP_KEY: Op.READY, "key": key}, timeout_s=left)
+                reply, _ = self._transport.call(addr, Ready(key).encode(), timeout_s=left)
             except TransportError as e:
                 self._log("probe", "kv arrival probe of %s failed (loads stay asynchronous): %s", addr, e)
                 return False
-            if reply.get("ready") is not True:
+            if not Ready.is_ready(reply):
                 return False
         return True
 

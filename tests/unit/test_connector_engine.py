@@ -753,6 +753,16 @@ def test_malformed_control_messages(engines, kv_client):
     assert r["ok"] is False
     r = call({"op": "get", "key": KEY})
     assert r == {"ok": False, "error": "not ready"}
+    # The typed requests (xpyd_wire/kv_transfer.py) refuse with the reason; nothing is reserved or failed.
+    for bad, why in [({"op": "reserve", "key": KEY}, "reserve needs nbytes"),
+                     ({"op": "reserve", "key": KEY, "nbytes": -1}, "reserve needs nbytes"),
+                     ({"op": "reserve", "nbytes": 1}, "reserve without key"),
+                     ({"op": "abort", "keys": [KEY]}, "abort needs keys"),
+                     ({"op": "release"}, "release without key"),
+                     ({"op": "ready", "key": 7}, "ready without key")]:
+        assert call(bad) == {"ok": False, "error": why}, bad
+    assert call({"op": "ready", "key": KEY}) == {"ok": True, "ready": False}
+    assert call({"op": "abort", "keys": {b"bytes": "not a key"}}) == {"ok": True}  # skipped, not refused
     r = call({"op": "ping"})
     assert r == {"ok": True, "address": addr}
     r = call({"op": "stats"})
