@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.arrivals import ArrivalReader, board_path
-from connector.config import ConnectorConfig, _flag
+from connector.config import ConnectorConfig, as_bool
 from connector.log import get_logger
 from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
+from connector.scheduler_output import tokens_computed_before
 from connector.stats import XpydStats
 from connector.transport import KVAuth, TcpTransport, TransportError
 from connector.transport.auth import RateLimitedLog
@@ -79,15 +80,7 @@ def _transfer(request: "Request") -> request_id.TransferId | None:
 
 
 def _asked_for_key(request: "Request") -> bool:
-    return _flag((request.kv_transfer_params or {}).get(REPORT_KEY_PARAM, False))
-
-
-def tokens_computed_before(scheduler_output: "SchedulerOutput") -> dict[str, int]:
-    """Each scheduled request's computed tokens before this step (new and running ones)."""
-    out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-    cached = scheduler_output.scheduled_cached_reqs
-    out.update(zip(cached.req_ids, cached.num_computed_tokens))
-    return out
+    return as_bool((request.kv_transfer_params or {}).get(REPORT_KEY_PARAM, False))
 
 
 @dataclass(slots=True)
