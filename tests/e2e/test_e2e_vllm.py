@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.arrivals import ArrivalReader, board_path
+from connector.p2p.arrivals import ArrivalReader, board_path
 from connector.transport import TransportRefused
 from tests.support import e2e_cluster
 from tests.support.e2e_client import (

@@ -15,7 +15,7 @@ its rank's TP size, KV heads, block layout; cached, asked again after the peer c
 refuses at once what cannot be mapped or speaks another protocol version
 (``xpyd_wire.kv_transfer``). With equal TP, worker rank r sends whole blocks to D's rank r;
 with different TP sizes it sends each D rank the head slice that rank owns
-(``connector.tp``), each piece under its own key, and D loads once it has all pieces.
+(``connector.p2p.tp``), each piece under its own key, and D loads once it has all pieces.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from connector import tp
+from connector.p2p import tp
 from connector.affinity import CpuPlan, pin_current_thread
-from connector.buffer import KVBuffer, Payload, tensor_bytes
+from connector.p2p.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
-from connector.metadata import SaveSpec
+from connector.p2p.metadata import SaveSpec
 from connector.stats import StatsRecorder
 from connector.transport import HandshakeRefused, Transport, TransportError, TransportRefused
 from xpyd_wire.kv_transfer import (

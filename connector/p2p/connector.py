@@ -18,9 +18,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
 from connector.base import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
-from connector.metadata import P2pConnectorMetadata
-from connector.scheduler import ArrivalProbe, P2pScheduler
-from connector.worker import P2pWorker
+from connector.p2p.metadata import P2pConnectorMetadata
+from connector.p2p.scheduler import ArrivalProbe, P2pScheduler
+from connector.p2p.worker import P2pWorker
 
 if TYPE_CHECKING:
     import torch

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import torch
 
 from connector import layout as kvlayout
-from connector import tp
+from connector.p2p import tp
 from connector.affinity import CpuPlan, pin_current_thread
-from connector.buffer import KVBuffer, Payload
+from connector.p2p.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.log import get_logger
-from connector.metadata import LoadSpec
-from connector.staging import RecvStager, store_received
+from connector.p2p.metadata import LoadSpec
+from connector.p2p.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
 from xpyd_wire.kv_transfer import FINAL_KEY, OK_KEY, Get, Release

@@ -12,7 +12,7 @@ Send modes, as upstream P2pNcclConnector defines them:
 
 Control ops served here: ``reserve`` (room for a payload, before its bytes),
 ``put`` (a whole payload, or one run of layers of a layer-wise sender's, joined by
-``connector.assembly``), ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
+``connector.p2p.assembly``), ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
 mode), ``ready`` (is a transfer's KV here: asked by this instance's scheduler), ``hello``
 (first contact: TP, block layout and the KV protocol version; a caller of another version is
 refused), ``ping``, ``stats``. The messages are typed in ``xpyd_wire.kv_transfer``. Every wait is bounded: sends by ``send_timeout_s``,
@@ -33,17 +33,19 @@ from typing import Any
 
 import torch
 
-from connector import affinity, tp
+from connector import affinity
+
+from connector.p2p import tp
 from connector import layout as kvlayout
-from connector.arrivals import ArrivalWriter, board_path
-from connector.assembly import PartAssembler
-from connector.buffer import GONE, KVBuffer, Payload
+from connector.p2p.arrivals import ArrivalWriter, board_path
+from connector.p2p.assembly import PartAssembler
+from connector.p2p.buffer import GONE, KVBuffer, Payload
 from connector.config import ConnectorConfig, is_loopback
-from connector.consumer import Consumer
+from connector.p2p.consumer import Consumer
 from connector.log import get_logger
-from connector.metadata import LoadSpec, SaveSpec
-from connector.producer import Producer
-from connector.staging import RecvStager, store_received
+from connector.p2p.metadata import LoadSpec, SaveSpec
+from connector.p2p.producer import Producer
+from connector.p2p.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport
 from connector.transport import make_transport as transport_factory

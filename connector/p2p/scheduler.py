@@ -15,10 +15,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector.arrivals import ArrivalReader, board_path
+from connector.p2p.arrivals import ArrivalReader, board_path
 from connector.config import ConnectorConfig, as_bool
 from connector.log import get_logger
-from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connector.p2p.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
 from connector.scheduler_output import tokens_computed_before
 from connector.stats import XpydStats
@@ -102,7 +102,7 @@ ARRIVAL_PROBE_TIMEOUT_S = 0.05
 class ArrivalProbe:
     """Whether a transfer's whole KV has arrived at every worker rank of this instance, so the
     load can be synchronous: first each rank's arrival board (shared memory, no system call;
-    connector/arrivals.py), then, unless every board said yes, each rank's control socket (op
+    connector/p2p/arrivals.py), then, unless every board said yes, each rank's control socket (op
     ``ready``). Any doubt (an error, a slow answer) says no: the load is then asynchronous, as
     it would be without the probe."""
 

@@ -6,13 +6,15 @@ from typing import Any
 
 import torch
 
-from connector import affinity, tp
+from connector import affinity
+
+from connector.p2p import tp
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
 from connector.affinity import init_cpu_amx
-from connector.engine import KVEngine, PollResult
+from connector.p2p.engine import KVEngine, PollResult
 from connector.log import get_logger
-from connector.metadata import P2pConnectorMetadata
+from connector.p2p.metadata import P2pConnectorMetadata
 from connector.stats import XpydStats
 
 logger = get_logger(__name__)
