@@ -1,4 +1,5 @@
-"""Where the connector's threads run on a CPU-bound vLLM worker.
+"""Where the connector's threads run on a CPU-bound vLLM worker (and, for both connectors'
+workers, AMX initialised before the first forward: ``init_cpu_amx``).
 
 vLLM's CPU worker binds its OpenMP threads by default (``VLLM_CPU_OMP_THREADS_BIND``
 unset means ``auto``): the worker's main thread ends up pinned to one core, and
@@ -106,3 +107,21 @@ def pin_current_thread(p: CpuPlan | None) -> None:
         os.sched_setaffinity(0, p.cpus)
     except OSError as e:  # a cpuset changed under us: keep running where we are
         logger.warning("could not move kv connector thread to CPUs %s: %s", p.describe(), e)
+
+
+def init_cpu_amx() -> None:
+    """On CPU, initialise AMX before the first forward pass.
+
+    With --enforce-eager and an explicit KV size vLLM skips its warm-up, and a
+    decode instance's very first forward is a 1-token step after loading remote
+    KV: the worker died with SIGILL there until AMX was initialised first.
+    """
+    import torch  # here: the thread placement above needs no torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is None:
+        return
+    try:
+        init()
+    except Exception as e:  # not every CPU has AMX; that is fine
+        logger.debug("AMX init skipped: %s", e)

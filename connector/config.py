@@ -78,7 +78,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _flag(value: Any) -> bool:
+def as_bool(value: Any) -> bool:
     """A boolean option; JSON strings like "false" or "0" mean False (bool() says True)."""
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -306,7 +306,7 @@ class ConnectorConfig:
         discovery_secret = _secret(extra, "discovery_secret", "XPYD_DISCOVERY_SECRET",
                                    extra.get("discovery_secret_file"))
         kv_secret = _secret(extra, "kv_secret", "XPYD_KV_SECRET", extra.get("kv_secret_file")) or discovery_secret
-        allow_open = _flag(extra.get("allow_unauthenticated_kv", False))
+        allow_open = as_bool(extra.get("allow_unauthenticated_kv", False))
         if kv_secret is None and not allow_open and not is_loopback(kv_ip):
             raise ValueError(
                 f"the KV port binds {kv_ip!r} without kv_secret: anyone who reaches it can put KV for a transfer "
@@ -330,7 +330,7 @@ class ConnectorConfig:
             transport=_choice(extra, "transport", ("auto", "tcp", "nccl")),
             thread_affinity=_choice(extra, "thread_affinity", ("auto", "off")),
             discovery_secret=discovery_secret,
-            allow_debug_corruption=_flag(extra.get("allow_debug_corruption", False)),
+            allow_debug_corruption=as_bool(extra.get("allow_debug_corruption", False)),
             kv_secret=kv_secret,
             kv_auth=_choice(extra, "kv_auth", ("mac", "curve")),
             nccl_num_channels=_positive_int(extra, "nccl_num_channels"),
@@ -339,11 +339,11 @@ class ConnectorConfig:
             kv_events=events_endpoint(kv_events_config, kv_ip, kv_blocks),
             output_limits=output_limits(model_config),
             generation=generation_defaults(model_config, reasoning_parser),
-            sync_load=_flag(extra.get("sync_load", True)),
+            sync_load=as_bool(extra.get("sync_load", True)),
             kv_prefill_wait_s=_positive_seconds(extra, "kv_prefill_wait_s", 600.0),
             idle_wait_ms=_idle_wait_ms(extra),
             send_granularity=granularity,
-            byte_stream=_flag(extra.get("byte_stream", True)),
+            byte_stream=as_bool(extra.get("byte_stream", True)),
             allow_unauthenticated_kv=allow_open,
             kv_max_connections=_positive_int(extra, "kv_max_connections") or 1024,
             kv_max_connections_per_host=_positive_int(extra, "kv_max_connections_per_host") or 256,

@@ -129,7 +129,7 @@ class ProxyConfig:
     # Redo a request on another D (with a new P/D pair) when D fails before its first byte.
     decode_retries: int = 1
     # concurrent: D gets the request as soon as P is chosen (it parses, tokenizes and queues it
-    # while P prefills, holding no KV blocks until P begins sending: connector/scheduler.py), and
+    # while P prefills, holding no KV blocks until P begins sending: connector/p2p/scheduler.py), and
     # computes the first token itself, unless P is busy and the first token may be P's (then D is
     # asked after P's token, as sequential); sequential: D gets the request when P has answered.
     dispatch: str = "concurrent"

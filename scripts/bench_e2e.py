@@ -595,7 +595,7 @@ async def bench(args, setups: list[Setup], p_ref: Setup, d_ref: Setup, prompts: 
 
 
 def kv_waits(decode_log: str) -> list[float]:
-    """D's 'kv loaded ... wait_ms=X' lines (connector/engine.py)."""
+    """D's 'kv loaded ... wait_ms=X' lines (connector/p2p/engine.py)."""
     out = []
     for line in decode_log.splitlines():
         if "kv loaded" in line and "wait_ms=" in line:
@@ -608,7 +608,7 @@ def kv_waits(decode_log: str) -> list[float]:
 
 def kv_load_modes(decode_log: str) -> list[bool]:
     """Per 'kv loaded' line of D's log: whether the load was synchronous (applied in the step
-    that scheduled the request; connector/consumer.py adds ' sync')."""
+    that scheduled the request; connector/p2p/consumer.py adds ' sync')."""
     return [" sync" in line.split("wait_ms=", 1)[1] for line in decode_log.splitlines()
             if "kv loaded" in line and "wait_ms=" in line]
 

@@ -4,7 +4,7 @@ proxies behind haproxy, against N vllm-routers behind the same haproxy at the sa
 
 Every process is started once: the fakes (tests/support/fake_vllm.py's server, one process each,
 registering with every proxy's and every router's discovery port), the proxies, the
-routers and one haproxy per setup (scripts/haproxy_cfg.py's shipped configuration, with
+routers and one haproxy per setup (xpyd_deploy/haproxy_cfg.py's shipped configuration, with
 its access log off and, for backends with no /ready, a /health check). Then, for each
 concurrency, rounds interleave the setups (their order alternating), so that load from
 other processes on a shared machine hits each of them alike; medians are reported.
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from scripts.bench_proxy import _wait_routed, cpu_seconds, free_port, stop_all, wait_http  # noqa: E402
-from scripts.haproxy_cfg import render_servers  # noqa: E402
+from xpyd_deploy.haproxy_cfg import render_servers  # noqa: E402
 
 BENCH_PROXY = os.path.join(ROOT, "scripts", "bench_proxy.py")
 HAPROXY = next((p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy", "/usr/bin/haproxy")

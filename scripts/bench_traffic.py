@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 from scripts.bench_e2e import Prompts, pct  # noqa: E402  (exact-length distinct prompts; nearest-rank percentile)
 from tests.support import cluster  # noqa: E402  (tests/support/cluster.py)
 
-# What the connector logs (connector/engine.py); adjust here if the messages change.
+# What the connector logs (connector/p2p/engine.py); adjust here if the messages change.
 LOAD_OK_RE = re.compile(r"kv loaded .* wait_ms=([0-9.]+)")  # on D, one per successful load
 LOAD_FAIL_RE = re.compile(r"kv load failed|kv load timed out")  # on D
 SEND_FAIL_RE = re.compile(r"kv send failed")  # on P

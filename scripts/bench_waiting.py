@@ -3,7 +3,7 @@
 
 Concurrent dispatch (the proxy's default) sends D each request as soon as P is chosen; D's
 connector keeps a request whose P has not begun sending in vLLM's queue without KV-cache
-blocks (connector/scheduler.py) and looks it up on the arrival board every engine step. This
+blocks (connector/p2p/scheduler.py) and looks it up on the arrival board every engine step. This
 benchmark starts one D (vLLM's CPU build, our connector, 127.0.0.1), streams one long plain
 completion on it, and measures that stream's inter-token latency (ITL) while N requests wait for
 a prefill that never begins (their P address is dead, their transfer id marked early), for each

@@ -74,7 +74,7 @@ assert vllm.__version__ == version and vllm.__file__.startswith(target), (vllm._
 print(f"  ok    vllm {vllm.__version__} from {vllm.__file__}")
 for name in ["vllm.distributed.kv_transfer.kv_connector.v1.base", "vllm.v1.request",
              "vllm.v1.core.sched.output", "vllm.v1.metrics.cache_hit_source",
-             "connector.connector", "vllm._C", "vllm._C_stable_libtorch"]:
+             "connector.p2p.connector", "vllm._C", "vllm._C_stable_libtorch"]:
     try:
         importlib.import_module(name)
         print(f"  ok    {name}")

@@ -4,7 +4,7 @@
 # installs nothing itself.
 #
 #   scripts/mutation.sh                    # every module in MODULES below, one after another
-#   scripts/mutation.sh xpyd_wire/discovery.py connector/buffer.py
+#   scripts/mutation.sh xpyd_wire/discovery.py connector/p2p/buffer.py
 #   JOBS=2 scripts/mutation.sh ...         # mutmut children (default 1: the dev box is shared)
 #   FRESH=1 scripts/mutation.sh ...        # forget earlier results (else mutmut reuses them)
 #   SCORE_ONLY=1 scripts/mutation.sh ...   # print the scores of the last runs, run nothing
@@ -35,10 +35,10 @@ declare -A TESTS=(
   [xpyd_wire/kv_transfer.py]="tests/unit/test_kv_transfer.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py tests/unit/test_connector_protocol_version.py"
   [xpyd_wire/kv_events.py]="tests/unit/test_kv_events.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py"
   [xpyd_wire/discovery.py]="tests/unit/test_proxy_discovery.py tests/unit/test_wire_vectors.py tests/unit/test_wire_boundaries.py tests/unit/test_connector_registration.py"
-  [connector/scheduler.py]="tests/unit/test_connector_scheduler.py"
-  [connector/buffer.py]="tests/unit/test_connector_buffer.py tests/unit/test_connector_units.py tests/unit/test_connector_staging.py tests/unit/test_connector_get_store.py"
-  [connector/producer.py]="tests/unit/test_connector_producer.py tests/unit/test_connector_engine.py tests/unit/test_connector_layerwise.py tests/unit/test_connector_first_contact.py tests/unit/test_connector_tp.py"
-  [connector/consumer.py]="tests/unit/test_connector_consumer.py tests/unit/test_connector_engine.py tests/unit/test_connector_tp.py"
+  [connector/p2p/scheduler.py]="tests/unit/test_connector_scheduler.py"
+  [connector/p2p/buffer.py]="tests/unit/test_connector_buffer.py tests/unit/test_connector_units.py tests/unit/test_connector_staging.py tests/unit/test_connector_get_store.py"
+  [connector/p2p/producer.py]="tests/unit/test_connector_producer.py tests/unit/test_connector_engine.py tests/unit/test_connector_layerwise.py tests/unit/test_connector_first_contact.py tests/unit/test_connector_tp.py"
+  [connector/p2p/consumer.py]="tests/unit/test_connector_consumer.py tests/unit/test_connector_engine.py tests/unit/test_connector_tp.py"
   [proxy/registry.py]="tests/unit/test_proxy_units.py tests/unit/test_proxy_registrants.py tests/unit/test_proxy_discovery.py"
   [proxy/routing/kv_events.py]="tests/unit/test_kv_events.py"
   [proxy/dispatch/first_token.py]="tests/unit/test_proxy_first_token.py"
@@ -55,8 +55,8 @@ declare -A MARKS=(
 # server that never ran a test (mutmut's default forks from its own process after the stats run,
 # and those children crashed, counted as segfaults, not verdicts).
 declare -A ISOLATION=(
-  [connector/producer.py]=forkserver
-  [connector/consumer.py]=forkserver
+  [connector/p2p/producer.py]=forkserver
+  [connector/p2p/consumer.py]=forkserver
 )
 # proxy/dispatch/*.py (the dispatcher, split in modules): the dispatch and failure tests, the tests
 # written for their mutants (tests/unit/test_proxy_dispatch_*.py), and the few tests elsewhere that
@@ -77,9 +77,10 @@ done
 # continuation.py is the first-token path's D side: the first-token tests drive it.
 TESTS[proxy/dispatch/continuation.py]+=" tests/unit/test_proxy_first_token.py"
 MODULES=(xpyd_wire/request_id.py xpyd_wire/secret_file.py xpyd_wire/kv_transfer.py xpyd_wire/kv_events.py
-         xpyd_wire/discovery.py connector/scheduler.py connector/buffer.py connector/producer.py
-         connector/consumer.py proxy/registry.py proxy/routing/kv_events.py proxy/dispatch/first_token.py
-         proxy/dispatch/events.py proxy/dispatch/dispatcher.py proxy/dispatch/disaggregated.py proxy/dispatch/rescue.py proxy/dispatch/relay.py
+         xpyd_wire/discovery.py connector/p2p/scheduler.py connector/p2p/buffer.py connector/p2p/producer.py
+         connector/p2p/consumer.py proxy/registry.py proxy/routing/kv_events.py proxy/dispatch/first_token.py
+         proxy/dispatch/events.py proxy/dispatch/chat_chunks.py
+         proxy/dispatch/dispatcher.py proxy/dispatch/disaggregated.py proxy/dispatch/rescue.py proxy/dispatch/relay.py
          proxy/dispatch/continuation.py proxy/dispatch/decode.py proxy/dispatch/local.py proxy/dispatch/call.py
          proxy/dispatch/rewrite.py)
 

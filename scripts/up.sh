@@ -4,10 +4,10 @@
 # running until Ctrl-C or SIGTERM, which stop every process it started.
 #   bash scripts/up.sh                 # 1p1d
 #   bash scripts/up.sh 1p2d --once     # another layout; stop after the first answer
-# Everything after the topology goes to `python -m scripts.launch up` (see its --help).
+# Everything after the topology goes to `xpyd launch up` (see its --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 topology=1p1d
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then topology=$1; shift; fi
 bash scripts/setup.sh
-exec .venv/bin/python -m scripts.launch up "$topology" "$@"
+exec .venv/bin/python -m xpyd_deploy launch up "$topology" "$@"

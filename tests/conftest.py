@@ -72,7 +72,7 @@ def engines():
     built from the config as the worker builds it (caps, kv_secret); all closed afterwards.
     Shared by the engine, KV-auth and KV-fuzz tests."""
     from connector import layout as kvlayout
-    from connector.engine import KVEngine
+    from connector.p2p.engine import KVEngine
     from connector.transport import TransportError
     from tests.support.kv_engines import free_port, make_caches, make_cfg
 

@@ -8,12 +8,16 @@ what is asked; the answer is a map with ``"ok"``:
 - ``hello`` (first contact, P -> each D rank), with the caller's ``KV_PROTOCOL_VERSION``: the
   answer is a ``Hello``, what the peer's KV looks like (TP, layout, dtype, block shape), which
   rank answered and its protocol version;
-- ``reserve`` ``{key, nbytes}``: room in D's receive buffer before the bytes come;
+- ``reserve`` ``Reserve(key, nbytes)``: room in D's receive buffer before the bytes come;
 - ``put`` ``PutHeader`` + tensors: a payload (or, with ``part``, one run of its layers);
-- ``abort`` ``{keys: {key: why}}``: the sender gave those transfers up;
-- ``get`` / ``release`` ``{key}`` (GET mode: D pulls from P, then lets go);
-- ``ready`` ``{key}``: has a transfer's KV arrived (the instance's own scheduler asks);
-- ``ping``, ``stats``: liveness and buffer accounting.
+- ``abort`` ``Abort(keys={key: why})``: the sender gave those transfers up;
+- ``get`` / ``release`` ``Get(key)`` / ``Release(key)`` (GET mode: D pulls from P, then lets go);
+- ``ready`` ``Ready(key)``: has a transfer's KV arrived (the instance's own scheduler asks);
+- ``ping`` ``Ping()``, ``stats``: liveness and buffer accounting.
+
+Each request is a frozen dataclass: ``encode()`` gives the wire map (the same bytes the dict
+literals gave before they were typed: field order kept), ``decode(map)`` gives the message or
+raises ValueError with the refusal's reason, which the engine sends back as a ``Refusal``.
 
 A refused request gets ``Refusal``: ``{"ok": false, "error": why}`` plus at most one flag:
 ``gone`` (nobody here needs that KV any more: not a failure), ``final`` (GET: it will never
@@ -29,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "CLIENT_PARAMS", "DEBUG_CORRUPT_KV_PARAM", "DEBUG_PARAM_PREFIX", "PARAM_PREFIX", "Hello", "KV_PROTOCOL_VERSION", "Op",
-    "PREFILL_PROMPT_TOKENS_PARAM", "PutHeader", "REPORT_KEY_PARAM", "RESPONSE_KEY", "Refusal", "SKIP_TOKENS_PARAM",
-    "TRANSFER_ID_PARAM", "is_part", "ok", "version_mismatch",
+    "Abort", "CLIENT_PARAMS", "DEBUG_CORRUPT_KV_PARAM", "DEBUG_PARAM_PREFIX", "Get", "Hello", "KV_PROTOCOL_VERSION",
+    "Op", "PARAM_PREFIX", "PREFILL_PROMPT_TOKENS_PARAM", "Ping", "PutHeader", "REPORT_KEY_PARAM", "RESPONSE_KEY",
+    "Ready", "Refusal", "Release", "Reserve", "SKIP_TOKENS_PARAM", "TRANSFER_ID_PARAM", "is_part", "ok",
+    "version_mismatch",
 ]
 
 # The protocol's version, exchanged in every hello (request and reply). Bump it when a message
@@ -169,6 +174,128 @@ def _int(v: Any) -> int:
     if type(v) is not int:
         raise TypeError(f"expected an int, got {type(v).__name__}")
     return v
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def _key(header: dict[str, Any], op: str) -> str:
+    key = header.get("key")
+    if not isinstance(key, str):
+        raise ValueError(f"{op} without key")
+    return key
+
+
+def _check_op(header: dict[str, Any], op: str) -> None:
+    if header.get(OP_KEY) != op:
+        raise ValueError(f"op {header.get(OP_KEY)!r:.40} is not {op!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """P asks D for ``nbytes`` of receive buffer for transfer ``key`` before it sends them."""
+
+    key: str
+    nbytes: int
+
+    def encode(self) -> dict[str, Any]:
+        return {OP_KEY: Op.RESERVE, "key": self.key, "nbytes": self.nbytes}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> "Reserve":
+        _check_op(header, Op.RESERVE)
+        key = _key(header, Op.RESERVE)
+        nbytes = header.get("nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError("reserve needs nbytes")
+        return cls(key, nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    """GET mode: D asks P for transfer ``key``'s payload (answered like a put, or refused)."""
+
+    key: str
+
+    def encode(self) -> dict[str, Any]:
+        return {OP_KEY: Op.GET, "key": self.key}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> "Get":
+        _check_op(header, Op.GET)
+        return cls(_key(header, Op.GET))
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """GET mode: D holds transfer ``key``'s payload; P may let it go."""
+
+    key: str
+
+    def encode(self) -> dict[str, Any]:
+        return {OP_KEY: Op.RELEASE, "key": self.key}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> "Release":
+        _check_op(header, Op.RELEASE)
+        return cls(_key(header, Op.RELEASE))
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The instance's own scheduler asks its worker whether transfer ``key``'s KV is whole;
+    the answer is ``ok(ready=bool)``."""
+
+    key: str
+
+    def encode(self) -> dict[str, Any]:
+        return {OP_KEY: Op.READY, "key": self.key}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> "Ready":
+        _check_op(header, Op.READY)
+        return cls(_key(header, Op.READY))
+
+    @staticmethod
+    def answer(ready: bool) -> dict[str, Any]:
+        return ok(ready=ready)
+
+    @staticmethod
+    def is_ready(reply: dict[str, Any]) -> bool:
+        """A reply says ready only when it says so with True (a refusal is not ready)."""
+        return reply.get("ready") is True
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """P gave up transfers it had begun or promised: ``keys`` maps each to why. Decoding keeps
+    the entries whose key is a string (the reason is made one): a bad entry fails no other."""
+
+    keys: dict[str, str]
+
+    def encode(self) -> dict[str, Any]:
+        return {OP_KEY: Op.ABORT, "keys": self.keys}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> "Abort":
+        _check_op(header, Op.ABORT)
+        keys = header.get("keys")
+        if not isinstance(keys, dict):
+            raise ValueError("abort needs keys")
+        return cls({k: str(why) for k, why in keys.items() if isinstance(k, str)})
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Liveness: the answer is ``ok(address=...)``, the answering engine's address."""
+
+    def encode(self) -> dict[str, Any]:
+        return {OP_KEY: Op.PING}
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> "Ping":
+        _check_op(header, Op.PING)
+        return cls()
 
 
 # ---------------------------------------------------------------------------- put

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from connector.config import ConnectorConfig, _flag
+from connector.config import ConnectorConfig, as_bool
 
 DEFAULT_MAX_BYTES = 10 * 2**30
 DEFAULT_QUEUE_BYTES = 2**30
@@ -66,8 +66,8 @@ class SharedStorageConfig:
             model_id=str(model_id) if model_id else None,
             queue_bytes=queue_bytes,
             queue_wait_s=float(extra.get("shared_storage_queue_wait_s", DEFAULT_QUEUE_WAIT_S)),
-            verify=_flag(extra.get("shared_storage_verify", True)),
-            fsync=_flag(extra.get("shared_storage_fsync", False)),
+            verify=as_bool(extra.get("shared_storage_verify", True)),
+            fsync=as_bool(extra.get("shared_storage_fsync", False)),
         )
 
 

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.facade import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
+from connector.base import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
 from connector.log import get_logger
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import SharedStorageMetadata

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.log import get_logger
 from connector.registration import Registrar, heartbeat_load
-from connector.scheduler import tokens_computed_before
+from connector.scheduler_output import tokens_computed_before
 from connector.shared_storage import keys as kvkeys
 from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from connector import affinity
+from connector.affinity import init_cpu_amx
 from connector import layout as kvlayout
 from connector.log import get_logger
 from connector.shared_storage.config import SharedStorageConfig
@@ -14,7 +15,6 @@ from connector.shared_storage.engine import PollResult, StorageEngine, file_meta
 from connector.shared_storage.metadata import SharedStorageMetadata
 from connector.shared_storage.store import BlockStore
 from connector.stats import XpydStats
-from connector.worker import init_cpu_amx
 
 logger = get_logger(__name__)
 

@@ -9,8 +9,8 @@ that will serve with xPyD. It reports the environment, then checks what this mac
   checksums (two GPUs when there are two, as production runs them; else one GPU shared by
   two processes made two NCCL hosts), pinned staging, and GB/s of NCCL send/recv,
   gather/scatter and staging against a device copy measured in the same run;
-* ``--vllm MODEL`` (two GPUs and the repository checkout): 1P1D through the launcher
-  (scripts/launch.py) against one colocated vLLM server, greedy tokens compared.
+* ``--vllm MODEL`` (two GPUs): 1P1D through the launcher (``python -m xpyd_deploy.launch``,
+  shipped in the same wheel) against one colocated vLLM server, greedy tokens compared.
 
 Prints a table; ``--json FILE`` writes everything. Exit codes: 0 every check passed (GPU
 included); 1 a check failed; 2 bad arguments; 3 no GPU here: every device-free check passed,
@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import ctypes
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -485,7 +486,7 @@ def check_vllm_1p1d(model: str, timeout_s: float, log_dir: Path) -> tuple[str, s
     greedy prompts on one colocated vLLM server on GPU 0; the texts must be equal."""
     launch = REPO / "scripts" / "launch.py"
     if not launch.is_file():
-        return "skip", "needs the xPyD repository checkout (scripts/launch.py)", None
+        return "skip", "needs the xPyD repository checkout (xpyd_deploy/launch.py)", None
     log_dir.mkdir(parents=True, exist_ok=True)
     proxy_port, disc = _free_port(), _free_port()
     topo = {"name": "doctor-1p1d", "description": "xpyd doctor --vllm", "device": "cuda", "model": model,
@@ -501,9 +502,9 @@ def check_vllm_1p1d(model: str, timeout_s: float, log_dir: Path) -> tuple[str, s
     topo_file.write_text(json.dumps(topo))  # JSON is YAML
     deadline = time.monotonic() + timeout_s
     with open(log_dir / "launch.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(launch), "up", str(topo_file), "--log-dir", str(log_dir),
-                                 "--timeout", str(int(timeout_s))], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "xpyd_deploy.launch", "up", str(topo_file),
+                                 "--log-dir", str(log_dir), "--timeout", str(int(timeout_s))],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             _wait_up(f"http://127.0.0.1:{proxy_port}/v1/models", proc, deadline)
             time.sleep(5)  # the launcher's own first request and registration
@@ -633,19 +634,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m connector.tools.d
         else:
             Path(args.json).write_text(text)
     return code
-
-
-def cli(argv: list[str] | None = None) -> int:
-    """The ``xpyd`` console script: ``xpyd doctor [options]``."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: xpyd doctor [--json FILE] [--vllm MODEL] ...\n\n"
-              "  doctor   check this machine: environment, NCCL, transports, KV layouts, GPU figures")
-        return EXIT_OK if argv else EXIT_USAGE
-    if argv[0] != "doctor":
-        print(f"xpyd: unknown command {argv[0]!r} (known: doctor)", file=sys.stderr)
-        return EXIT_USAGE
-    return main(argv[1:], prog="xpyd doctor")
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def bench_layouts(device: str = "cuda", repeats: int = 5, blocks: int = 2048, pi
 def bench_staging(repeats: int = 5, sizes_mib: tuple[int, ...] = (4, 64, 256)) -> list[tuple]:
     """Pinned staging (what a decode does with KV beyond its device share): device ->
     a lease of the pool, and back, against cudaMemcpy into a plain pinned tensor."""
-    from connector.staging import PinnedPool
+    from connector.p2p.staging import PinnedPool
 
     pool = PinnedPool(max(sizes_mib) * MiB * 2)
     rows = []

@@ -32,8 +32,8 @@ import torch
 
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
-from connector.engine import KVEngine
-from connector.metadata import LoadSpec, SaveSpec
+from connector.p2p.engine import KVEngine
+from connector.p2p.metadata import LoadSpec, SaveSpec
 
 HOST = "127.0.0.1"
 KEY = "0123456789abcdef0123456789abcdef"

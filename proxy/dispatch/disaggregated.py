@@ -171,7 +171,7 @@ class Disaggregated:
         queues it while P prefills) and the still-running D task is returned with it.
 
         D's connector gives the request KV-cache blocks, and starts its load deadline, only
-        once P began sending (connector/scheduler.py): a P that is queued or slow costs D
+        once P began sending (connector/p2p/scheduler.py): a P that is queued or slow costs D
         nothing but a waiting entry. P's failure aborts D's request at once; D's failure
         before P is done aborts P's. A busy P's request that may start with P's token keeps
         it (first_token): D is asked once P answered, as with sequential dispatch."""

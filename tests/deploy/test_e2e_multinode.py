@@ -1,6 +1,6 @@
 """Multi-node on loopback (configs/topologies/multinode.yaml): every process on its own
 address (127.0.0.11-14 stand in for four hosts), one launcher per "host" (`--only`), two
-proxies behind haproxy (127.0.0.10, its configuration rendered by scripts/haproxy_cfg.py
+proxies behind haproxy (127.0.0.10, its configuration rendered by xpyd_deploy/haproxy_cfg.py
 as configs/haproxy/multinode.cfg is), every instance registered with both proxies.
 Requests through haproxy reach both proxies and P and D on their own addresses, KV moves
 P -> D between those addresses; a proxy stopped (SIGTERM: it drains) or killed while
@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.haproxy_cfg import LB_HOST, render  # noqa: E402  (scripts/haproxy_cfg.py)
-from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from xpyd_deploy.haproxy_cfg import LB_HOST, render  # noqa: E402  (xpyd_deploy/haproxy_cfg.py)
+from xpyd_deploy.topology import load_topology  # noqa: E402  (xpyd_deploy/topology.py)
 from tests.support.cluster import port_free  # noqa: E402  (tests/support/cluster.py)
 from tests.support.e2e_client import MODEL_DIR, metric, poll
 from tests.support.haproxy_helpers import HAPROXY, SKIP_REASON, Balancer, any_free_port

@@ -1,9 +1,9 @@
 """A real Prometheus scrapes a running 1P1D system, and every panel of the Grafana dashboard
 (configs/grafana/xpyd-dashboard.json) has data.
 
-`python -m scripts.launch up 1p1d` (proxy + 1 P + 1 D, vLLM CPU build, tiny model) on free
+`xpyd launch up 1p1d` (proxy + 1 P + 1 D, vLLM CPU build, tiny model) on free
 ports, and Debian's `prometheus` binary on 127.0.0.1 scraping the proxy and both instances
-every second with the config scripts/compose.py renders for the compose file's monitoring
+every second with the config xpyd_deploy/compose.py renders for the compose file's monitoring
 profile (same function, loopback addresses instead of service names). A concurrent load of
 streamed and non-streamed completions and chat completions runs through the proxy with the
 `openai` client for long enough that the dashboard's rate() windows hold many samples; then
@@ -31,8 +31,8 @@ import httpx
 import pytest
 import yaml
 
-from scripts import compose  # noqa: E402  (scripts/compose.py)
-from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from xpyd_deploy import compose  # noqa: E402  (xpyd_deploy/compose.py)
+from xpyd_deploy.topology import load_topology  # noqa: E402  (xpyd_deploy/topology.py)
 from tests.support.cluster import free_port  # noqa: E402  (tests/support/cluster.py)
 from tests.support.e2e_client import MODEL_DIR, WORDS
 from tests.support.launcher_helpers import DASHBOARD, READY_LINE, LauncherRun, free_port_offset

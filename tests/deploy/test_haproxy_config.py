@@ -1,5 +1,5 @@
 """configs/haproxy/multinode.cfg: rendered from configs/topologies/multinode.yaml by
-scripts/haproxy_cfg.py (no drift), accepted by `haproxy -c` where haproxy is installed, and
+xpyd_deploy/haproxy_cfg.py (no drift), accepted by `haproxy -c` where haproxy is installed, and
 the settings the multi-proxy failover relies on (tests/deploy/test_e2e_multinode.py runs it)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from scripts import haproxy_cfg  # noqa: E402  (scripts/haproxy_cfg.py)
-from scripts.topology import TopologyError, load_topology  # noqa: E402
+from xpyd_deploy import haproxy_cfg  # noqa: E402  (xpyd_deploy/haproxy_cfg.py)
+from xpyd_deploy.topology import TopologyError, load_topology  # noqa: E402
 
 CFG = ROOT / "configs" / "haproxy" / "multinode.cfg"
 HAPROXY = shutil.which("haproxy") or next(
@@ -24,7 +24,7 @@ HAPROXY = shutil.which("haproxy") or next(
 
 def test_checked_in_copy_is_what_the_topology_renders():
     assert CFG.read_text() == haproxy_cfg.render(load_topology("multinode")), \
-        "stale: rerun python -m scripts.haproxy_cfg"
+        "stale: rerun python -m xpyd_deploy.haproxy_cfg"
     assert haproxy_cfg.main(["--check"]) == 0
 
 

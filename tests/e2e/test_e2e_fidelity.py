@@ -63,7 +63,7 @@ pytestmark = pytest.mark.vllm
 
 cluster = e2e_cluster.cluster
 MODEL = "tiny-llama"
-CONTEXT = 4096  # scripts/cluster.py's --max-model-len
+CONTEXT = 4096  # tests/support/cluster.py's --max-model-len
 # vLLM reserves one core for its scheduler, and one more for a server with a KV connector:
 # the reference gets the same reservation, so that it computes with P's and D's thread count.
 REFERENCE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}

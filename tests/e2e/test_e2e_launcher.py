@@ -1,4 +1,5 @@
-"""The launcher as users run it: `python -m scripts.launch up 1p2d` brings up the proxy
+"""The launcher as users run it: `xpyd launch up 1p2d` (the console script of this checkout
+installed as its wheel installs it, tests/support/launcher_helpers.install_xpyd) brings up the proxy
 and 1 P + 2 D real vLLM (CPU build) servers from configs/topologies/1p2d.yaml, `vllm bench
 serve` (its own code, scripts/bench_serve.py) sends 20 requests through the proxy, and a
 SIGTERM to the launcher stops every process it started. Also: an instance that cannot start
@@ -20,32 +21,43 @@ import httpx
 import pytest
 import yaml
 
-from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
 from tests.support.e2e_client import MODEL_DIR, metric
 from tests.support.launcher_helpers import (
     READY_LINE,
     ROOT,
+    InstalledXpyd,
     LauncherRun,
     dashboard_metrics,
     descendants,
     exposed_metrics,
     free_port_offset,
     in_groups,
+    install_xpyd,
     still_running,
 )
+from xpyd_deploy.topology import load_topology
 
 pytestmark = pytest.mark.vllm
 BENCH_PROMPTS = 20
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory):
+def xpyd(tmp_path_factory: pytest.TempPathFactory) -> InstalledXpyd:
+    return install_xpyd(tmp_path_factory.mktemp("xpyd-install"))
+
+
+def xpyd_launch(xpyd: InstalledXpyd, args: list[str]) -> LauncherRun:
+    return LauncherRun.start(args, command=xpyd.command("launch"), extra_env=xpyd.env())
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory, xpyd: InstalledXpyd):
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
     offset = free_port_offset(load_topology("1p2d"))
     topo = load_topology("1p2d").with_port_offset(offset)
     log_dir = Path(tmp_path_factory.mktemp("launch-1p2d"))
-    run = LauncherRun.start(["up", "1p2d", "--port-offset", str(offset), "--log-dir", str(log_dir)])
+    run = xpyd_launch(xpyd, ["up", "1p2d", "--port-offset", str(offset), "--log-dir", str(log_dir)])
     try:
         run.wait_for(READY_LINE, timeout=600)
         yield run, topo, log_dir
@@ -55,6 +67,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
 
 def test_startup_output_names_every_process_and_log(launched):
     run, topo, log_dir = launched
+    assert Path(run.proc.args[0]).name == "xpyd" and run.proc.args[1] == "launch"  # the console script
     out = run.output()
     for name in ("proxy", "prefill-0", "decode-0", "decode-1"):
         assert f"started {name} " in out and f"{name} healthy" in out
@@ -138,9 +151,9 @@ def _bad_topology(tmp_path: Path, bad_arg: str) -> tuple[Path, int]:
     return path, free_port_offset(load_topology(path), start=3000)
 
 
-def test_instance_that_cannot_start_is_reported_with_its_log(tmp_path: Path):
+def test_instance_that_cannot_start_is_reported_with_its_log(tmp_path: Path, xpyd: InstalledXpyd):
     path, offset = _bad_topology(tmp_path, "--no-such-flag-xpyd")
-    run = LauncherRun.start(["up", str(path), "--port-offset", str(offset), "--log-dir", str(tmp_path / "logs")])
+    run = xpyd_launch(xpyd, ["up", str(path), "--port-offset", str(offset), "--log-dir", str(tmp_path / "logs")])
     try:
         rc = run.wait_exit(timeout=300)
         out = run.output()
@@ -155,9 +168,9 @@ def test_instance_that_cannot_start_is_reported_with_its_log(tmp_path: Path):
         run.kill()
 
 
-def test_ctrl_c_during_startup_leaves_nothing(tmp_path: Path):
+def test_ctrl_c_during_startup_leaves_nothing(tmp_path: Path, xpyd: InstalledXpyd):
     path, offset = _bad_topology(tmp_path, "--seed=0")  # a good topology
-    run = LauncherRun.start(["up", str(path), "--port-offset", str(offset), "--log-dir", str(tmp_path / "logs")])
+    run = xpyd_launch(xpyd, ["up", str(path), "--port-offset", str(offset), "--log-dir", str(tmp_path / "logs")])
     try:
         run.wait_for(r"started decode-0", timeout=60)
         time.sleep(3)  # vLLM is importing, its processes are being created

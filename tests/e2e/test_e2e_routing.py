@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.haproxy_cfg import render_servers
+from xpyd_deploy.haproxy_cfg import render_servers
 from tests.support import e2e_cluster
 from tests.support.e2e_client import (
     BLOCK,

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from connector.arrivals import ArrivalReader, board_path
+from connector.p2p.arrivals import ArrivalReader, board_path
 from connector.transport import TransportRefused
 from tests.support import e2e_cluster
 from tests.support.e2e_client import (
@@ -497,7 +497,7 @@ def test_first_token_from_prefill_chat_equals_colocated(sys_: E2ECluster, first_
     assert loaded_by_decode(sys_, mark) == want_last["usage"]["prompt_tokens"]
 
 
-MAX_MODEL_LEN = 4096  # scripts/cluster.py's --max-model-len
+MAX_MODEL_LEN = 4096  # tests/support/cluster.py's --max-model-len
 
 
 def test_first_token_from_prefill_chat_without_a_limit_equals_colocated(sys_: E2ECluster, tokenizer):

@@ -2,8 +2,7 @@
 benchmarks: the one process spawner they share (spare ports, one server at a time).
 Every server listens on 127.0.0.1; every process we start runs in its own
 session and is stopped by its PID (process group), nothing else is touched.
-The operators' bring-up is the launcher (scripts/launch.py; `python -m scripts.cluster up`
-forwards to it)."""
+The operators' bring-up is the launcher (xpyd_deploy/launch.py, `xpyd launch`)."""
 
 from __future__ import annotations
 

@@ -18,9 +18,10 @@ class _Lines(logging.Handler):
 
 @contextmanager
 def connector_log(module: str = "producer") -> Iterator[_Lines]:
-    """A connector module's INFO lines (the producer's: its 'kv sent' lines) while the block runs."""
+    """A P2P connector module's INFO lines (connector/p2p/; the producer's: its 'kv sent' lines)
+    while the block runs."""
     lines = _Lines()
-    log = logging.getLogger(f"vllm.xpyd.connector.{module}")
+    log = logging.getLogger(f"vllm.xpyd.connector.p2p.{module}")
     log.addHandler(lines)
     level = log.level
     log.setLevel(logging.INFO)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.haproxy_cfg import BACKEND  # noqa: E402  (scripts/haproxy_cfg.py)
+from xpyd_deploy.haproxy_cfg import BACKEND  # noqa: E402  (xpyd_deploy/haproxy_cfg.py)
 from tests.support.e2e_client import poll
 from tests.support.ports import free_port as any_free_port  # noqa: F401  (the tests' name for it)
 

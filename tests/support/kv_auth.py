@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from connector.engine import KVEngine
+from connector.p2p.engine import KVEngine
 from tests.support.kv_engines import KEY
 
 SECRET = "kv-secret-for-tests"

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 
 from connector.config import ConnectorConfig
-from connector.engine import KVEngine, PollResult
-from connector.metadata import LoadSpec, SaveSpec
+from connector.p2p.engine import KVEngine, PollResult
+from connector.p2p.metadata import LoadSpec, SaveSpec
 from tests.support.ports import free_port  # noqa: F401  (re-exported)
 
 HOST = "127.0.0.1"
@@ -137,8 +137,8 @@ def tp_instance(role: str, send_type: str, tp_size: int, heads: int, seed: int, 
     import torch
 
     from connector import layout as kvlayout
-    from connector.engine import KVEngine
-    from connector.tp import TpSide
+    from connector.p2p.engine import KVEngine
+    from connector.p2p.tp import TpSide
     from connector.transport import TransportError
 
     shape = (SHAPE[0], blocks_heads, *SHAPE[2:])

@@ -1,11 +1,13 @@
-"""Drive `python -m scripts.launch up` the way a user's shell does: a child process,
+"""Drive `xpyd launch up` the way a user's shell does: a child process,
 its output read line by line, signals sent to its PID, and a look at /proc for anything
-it left behind."""
+it left behind. `install_xpyd` installs this checkout as the wheel would (its `xpyd` console
+script included) for the tests that run the command users type."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +18,46 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from scripts.topology import Topology  # noqa: E402  (scripts/topology.py)
 from tests.support.cluster import port_free  # noqa: E402  (tests/support/cluster.py)
+from xpyd_deploy.topology import Topology  # noqa: E402  (xpyd_deploy/topology.py)
 
 READY_LINE = "running; Ctrl-C or SIGTERM stops everything"
+PACKAGES = ("proxy", "connector", "xpyd_wire", "xpyd_deploy")  # pyproject's [tool.setuptools.packages.find]
+# `python -m xpyd_deploy.launch`: the launcher without a console script (this interpreter, this checkout).
+LAUNCH_MODULE = (sys.executable, "-m", "xpyd_deploy.launch")
+
+
+@dataclass(frozen=True)
+class InstalledXpyd:
+    """This checkout installed like its wheel into a folder of its own (pip --target): `script` is
+    the `xpyd` console script pip wrote from pyproject's [project.scripts], `site` its packages.
+    (The shared .venv's editable install belongs to another checkout, so its script is not ours.)"""
+    script: Path
+    site: Path
+
+    def command(self, *sub: str) -> tuple[str, ...]:
+        return (str(self.script), *sub)
+
+    def env(self) -> dict[str, str]:
+        """Imports resolve to the installed copy first, as they would after `pip install xpyd`."""
+        return {"PYTHONPATH": str(self.site)}
+
+
+def install_xpyd(dest: Path) -> InstalledXpyd:
+    src = dest / "src"
+    src.mkdir(parents=True)
+    # A copy of what the build reads: setuptools' build/ folder in the checkout may hold an earlier build.
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--no-build-isolation", "--no-index", "--target", str(dest / "site"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    script = dest / "site" / "bin" / "xpyd"
+    assert script.is_file(), f"pip wrote no xpyd console script: {sorted(p.name for p in (dest / 'site').iterdir())}"
+    return InstalledXpyd(script, dest / "site")
 
 
 def free_port_offset(topo: Topology, start: int = 1000, step: int = 97, tries: int = 60) -> int:
@@ -96,9 +134,11 @@ class LauncherRun:
     _reader: threading.Thread | None = None
 
     @classmethod
-    def start(cls, args: list[str]) -> LauncherRun:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "scripts.launch", *args], cwd=ROOT, env=env,
+    def start(cls, args: list[str], command: tuple[str, ...] = LAUNCH_MODULE,
+              extra_env: dict[str, str] | None = None) -> LauncherRun:
+        """`command args` from the checkout's root (`xpyd launch` or `python -m xpyd_deploy.launch`)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        proc = subprocess.Popen([*command, *args], cwd=ROOT, env=env,
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         run = cls(args, proc)
         run._reader = threading.Thread(target=run._read, daemon=True)

@@ -1,4 +1,4 @@
-"""D's arrival board (connector/arrivals.py): a real file in shared memory, written by the
+"""D's arrival board (connector/p2p/arrivals.py): a real file in shared memory, written by the
 worker rank's side and read by the scheduler's, as in two processes (each side maps it)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from connector import arrivals
-from connector.arrivals import ArrivalReader, ArrivalWriter, board_path
+from connector.p2p import arrivals
+from connector.p2p.arrivals import ArrivalReader, ArrivalWriter, board_path
 
 KEY = "0123456789abcdef0123456789abcdef-0"
 

@@ -171,9 +171,9 @@ def test_get_mode_wrong_secret_fails_the_load_fast(engines):
 def test_secret_on_a_wider_bind_logs_nothing_but_no_secret_warns(engines, caplog, monkeypatch):
     """Without a secret a KV port on a non-loopback address is announced as
     unauthenticated once; on loopback, or with a secret, it is not."""
-    from connector import engine as engine_mod
+    from connector.p2p import engine as engine_mod
 
-    with caplog.at_level(logging.WARNING, logger="connector.engine"):
+    with caplog.at_level(logging.WARNING, logger="connector.p2p.engine"):
         engines("kv_consumer", "PUT_ASYNC")  # loopback
         assert not [r for r in caplog.records if "unauthenticated" in r.getMessage()]
         monkeypatch.setattr(engine_mod, "is_loopback", lambda host: False)  # as if bound to a LAN address
@@ -185,7 +185,7 @@ def test_secret_on_a_wider_bind_logs_nothing_but_no_secret_warns(engines, caplog
 
 
 def test_is_loopback():
-    from connector.engine import is_loopback
+    from connector.p2p.engine import is_loopback
 
     for host in ("127.0.0.1", "127.0.0.9", "::1", "[::1]", "localhost"):
         assert is_loopback(host), host

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from connector.buffer import GONE, KVBuffer, Payload, tensor_bytes
+from connector.p2p.buffer import GONE, KVBuffer, Payload, tensor_bytes
 
 
 def _payload(nbytes: int, created: float | None = None, release=None) -> Payload:
@@ -214,7 +214,7 @@ def test_peek_without_lru_does_not_reorder():
 def test_every_expiry_is_strictly_after_its_deadline(monkeypatch):
     """A reservation, a tombstone and a failure each live until their deadline inclusive (the
     clock is the buffer's own: time.monotonic, pinned here)."""
-    import connector.buffer as buffer_module
+    import connector.p2p.buffer as buffer_module
 
     clock = [1000.0]
     monkeypatch.setattr(buffer_module.time, "monotonic", lambda: clock[0])
@@ -242,7 +242,7 @@ def test_every_expiry_is_strictly_after_its_deadline(monkeypatch):
 def test_drops_and_evictions_are_logged_with_buffer_key_and_reason(caplog):
     buf = KVBuffer("recv", capacity_bytes=100, ttl_s=5)
     buf.put("k1", _payload(10, created=0.0))
-    with caplog.at_level("WARNING", logger="vllm.xpyd.connector.buffer"):
+    with caplog.at_level("WARNING", logger="vllm.xpyd.connector.p2p.buffer"):
         buf.expire(now=6.0)
         lru = KVBuffer("send", capacity_bytes=10, ttl_s=5, evict_lru=True)
         lru.put("k2", _payload(10))

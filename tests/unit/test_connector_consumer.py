@@ -1,4 +1,4 @@
-"""The consumer half of the KV engine (connector/consumer.py), on real KVEngines over
+"""The consumer half of the KV engine (connector/p2p/consumer.py), on real KVEngines over
 loopback: what a synchronous load returns, counts and logs, and a GET pull that does not fit
 D's buffer never asks P."""
 
@@ -17,12 +17,12 @@ import torch
 
 from connector import layout as kvlayout
 from connector.affinity import CpuPlan
-from connector.buffer import KVBuffer, Payload
-from connector.consumer import GET_POOL_SIZE, Consumer
-from connector.engine import PollResult
-from connector.metadata import LoadSpec
-from connector.staging import RecvStager
-from connector.tp import TpSide
+from connector.p2p.buffer import KVBuffer, Payload
+from connector.p2p.consumer import GET_POOL_SIZE, Consumer
+from connector.p2p.engine import PollResult
+from connector.p2p.metadata import LoadSpec
+from connector.p2p.staging import RecvStager
+from connector.p2p.tp import TpSide
 from connector.transport.base import Deferred
 from connector.transport.tcp import TcpTransport
 from tests.support.connector_log import connector_log

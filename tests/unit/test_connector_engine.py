@@ -14,11 +14,11 @@ import torch
 import zmq
 
 from connector import layout as kvlayout
-from connector.engine import KVEngine, PollResult
-from connector.metadata import LoadSpec, P2pConnectorMetadata
+from connector.p2p.engine import KVEngine, PollResult
+from connector.p2p.metadata import LoadSpec, P2pConnectorMetadata
 from connector.transport.base import REFUSAL_REASONS
 from connector.transport.tcp import TcpTransport
-from connector.worker import P2pWorker
+from connector.p2p.worker import P2pWorker
 from tests.support.kv_engines import (
     HOST,
     KEY,
@@ -216,7 +216,7 @@ def test_specs_from_the_real_scheduler(engines):
     )
     from vllm.v1.request import Request
 
-    from connector.scheduler import P2pScheduler
+    from connector.p2p.scheduler import P2pScheduler
 
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
@@ -266,7 +266,7 @@ def _scheduler_pair(prod: KVEngine, cons: KVEngine, probe: bool = True):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from connector.scheduler import ArrivalProbe, P2pScheduler
+    from connector.p2p.scheduler import ArrivalProbe, P2pScheduler
 
     xid = f"___prefill_addr_{rank0(prod)}___decode_addr_{rank0(cons)}_{KEY}"
     d_req = Request(f"cmpl-{xid}-0-bbbbbbbb", list(range(N_PROMPT)), SamplingParams(max_tokens=8), None)
@@ -337,8 +337,8 @@ def test_kv_here_is_read_off_the_arrival_board_without_asking(engines):
     """The worker rank writes each transfer whose KV it stored on its arrival board (shared
     memory); D's scheduler reads it there, with no round trip to the worker on vLLM's
     scheduling thread. A transfer not on the board is still asked about."""
-    from connector.arrivals import ArrivalReader, board_path
-    from connector.scheduler import ArrivalProbe
+    from connector.p2p.arrivals import ArrivalReader, board_path
+    from connector.p2p.scheduler import ArrivalProbe
 
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
@@ -362,7 +362,7 @@ def test_kv_here_is_read_off_the_arrival_board_without_asking(engines):
 def test_a_sender_that_begins_is_on_the_board_before_its_kv(engines, kv_client):
     """A reservation (or a refusal, or an abort) marks the transfer begun on D's arrival board:
     D's scheduler then gives the waiting request its blocks and its load deadline starts."""
-    from connector.arrivals import ArrivalReader, board_path
+    from connector.p2p.arrivals import ArrivalReader, board_path
 
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     board = ArrivalReader(board_path(cons.address))
@@ -382,8 +382,8 @@ def test_a_sender_that_begins_is_on_the_board_before_its_kv(engines, kv_client):
 def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, kv_client):
     """Heterogeneous TP: each prefill rank sends this rank a piece; the transfer goes on the
     board only with the last of them (a synchronous load needs all)."""
-    from connector import tp
-    from connector.arrivals import ArrivalReader, board_path
+    from connector.p2p import tp
+    from connector.p2p.arrivals import ArrivalReader, board_path
 
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     board = ArrivalReader(board_path(cons.address))
@@ -400,7 +400,7 @@ def test_a_split_transfer_is_on_the_board_once_every_piece_is_here(engines, kv_c
 
 
 def test_no_arrival_board_when_loads_are_never_synchronous(engines):
-    from connector.arrivals import board_path
+    from connector.p2p.arrivals import board_path
 
     for role, send_type, extra in (("kv_consumer", "PUT_ASYNC", {"sync_load": False}),
                                    ("kv_consumer", "GET", {}), ("kv_producer", "PUT_ASYNC", {})):
@@ -462,7 +462,7 @@ def test_sync_load_of_a_payload_that_does_not_fit_reports_its_blocks(engines, kv
 def test_arrival_probe_of_a_dead_socket_says_no_quickly():
     """The probe runs on vLLM's scheduling thread: a control socket that does not answer
     makes the load asynchronous within the probe's bound, never an error."""
-    from connector.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
+    from connector.p2p.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
 
     probe = ArrivalProbe(make_cfg("kv_consumer", "PUT_ASYNC", free_port()), 2)
     try:
@@ -770,6 +770,16 @@ def test_malformed_control_messages(engines, kv_client):
     assert r["ok"] is False
     r = call({"op": "get", "key": KEY})
     assert r == {"ok": False, "error": "not ready"}
+    # The typed requests (xpyd_wire/kv_transfer.py) refuse with the reason; nothing is reserved or failed.
+    for bad, why in [({"op": "reserve", "key": KEY}, "reserve needs nbytes"),
+                     ({"op": "reserve", "key": KEY, "nbytes": -1}, "reserve needs nbytes"),
+                     ({"op": "reserve", "nbytes": 1}, "reserve without key"),
+                     ({"op": "abort", "keys": [KEY]}, "abort needs keys"),
+                     ({"op": "release"}, "release without key"),
+                     ({"op": "ready", "key": 7}, "ready without key")]:
+        assert call(bad) == {"ok": False, "error": why}, bad
+    assert call({"op": "ready", "key": KEY}) == {"ok": True, "ready": False}
+    assert call({"op": "abort", "keys": {b"bytes": "not a key"}}) == {"ok": True}  # skipped, not refused
     r = call({"op": "ping"})
     assert r == {"ok": True, "address": addr}
     r = call({"op": "stats"})
@@ -930,7 +940,7 @@ def test_close_does_not_wait_for_a_call_to_a_dead_peer(engines, send_type, op, s
     """A probe of a dead D (PUT_ASYNC, after its send failed) or the abort notice for a failed
     send (PUT) reads no KV: close() returns without waiting out its timeout (5 s here, so
     that a loaded box's slack cannot pass for a close that waited)."""
-    from connector import producer
+    from connector.p2p import producer
 
     monkeypatch.setattr(producer, "PROBE_TIMEOUT_S", 5.0)  # the probe's; the notice's is min(send, 2x)
     seen = _CallSeen(op)

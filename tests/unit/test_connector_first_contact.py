@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import time
 
-from connector.metadata import P2pConnectorMetadata
+from connector.p2p.metadata import P2pConnectorMetadata
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
     SRC_IDS,
@@ -24,7 +24,7 @@ from tests.support.kv_fronts import SlowHello
 
 
 def test_scheduler_announces_peers_of_new_requests_once_per_step():
-    from connector.scheduler import P2pScheduler
+    from connector.p2p.scheduler import P2pScheduler
     from tests.support.kv_engines import make_cfg
 
     class Req:  # the fields on_new_request reads
@@ -97,7 +97,7 @@ def test_first_contact_slower_than_two_seconds_still_delivers(engines):
 def test_worker_prepares_contacts_from_the_metadata(engines):
     """The worker half turns the metadata's contacts into first contacts (before the
     forward pass: the connector calls it from bind_connector_metadata)."""
-    from connector.worker import P2pWorker
+    from connector.p2p.worker import P2pWorker
 
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)

@@ -18,7 +18,7 @@ import msgpack
 import pytest
 import torch
 
-from connector.engine import KVEngine
+from connector.p2p.engine import KVEngine
 from connector.transport import KVAuth
 from connector.transport.auth import REQ_AUTH_LEN, REQ_MAGIC, MacAuth
 from tests.support.kv_auth import SECRET, kv_put_frames, refused

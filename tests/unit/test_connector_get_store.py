@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from connector.buffer import KVBuffer, Payload
+from connector.p2p.buffer import KVBuffer, Payload
 from tests.support.kv_engines import SRC_IDS, load_spec, make_caches, plan_load, poll_until, rank0, save_spec
 
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from connector.assembly import PartAssembler
-from connector.buffer import GONE, KVBuffer, tensor_bytes
+from connector.p2p.assembly import PartAssembler
+from connector.p2p.buffer import GONE, KVBuffer, tensor_bytes
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
     KEY,

@@ -1,4 +1,4 @@
-"""The producer half of the KV engine (connector/producer.py), on two real KVEngines over
+"""The producer half of the KV engine (connector/p2p/producer.py), on two real KVEngines over
 loopback: what a preemption waits for and counts, what a failed first contact logs, counts
 and tells D, and the per-layer progress a layer-wise send reads."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from connector.producer import LayerProgress
+from connector.p2p.producer import LayerProgress
 from connector.transport.base import Deferred
 from tests.support.connector_log import connector_log
 from tests.support.kv_engines import (
@@ -200,7 +200,7 @@ def test_a_slow_send_is_logged_as_slow_at_warning(engines, caplog):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=5.0)
     front = SlowPut(rank0(cons), delay_s=1.1)
     try:
-        with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.producer"):
+        with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.p2p.producer"):
             prod.save(save_spec(prod, front.address))
             poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
         sent = [r for r in caplog.records if r.getMessage().startswith("kv sent")]
@@ -366,7 +366,7 @@ def test_layer_wise_sends_queued_behind_one_on_its_way_join_it(engines):
 def test_a_cohort_is_capped(engines, monkeypatch):
     """At most MAX_COHORT layer-wise sends ship together (2 here): the next one waits for
     the cohort to end instead of joining it."""
-    from connector import producer
+    from connector.p2p import producer
 
     monkeypatch.setattr(producer, "MAX_COHORT", 2)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
@@ -633,7 +633,7 @@ def test_a_send_that_raises_logs_its_traceback(engines, caplog):
     """A bug in one send is logged at ERROR with the exception's traceback (exc_info)."""
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
-    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.producer"):
+    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.p2p.producer"):
         prod.save(save_spec(prod, rank0(cons), req_id="bad", key="f" * 32, block_ids=(3, 99)))
         poll_until(prod, lambda r: "bad" in r.finished_sending, finished={"bad"})
     (rec,) = [r for r in caplog.records if r.getMessage().startswith("kv send failed req=bad ")]
@@ -643,7 +643,7 @@ def test_a_send_that_raises_logs_its_traceback(engines, caplog):
 def test_undelivered_abort_notices_are_capped_per_decode(engines, monkeypatch):
     """At most MAX_PENDING_NOTICES (2 here) "will not come" notices wait for a dead D; the
     ones past the cap are dropped (D's loads of those time out instead)."""
-    from connector import producer
+    from connector.p2p import producer
 
     monkeypatch.setattr(producer, "MAX_PENDING_NOTICES", 2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
@@ -785,7 +785,7 @@ def test_a_prompt_send_is_logged_at_info(engines, caplog):
     """A send well under SLOW_SEND_S is an INFO line (operators alert on WARNING)."""
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")
-    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.producer"):
+    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.p2p.producer"):
         prod.save(save_spec(prod, rank0(cons)))
         poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
     (sent,) = [r for r in caplog.records if r.getMessage().startswith("kv sent")]
@@ -1005,7 +1005,7 @@ def test_a_layer_wise_send_whose_forward_pass_stops_writing_fails_and_tells_the_
     """A forward pass that writes no further layer within FORWARD_WAIT_S (here 0.5 s) fails
     the send: counted as an error, and D told why under the transfer's key (it would wait for
     the rest otherwise)."""
-    import connector.producer as producer
+    import connector.p2p.producer as producer
 
     monkeypatch.setattr(producer, "FORWARD_WAIT_S", 0.5)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
@@ -1060,7 +1060,7 @@ def test_a_layer_wise_send_failing_after_one_rank_refused_tells_only_the_ranks_s
     """P tp=1 -> D tp=2, layer-wise: D rank 1 (full) refuses the first part and is told so;
     rank 0 takes it. When the forward pass then stops writing, only rank 0, still waiting for
     the rest, is told the send failed: rank 1 hears nothing but its own refusal."""
-    import connector.producer as producer
+    import connector.p2p.producer as producer
     from xpyd_wire.request_id import rank_address
 
     monkeypatch.setattr(producer, "FORWARD_WAIT_S", 0.5)

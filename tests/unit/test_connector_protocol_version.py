@@ -98,7 +98,7 @@ def test_a_decode_refuses_a_hello_of_another_protocol_version(engines, caplog):
     newer = KV_PROTOCOL_VERSION + 1
     relay = Relay(rank0(cons), on_request=_with_version(newer))
     try:
-        with caplog.at_level(logging.ERROR, logger="vllm.xpyd.connector.engine"), connector_log() as lines:
+        with caplog.at_level(logging.ERROR, logger="vllm.xpyd.connector.p2p.engine"), connector_log() as lines:
             prod.save(save_spec(prod, relay.address))
             res, _ = poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
         assert relay.ops[0] == Op.HELLO and not {Op.RESERVE, Op.PUT} & set(relay.ops), relay.ops

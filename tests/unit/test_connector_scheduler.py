@@ -15,8 +15,8 @@ import pytest
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
-from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
-from connector.scheduler import REPORT_KEY_PARAM, SIBLING_GRACE_S, P2pScheduler
+from connector.p2p.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connector.p2p.scheduler import REPORT_KEY_PARAM, SIBLING_GRACE_S, P2pScheduler
 from connector.stats import XpydStats
 from tests.support.connector_log import connector_log
 from tests.support.scheduler import BS, D_ADDR, KEY, P_ADDR, FakeKVCacheManager, kv_blocks, make_cfg, pd_id, sched_out
@@ -202,7 +202,7 @@ def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
     runs from there. Past kv_prefill_wait_s without a sender, D computes the prompt itself."""
     import dataclasses
 
-    from connector import scheduler as sched
+    from connector.p2p import scheduler as sched
 
     clock = [1000.0]
     monkeypatch.setattr(sched.time, "monotonic", lambda: clock[0])
@@ -724,7 +724,7 @@ def test_consumer_n_children_share_one_transfer_released_after_the_last(monkeypa
     one payload, which the worker may drop only once both were planned, and, since
     the engine never learns n, a grace period later (a sibling may still come)."""
     clock = [100.0]
-    monkeypatch.setattr("connector.scheduler.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("connector.p2p.scheduler.time.monotonic", lambda: clock[0])
     s = consumer()
     base = pd_id()
     kids = [make_req(f"{i}_{base}", 300) for i in range(3)]
@@ -791,7 +791,7 @@ def test_plan_lines_are_exact(caplog):
     kvm = FakeKVCacheManager(blocks={rid: [4, 5, 6]})
     p = producer(kvm=kvm)
     req = make_req(rid, 300, {"xpyd_skip_tokens": 128})
-    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.scheduler"):
+    with caplog.at_level(logging.INFO, logger="vllm.xpyd.connector.p2p.scheduler"):
         p.on_new_request(req)
         (save,) = p.build_connector_meta(sched_out(new=[(rid, 0, 300)])).saves
         assert p.build_connector_meta(sched_out(preempted={rid})).preempted == [rid]
@@ -900,7 +900,7 @@ def test_only_put_async_announces_first_contact(send_type, contacts):
 
 
 def test_released_keys_are_remembered_up_to_the_bound_oldest_forgotten_first():
-    from connector.scheduler import _RELEASED_MEMORY
+    from connector.p2p.scheduler import _RELEASED_MEMORY
 
     s = consumer()
     keys = [f"{i:032x}" for i in range(_RELEASED_MEMORY + 1)]
@@ -940,7 +940,7 @@ class _Rank:
 @pytest.fixture
 def probe_of():
     """probe_of(ranks, here, ready_value=True) -> (probe, ranks' servers, their addresses); all closed after."""
-    from connector.scheduler import ArrivalProbe
+    from connector.p2p.scheduler import ArrivalProbe
     from tests.support.ports import spare_port
 
     made = []
@@ -972,7 +972,7 @@ def _arrives(probe, key: str, within_s: float = 10.0) -> bool:
 
 
 def test_arrival_probe_reads_every_ranks_board_then_asks_every_rank(probe_of):
-    from connector.arrivals import ArrivalWriter, board_path
+    from connector.p2p.arrivals import ArrivalWriter, board_path
 
     probe, servers, addrs = probe_of(2, {TK})
     boards = [ArrivalWriter(board_path(a)) for a in addrs]
@@ -1000,7 +1000,7 @@ def _says_no(probe, key: str, caplog, within_s: float = 10.0) -> bool:
     import logging
 
     deadline = time.monotonic() + within_s
-    with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.p2p.scheduler"):
         while time.monotonic() < deadline:
             caplog.clear()
             if probe.arrived(key):
@@ -1022,13 +1022,13 @@ def test_arrival_probe_needs_every_rank_and_a_true_answer(probe_of, caplog):
 def test_arrival_probe_of_a_silent_rank_says_no_within_its_bound(caplog):
     import logging
 
-    from connector.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
+    from connector.p2p.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
     from tests.support.ports import spare_port
 
     base = spare_port(1)
     probe = ArrivalProbe(make_cfg("kv_consumer", addr=f"127.0.0.1:{base}"), 1)
     try:
-        with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.scheduler"):
+        with caplog.at_level(logging.WARNING, logger="vllm.xpyd.connector.p2p.scheduler"):
             t0 = time.monotonic()
             assert probe.arrived(TK) is False
             assert time.monotonic() - t0 < ARRIVAL_PROBE_TIMEOUT_S + 1.0  # slack for a loaded box
@@ -1044,7 +1044,7 @@ def test_arrival_probe_speaks_the_instances_kv_auth_and_framing(kv_auth, byte_st
     probe must use the instance's secret, auth mode and framing, or every load is asynchronous."""
     import dataclasses
 
-    from connector.scheduler import ArrivalProbe
+    from connector.p2p.scheduler import ArrivalProbe
     from connector.transport import KVAuth, TcpTransport
     from tests.support.ports import spare_port
 

@@ -146,7 +146,7 @@ def test_k8s_manifests_take_secrets_from_the_secret_through_env():
 
 
 def _launch():
-    from scripts import launch
+    from xpyd_deploy import launch
 
     return launch
 

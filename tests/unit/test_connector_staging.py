@@ -1,4 +1,4 @@
-"""Pinned staging (connector/staging.py): the pool allocator against a model, and the
+"""Pinned staging (connector/p2p/staging.py): the pool allocator against a model, and the
 receive stager's placement and exactly-once release through every way a payload leaves
 the receive buffer. Host tensors stand in for device ones (the policy is device-agnostic;
 pinning needs CUDA, so the pool is plain host memory here)."""
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from connector.buffer import KVBuffer, Payload
-from connector.staging import ALIGN, PinnedPool, RecvStager
+from connector.p2p.buffer import KVBuffer, Payload
+from connector.p2p.staging import ALIGN, PinnedPool, RecvStager
 from connector.transport.tcp import TcpTransport
 
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-from connector.connector import P2pNcclConnector
+from connector.p2p.connector import P2pNcclConnector
 from connector.shared_storage.connector import SharedStorageConnector
 from connector.shared_storage.metadata import FetchSpec, StoreSpec
 from connector.stats import LOAD_WAIT_BUCKETS, StatsRecorder, XpydPromMetrics, XpydStats

@@ -1,4 +1,4 @@
-"""TP topology arithmetic (connector/tp.py) against a brute-force reference, and the
+"""TP topology arithmetic (connector/p2p/tp.py) against a brute-force reference, and the
 first-contact check between two real engines (different layouts or TP sizes fail the
 send at once with a clear reason, never garbage tokens)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector import tp
-from connector.tp import TopologyError, TpSide
+from connector.p2p import tp
+from connector.p2p.tp import TopologyError, TpSide
 from tests.support.kv_engines import tp_instance
 
 CASES = [  # (prefill tp, decode tp, kv heads, mla)

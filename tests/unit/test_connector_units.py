@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from connector import layout as kvlayout
-from connector.buffer import KVBuffer, Payload
+from connector.p2p.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig, output_limits
 from xpyd_wire import request_id
 from xpyd_wire.discovery import OutputLimits

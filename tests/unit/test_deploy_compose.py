@@ -1,6 +1,6 @@
 """docker-compose.yml agrees with configs/topologies/ (cheap: no docker needed).
 
-The checks: the committed files are exactly what `python -m scripts.compose` renders (nobody
+The checks: the committed files are exactly what `python -m xpyd_deploy.compose` renders (nobody
 edited them by hand); read as docker compose reads them (variables interpolated), each
 profile (gpu, cpu) holds exactly its topology's proxy and instances with their roles, ports,
 GPU devices, health checks and the proxy's address, independent of the renderer's code; the
@@ -20,8 +20,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from scripts import compose  # noqa: E402  (scripts/compose.py)
-from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from xpyd_deploy import compose  # noqa: E402  (xpyd_deploy/compose.py)
+from xpyd_deploy.topology import load_topology  # noqa: E402  (xpyd_deploy/topology.py)
 
 VAR = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)(:-([^}]*))?\}")
 MONITORING = {"prometheus", "grafana"}
@@ -57,9 +57,9 @@ def _profile_services(doc: dict, profile: str) -> dict:
 def test_committed_files_are_rendered_from_the_topologies():
     stale = [p for p, text in compose.rendered_files().items()
              if not (ROOT / p).exists() or (ROOT / p).read_text() != text]
-    assert stale == [], f"rerun `python -m scripts.compose`: {stale}"
+    assert stale == [], f"rerun `python -m xpyd_deploy.compose`: {stale}"
     # The entry point as the README runs it agrees.
-    out = subprocess.run([sys.executable, "-m", "scripts.compose", "--check"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "xpyd_deploy.compose", "--check"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 

@@ -11,8 +11,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from scripts.launch import main as launch_main  # noqa: E402  (scripts/launch.py)
-from scripts.topology import TopologyError, all_topologies, load_topology, topology_from_dict  # noqa: E402
+from xpyd_deploy.launch import main as launch_main  # noqa: E402  (xpyd_deploy/launch.py)
+from xpyd_deploy.topology import TopologyError, all_topologies, load_topology, topology_from_dict  # noqa: E402
 
 BASE = yaml.safe_load((ROOT / "configs/topologies/1p1d.yaml").read_text())
 

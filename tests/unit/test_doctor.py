@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from connector.tools import doctor
+from xpyd_deploy import cli as xpyd_cli
 
 REPO = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location("nccl_wheels", REPO / "scripts" / "nccl_wheels.py")
@@ -74,10 +75,12 @@ def test_exit_codes_are_the_documented_ones():
 
 
 def test_console_script_dispatch(capsys):
-    assert doctor.cli(["--help"]) == 0
-    assert doctor.cli([]) == 2
-    assert doctor.cli(["nurse"]) == 2
+    """`xpyd doctor` through the `xpyd` command (xpyd_deploy/cli.py)."""
+    assert xpyd_cli.main(["--help"]) == 0
+    assert xpyd_cli.main([]) == 2
+    assert xpyd_cli.main(["nurse"]) == 2
     assert "unknown command" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        doctor.cli(["doctor", "--bogus"])
+        xpyd_cli.main(["doctor", "--bogus"])
     assert e.value.code == 2
+    assert "usage: xpyd doctor" in capsys.readouterr().err

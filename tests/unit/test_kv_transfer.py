@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from xpyd_wire import kv_transfer as kt
-from xpyd_wire.kv_transfer import Hello, Op, PutHeader, Refusal
+from xpyd_wire.kv_transfer import Abort, Get, Hello, Op, Ping, PutHeader, Ready, Refusal, Release, Reserve
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
@@ -165,3 +165,69 @@ def test_version_mismatch_tells_the_operator_what_to_do(theirs, said):
         f"kv protocol mismatch: the peer {said}, this instance speaks version {kt.KV_PROTOCOL_VERSION}; "
         "run the same xPyD release on prefill and decode")
     assert kt.version_mismatch(kt.KV_PROTOCOL_VERSION) is None
+
+
+# ---- the requests (reserve, get, release, ready, abort, ping): typed, the same bytes as the old literals
+
+KEY = "___prefill_addr_127.0.0.1:21001___decode_addr_127.0.0.1:22001_0123abcd-0"
+# Each request as producer.py, consumer.py and scheduler.py wrote it as a dict literal before it was typed.
+OLD_LITERALS = [
+    (Reserve(KEY, 4096), {"op": "reserve", "key": KEY, "nbytes": 4096}),
+    (Reserve(KEY, 0), {"op": "reserve", "key": KEY, "nbytes": 0}),
+    (Get(KEY), {"op": "get", "key": KEY}),
+    (Release(KEY), {"op": "release", "key": KEY}),
+    (Ready(KEY), {"op": "ready", "key": KEY}),
+    (Abort({KEY: "sender gave up: deadline", "k2": "x"}), {"op": "abort", "keys": {KEY: "sender gave up: deadline",
+                                                                                  "k2": "x"}}),
+    (Ping(), {"op": "ping"}),
+]
+
+
+@pytest.mark.parametrize(("msg", "old"), OLD_LITERALS, ids=lambda x: type(x).__name__)
+def test_request_bytes_are_the_old_literal_s(msg, old):
+    assert _bytes(msg.encode()) == _bytes(old)
+
+
+@pytest.mark.parametrize(("msg", "old"), OLD_LITERALS, ids=lambda x: type(x).__name__)
+def test_request_round_trips_through_msgpack(msg, old):
+    wire = msgpack.unpackb(_bytes(msg.encode()), raw=False)
+    assert type(msg).decode(wire) == msg
+
+
+@pytest.mark.parametrize(("cls", "bad", "why"), [
+    (Reserve, {"op": "reserve", "nbytes": 1}, "reserve without key"),
+    (Reserve, {"op": "reserve", "key": 7, "nbytes": 1}, "reserve without key"),
+    (Reserve, {"op": "reserve", "key": KEY}, "reserve needs nbytes"),
+    (Reserve, {"op": "reserve", "key": KEY, "nbytes": -1}, "reserve needs nbytes"),
+    (Reserve, {"op": "reserve", "key": KEY, "nbytes": 1.0}, "reserve needs nbytes"),
+    (Reserve, {"op": "reserve", "key": KEY, "nbytes": True}, "reserve needs nbytes"),  # bool is no byte count
+    (Reserve, {"op": "get", "key": KEY, "nbytes": 1}, "op 'get' is not 'reserve'"),
+    (Get, {"op": "get"}, "get without key"),
+    (Get, {"op": "get", "key": b"k"}, "get without key"),
+    (Get, {"op": "release", "key": KEY}, "op 'release' is not 'get'"),
+    (Release, {"op": "release", "key": None}, "release without key"),
+    (Release, {"key": KEY}, "op None is not 'release'"),
+    (Ready, {"op": "ready", "key": ["k"]}, "ready without key"),
+    (Ready, {"op": "ready"}, "ready without key"),
+    (Abort, {"op": "abort"}, "abort needs keys"),
+    (Abort, {"op": "abort", "keys": [KEY]}, "abort needs keys"),
+    (Abort, {"op": "ping", "keys": {}}, "op 'ping' is not 'abort'"),
+    (Ping, {"op": "pong"}, "op 'pong' is not 'ping'"),
+])
+def test_request_decode_refuses_a_malformed_message(cls, bad, why):
+    with pytest.raises(ValueError) as e:
+        cls.decode(bad)
+    assert str(e.value) == why
+
+
+def test_abort_keeps_the_entries_it_can_use():
+    """One bad entry fails no other transfer: a key that is no string is dropped, a reason made one."""
+    got = Abort.decode({"op": "abort", "keys": {KEY: "gone", 5: "x", "k2": 3}})
+    assert got == Abort({KEY: "gone", "k2": "3"})
+
+
+def test_ready_answer_and_its_reading():
+    assert Ready.answer(True) == {"ok": True, "ready": True} and Ready.is_ready(Ready.answer(True))
+    assert not Ready.is_ready(Ready.answer(False))
+    assert not Ready.is_ready(Refusal("ready without key").encode())
+    assert not Ready.is_ready({"ok": True, "ready": 1})  # only True is ready

@@ -1,4 +1,4 @@
-"""scripts/launch.py's escalation when a process group will not stop: SIGKILL after
+"""xpyd_deploy/launch.py's escalation when a process group will not stop: SIGKILL after
 `stop_grace`, and at once on a second SIGINT/SIGTERM. Real processes (a Python that ignores
 SIGTERM, with a child in its group that does too), no vLLM."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from scripts.launch import Launcher, LaunchOptions  # noqa: E402  (scripts/launch.py)
-from scripts.topology import load_topology  # noqa: E402  (scripts/topology.py)
+from xpyd_deploy.launch import Launcher, LaunchOptions  # noqa: E402  (xpyd_deploy/launch.py)
+from xpyd_deploy.topology import load_topology  # noqa: E402  (xpyd_deploy/topology.py)
 
 # Ignores SIGTERM, as does its child (an ignored signal stays ignored across fork and exec).
 STUBBORN = """

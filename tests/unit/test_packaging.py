@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("proxy", "connector", "xpyd_wire")
+PACKAGES = ("proxy", "connector", "xpyd_wire", "xpyd_deploy")
 # Imported at load time by modules that only run where their package is there anyway.
 NOT_REQUIRED = {
     "vllm": "the connector's vLLM-facing modules are loaded by vLLM itself (extra `vllm`)",

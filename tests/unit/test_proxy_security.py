@@ -442,8 +442,8 @@ async def test_mid_stream_error_starts_a_fresh_event(case, expose):
 
 @pytest.mark.parametrize("expose", [False, True])
 async def test_launcher_sees_registrations_with_or_without_addresses(expose):
-    from scripts.launch import registered
-    from scripts.topology import InstanceSpec, ProxySpec
+    from xpyd_deploy.launch import registered
+    from xpyd_deploy.topology import InstanceSpec, ProxySpec
 
     async with running_proxy(expose_routing_headers=expose) as px:
         p, d = await px.pd()

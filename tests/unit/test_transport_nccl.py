@@ -324,7 +324,7 @@ def test_engine_and_transports_import_without_vllm():
     from pathlib import Path
 
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import connector.engine, connector.layout, connector.transport.nccl, connector.transport.nccl_api\n"
+            "import connector.p2p.engine, connector.layout, connector.transport.nccl, connector.transport.nccl_api\n"
             "from connector.transport import make_transport\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],

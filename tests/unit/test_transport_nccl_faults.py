@@ -350,7 +350,7 @@ def test_receive_buffers_are_allocated_on_the_communicators_stream():
 @pytest.mark.gpu
 def test_pinned_pool_is_page_locked_at_exactly_its_size():
     """Item 9 on a real GPU: cudaHostRegister'ed, exactly nbytes, usable for async copies."""
-    from connector.staging import PinnedPool
+    from connector.p2p.staging import PinnedPool
 
     nbytes = 3 * (1 << 20) + 12345
     pool = PinnedPool(nbytes, pin=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from connector.buffer import GONE, KVBuffer, Payload, tensor_bytes
+from connector.p2p.buffer import GONE, KVBuffer, Payload, tensor_bytes
 from xpyd_wire.kv_transfer import PART_KEY
 
 # Header fields that differ between the parts of one payload.

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from connector.buffer import KVBuffer, Payload
+from connector.p2p.buffer import KVBuffer, Payload
 from connector.log import get_logger
 
 logger = get_logger(__name__)

@@ -15,7 +15,7 @@ its rank's TP size, KV heads, block layout; cached, asked again after the peer c
 refuses at once what cannot be mapped or speaks another protocol version
 (``xpyd_wire.kv_transfer``). With equal TP, worker rank r sends whole blocks to D's rank r;
 with different TP sizes it sends each D rank the head slice that rank owns
-(``connector.tp``), each piece under its own key, and D loads once it has all pieces.
+(``connector.p2p.tp``), each piece under its own key, and D loads once it has all pieces.
 """
 
 from __future__ import annotations
@@ -30,24 +30,25 @@ from typing import Any
 
 import torch
 
-from connector import tp
+from connector.p2p import tp
 from connector.affinity import CpuPlan, pin_current_thread
-from connector.buffer import KVBuffer, Payload, tensor_bytes
+from connector.p2p.buffer import KVBuffer, Payload, tensor_bytes
 from connector.config import ConnectorConfig
 from connector.log import get_logger
-from connector.metadata import SaveSpec
+from connector.p2p.metadata import SaveSpec
 from connector.stats import StatsRecorder
 from connector.transport import HandshakeRefused, Transport, TransportError, TransportRefused
 from xpyd_wire.kv_transfer import (
     ERROR_KEY,
     GONE_KEY,
     OK_KEY,
-    OP_KEY,
     REFUSED_KEY,
     UNKNOWN_OP_KEY,
     VERSION_KEY,
+    Abort,
     Hello,
-    Op,
+    Ping,
+    Reserve,
     ok,
     version_mismatch,
 )
@@ -327,7 +328,7 @@ class PeerSender:
 
     def _probe(self) -> bool:
         try:
-            self._call_unawaited(self.peer, {OP_KEY: Op.PING}, PROBE_TIMEOUT_S)
+            self._call_unawaited(self.peer, Ping().encode(), PROBE_TIMEOUT_S)
         except TransportError:
             return False
         if self._stop.is_set():
@@ -379,7 +380,7 @@ class PeerSender:
     def _deliver(self, notices: dict[str, dict[str, str]]) -> None:
         for i, (addr, keys) in enumerate(notices.items()):
             try:
-                self._call_unawaited(addr, {OP_KEY: Op.ABORT, "keys": keys},
+                self._call_unawaited(addr, Abort(keys).encode(),
                                      min(self._cfg.send_timeout_s, PROBE_TIMEOUT_S * 2))
             except TransportError as e:
                 with self._cond:  # keep them for when the peer answers again
@@ -494,7 +495,7 @@ class PeerSender:
         reply = ok()
         if part is None or part[0] == 0:
             total = nbytes if part is None else nbytes * part[2] // (part[1] - part[0])
-            reply, _ = self._transport.call(addr, {OP_KEY: Op.RESERVE, "key": header["key"], "nbytes": total},
+            reply, _ = self._transport.call(addr, Reserve(header["key"], total).encode(),
                                             timeout_s=max(0.05, deadline - time.monotonic()))
             t = phases.add("reserve", t)
         if reply.get(OK_KEY):

@@ -1,4 +1,5 @@
-"""What both xPyD connectors' facades do alike: the calls vLLM makes that go unchanged to the
+"""The base class of both xPyD connectors (``XpydConnectorBase``), what the classes vLLM loads do
+alike: the calls vLLM makes that go unchanged to the
 worker or scheduler half, stats for vLLM's loggers, and shutdown. Each subclass sets
 `_scheduler` and `_worker` (one of them per process) in __init__, and `_metadata_type`."""
 

@@ -1,11 +1,11 @@
 """Run an xPyD topology from configs/topologies/ on this machine: start its proxies and vLLM
-instances, watch them, stop them.
+instances, watch them, stop them (`xpyd launch ...` = `python -m xpyd_deploy.launch ...`).
 
-    python -m scripts.launch up 1p2d                        # proxy + 1 P + 2 D, until Ctrl-C / SIGTERM
-    python -m scripts.launch up 1p1d --once                 # answer one request through the proxy, then stop
-    python -m scripts.launch up multinode --only prefill-0  # this host's share of a multi-host layout
-    python -m scripts.launch commands 1p2d                  # print every process's command line
-    python -m scripts.launch list                           # the named topologies
+    xpyd launch up 1p2d                        # proxy + 1 P + 2 D, until Ctrl-C / SIGTERM
+    xpyd launch up 1p1d --once                 # answer one request through the proxy, then stop
+    xpyd launch up multinode --only prefill-0  # this host's share of a multi-host layout
+    xpyd launch commands 1p2d                  # print every process's command line
+    xpyd launch list                           # the named topologies
 
 Every process runs in its own session with its output in <log-dir>/<name>.log. SIGINT
 (Ctrl-C) and SIGTERM only set a flag: whatever the launcher is doing (starting, waiting
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from scripts.topology import (  # noqa: E402  (scripts/topology.py)
+from xpyd_deploy.topology import (
+    ROOT,
+    TOPOLOGY_DIR,
     InstanceSpec,
     ProxySpec,
     Topology,
@@ -382,8 +382,8 @@ def _topology(args: argparse.Namespace):
     return topo.with_port_offset(args.port_offset) if args.port_offset else topo
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="launch.py", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m xpyd_deploy.launch") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, help_ in (("up", "start the topology and keep it running"),
@@ -402,8 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
-            for t in all_topologies():
+            topos = all_topologies()
+            for t in topos:
                 print(f"{t.name:10s} {t.shape:5s} {t.device:4s} {t.description}")
+            if not topos:  # an installed wheel run outside a checkout: names resolve under ./configs/topologies
+                print(f"no topologies under {TOPOLOGY_DIR} (give `up` a file instead)", file=sys.stderr)
             return 0
         topo = _topology(args)
         leaks = secrets_in_topology(topo)
@@ -424,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                              python=args.python, names=names or None)
         return Launcher(topo, opts).run()
     except TopologyError as e:
-        print(f"launch.py: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
 
 

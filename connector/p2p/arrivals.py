@@ -1,7 +1,7 @@
 """D's arrival board: which transfers' KV reached this worker rank, in shared memory.
 
 D's scheduler (vLLM's EngineCore process) plans a load as synchronous when the prompt's KV
-is already in the worker's receive buffer (connector/scheduler.py). Asking the worker's
+is already in the worker's receive buffer (connector/p2p/scheduler.py). Asking the worker's
 control socket costs a round trip through two processes on vLLM's scheduling thread
 (0.4 ms median on a 2-core box, 3-10 ms when the box is loaded); reading this board costs
 no system call. The worker rank writes, the scheduler reads, both on the same host (the
@@ -16,7 +16,7 @@ of a transfer key whose whole payload was stored (every piece, for heterogeneous
 or its abort: the transfer has started or will not come), written round-robin. "Arrived" is
 only ever a yes (a reader asks the worker when it sees no yes); "begun" is read from a board
 the reader can map, and lets D's scheduler wait for a prefill that has not begun without
-holding KV-cache blocks (connector/scheduler.py). "Arrived": a payload dropped since (its TTL) fails a synchronous load as it would fail
+holding KV-cache blocks (connector/p2p/scheduler.py). "Arrived": a payload dropped since (its TTL) fails a synchronous load as it would fail
 an asynchronous one (the blocks go to vLLM's kv_load_failure_policy), and keys are
 per-request uuids, so an old or stale entry never names a new request's transfer. A torn
 slot (read while written) matches nothing: the worker is asked then.

@@ -17,10 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.config import ConnectorConfig
-from connector.facade import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
-from connector.metadata import P2pConnectorMetadata
-from connector.scheduler import ArrivalProbe, P2pScheduler
-from connector.worker import P2pWorker
+from connector.base import XpydConnectorBase, reasoning_parser_of, warn_unless_recompute
+from connector.p2p.metadata import P2pConnectorMetadata
+from connector.p2p.scheduler import ArrivalProbe, P2pScheduler
+from connector.p2p.worker import P2pWorker
 
 if TYPE_CHECKING:
     import torch

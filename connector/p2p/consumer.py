@@ -32,16 +32,16 @@ from dataclasses import dataclass
 import torch
 
 from connector import layout as kvlayout
-from connector import tp
+from connector.p2p import tp
 from connector.affinity import CpuPlan, pin_current_thread
-from connector.buffer import KVBuffer, Payload
+from connector.p2p.buffer import KVBuffer, Payload
 from connector.config import ConnectorConfig
 from connector.log import get_logger
-from connector.metadata import LoadSpec
-from connector.staging import RecvStager, store_received
+from connector.p2p.metadata import LoadSpec
+from connector.p2p.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import Transport, TransportError
-from xpyd_wire.kv_transfer import FINAL_KEY, OK_KEY, OP_KEY, Op
+from xpyd_wire.kv_transfer import FINAL_KEY, OK_KEY, Get, Release
 from xpyd_wire.request_id import rank_address
 
 logger = get_logger(__name__)
@@ -126,7 +126,7 @@ class Consumer:
         while not (self._stop.is_set() or cancel.is_set()) and time.monotonic() < deadline:
             try:
                 reply, tensors = self._transport.call(
-                    peer, {OP_KEY: Op.GET, "key": key},
+                    peer, Get(key).encode(),
                     timeout_s=max(0.05, min(self._cfg.send_timeout_s, deadline - time.monotonic())))
             except TransportError as e:
                 errors += 1
@@ -149,7 +149,7 @@ class Consumer:
                 else:
                     self.stats.moved("received", payload.nbytes)
                 try:
-                    self._transport.call(peer, {OP_KEY: Op.RELEASE, "key": key}, timeout_s=1.0)
+                    self._transport.call(peer, Release(key).encode(), timeout_s=1.0)
                 except TransportError:
                     pass  # P's TTL frees it
                 return

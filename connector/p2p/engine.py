@@ -12,7 +12,7 @@ Send modes, as upstream P2pNcclConnector defines them:
 
 Control ops served here: ``reserve`` (room for a payload, before its bytes),
 ``put`` (a whole payload, or one run of layers of a layer-wise sender's, joined by
-``connector.assembly``), ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
+``connector.p2p.assembly``), ``abort`` (the sender gave a transfer up), ``get`` / ``release`` (GET
 mode), ``ready`` (is a transfer's KV here: asked by this instance's scheduler), ``hello``
 (first contact: TP, block layout and the KV protocol version; a caller of another version is
 refused), ``ping``, ``stats``. The messages are typed in ``xpyd_wire.kv_transfer``. Every wait is bounded: sends by ``send_timeout_s``,
@@ -33,17 +33,19 @@ from typing import Any
 
 import torch
 
-from connector import affinity, tp
+from connector import affinity
+
+from connector.p2p import tp
 from connector import layout as kvlayout
-from connector.arrivals import ArrivalWriter, board_path
-from connector.assembly import PartAssembler
-from connector.buffer import GONE, KVBuffer, Payload
+from connector.p2p.arrivals import ArrivalWriter, board_path
+from connector.p2p.assembly import PartAssembler
+from connector.p2p.buffer import GONE, KVBuffer, Payload
 from connector.config import ConnectorConfig, is_loopback
-from connector.consumer import Consumer
+from connector.p2p.consumer import Consumer
 from connector.log import get_logger
-from connector.metadata import LoadSpec, SaveSpec
-from connector.producer import Producer
-from connector.staging import RecvStager, store_received
+from connector.p2p.metadata import LoadSpec, SaveSpec
+from connector.p2p.producer import Producer
+from connector.p2p.staging import RecvStager, store_received
 from connector.stats import StatsRecorder
 from connector.transport import KVAuth, Transport
 from connector.transport import make_transport as transport_factory
@@ -53,10 +55,15 @@ from xpyd_wire.kv_transfer import (
     KV_PROTOCOL_VERSION,
     OP_KEY,
     VERSION_KEY,
+    Abort,
+    Get,
     Hello,
     Op,
     PutHeader,
+    Ready,
     Refusal,
+    Release,
+    Reserve,
     is_part,
     ok,
     version_mismatch,
@@ -70,6 +77,9 @@ logger = get_logger(__name__)
 _SWEEP_S = 0.5
 # Bytes a control message may carry beyond the KV it announces (its header).
 _HEADER_SLACK = 1 << 20
+# The requests _handle decodes into their typed message before serving them.
+_TYPED_REQUESTS = {Op.RESERVE: Reserve.decode, Op.ABORT: Abort.decode, Op.GET: Get.decode,
+                   Op.RELEASE: Release.decode, Op.READY: Ready.decode}
 
 
 @dataclass(slots=True)
@@ -239,11 +249,13 @@ class KVEngine:
         key = header.get("key")
         if op in KEYED_OPS and not isinstance(key, str):
             return Refusal(f"{op} without key").encode(), []
+        decode = _TYPED_REQUESTS.get(op)
+        try:
+            msg: Any = None if decode is None else decode(header)
+        except ValueError as e:  # the typed message says why (xpyd_wire/kv_transfer.py)
+            return Refusal(str(e)).encode(), []
         if op == Op.RESERVE:
-            nbytes = header.get("nbytes")
-            if type(nbytes) is not int or nbytes < 0:
-                return Refusal("reserve needs nbytes").encode(), []
-            refused = self._recv.reserve(key, nbytes)
+            refused = self._recv.reserve(key, msg.nbytes)
             self._begun(key)  # room promised, or refused (recorded as failed): either way, begun
             if refused:
                 return _refusal(key, refused), []
@@ -268,11 +280,8 @@ class KVEngine:
                     self._arrivals.publish(whole)
             return ok(), []
         if op == Op.ABORT:
-            keys = header.get("keys")
-            if not isinstance(keys, dict):
-                return Refusal("abort needs keys").encode(), []
-            for k, why in keys.items():
-                if isinstance(k, str) and self._recv.fail(k, str(why)):
+            for k, why in msg.keys.items():
+                if self._recv.fail(k, why):
                     self._parts.drop(k)
                     self._begun(k)  # a load waiting for it fails at once
                     logger.warning("kv transfer=%s will not come: %s", k, why)
@@ -293,12 +302,12 @@ class KVEngine:
             return ok(**payload.header), payload.tensors
         if op == Op.RELEASE:
             # GET: D holds the payload now; this is where P's send ends.
-            payload = self._sendbuf.pop(key)
+            payload = self._sendbuf.pop(msg.key)
             if payload is not None:
                 self.xfer_stats.transfer("send", "ok", payload.nbytes, "sent")
             return ok(), []
         if op == Op.READY:  # this instance's scheduler: is a transfer's KV here (a synchronous load)?
-            return ok(ready=isinstance(key, str) and self.consumer.ready(key)), []
+            return Ready.answer(self.consumer.ready(msg.key)), []
         if op == Op.PING:
             return ok(address=self.address), []
         if op == Op.HELLO:  # first contact: what a sender must match before shipping KV

@@ -15,11 +15,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector.arrivals import ArrivalReader, board_path
-from connector.config import ConnectorConfig, _flag
+from connector.p2p.arrivals import ArrivalReader, board_path
+from connector.config import ConnectorConfig, as_bool
 from connector.log import get_logger
-from connector.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
+from connector.p2p.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
+from connector.scheduler_output import tokens_computed_before
 from connector.stats import XpydStats
 from connector.transport import KVAuth, TcpTransport, TransportError
 from connector.transport.auth import RateLimitedLog
@@ -27,12 +28,11 @@ from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
 from xpyd_wire.kv_transfer import (
     DEBUG_CORRUPT_KV_PARAM,
-    OP_KEY,
     PREFILL_PROMPT_TOKENS_PARAM,
     REPORT_KEY_PARAM,
     RESPONSE_KEY,
     SKIP_TOKENS_PARAM,
-    Op,
+    Ready,
 )
 
 if TYPE_CHECKING:
@@ -80,15 +80,7 @@ def _transfer(request: "Request") -> request_id.TransferId | None:
 
 
 def _asked_for_key(request: "Request") -> bool:
-    return _flag((request.kv_transfer_params or {}).get(REPORT_KEY_PARAM, False))
-
-
-def tokens_computed_before(scheduler_output: "SchedulerOutput") -> dict[str, int]:
-    """Each scheduled request's computed tokens before this step (new and running ones)."""
-    out = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-    cached = scheduler_output.scheduled_cached_reqs
-    out.update(zip(cached.req_ids, cached.num_computed_tokens))
-    return out
+    return as_bool((request.kv_transfer_params or {}).get(REPORT_KEY_PARAM, False))
 
 
 @dataclass(slots=True)
@@ -110,7 +102,7 @@ ARRIVAL_PROBE_TIMEOUT_S = 0.05
 class ArrivalProbe:
     """Whether a transfer's whole KV has arrived at every worker rank of this instance, so the
     load can be synchronous: first each rank's arrival board (shared memory, no system call;
-    connector/arrivals.py), then, unless every board said yes, each rank's control socket (op
+    connector/p2p/arrivals.py), then, unless every board said yes, each rank's control socket (op
     ``ready``). Any doubt (an error, a slow answer) says no: the load is then asynchronous, as
     it would be without the probe."""
 
@@ -137,11 +129,11 @@ class ArrivalProbe:
             if left <= 0:
                 return False
             try:
-                reply, _ = self._transport.call(addr, {OP_KEY: Op.READY, "key": key}, timeout_s=left)
+                reply, _ = self._transport.call(addr, Ready(key).encode(), timeout_s=left)
             except TransportError as e:
                 self._log("probe", "kv arrival probe of %s failed (loads stay asynchronous): %s", addr, e)
                 return False
-            if reply.get("ready") is not True:
+            if not Ready.is_ready(reply):
                 return False
         return True
 

@@ -6,31 +6,18 @@ from typing import Any
 
 import torch
 
-from connector import affinity, tp
+from connector import affinity
+
+from connector.p2p import tp
 from connector import layout as kvlayout
 from connector.config import ConnectorConfig
-from connector.engine import KVEngine, PollResult
+from connector.affinity import init_cpu_amx
+from connector.p2p.engine import KVEngine, PollResult
 from connector.log import get_logger
-from connector.metadata import P2pConnectorMetadata
+from connector.p2p.metadata import P2pConnectorMetadata
 from connector.stats import XpydStats
 
 logger = get_logger(__name__)
-
-
-def init_cpu_amx() -> None:
-    """On CPU, initialise AMX before the first forward pass.
-
-    With --enforce-eager and an explicit KV size vLLM skips its warm-up, and a
-    decode instance's very first forward is a 1-token step after loading remote
-    KV: the worker died with SIGILL there until AMX was initialised first.
-    """
-    init = getattr(torch.cpu, "_init_amx", None)
-    if init is None:
-        return
-    try:
-        init()
-    except Exception as e:  # not every CPU has AMX; that is fine
-        logger.debug("AMX init skipped: %s", e)
 
 
 def tp_side(vllm_config: Any, block_layout: kvlayout.BlockLayout) -> tp.TpSide:

@@ -20,7 +20,10 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+# The checkout the layouts, models and generated files live in: the one this package sits in
+# (in-tree or `pip install -e`), else, for an installed wheel, the current directory.
+_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+ROOT = _PACKAGE_PARENT if (_PACKAGE_PARENT / "configs" / "topologies").is_dir() else Path.cwd()
 TOPOLOGY_DIR = ROOT / "configs" / "topologies"
 ROLES = {"P": "kv_producer", "D": "kv_consumer"}
 DEVICES = ("cpu", "cuda")
@@ -39,10 +42,6 @@ class ProxySpec:
     port: int
     discovery_port: int
     args: tuple[str, ...] = ()  # extra xpyd-proxy flags
-
-    @property
-    def discovery_address(self) -> str:
-        return f"{self.host}:{self.discovery_port}"
 
     @property
     def url(self) -> str:
