@@ -730,7 +730,7 @@ def test_abort_while_decode_waits_for_kv(sys_: E2ECluster, tokenizer):
     assert poll(lambda: metric(sys_.decode.url, "vllm:num_requests_waiting") == 0, timeout=bound)
     log = sys_.decode.log()
     # No sender began (P's port is dead): the request held no blocks, only its wait ends.
-    assert re.search(rf"kv wait cancelled req=\S+ transfer={key} ", log), "no cancel line for this request"
+    assert re.search(rf"kv wait cancelled req=\S+ transfer={key}: ", log), "no cancel line for this request"
     assert not re.search(rf"kv load (timed out|failed|planned) req=\S+ transfer={key} ", log)
 
 
