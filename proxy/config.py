@@ -173,6 +173,9 @@ class ProxyConfig:
     probe_concurrency: int = 32
     shutdown_grace_s: float = 30.0
     log_level: str = "info"
+    # One OpenTelemetry trace per request, exported over OTLP as the OTEL_* variables say
+    # (proxy/tracing.py; needs the `tracing` extra). Off: no OpenTelemetry import, no cost.
+    tracing: bool = False
     # Runtime choices (see README for the measurements behind the defaults).
     upstream_client: str = "native"
     loop: str = "auto"

@@ -111,6 +111,9 @@ HELP = MappingProxyType(
         "probe_concurrency": "probes of newly registered (pending) instances in flight at once",
         "shutdown_grace_s": "on SIGTERM, seconds to let in-flight requests finish",
         "log_level": "logging level",
+        "tracing": "one OpenTelemetry span per request, its context passed to P and D (W3C traceparent) so vLLM's "
+                   "spans join it; exported over OTLP as the OTEL_EXPORTER_OTLP_* variables say (pip install "
+                   "'xpyd[tracing]')",
         "upstream_client": "HTTP client for P/D requests: native (fastest), aiohttp, httpx",
         "loop": "event loop implementation",
         "http": "HTTP/1.1 server parser",

@@ -15,7 +15,7 @@ PROXY = ROOT / "proxy"
 
 ROOT_MODULES = {
     "__init__", "__main__", "api_routes", "asgi", "config", "config_help", "credentials", "deadline", "errors", "metrics",
-    "openai_api", "registry", "request", "secret_files",
+    "openai_api", "registry", "request", "secret_files", "tracing",
 }  # fmt: skip
 WINGS = {"serving", "dispatch", "routing", "upstream", "membership"}
 MAX_LINES = 500
