@@ -1,6 +1,7 @@
 """One OpenTelemetry trace per request (``--tracing``, off by default): the proxy's span and its context
-passed on to P and D, whose vLLM joins the trace (its ``--otlp-traces-endpoint``), as does the connector
-inside it (connector/tracing.py: the KV send and load).
+passed on to P and D, whose vLLM joins the trace (its ``--otlp-traces-endpoint``: each engine's
+``llm_request`` span). The connector's KV send and load are not spans (yet): their bytes and waits are
+the engines' ``vllm:xpyd_kv_*`` metrics.
 
 - The span: one per request on the disaggregated routes (api_routes.P_THEN_D), a SERVER span named
   ``POST /v1/...``, child of the client's ``traceparent`` when it sends one (W3C trace context), else
@@ -9,8 +10,8 @@ inside it (connector/tracing.py: the KV send and load).
   local_*), where the first token came from, the timings the x-xpyd-* headers carry (queue, prefill,
   D's first byte: the KV wait is in it), the status.
 - The context: every request to P and D carries this span as its parent (``traceparent``, with the
-  client's ``tracestate``) in place of the client's, so vLLM's ``llm_request`` span of P and of D, and
-  the connector's spans, are the proxy span's children.
+  client's ``tracestate``) in place of the client's, so vLLM's ``llm_request`` span of P and of D are
+  the proxy span's children.
 - Export: OTLP, configured by the standard variables (``OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT``,
   ``..._PROTOCOL`` ``http/protobuf`` (default) or ``grpc``, ``..._HEADERS``, ``OTEL_SERVICE_NAME``
   (default xpyd-proxy), ``OTEL_TRACES_SAMPLER``, ``OTEL_BSP_*``), in the SDK's batch thread.
