@@ -189,6 +189,8 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        for role in ("P", "D"):  # 0 without admission control: a scaler's query finds the series
+            self.queue_depth.labels(role)
         self.shed_requests = Counter(
             "xpyd_shed_requests",
             "Requests answered 429 by admission control (queue_full, queue_timeout)",
