@@ -97,11 +97,15 @@ class RequestTrace:
 
     def end(self, status: int, extra: list[tuple[bytes, bytes]]) -> None:
         span = self.span
+        first = False
         for key, value in extra:
             found = _FROM_HEADERS.get(key)
             if found is not None:
                 attr, number = found
                 span.set_attribute(attr, float(value) if number else value.decode("latin-1"))
+                first = first or key == XPYD_FIRST_TOKEN_RAW
+        if not first and self._attempts["D"]:  # the header is there only when P's token went out
+            span.set_attribute("xpyd.first_token", "decode")
         for role, n in self._attempts.items():
             if n:
                 span.set_attribute(f"xpyd.{ROLE_NAMES[role]}.attempts", n)

@@ -125,6 +125,18 @@ async def test_the_first_token_source_is_told(receiver):
     assert span.attributes["xpyd.path"] == "disaggregated"
 
 
+async def test_why_d_gave_the_first_token_is_told(receiver):
+    """P's token is part of a character (vLLM answers ""): D answers, and the span says why."""
+    async with running_proxy(tracing=True) as px:
+        p, d = await px.pd()
+        p.first_text = ""
+        resp = await px.client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        assert resp.status_code == 200 and "[DONE]" in resp.text
+        (span,) = proxy_spans(receiver)
+    assert span.attributes["xpyd.first_token_to_decode"] == "held_back"
+    assert span.attributes["xpyd.first_token"] == "decode"
+
+
 async def test_a_continuation_mended_by_d_alone_shows_as_events(receiver):
     """The first token from P went out; D's continuation failed before its first byte (its 500),
     so D alone continued: the stream is whole, and the span says what happened."""
