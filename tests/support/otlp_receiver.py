@@ -171,3 +171,29 @@ class OtlpReceiver:
                     raise AssertionError(f"no {what} after {timeout}s; received {len(self.spans)} spans: {names}")
                 self._cond.wait(min(left, 1.0))
             return list(self.spans)
+
+
+def render(spans: list[Span]) -> str:
+    """One trace as indented text (parents before children, siblings by start): service, span name,
+    milliseconds from the trace's first start and the span's length, then its attributes and events."""
+    by_parent: dict[str, list[Span]] = {}
+    ids = {s.span_id for s in spans}
+    for s in sorted(spans, key=lambda x: x.start_ns):
+        by_parent.setdefault(s.parent_span_id if s.parent_span_id in ids else "", []).append(s)
+    t0 = min((s.start_ns for s in spans), default=0)
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for s in by_parent.get(parent, []):
+            pad = "  " * depth
+            start_ms, length_ms = (s.start_ns - t0) / 1e6, (s.end_ns - s.start_ns) / 1e6
+            lines.append(f"{pad}{s.service} {s.name}  +{start_ms:.1f} ms, {length_ms:.1f} ms")
+            for k, v in sorted(s.attributes.items()):
+                lines.append(f"{pad}    {k} = {v}")
+            for e in s.events:
+                lines.append(f"{pad}    event {e.name} {e.attributes}")
+            walk(s.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(lines)
+
