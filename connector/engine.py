@@ -138,6 +138,7 @@ class KVEngine:
         # Set by whatever moves a transfer on (KV stored or failed here, a send of ours ended):
         # an idle step's poll waits on it (cfg.idle_wait_ms) instead of vLLM spinning.
         self._progress = threading.Event()
+        self._begins = 0  # transfers a sender began here (a begin ends a wait for one)
         # A reservation whose bytes did not come within the sender's deadline never will.
         self._recv = KVBuffer("recv", self._stager.capacity if self._stager else cfg.kv_buffer_size, cfg.buffer_ttl_s,
                               reservation_ttl_s=cfg.send_timeout_s + 1.0, changed=self._progress)
@@ -230,6 +231,8 @@ class KVEngine:
         transfer (a piece's key names its transfer): a request waiting for it may take blocks."""
         if self._arrivals is not None:
             self._arrivals.publish_begun(key.rpartition("/")[0] or key)
+        self._begins += 1  # one writer: the transport thread
+        self._progress.set()  # an idle step waiting for a sender to begin looks again
 
     def _handle(self, header: dict[str, Any], tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
         op = header.get(OP_KEY)
@@ -474,24 +477,32 @@ class KVEngine:
     def release(self, keys: list[str]) -> None:
         self.consumer.release(keys)
 
-    def poll(self, finished_req_ids: set[str], wait_s: float = 0.0) -> PollResult:
+    def poll(self, finished_req_ids: set[str], wait_s: float = 0.0, awaiting: bool = False) -> PollResult:
         """Complete what can be completed; called once per step by the worker.
 
         ``wait_s`` > 0 (a step that computes nothing): when nothing completed but loads or
-        sends are pending, wait up to that long for one of them to move, then look again.
+        sends are pending, or requests wait for a sender to begin (``awaiting``: a begin
+        wakes the wait), wait up to that long for one of them to move, then look again.
         vLLM's engine loop would otherwise run empty steps back to back until the KV
         arrives or the send ends; on a CPU box shared with another engine that loop could
         hold the other one off for seconds (scripts/bench_kv_wait.py)."""
         if wait_s > 0:
             self._progress.clear()  # before looking: whatever happens after it wakes the wait
+        begins = self._begins
         result = self._poll_once(finished_req_ids)
         if (wait_s > 0 and not (result.finished_sending or result.finished_recving)
-                and (self.consumer.pending or self.producer.pending)):
-            if self._progress.wait(wait_s):
+                and (awaiting or self.consumer.pending or self.producer.pending)):
+            deadline = time.monotonic() + wait_s
+            # Bounded: each pass waits out the rest of wait_s or ends on what woke it.
+            while (left := deadline - time.monotonic()) > 0 and self._progress.wait(left):
+                self._progress.clear()
                 more = self._poll_once(set())
                 result.finished_sending |= more.finished_sending
                 result.finished_recving |= more.finished_recving
                 result.failed_recving |= more.failed_recving
+                if (result.finished_sending or result.finished_recving or result.failed_recving
+                        or (awaiting and self._begins != begins)):
+                    break  # a sender's begin ends the wait only when a request waits for one
         return result
 
     def _poll_once(self, finished_req_ids: set[str]) -> PollResult:

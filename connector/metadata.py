@@ -72,3 +72,9 @@ class P2pConnectorMetadata(KVConnectorMetadata):
     # arrive or for sends to end, so the worker may wait for that (bounded) instead of
     # returning at once into vLLM's next, equally empty step.
     idle: bool = False
+    # Consumer: requests wait, without blocks, for a sender to begin their transfer (concurrent
+    # dispatch: D asked while P is queued or computing). An idle step waits for a begin too:
+    # without it vLLM's loop runs empty steps back to back for all of P's prefill, and on a
+    # CPU box that shares cores with P, the spinning engine starves P's OpenMP threads (a
+    # 60 s prefill of 300 tokens seen with three engines on two cores).
+    awaiting_senders: bool = False

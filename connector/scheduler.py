@@ -352,7 +352,8 @@ class P2pScheduler:
         if self._grace:
             self._release_due(time.monotonic())
         meta = P2pConnectorMetadata(loads=self._new_loads, release=self._release, contacts=list(self._contacts),
-                                    idle=scheduler_output.total_num_scheduled_tokens == 0)
+                                    idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                    awaiting_senders=bool(self._unstarted))
         self._new_loads = []
         self._release = []
         self._contacts.clear()
@@ -427,11 +428,14 @@ class P2pScheduler:
         rid = request.request_id
         self._live.discard(rid)
         self._sync.discard(rid)  # told "synchronous", then aborted before its blocks came
-        self._unstarted.pop(rid, None)  # aborted while its prefill had not begun
+        unstarted = self._unstarted.pop(rid, None) is not None  # aborted while its prefill had not begun
         self._probe_ms.pop(rid, None)
         self._covered.pop(rid, None)
         self._outgoing.pop(rid, None)  # finished before its prompt completed
         tid = _transfer(request)
+        if tid is not None and unstarted:
+            # It held no blocks and no load: nothing to cancel but the wait (said for operators).
+            logger.info("kv wait cancelled req=%s transfer=%s: finished before a sender began", rid, tid.key)
         if tid is not None:
             if self._key_owner.get(tid.key) == rid:
                 del self._key_owner[tid.key]

@@ -112,11 +112,12 @@ class P2pWorker:
 
     def poll(self, finished_req_ids: set[str], meta: P2pConnectorMetadata | None = None) -> PollResult:
         """What finished this step. In a step that computes nothing (``meta.idle``) the engine
-        may wait up to ``idle_wait_ms`` for a pending transfer to move."""
+        may wait up to ``idle_wait_ms`` for a pending transfer to move, or for a sender to
+        begin when requests wait for one."""
         if self.engine is None:
             return PollResult()
         wait_s = self._cfg.idle_wait_ms / 1e3 if meta is not None and meta.idle else 0.0
-        return self.engine.poll(finished_req_ids, wait_s)
+        return self.engine.poll(finished_req_ids, wait_s, awaiting=meta is not None and meta.awaiting_senders)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -95,12 +95,14 @@ def secret_file(log_dir: Path, name: str, secret: str) -> Path:
 
 
 def start(log_dir: Path, timeout: float = 600.0, bind: str | None = None,
-          prefill_extra: dict[str, object] | None = None) -> E2ECluster:
-    """Proxy, P, D and a colocated server; ``prefill_extra``: more of P's connector config."""
+          prefill_extra: dict[str, object] | None = None, proxy_extra: list[str] | None = None) -> E2ECluster:
+    """Proxy, P, D and a colocated server; ``prefill_extra``: more of P's connector config,
+    ``proxy_extra``: more proxy flags."""
     disc = free_port()
     # --forward-debug-params: the power tests ask D (allow_debug_corruption) to zero the KV it loads.
     proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5", "--local-prefill-threshold",
-                                                             str(LOCAL_PREFILL_THRESHOLD), "--forward-debug-params"])
+                                                             str(LOCAL_PREFILL_THRESHOLD), "--forward-debug-params",
+                                                             *(proxy_extra or [])])
     common = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS, env=bind_env(bind))
     p_port, d_port = free_port(), free_port()
     p_kv, d_kv = free_port_pair(), free_port_pair()

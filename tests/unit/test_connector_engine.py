@@ -530,6 +530,23 @@ def test_idle_poll_returns_as_soon_as_a_send_ends(engines):
     assert prod.stats() == ZERO
 
 
+def test_idle_poll_returns_as_soon_as_an_awaited_sender_begins(engines, kv_client):
+    """D's scheduler holds requests no sender began (concurrent dispatch): an idle step
+    waits for a begin instead of letting vLLM run empty steps back to back (which starved
+    a P sharing the cores), and wakes at P's reservation."""
+    cons = engines("kv_consumer", "PUT_ASYNC")
+    t0 = time.monotonic()
+    timer = _later(0.3, lambda: kv_client.call(rank0(cons), {"op": "reserve", "key": KEY, "nbytes": 1024}))
+    try:
+        assert cons.poll(set(), wait_s=WAIT_S, awaiting=True) == PollResult()
+    finally:
+        timer.join()
+    assert 0.25 <= time.monotonic() - t0 < WAIT_S / 2
+    t0 = time.monotonic()
+    assert cons.poll(set(), wait_s=0.3, awaiting=True) == PollResult()  # none begins: its bound
+    assert time.monotonic() - t0 >= 0.25
+
+
 def test_idle_poll_waits_at_most_its_bound(engines):
     cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
     plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))  # nothing will come

@@ -214,10 +214,13 @@ def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
     for _ in range(3):
         assert s.get_num_new_matched_tokens(req, 0) == (None, False)
         clock[0] += 10.0
-    assert s.build_connector_meta(sched_out()).loads == []
+    waiting = s.build_connector_meta(sched_out())
+    # An idle step waits for a sender to begin (the worker's bounded wait), not back to back.
+    assert waiting.loads == [] and waiting.idle and waiting.awaiting_senders
     probe.started.add(TK)  # P reserved room in D's buffer: its KV is on its way
     assert admit(s, req, 0, [1, 2, 3]) == (299, True)
-    assert s.build_connector_meta(sched_out()).loads[0].num_tokens == 299
+    planned = s.build_connector_meta(sched_out())
+    assert planned.loads[0].num_tokens == 299 and not planned.awaiting_senders
     # Never begun: asked before P answered (the proxy's early mark), D waits kv_prefill_wait_s,
     # then computes it (the key let go, the load reported failed).
     late = make_req(pd_id(key=KEY2).replace("___prefill_addr_", "xpyd-early___prefill_addr_"), 300)
@@ -242,6 +245,7 @@ def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
     assert s.get_num_new_matched_tokens(gone, 0) == (None, False)
     s.request_finished(gone, [])
     assert s._unstarted == {}
+    assert not s.build_connector_meta(sched_out()).awaiting_senders
 
 
 def test_consumer_kv_that_arrived_needs_no_begun_mark():
