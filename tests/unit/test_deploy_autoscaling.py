@@ -2,7 +2,7 @@
 with the role Deployments, with the proxy's real /metrics and with Kubernetes (no cluster needed).
 
 The HPAs pass the strict autoscaling/v2 schema of the pinned Kubernetes versions (kubernetes-validate;
-test_deploy_k8s.py's schema test covers them too). The ScaledObjects (a CRD) are checked against the
+tests/deploy/test_deploy_k8s.py's schema test covers them too). The ScaledObjects (a CRD) are checked against the
 fields KEDA's keda.sh/v1alpha1 CRD defines. Semantics, read from the manifests: each role's Deployment
 has one ScaledObject and one HPA targeting it, from its replicas up; every query and external metric
 names a series the proxy exports (its /metrics, rendered by the real app) with labels that series
@@ -14,19 +14,29 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import load_config
 from proxy.serving.app import create_app
 from scripts import k8s
 from scripts.topology import Topology, load_topology
-from tests.deploy.test_deploy_k8s import load_dir
 from xpyd_wire.discovery import Load
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+K8S_DIR = Path(__file__).resolve().parents[2] / "configs" / "k8s"
+
+
+def load_dir(name: str) -> dict[str, list[dict[str, Any]]]:
+    """file name -> its YAML documents, for one topology's directory."""
+    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+            for p in sorted((K8S_DIR / name).glob("*.yaml"))}
+
 
 # KEDA 2.x ScaledObjectSpec and ScaleTriggers fields (keda.sh/v1alpha1 CRD).
 KEDA_SPEC = {"scaleTargetRef", "pollingInterval", "initialCooldownPeriod", "cooldownPeriod", "idleReplicaCount",
