@@ -5,10 +5,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from connector.log import get_logger
+from connector.server_args import tool_parser_adjusts
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits, ProtocolError, check_generation, check_output_limits
 from xpyd_wire.kv_events import EventError, EventsEndpoint, advertised
 from xpyd_wire.secret_file import read_secret_file
@@ -375,16 +378,21 @@ def output_limits(model_config: Any) -> OutputLimits | None:
         return None
 
 
-def generation_defaults(model_config: Any, reasoning_parser: str | None) -> GenerationDefaults | None:
+def generation_defaults(model_config: Any, reasoning_parser: str | None,
+                        argv: Sequence[str] | None = None) -> GenerationDefaults | None:
     """The sampling values vLLM's OpenAI server applies where a request leaves the field out
     (vLLM 0.32's serving classes take them from ``get_diff_sampling_param``: the generation
-    config's, with --override-generation-config; max_tokens goes in OutputLimits) and
-    whether --reasoning-parser is set. None where the model config does not say."""
+    config's, with --override-generation-config; max_tokens goes in OutputLimits), whether
+    --reasoning-parser is set, and which chat requests a tool parser adjusts (read from the
+    server's command line, ``argv``: this process's by default; connector/server_args.py).
+    None where the model config does not say."""
     if model_config is None:
         return None
     try:
         sampling = {k: v for k, v in model_config.get_diff_sampling_param().items() if k != "max_tokens"}
-        return check_generation({"sampling": sampling, "reasoning_parser": bool(reasoning_parser)})
+        tool_parser = tool_parser_adjusts(sys.argv[1:] if argv is None else argv, model_config)
+        logger.info("chat requests a tool parser adjusts: %s", tool_parser or "not known")
+        return check_generation({"sampling": sampling, "reasoning_parser": bool(reasoning_parser)}, tool_parser)
     except Exception as e:  # noqa: BLE001 - reading a generation config can fail many ways
         logger.warning("generation defaults not advertised (%s: %s): the proxy keeps this instance's requests on "
                        "its own first token", type(e).__name__, e)

@@ -43,7 +43,7 @@ class Flight:
     """Per-request response state, shared with the disconnect watcher."""
 
     task: asyncio.Task | None
-    # Response headers to add: request id, timings, chosen instances.
+    # Response headers to add: timings, the path, chosen instances (when exposed).
     extra: Headers = field(default_factory=list)
     started: bool = False  # response headers sent: errors can only go in-band now
     # Set before the last send: from then on uvicorn's receive() returns http.disconnect

@@ -85,6 +85,8 @@ class ProxyConfig:
     # Instance addresses in response headers and /instances, and vLLM's internal request
     # id (it names P's and D's KV addresses) left in responses; off: a neutral id instead.
     expose_routing_headers: bool = False
+    # X-Request-Id on every response, as vLLM's own flag of that name adds it (off: none, as vLLM).
+    enable_request_id_headers: bool = False
     # Sent as "Authorization: Bearer KEY" to instances started with their own --api-key.
     upstream_api_key: str | None = field(default=None, repr=False)
     upstream_api_key_file: str | None = None

@@ -56,6 +56,8 @@ HELP = MappingProxyType(
         "metrics_require_api_key": "/metrics requires the API key too",
         "expose_routing_headers": "show instance addresses (response headers, /instances) "
         "and vLLM's internal request ids to clients",
+        "enable_request_id_headers": "add X-Request-Id to every response, as vLLM's --enable-request-id-headers does "
+                                     "(the client's own, else a random one); off: none, as vLLM by default",
         "upstream_api_key": "API key sent to P/D instances (vLLM --api-key)",
         "upstream_api_key_file": "file holding the upstream API key (keeps it out of the command line)",
         "forward_client_auth": "forward the client's Authorization header to instances",

@@ -15,7 +15,7 @@ from proxy.errors import ProxyError
 from xpyd_wire.request_id import SKIP_TOKENS_PARAM, TRANSFER_ID_PARAM
 
 __all__ = ["CHAT", "COMPLETIONS", "GENERATE", "MESSAGES", "RESPONSES", "validate_body", "prefill_body",
-           "estimate_prompt_tokens", "routing_key", "response_id", "decode_responses_body"]
+           "estimate_prompt_tokens", "routing_key", "response_id", "decode_responses_body", "client_request_id"]
 
 # The answer's length as each API names it (top level; generate's is in sampling_params).
 _LIMIT_FIELDS = {COMPLETIONS: ("max_tokens",), CHAT: ("max_tokens", "max_completion_tokens"),
@@ -155,6 +155,19 @@ def _prefill_generate(pre: dict) -> dict:
     pre["stream"] = False
     pre.pop("stream_options", None)
     return pre
+
+
+def client_request_id(kind: str, header: str | None, body: dict | None) -> str | None:
+    """The client's own request id, which vLLM 0.32 names its answer after (``cmpl-{id}``): the
+    X-Request-Id header first, else the body's ``request_id`` where the endpoint reads it
+    (completions, chat, generate); None: vLLM would draw one. The Responses API names its
+    response after the body's alone (``response_id``)."""
+    if kind == RESPONSES:
+        return None
+    if header is not None:
+        return header
+    given = body.get("request_id") if body is not None and kind in (COMPLETIONS, CHAT, GENERATE) else None
+    return given if isinstance(given, str) else None
 
 
 def response_id(body: dict) -> str:

@@ -106,7 +106,8 @@ class Instance:
             "probe_error": self.probe_error,
             "source": self.source,
             "output_limits": None if self.output_limits is None else dataclasses.asdict(self.output_limits),
-            "generation": None if self.generation is None else self.generation.to_wire(),
+            "generation": None if self.generation is None else {**self.generation.to_wire(),
+                                                                "tool_parser": self.generation.tool_parser},
             "load": None
             if load is None
             else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,

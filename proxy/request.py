@@ -31,6 +31,9 @@ class RouteRequest:
     # stores the response under it), and the stored response this one follows, if any.
     response_id: str | None = None
     previous_response_id: str | None = None
+    # The client's own request id, which vLLM names its answer after (openai_api.client_request_id);
+    # None: the answer gets a neutral id (proxy/dispatch/rewrite.py).
+    client_id: str | None = None
 
     def raw_for(self, rid: str) -> bytes:
         """The body D is sent with request id `rid`: the client's, byte for byte; for the

@@ -311,7 +311,8 @@ def _spawn(procs: list[subprocess.Popen], cmd: list[str], cwd: str | None = None
 
 
 def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "vllm-router",
-                router_policy: str = "round_robin") -> Setup:  # fmt: skip
+                router_policy: str = "round_robin", cprofile: str | None = None) -> Setup:  # fmt: skip
+    """``cprofile``: run the proxy under cProfile, its stats written to that file at exit."""
     if variant.partition(":")[0] == "vllm-router":  # "vllm-router:POLICY": the router with that --policy
         return _start_router(procs, router_bin, variant.partition(":")[2] or router_policy, variant)
     # "...@DIR": the proxy of another checkout (e.g. a git worktree of an older commit), for
@@ -337,7 +338,8 @@ def start_setup(variant: str, procs: list[subprocess.Popen], router_bin: str = "
     fake = [py, *FAKE, "--proxy", f"127.0.0.1:{disc}", "--uvloop", "--role"]
     spawn(fake + ["P", "--port", str(p_port)])
     d_proc = spawn(fake + ["D", "--port", str(d_port)])
-    proxy = spawn([py, "-m", "proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
+    run = ["-c", _CPROFILED, cprofile] if cprofile else ["-m", "proxy"]
+    proxy = spawn([py, *run, "--host", "127.0.0.1", "--port", str(proxy_port),
                    "--discovery-host", "127.0.0.1", "--discovery-port", str(disc),
                    "--log-level", "warning", "--upstream-client", client, "--loop", loop,
                    "--http", http,
@@ -452,6 +454,68 @@ def profile(s: Setup, args: argparse.Namespace) -> None:
         print(f"{100 * n1 / total:>5.1f}%  {f1[:70]:<70} {100 * n2 / total:>5.1f}%  {f2[:70]}")
 
 
+# `python -m proxy` with cProfile on between SIGUSR1 and SIGUSR2 (the measured window: no start-up,
+# no warm-up), timed by CPU time (cProfile's default, the wall clock, counts the time a loaded
+# machine's scheduler keeps the proxy off a CPU); the stats are written at exit.
+_CPROFILED = """import cProfile, runpy, signal, sys, time
+out = sys.argv.pop(1)
+prof = cProfile.Profile(time.process_time)
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+signal.signal(signal.SIGUSR2, lambda *_: prof.disable())
+try:
+    runpy.run_module("proxy", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+finally:
+    prof.dump_stats(out)
+"""
+
+
+def cprofile(variant: str, args: argparse.Namespace) -> None:
+    """A fresh setup of ``variant`` with its proxy under cProfile (deterministic: every Python
+    call counted, each made slower), driven at the largest concurrency for --cprofile seconds;
+    prints the functions by own time and the Python calls per request. Slower than the
+    measured proxies: read shares and call counts, not times."""
+    import pstats
+
+    out = f"{args.profile_out}.{variant.replace('/', '-')}.prof"
+    procs: list[subprocess.Popen] = []
+    try:
+        s = start_setup(variant, procs, cprofile=out)
+        wait_http(s.d_port, "/health")
+        wait_http(s.proxy_port, "/ready")
+        _wait_routed(s)
+        cmd = [sys.executable, "-m", "scripts.bench_proxy", "--loadgen", "--port", str(s.proxy_port),
+               "--concurrency", str(max(args.concurrency)), "--duration", str(args.cprofile), "--warmup", "1",
+               "--tokens", str(args.tokens), "--prompt-chars", str(args.prompt_chars),
+               *(["--chat"] if args.chat else [])]  # fmt: skip
+        gen = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        time.sleep(1)  # the load generator's warm-up
+        s.proxy_proc.send_signal(signal.SIGUSR1)
+        time.sleep(args.cprofile)
+        s.proxy_proc.send_signal(signal.SIGUSR2)
+        r = json.loads(gen.communicate(timeout=args.cprofile + 60)[0].strip().splitlines()[-1])
+        s.proxy_proc.send_signal(signal.SIGTERM)
+        s.proxy_proc.wait(timeout=60)
+    finally:
+        stop_all(procs)
+    stats = pstats.Stats(out)
+    # Requests read while profiled (read_body runs once a request); the load generator's own count
+    # covers a window shifted by its start-up.
+    served = max(1, next((v[1] for (file, _, fn), v in stats.stats.items()  # type: ignore[attr-defined]
+                          if fn == "read_body" and file.endswith(os.path.join("proxy", "asgi.py"))), r["n"]))
+    calls = sum(v[1] for v in stats.stats.values())  # type: ignore[attr-defined]
+    total = sum(v[2] for v in stats.stats.values()) or 1.0  # type: ignore[attr-defined]
+    print(f"\ncProfile of {variant} at c={max(args.concurrency)}: {served} requests in {args.cprofile:g}s, "
+          f"{calls / served:.0f} Python calls and {1000 * total / served:.3f} ms CPU a request under the profiler "
+          f"(stats: {out}); top by own time:")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:args.cprofile_top]  # type: ignore[attr-defined]
+    print(f"{'own %':>6} {'own us/req':>10} {'calls/req':>9}  function")
+    for (file, line, fn), (_, ncalls, tt, _, _) in rows:
+        where = f"{os.path.relpath(file, ROOT) if file.startswith(ROOT) else os.path.basename(file)}:{line}"
+        print(f"{100 * tt / total:>5.1f}% {1e6 * tt / served:>10.1f} {ncalls / served:>9.2f}  {fn} ({where})")
+
+
 def perf_split(s: Setup, args: argparse.Namespace) -> None:
     """Sample the proxy of ``s`` with perf (cpu-clock: only while it runs on a CPU) while the
     load generator runs at the largest concurrency, and print its CPU by binary: the kernel
@@ -519,6 +583,7 @@ def bench(args: argparse.Namespace) -> int:
             for s in setups
         }
         report(results, args)
+        report_ratios(via, args)
         if args.profile:
             for s in setups:
                 if not s.variant.startswith("vllm-router"):
@@ -526,6 +591,10 @@ def bench(args: argparse.Namespace) -> int:
         if args.perf:
             for s in setups:
                 perf_split(s, args)
+        if args.cprofile:
+            for s in setups:
+                if not s.variant.startswith("vllm-router"):
+                    cprofile(s.variant, args)
         for s in setups:
             s.proxy_proc.send_signal(signal.SIGTERM)
             if s.proxy_proc.wait(timeout=30) != 0:
@@ -534,6 +603,23 @@ def bench(args: argparse.Namespace) -> int:
     finally:
         stop_all(procs)
     return 0
+
+
+def report_ratios(via: dict[tuple[str, int], list[Run]], args: argparse.Namespace) -> None:
+    """Each variant's CPU per request over the router's measured in the same round, the median
+    (and range) over the rounds: load from other processes that drifts between rounds cancels
+    out, which the medians of each variant alone do not (a loaded box moves them by 2x)."""
+    routers = [v for v, _ in via if v.startswith("vllm-router")]
+    if not routers or args.rounds < 2:
+        return
+    base = routers[0]
+    print(f"\nCPU per request / {base}'s in the same round, median (range) of {args.rounds} rounds:")
+    for (variant, c), runs in via.items():
+        if variant == base:
+            continue
+        ratios = sorted(r.cpu_ms / b.cpu_ms for r, b in zip(runs, via[(base, c)], strict=True) if b.cpu_ms)
+        if ratios:
+            print(f"  {variant:<40} c={c:<3} {statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
 
 
 def report(results: dict[str, dict[int, tuple[Run, Run]]], args: argparse.Namespace) -> None:
@@ -610,6 +696,11 @@ def main() -> int:
     ap.add_argument("--perf", type=float, default=0.0, metavar="SECONDS",
                     help="after the measurements, sample each proxy (the router too) with perf for SECONDS at the "
                          "largest concurrency and print its CPU by binary: kernel, interpreter, uvloop...")  # fmt: skip
+    ap.add_argument("--cprofile", type=float, default=0.0, metavar="SECONDS",
+                    help="after the measurements, run a fresh setup of each xPyD variant with its proxy under cProfile "
+                         "for SECONDS at the largest concurrency and print its functions by own time and the Python "
+                         "calls a request (counts all CPU in Python, none of the waiting py-spy counts)")  # fmt: skip
+    ap.add_argument("--cprofile-top", type=int, default=25, help="rows of the --cprofile table")
     ap.add_argument(
         "--profile-out",
         default="/tmp/xpyd-proxy-profile",

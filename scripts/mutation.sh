@@ -42,6 +42,7 @@ declare -A TESTS=(
   [proxy/registry.py]="tests/unit/test_proxy_units.py tests/unit/test_proxy_registrants.py tests/unit/test_proxy_discovery.py"
   [proxy/routing/kv_events.py]="tests/unit/test_kv_events.py"
   [proxy/dispatch/first_token.py]="tests/unit/test_proxy_first_token.py"
+  [proxy/dispatch/events.py]="tests/unit/test_proxy_first_token.py"
 )
 # The marker expression per module (default "unit"). discovery: its sync tests only; the async ones
 # drive a whole proxy over ZMQ (seconds each) and would make a run take an hour on 2 cores.
@@ -78,7 +79,7 @@ TESTS[proxy/dispatch/continuation.py]+=" tests/unit/test_proxy_first_token.py"
 MODULES=(xpyd_wire/request_id.py xpyd_wire/secret_file.py xpyd_wire/kv_transfer.py xpyd_wire/kv_events.py
          xpyd_wire/discovery.py connector/scheduler.py connector/buffer.py connector/producer.py
          connector/consumer.py proxy/registry.py proxy/routing/kv_events.py proxy/dispatch/first_token.py
-         proxy/dispatch/dispatcher.py proxy/dispatch/disaggregated.py proxy/dispatch/rescue.py proxy/dispatch/relay.py
+         proxy/dispatch/events.py proxy/dispatch/dispatcher.py proxy/dispatch/disaggregated.py proxy/dispatch/rescue.py proxy/dispatch/relay.py
          proxy/dispatch/continuation.py proxy/dispatch/decode.py proxy/dispatch/local.py proxy/dispatch/call.py
          proxy/dispatch/rewrite.py)
 

@@ -23,6 +23,12 @@ Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port
   most MAX_SAMPLING_DEFAULTS names of lowercase letters and ``_``, finite numbers) and
   whether a reasoning parser reads its chat answers. Absent: not known (the proxy keeps its
   requests on D's first token, where such things cannot make an answer differ)
+- ``tool_parser``: ``"none"`` | ``"tool_choice"`` | ``"always"``, when the instance's vLLM lets a
+  tool parser adjust a chat request before it is sampled (``--tool-call-parser`` with
+  ``--enable-auto-tool-choice``; the parser may keep special tokens, ``skip_special_tokens``
+  false): never, for requests whose ``tool_choice`` is not ``"none"`` (``null`` included), or
+  for every one. Read with ``generation`` (a field of its own: older proxies refuse unknown keys
+  inside ``generation``); absent: not known (chat requests keep D's first token)
 - ``instance_key``: random hex (16..32 bytes), drawn once per instance start and sent in
   every heartbeat: the proxy binds the record of ``http_address`` to the first key (and source
   host) it registered with, and drops heartbeats and ``leave`` messages for that address with
@@ -67,7 +73,7 @@ ROLES = ("P", "D")
 MAX_CLOCK_SKEW_S = 30.0
 # Registrations are a few hundred bytes; refuse anything absurd before it is parsed.
 MAX_MESSAGE_BYTES = 64 * 1024
-# Known fields are 12; a few unknown ones are tolerated (and ignored, never kept) for compatibility.
+# Known fields are 13; a few unknown ones are tolerated (and ignored, never kept) for compatibility.
 MAX_FIELDS = 24
 # Any one string or bytes value (an address is at most MAX_ADDRESS_LEN, an endpoint a little more),
 # and the entries of any map or array (twice MAX_FIELDS: the field checks say why up to there):
@@ -99,6 +105,8 @@ _HEX_KEY = re.compile(r"[0-9a-f]{32,64}", re.ASCII)
 # A token limit beyond any context length vLLM runs with.
 MAX_OUTPUT_TOKENS = 2**31 - 1
 _LIMIT_KEYS = ("default", "override", "context")
+# When a tool parser adjusts a chat request (GenerationDefaults.tool_parser).
+TOOL_PARSER_ADJUSTS = ("none", "tool_choice", "always")
 # vLLM's generation-config sampling fields are 7; room for a few more from a newer vLLM.
 MAX_SAMPLING_DEFAULTS = 16
 _SAMPLING_NAME = re.compile(r"[a-z_]{1,32}", re.ASCII)
@@ -147,10 +155,12 @@ class GenerationDefaults:
     ``sampling``, the values it applies where a request leaves a sampling field out (vLLM's
     ``ModelConfig.get_diff_sampling_param()`` less max_tokens: the generation config's,
     with --override-generation-config), sorted by name; ``reasoning_parser``, whether one
-    reads its chat answers (--reasoning-parser)."""
+    reads its chat answers (--reasoning-parser); ``tool_parser``, which chat requests a tool
+    parser adjusts (TOOL_PARSER_ADJUSTS; None: not known), carried as a field of its own."""
 
     sampling: tuple[tuple[str, float], ...] = ()
     reasoning_parser: bool = False
+    tool_parser: str | None = "none"
 
     def to_wire(self) -> dict[str, Any]:
         return {"sampling": dict(self.sampling), "reasoning_parser": self.reasoning_parser}
@@ -215,6 +225,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
         fields["output_limits"] = {k: v for k in _LIMIT_KEYS if (v := getattr(reg.output_limits, k)) is not None}
     if reg.generation is not None:
         fields["generation"] = reg.generation.to_wire()
+        if reg.generation.tool_parser is not None:
+            fields["tool_parser"] = reg.generation.tool_parser
     if reg.instance_key is not None:
         fields["instance_key"] = reg.instance_key
     if reg.leave:
@@ -309,9 +321,17 @@ def check_output_limits(value: Any) -> OutputLimits:
     return OutputLimits(*got)
 
 
-def check_generation(value: Any) -> GenerationDefaults:
-    """The wire's ``generation`` map as GenerationDefaults, or ProtocolError. The connector
-    checks its own with it too (a value the proxy refuses would drop the whole heartbeat)."""
+def check_tool_parser(value: Any) -> str | None:
+    """The wire's ``tool_parser`` field (None: absent, not known), or ProtocolError."""
+    if value is not None and (not isinstance(value, str) or value not in TOOL_PARSER_ADJUSTS):
+        raise ProtocolError(f"tool_parser must be one of {', '.join(TOOL_PARSER_ADJUSTS)}, got {_show(value)}")
+    return value
+
+
+def check_generation(value: Any, tool_parser: Any = None) -> GenerationDefaults:
+    """The wire's ``generation`` map (and ``tool_parser`` field) as GenerationDefaults, or
+    ProtocolError. The connector checks its own with it too (a value the proxy refuses would
+    drop the whole heartbeat)."""
     if not isinstance(value, dict) or set(value) - {"sampling", "reasoning_parser"}:
         raise ProtocolError("generation must be a map of sampling, reasoning_parser")
     sampling = value.get("sampling", {})
@@ -324,7 +344,8 @@ def check_generation(value: Any) -> GenerationDefaults:
     reasoning = value.get("reasoning_parser", False)
     if not isinstance(reasoning, bool):
         raise ProtocolError(f"generation.reasoning_parser must be a boolean, got {_show(reasoning)}")
-    return GenerationDefaults(tuple(sorted((k, float(v)) for k, v in sampling.items())), reasoning)
+    return GenerationDefaults(tuple(sorted((k, float(v)) for k, v in sampling.items())), reasoning,
+                              check_tool_parser(tool_parser))
 
 
 def _check_ts(ts: Any) -> float | None:
@@ -415,7 +436,8 @@ def decode(
         raise ProtocolError(f"kv_transport_fallbacks must be an int 0..{MAX_LOAD_COUNT}, got {_show(fallbacks)}")
     kv_events = _check_kv_events(fields["kv_events"], zmq_address) if "kv_events" in fields else None
     limits = check_output_limits(fields["output_limits"]) if "output_limits" in fields else None
-    generation = check_generation(fields["generation"]) if "generation" in fields else None
+    tool_parser = check_tool_parser(fields.get("tool_parser"))
+    generation = check_generation(fields["generation"], tool_parser) if "generation" in fields else None
     return Registration(
         role=role,
         http_address=http_address,

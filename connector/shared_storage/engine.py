@@ -235,6 +235,7 @@ class StorageEngine:
                 logger.exception("kv storage read crashed req=%s", r.spec.req_id)
             with self._lcond:
                 r.done = True
+                self._lcond.notify_all()  # an idle step's poll waits for a read to finish
 
     def _read(self, r: _Read) -> None:
         spec = r.spec
@@ -255,9 +256,14 @@ class StorageEngine:
         r.waited_s = max(0.0, time.monotonic() - r.started)
         r.buf = buf
 
-    def poll(self, finished_req_ids: set[str]) -> PollResult:
-        """Worker thread, once per step: apply finished reads."""
+    def poll(self, finished_req_ids: set[str], wait_s: float = 0.0, awaiting: bool = False) -> PollResult:
+        """Worker thread, once per step: apply finished reads. ``wait_s`` > 0 (a step that
+        computes nothing): when reads are pending and none is done, or requests await a
+        producer's first file (``awaiting``), wait up to that long for a read to finish."""
         out = PollResult()
+        if wait_s > 0 and (self._reads or awaiting):
+            with self._lcond:
+                self._lcond.wait_for(lambda: any(r.done for r in self._reads.values()), wait_s)
         for rid, r in list(self._reads.items()):
             if rid in finished_req_ids:
                 # Aborted while loading: its blocks may already belong to another

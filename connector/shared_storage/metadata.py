@@ -34,3 +34,10 @@ class FetchSpec:
 class SharedStorageMetadata(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     loads: list[FetchSpec] = field(default_factory=list)
+    # This step computes nothing: the worker may wait (idle_wait_ms) for a read to finish
+    # rather than return into vLLM's next, equally empty step (a read waiting for P's files
+    # would otherwise spin D's engine for all of P's prefill, starving a P on shared cores).
+    idle: bool = False
+    # Requests wait, without blocks, for a producer's first file (asked before P answered):
+    # an idle step waits its bound then too.
+    awaiting: bool = False

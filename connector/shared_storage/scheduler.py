@@ -4,7 +4,10 @@ Consumer: for a waiting request, count the stored blocks that continue its local
 prefix-cache hit (file existence, per worker rank) and claim them as external
 tokens, loaded asynchronously. A request the proxy sent to a producer first (its
 id carries a transfer) also claims the blocks the producer was told to store but
-has not written yet: the loader waits for them up to ``kv_load_timeout_s``.
+has not written yet: the loader waits for them up to ``kv_load_timeout_s``. One asked
+before P answered (the proxy's early mark, concurrent dispatch) waits without blocks
+until P's first file is there (up to ``kv_prefill_wait_s``; P may be queued), then as
+above; meanwhile the worker's idle steps wait instead of spinning.
 
 Producer: each step, the prompt's blocks completed by that step (chunked prefill
 included) are handed to the workers to store, each once per request.
@@ -16,6 +19,7 @@ vLLM rewrites that token's slot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +70,7 @@ class _Req:
     loads: int = 0
     loaded_tokens: int = 0
     load_failed: bool = False
+    awaiting_since: float | None = None  # asked before P answered, P's files not begun: since when
 
 
 class SharedStorageScheduler:
@@ -116,18 +121,33 @@ class SharedStorageScheduler:
         k = kvkeys.name(key)
         return all(is_stored(self._cfg.path, k, r, self._world) for r in range(self._world))
 
-    def _producer_was_asked(self, request: "Request") -> bool:
-        """The proxy sent this request to a producer first, which stores its prompt."""
+    def _producer_asked(self, request: "Request") -> request_id.TransferId | None:
+        """The transfer of a request the proxy sent to a producer too, which stores its prompt."""
         tid = request_id.transfer_of(request.request_id, request.kv_transfer_params)
         if tid is None:
-            return False
-        return self._cfg.role == "kv_consumer" or tid.decode_addr == self._cfg.base.advertised_address
+            return None
+        return tid if self._cfg.role == "kv_consumer" or tid.decode_addr == self._cfg.base.advertised_address else None
+
+    def _not_begun(self, st: _Req, request: "Request") -> tuple[int | None, bool]:
+        """Asked before P answered (concurrent dispatch) and none of P's files is here: P is
+        queued or computing. Like the P2P consumer, wait without blocks (None: ask again next
+        step) for kv_prefill_wait_s, then compute the prompt here."""
+        now = time.monotonic()
+        if st.awaiting_since is None:
+            st.awaiting_since = now
+        if now - st.awaiting_since < self._cfg.base.kv_prefill_wait_s:
+            return None, False
+        st.awaiting_since = None
+        st.load_failed = True  # not asked again: computed here
+        logger.error("kv storage wait timed out req=%s: no file of the producer's in %.1fs; computing the prompt here",
+                     request.request_id, self._cfg.base.kv_prefill_wait_s)
+        return 0, False
 
     # ---- vLLM hooks ----
     def on_new_request(self, request: "Request") -> None:
         self._state(request)
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._cfg.is_consumer:
             return 0, False
         st = self._state(request)
@@ -143,9 +163,12 @@ class SharedStorageScheduler:
         while hit < usable and self._stored(keys[hit]):
             hit += 1
         wait_s = 0.0
-        if hit < usable and st.loads == 0 and self._producer_was_asked(request):
+        if hit < usable and st.loads == 0 and (tid := self._producer_asked(request)) is not None:
             expected = min(usable, request.num_prompt_tokens // self._bs)
             if expected > hit:
+                if tid.early and hit == first:
+                    return self._not_begun(st, request)
+                st.awaiting_since = None
                 hit, wait_s = expected, self._cfg.base.kv_load_timeout_s
         ext = min(hit * self._bs, limit) - num_computed_tokens
         if ext <= 0:
@@ -177,7 +200,8 @@ class SharedStorageScheduler:
                     c.wait_s)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> SharedStorageMetadata:
-        meta = SharedStorageMetadata(loads=self._new_loads)
+        meta = SharedStorageMetadata(loads=self._new_loads, idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                     awaiting=any(st.awaiting_since is not None for st in self._reqs.values()))
         self._new_loads = []
         self._running = len(scheduler_output.num_scheduled_tokens)
         if self._cfg.is_producer:

@@ -59,10 +59,12 @@ class SharedStorageWorker:
         for spec in meta.stores:
             self._engine().submit_store(spec)
 
-    def poll(self, finished_req_ids: set[str]) -> PollResult:
+    def poll(self, finished_req_ids: set[str], idle: bool = False, awaiting: bool = False) -> PollResult:
+        """What finished this step; in a step that computes nothing, wait up to idle_wait_ms
+        for a pending read to finish (or that long, when requests await a producer's files)."""
         if self.engine is None:
             return PollResult()
-        r = self.engine.poll(finished_req_ids)
+        r = self.engine.poll(finished_req_ids, self._cfg.base.idle_wait_ms / 1e3 if idle else 0.0, awaiting)
         self._invalid |= r.invalid_block_ids
         return r
 

@@ -16,6 +16,7 @@ from proxy.config import ProxyConfig
 from proxy.dispatch import first_token
 from proxy.dispatch.call import LOCAL_RESCUE, Call, DecodeFailed
 from proxy.dispatch.decode import Decode
+from proxy.dispatch.events import ContinuationEvents
 from proxy.dispatch.relay import Answer, StreamFailed
 from proxy.errors import ProxyError, sse_event_of
 from proxy.metrics import Metrics
@@ -36,14 +37,13 @@ class Continuation:
         self.metrics = metrics
         self.decode = decode
         self._phase = metrics.phase_children
-        self._expose = cfg.expose_routing_headers
 
     def answer(self, call: Call, d: Instance, first: first_token.FirstToken, headers: dict[str, str]) -> Answer:
         """P's token goes to the client now; D's continuation is opened when the relay
         asks for what follows it (proxy/dispatch/first_token.py)."""
         body = call.req.body
         usage = first_token.usage_wanted(body)
-        rewrite = None if self._expose else self.decode.ids.rewrite(headers["x-request-id"])
+        rewrite = self.decode.rewrite(headers, call.req.client_id)
         call.flight.extra.append((XPYD_FIRST_TOKEN_RAW, b"prefill"))
         call.t_decode = time.perf_counter()
         limits = d.output_limits
@@ -53,15 +53,15 @@ class Continuation:
                           rewrite)
         stitched = _Stitched()
         # D's events get the id the client sees: the rewrite then finds nothing left to do.
-        event_id = first.id if rewrite is None else rewrite.whole(first.id.encode()).decode()
-        events = first_token.ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat,
-                                                first.created)
+        event_id = first.id if rewrite is None else rewrite.text(first.id)
+        events = ContinuationEvents(first_token.text_offset_after(first), event_id, first.chat, first.created,
+                                    first_token.stream_details(first.usage))
         cont = first_token.continuation(body, first, limits)
         stitched.gen = self._continue(call, d, cont, headers, stitched, events)
         return Answer(stitched, first_token.first_events(first, False, usage), True, stitched.gen, rewrite)
 
     async def _continue(self, call: Call, d: Instance, cont: dict, headers: dict[str, str], stitched: _Stitched,
-                        events: first_token.ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
+                        events: ContinuationEvents) -> AsyncGenerator[bytes, None]:  # fmt: skip
         """D's continuation of P's token (``cont``: D's completions request, also for a chat
         request: ContinuationEvents turns its chunks into chat chunks), for the relay. The client
         has P's token and the 200 already, so a failure can only reach it as an error event:
@@ -80,7 +80,7 @@ class Continuation:
         try:
             try:
                 opening = self.decode.open(req, d, headers, orjson.dumps(cont), COMPLETIONS)
-                answer = await self.decode.first_bytes(call.loop, d, opening, headers)
+                answer = await self.decode.first_bytes(call.loop, d, opening, headers, client=req.client_id)
             except ProxyError as e:
                 raise StreamFailed(sse_event_of(e), e.message) from None
             except DecodeFailed as e:
@@ -133,7 +133,7 @@ class Continuation:
             alone = orjson.dumps(first_token.alone(cont))
             try:
                 opening = self.decode.open(call.req, d, plain, alone, COMPLETIONS)
-                return await self.decode.first_bytes(call.loop, d, opening, plain, left)
+                return await self.decode.first_bytes(call.loop, d, opening, plain, left, call.req.client_id)
             except (DecodeFailed, ProxyError) as e:
                 log.warning("decode continuation alone failed instance=%s error=%s; ending the stream with: %s",
                             d.http_address, e, failed.message)

@@ -13,7 +13,7 @@ from proxy.config import ProxyConfig
 from proxy.deadline import Deadline
 from proxy.dispatch.call import Call, DecodeFailed
 from proxy.dispatch.relay import Answer, read_lead
-from proxy.dispatch.rewrite import NeutralIds
+from proxy.dispatch.rewrite import IdRewrite, NeutralIds
 from proxy.errors import ProxyError, instance_text, upstream_error_body, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
@@ -34,18 +34,19 @@ class Decode:
         self.expose = cfg.expose_routing_headers
         self.ids = NeutralIds()
 
-    def client_id(self, rid: str) -> bytes:
-        """The request id the client is told (x-request-id, and inside vLLM's answer)."""
-        return (rid if self.expose else self.ids.neutral(rid)).encode()
+    def rewrite(self, headers: dict[str, str], client: str | None) -> IdRewrite | None:
+        """The internal request id in ``headers`` as the client is to see it (rewrite.py):
+        its own id (``client``), else the neutral one; None: exposed as it is."""
+        return None if self.expose else self.ids.rewrite(headers["x-request-id"], client)
 
     def upstream_error(self, status: int, data: bytes, phase: str, inst: Instance,
-                       headers: dict[str, str]) -> bytes:  # fmt: skip
+                       headers: dict[str, str], client: str | None = None) -> bytes:  # fmt: skip
         """An instance's error answer as relayed: without exposure no address, and the
-        internal request id (vLLM may quote it) replaced by the neutral one."""
+        internal request id (vLLM may quote it) replaced by the one the client is shown."""
         body = upstream_error_body(status, data, phase, inst.http_address if self.expose else None)
         if self.expose:
             return body
-        return self.ids.rewrite(headers["x-request-id"]).whole(body)
+        return self.ids.rewrite(headers["x-request-id"], client).whole(body)
 
     def observe_ttfb(self, call: Call, since: float) -> None:
         call.t_decode = since
@@ -54,7 +55,7 @@ class Decode:
         call.flight.extra.append((XPYD_DECODE_TTFB_MS_RAW, ms(t_first - since)))
 
     async def first_bytes(self, loop: asyncio.AbstractEventLoop, d: Instance, opening: Awaitable[Answer],
-                          headers: dict[str, str], limit: float | None = None
+                          headers: dict[str, str], limit: float | None = None, client: str | None = None
                           ) -> Answer:  # fmt: skip
         """D's first bytes, under the deadline that starts when D's answer is due (a
         rescue: what is left of it), and the verdict on them: D failed before its first
@@ -85,16 +86,16 @@ class Decode:
         if error is None:
             return answer
         await answer.aclose()
-        raise self.refused(d, error.status, error.body, headers, "its stream's error event")
+        raise self.refused(d, error.status, error.body, headers, "its stream's error event", client)
 
     def refused(self, d: Instance, status: int, data: bytes, headers: dict[str, str],
-                how: str = "its answer") -> ProxyError | DecodeFailed:  # fmt: skip
+                how: str = "its answer", client: str | None = None) -> ProxyError | DecodeFailed:  # fmt: skip
         """D's error answer (an HTTP error, or a stream's error event) before anything was
         relayed: 5xx is D's failure (another D, or D alone, may serve the request); 4xx is
         D's verdict on the request, the same on any D: relayed."""
         self.metrics.upstream_error("D", d.http_address, f"http_{status}")
         # The message is for the log; the client gets D's own error (raw).
-        raw = self.upstream_error(status, data, "decode", d, headers)
+        raw = self.upstream_error(status, data, "decode", d, headers, client)
         error = ProxyError(status, f"decode failed: HTTP {status} in {how}", raw=raw)
         return DecodeFailed(error) if status >= 500 else error
 
@@ -120,8 +121,8 @@ class Decode:
             raw = req.raw_for(headers["x-request-id"]) if body is None else body
             resp = await self.upstream.request("POST", d.url + (path or req.path), raw, headers)
             if not 200 <= resp.status < 300:
-                raise self.refused(d, resp.status, await resp.read(), headers)
-            rewrite = None if self.expose else self.ids.rewrite(headers["x-request-id"])
+                raise self.refused(d, resp.status, await resp.read(), headers, client=req.client_id)
+            rewrite = self.rewrite(headers, req.client_id)
             if resp.content_type.startswith("text/event-stream"):
                 chunks = resp.chunks()
                 return Answer(resp, await anext(chunks, b""), True, chunks, rewrite)

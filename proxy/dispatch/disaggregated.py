@@ -19,7 +19,7 @@ from proxy.dispatch.call import DISAGGREGATED, PREFILL_ALONE, Call
 from proxy.dispatch.continuation import Continuation
 from proxy.dispatch.decode import Decode, too_large
 from proxy.dispatch.relay import Answer
-from proxy.dispatch.rewrite import UsageRewrite, prefill_cache_usage
+from proxy.dispatch.rewrite import DetailsRewrite, IdRewrite, UsageRewrite, prefill_cache_usage, prefill_details
 from proxy.errors import ProxyError, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, prefill_body
@@ -135,9 +135,9 @@ class Disaggregated:
                     last_msg = upstream_text(kind, last_msg, self._expose)
                 continue
             except ProxyError:  # P's (or D's) own answer, relayed: say who gave it
-                self._prefill_done(call, p, rid, t_start)
+                self._prefill_done(call, p, t_start)
                 raise
-            t_pre = self._prefill_done(call, p, rid, t_start)
+            t_pre = self._prefill_done(call, p, t_start)
             call.decode_due = t_pre
             p.served += 1
             self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
@@ -156,8 +156,8 @@ class Disaggregated:
                                 "concurrent" if not first_mode else "unusable" if first is None else "held_back")
             try:
                 answer = await self.decode.first_bytes(
-                    call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers
-                )
+                    call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers,
+                    client=req.client_id)
             except BaseException:
                 await _discard(opening)
                 raise
@@ -165,6 +165,8 @@ class Disaggregated:
             if req.response_id is not None and (usage := prefill_cache_usage(pre_answer)) is not None:
                 answer.rewrite = UsageRewrite(*usage)  # P's cache figures, not D's (rewrite.py)
                 call.cache_usage = usage
+            elif (figures := prefill_details(pre_answer)) is not None and isinstance(answer.rewrite, IdRewrite | None):
+                answer.rewrite = DetailsRewrite(figures, answer.rewrite)  # likewise (--enable-prompt-tokens-details)
             return answer
         raise PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 
@@ -182,9 +184,9 @@ class Disaggregated:
         it (first_token): D is asked once P answered, as with sequential dispatch."""
         try:
             if not early:
-                return None, await self._prefill(loop, p, req.path, pre_raw, headers)
+                return None, await self._prefill(loop, p, req, pre_raw, headers)
             opening = loop.create_task(self.decode.open(req, d, headers))
-            prefill = loop.create_task(self._prefill(loop, p, req.path, pre_raw, headers))
+            prefill = loop.create_task(self._prefill(loop, p, req, pre_raw, headers))
             try:
                 await asyncio.wait((prefill, opening), return_when=asyncio.FIRST_COMPLETED)
                 if opening.done() and opening.exception() is not None and not prefill.done():
@@ -199,12 +201,12 @@ class Disaggregated:
         finally:
             self.selector.release(p, req)
 
-    async def _prefill(self, loop: asyncio.AbstractEventLoop, p: Instance, path: str, body: bytes,
+    async def _prefill(self, loop: asyncio.AbstractEventLoop, p: Instance, req: RouteRequest, body: bytes,
                        headers: dict[str, str]) -> bytes:  # fmt: skip
         """P computes the prompt's KV (and ships it, per the connector's send mode); its
         answer (one token) is returned."""
         async with Deadline.after(loop, self.cfg.prefill_timeout):
-            resp = await self.upstream.request("POST", p.url + path, body, headers)
+            resp = await self.upstream.request("POST", p.url + req.path, body, headers)
             try:
                 data = await resp.read()
             except UpstreamError as e:
@@ -223,14 +225,13 @@ class Disaggregated:
             raise refused(
                 resp.status,
                 "prefill failed",
-                raw=self.decode.upstream_error(resp.status, data, "prefill", p, headers),
+                raw=self.decode.upstream_error(resp.status, data, "prefill", p, headers, req.client_id),
             )
         return data
 
-    def _prefill_done(self, call: Call, p: Instance, rid: str, t_start: float) -> float:
+    def _prefill_done(self, call: Call, p: Instance, t_start: float) -> float:
         t_pre = time.perf_counter()
         extra = call.flight.extra
-        extra.append((b"x-request-id", self.decode.client_id(rid)))
         if self._expose:
             extra.append((XPYD_PREFILL_INSTANCE_RAW, p.http_address.encode()))
         extra.append((XPYD_PREFILL_MS_RAW, ms(t_pre - t_start)))

@@ -15,7 +15,7 @@ construction). ``eligible`` is an allow-list over every field of vLLM's request 
 field it does not name, or names at another value, keeps the request on D's first token.
 What the request cannot show, D's connector advertises (``OutputLimits``: how its vLLM
 caps answers and the context; ``GenerationDefaults``: the sampling defaults it applies and
-whether a reasoning parser reads its chat answers); an instance that advertises neither
+whether a reasoning or tool parser reads its chat answers); an instance that advertises neither
 (a static one) keeps D's first token.
 
 P's answer decides too (``parse`` and ``starts_answer``): a token that is part of a
@@ -28,18 +28,16 @@ out of range), and a chat answer a server-side parser read as reasoning or a too
 Logprobs come from each side for its tokens (D's text offsets moved past P's token); usage
 counts P's token as generated; D's events carry P's id and ``created``. Chat: P renders the
 template and returns the rendered prompt's ids and the answer's role; D continues from them
-with a completion, whose chunks become chat chunks (``ContinuationEvents(chat=True)``).
+with a completion, whose chunks become chat chunks (proxy/dispatch/events.py).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from proxy.dispatch.relay import EVENT_END, EVENT_ENDS
 from proxy.openai_api import CHAT, COMPLETIONS, prefill_body
 from proxy.request import RouteRequest
 from xpyd_wire.discovery import GenerationDefaults, OutputLimits
@@ -62,10 +60,11 @@ _SAME = frozenset({
     "logit_bias", "allowed_token_ids", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
     "skip_special_tokens", "spaces_between_special_tokens", "user", "priority", "cache_salt",
     "request_id",  # vLLM takes the X-Request-Id header first, which the proxy sets
-    "truncate_prompt_tokens", "truncation_side", "add_special_tokens",  # P tokenizes; D gets its ids
+    "truncation_side", "add_special_tokens",  # P tokenizes; D gets its ids
 })
-# Checked by ``eligible`` itself (prompt, limits, logprobs, usage options).
-_CHECKED_CHAT = frozenset({"stream", "max_tokens", "min_tokens", "stream_options", "kv_transfer_params"})
+# Checked by ``eligible`` itself (prompt, limits, logprobs, usage options, truncation).
+_CHECKED_CHAT = frozenset({"stream", "max_tokens", "min_tokens", "stream_options", "kv_transfer_params",
+                           "truncate_prompt_tokens"})
 _CHECKED = _CHECKED_CHAT | {"prompt", "logprobs"}
 # Let through only at these values (a value is neutral when it equals one of the same type:
 # True is not 1). None (JSON null) is neutral everywhere: vLLM reads it as absent.
@@ -189,11 +188,55 @@ def _fields_pass(body: dict, chat: bool) -> bool:
 
 def _defaults_pass(body: dict, defaults: GenerationDefaults, chat: bool) -> bool:
     """The server's own sampling defaults change nothing here: each is one P and D apply
-    alike, or the request sets that field itself. A chat answer a reasoning parser reads
-    (its split into reasoning and content, its special tokens) is D's whole answer."""
-    if chat and defaults.reasoning_parser:
+    alike, or the request sets that field itself. A chat answer a reasoning or a tool parser
+    reads is D's whole answer: vLLM 0.32 streams every chat answer through the parser, whatever
+    tool_choice says (it holds back or reshapes deltas: an empty last delta is written {}), and a
+    tool parser may adjust the request too (keep special tokens, which D's completion would drop)."""
+    if chat and (defaults.reasoning_parser or defaults.tool_parser != "none"):  # None: not known
         return False
     return all(name in _SAMPLING_SAME or body.get(name) is not None for name, _ in defaults.sampling)
+
+
+# pydantic 2's bool in lax mode, which vLLM's request models use: these strings (any case), the
+# ints 0 and 1 and the floats 0.0 and 1.0; anything else is refused (vLLM's 400).
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def lax_bool(value: Any) -> bool | None:
+    """``value`` as vLLM reads a bool field (None: absent, JSON null, or a value it refuses:
+    ``lax_bool_valid`` tells those apart)."""
+    if value is True or value is False:
+        return value
+    if type(value) is int or type(value) is float:
+        return True if value == 1 else False if value == 0 else None
+    if isinstance(value, str):
+        low = value.lower()
+        return True if low in _TRUE else False if low in _FALSE else None
+    return None
+
+
+def lax_bool_valid(value: Any) -> bool:
+    """vLLM accepts ``value`` for a ``bool | None`` field."""
+    return value is None or lax_bool(value) is not None
+
+
+def _truncation_pass(body: dict, chat: bool) -> bool:
+    """P cuts the prompt as vLLM would for the client's request. truncate_prompt_tokens -1 keeps
+    as many tokens as the context allows, less one when the request names a limit (vLLM 0.32's
+    TokenizeParams.max_truncation_tokens, with chat's max_completion_tokens or max_tokens, a
+    completion's max_tokens: 16 when absent, 0 when null): P, asked for one token, always keeps
+    one fewer than the context, so -1 passes only with a limit. Another form vLLM converts
+    ("5", 5.0) goes to D as the client's own request."""
+    value = body.get("truncate_prompt_tokens")
+    if value is None or (type(value) is int and value >= 0):
+        return True
+    if chat:
+        limit = body.get("max_completion_tokens")
+        limit = body.get("max_tokens") if limit is None else limit
+    else:
+        limit = body.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    return value == -1 and type(value) is int and bool(limit)
 
 
 def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: GenerationDefaults | None) -> bool:
@@ -223,7 +266,7 @@ def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: Generatio
             return False
     else:
         return False
-    if not _fields_pass(body, chat) or not _defaults_pass(body, defaults, chat):
+    if not _fields_pass(body, chat) or not _defaults_pass(body, defaults, chat) or not _truncation_pass(body, chat):
         return False
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
@@ -234,17 +277,19 @@ def eligible(req: RouteRequest, limits: OutputLimits | None, defaults: Generatio
     if not isinstance(body.get("kv_transfer_params", {}), dict):
         return False
     opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}):
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}
+                             or not all(map(lax_bool_valid, opts.values()))):  # else vLLM's 400
         return False
     return True
 
 
 def usage_wanted(body: dict) -> tuple[bool, bool]:
-    """(a usage event at the end, usage on every event), as vLLM reads stream_options."""
+    """(a usage event at the end, usage on every event), as vLLM reads stream_options (its
+    should_include_usage, with each value read as its model reads a bool: ``1``, "yes" are true)."""
     opts = body.get("stream_options")
-    if not isinstance(opts, dict) or opts.get("include_usage") is not True:
+    if not isinstance(opts, dict) or not lax_bool(opts.get("include_usage")):
         return False, False
-    return True, opts.get("continuous_usage_stats") is True
+    return True, bool(lax_bool(opts.get("continuous_usage_stats")))
 
 
 def prefill_request(path: str, body: dict, skip_tokens: int = 0) -> dict:
@@ -481,10 +526,24 @@ def _event(obj: dict) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _counts(usage: dict, completion_tokens: int | None = None) -> dict:
+def stream_details(usage: dict | None) -> dict | None:
+    """P's prompt_tokens_details (--enable-prompt-tokens-details: its prompt-cache figures, the
+    ones one server that computed the prompt reports) as a stream's last usage writes them:
+    without null members. None: P reported none."""
+    details = usage.get("prompt_tokens_details") if usage is not None else None
+    return {k: v for k, v in details.items() if v is not None} if isinstance(details, dict) else None
+
+
+def _counts(usage: dict, completion_tokens: int | None = None, last: bool = False) -> dict:
     """P's usage as a stream's usage event carries it: the counts (``completion_tokens``: in
-    place of P's), and what else P's server reports that is not null."""
+    place of P's), and what else P's server reports that is not null; prompt_tokens_details
+    only on the ``last`` usage event (vLLM writes it there alone), as a stream writes it."""
     out = {k: v for k, v in usage.items() if v is not None}
+    if "prompt_tokens_details" in out:
+        if last:
+            out["prompt_tokens_details"] = stream_details(usage)
+        else:
+            del out["prompt_tokens_details"]
     if completion_tokens is not None:
         out["completion_tokens"] = completion_tokens
         out["total_tokens"] = usage.get("prompt_tokens", 0) + completion_tokens
@@ -527,7 +586,7 @@ def first_events(first: FirstToken, final: bool, usage: tuple[bool, bool]) -> by
     out += _event(event)
     if final:
         if include_usage and first.usage is not None:
-            last: dict[str, Any] = {**head, "choices": [], "usage": _counts(first.usage)}
+            last: dict[str, Any] = {**head, "choices": [], "usage": _counts(first.usage, last=True)}
             if first.fingerprint is not None:
                 last["system_fingerprint"] = first.fingerprint
             out += _event(last)
@@ -545,130 +604,3 @@ def text_offset_after(first: FirstToken) -> int:
             and type(offsets[-1]) is int and isinstance(tokens[-1], str):
         return offsets[-1] + len(tokens[-1])
     return 0
-
-
-_HOLD_MAX = 64 * 1024
-_EVENT_SPLIT = re.compile(b"(" + EVENT_END.pattern + b")")  # keeps each event's end
-
-
-_EVENT_ID = re.compile(rb'"id":\s*"(?:[^"\\]|\\.)*"')  # an event's first "id" is its top-level one
-_EVENT_CREATED = re.compile(rb'"created":\d+')  # outside strings: inside one its quotes are escaped
-
-
-_STR = rb'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'  # a JSON string (on one line, as JSON writes it)
-# vLLM's usual completion chunk, one per line: one choice, no logprobs, no usage, token-id
-# fields null, the last one with system_fingerprint (its serving code: pydantic,
-# exclude_unset).
-_MID_CHUNK = re.compile(
-    rb'(?m)^data: \{"id":(' + _STR + rb'),"object":"text_completion","created":(\d+),"model":(' + _STR
-    + rb'),"choices":\[\{"index":(\d+),"text":(' + _STR + rb'),"logprobs":null,"finish_reason":('
-    # null: the chat chunk has no stop_reason; the last chunk's reason keeps it
-    rb'null(?=,"stop_reason":null)|' + _STR + rb',"stop_reason":(?:null|-?\d+|' + _STR + rb'))'
-    rb'(?:,"stop_reason":null)?(?:,"[a-z_]+":null)*\}\]((?:,"system_fingerprint":' + _STR + rb')?)\}$'
-)
-
-
-def _mid_chat(m: re.Match[bytes]) -> bytes:
-    """A _MID_CHUNK match as the JSON path below makes it a chat chunk."""
-    ident, created, model, index, text, finish, fingerprint = m.groups()
-    return (b'data: {"id":' + ident + b',"object":"chat.completion.chunk","created":' + created + b',"model":'
-            + model + b',"choices":[{"index":' + index + b',"delta":{"content":' + text
-            + b'},"logprobs":null,"finish_reason":' + finish + b',"token_ids":null}]' + fingerprint + b"}")  # fmt: skip
-
-
-_TRANSLATED = b'"object":"chat.completion.chunk"'  # a completions server never writes it
-
-
-class ContinuationEvents:
-    """D's events as the client's request counts them: usage with P's token as generated
-    rather than prompt (every usage D reports: a server may force it), logprobs text
-    offsets after P's token, and P's event id (one stream, one id, also when D answered
-    under another request id: a rescue, or a server that adds a suffix). The stream
-    arrives in arbitrary pieces: what precedes the last event's start passes at once, that
-    event waits for its end (bounded)."""
-
-    def __init__(self, text_offset: int, event_id: str, chat: bool = False, created: int | None = None) -> None:
-        self._chat = chat  # D's completion chunks become chat chunks (delta.content)
-        self._offset = text_offset
-        self._held = b""
-        self._id = b'"id":' + orjson.dumps(event_id)
-        self._d_id: bytes | None = None  # D's "id": member as it writes it, once seen
-        # vLLM stamps every event of a stream with one `created`: P's, which the client saw first.
-        self._created = None if created is None else b'"created":%d' % created
-        self._d_created: bytes | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        buf = self._held + chunk
-        if buf.endswith(EVENT_ENDS) or len(buf) > _HOLD_MAX:
-            cut = len(buf)
-        else:
-            cut = buf.rfind(b"data:")
-            if cut < 0:  # no event starts here, unless the buffer ends with the start of "data:"
-                cut = len(buf) - next((k for k in range(4, 0, -1) if buf.endswith(b"data:"[:k])), 0)
-        self._held, done = buf[cut:], buf[:cut]
-        if self._d_id is None and (m := _EVENT_ID.search(done)) is not None:
-            self._d_id = m.group(0)
-        if self._d_id is not None and self._d_id != self._id:
-            done = done.replace(self._d_id, self._id)
-        if self._created is not None:
-            if self._d_created is None and (m := _EVENT_CREATED.search(done)) is not None:
-                self._d_created = m.group(0)
-            if self._d_created is not None and self._d_created != self._created:
-                done = done.replace(self._d_created, self._created)
-        if self._chat:
-            # The usual chunks in one pass in C: per event in Python, this cost more than all
-            # the rest of a proxied chat stream. What is left goes through the JSON path.
-            done = _MID_CHUNK.sub(_mid_chat, done)
-            if b'"text_completion"' not in done and b'"usage"' not in done:
-                return done
-        elif b'"usage"' not in done and (not self._offset or b'"text_offset"' not in done):
-            return done
-        if done.endswith(b"\n\n") and done.find(b"\n") == len(done) - 2:  # one event, as vLLM writes them
-            return self._event(done[:-2]) + b"\n\n"
-        parts = _EVENT_SPLIT.split(done)  # events and their ends, alternating
-        return b"".join(self._event(p) if i % 2 == 0 else p for i, p in enumerate(parts))
-
-    def flush(self) -> bytes:
-        held, self._held = self._held, b""
-        return held
-
-    def _event(self, event: bytes) -> bytes:
-        usage = b'"usage"' in event
-        offsets = self._offset and b'"text_offset"' in event
-        if not (usage or offsets or self._chat) or not event.startswith(b"data: ") or b"\n" in event \
-                or b"\r" in event or event == b"data: [DONE]" or _TRANSLATED in event:
-            return event  # not vLLM's one-line event (or made a chat chunk above): as it is
-        try:
-            obj = orjson.loads(event[6:])
-        except orjson.JSONDecodeError:
-            return event
-        if not isinstance(obj, dict):
-            return event
-        if usage and isinstance(u := obj.get("usage"), dict) and type(u.get("prompt_tokens")) is int \
-                and type(u.get("completion_tokens")) is int:
-            u["prompt_tokens"] -= 1
-            u["completion_tokens"] += 1
-        if offsets:
-            for choice in obj.get("choices") or ():
-                lp = choice.get("logprobs") if isinstance(choice, dict) else None
-                if isinstance(lp, dict) and isinstance(lp.get("text_offset"), list):
-                    lp["text_offset"] = [o + self._offset if type(o) is int else o for o in lp["text_offset"]]
-        if self._chat and isinstance(obj.get("choices"), list) and "error" not in obj:
-            obj["object"] = "chat.completion.chunk"
-            obj["choices"] = [_chat_choice(c) for c in obj["choices"] if isinstance(c, dict)]
-            if obj["choices"] and isinstance(u := obj.get("usage"), dict):
-                # vLLM's chat writes it on a token's usage (null without a reasoning parser),
-                # not on the last usage event.
-                u.setdefault("completion_tokens_details", None)
-        return b"data: " + orjson.dumps(obj)
-
-
-def _chat_choice(choice: dict) -> dict:
-    """A completion chunk's choice as a chat chunk's (vLLM's fields: no logprobs here,
-    which chat requests on this path do not ask for)."""
-    out = {"index": choice.get("index", 0), "delta": {"content": choice.get("text") or ""}, "logprobs": None,
-           "finish_reason": choice.get("finish_reason")}
-    if out["finish_reason"] is not None:
-        out["stop_reason"] = choice.get("stop_reason")
-    out["token_ids"] = None  # vLLM 0.32 writes it on every chat chunk but the role's
-    return out

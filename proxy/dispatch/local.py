@@ -18,6 +18,7 @@ from proxy.dispatch.call import (
     Call,
 )
 from proxy.dispatch.decode import Decode
+from proxy.dispatch.first_token import lax_bool
 from proxy.dispatch.relay import Answer
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
@@ -59,12 +60,11 @@ class Local:
         call.went_local = True
         self.metrics.dispatch(path)
         rid = request_id.build_local()
-        call.flight.extra.append((b"x-request-id", self.decode.client_id(rid)))
         call.flight.extra.append((XPYD_PATH_RAW, path.encode()))
         headers = {**call.req.headers, "x-request-id": rid}
         t = time.perf_counter()
         opening = self.decode.open(call.req, d, headers)
-        answer = await self.decode.first_bytes(call.loop, d, opening, headers, limit)
+        answer = await self.decode.first_bytes(call.loop, d, opening, headers, limit, call.req.client_id)
         self.decode.observe_ttfb(call, t)
         return answer
 
@@ -76,5 +76,6 @@ def _wants_prompt_logprobs(req: RouteRequest) -> bool:
     body = req.body
     if body.get("prompt_logprobs") is not None:
         return True
-    return req.path == COMPLETIONS and body.get("echo") is True and (
+    # echo as vLLM's request model reads a bool: 1 and "yes" are true too
+    return req.path == COMPLETIONS and lax_bool(body.get("echo")) is True and (
         body.get("logprobs") is not None or body.get("max_tokens") == 0)

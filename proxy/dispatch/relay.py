@@ -13,7 +13,7 @@ import orjson
 
 from proxy.asgi import Flight, Send
 from proxy.deadline import Deadline
-from proxy.dispatch.rewrite import IdRewrite, UsageRewrite
+from proxy.dispatch.rewrite import DetailsRewrite, IdRewrite, UsageRewrite
 from proxy.errors import instance_text, sse_error_event, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
@@ -30,8 +30,9 @@ class Answer:
     first: bytes
     streaming: bool
     chunks: AsyncIterator[bytes] | None  # the rest of a stream
-    # internal -> neutral request id (None: exposed); a Responses answer's usage (UsageRewrite)
-    rewrite: IdRewrite | UsageRewrite | None = None
+    # internal -> client's request id (None: exposed); P's cache figures in D's usage (UsageRewrite for
+    # the Responses API, DetailsRewrite over the id rewrite for completions and chat)
+    rewrite: IdRewrite | UsageRewrite | DetailsRewrite | None = None
     # A read of the stream still under way when the lead's deadline came (see read_lead):
     # `chunks` starts with its result, and closing the answer must cancel it.
     pending: asyncio.Task[bytes | None] | None = None

@@ -1,17 +1,20 @@
-"""The neutral request id: what clients see instead of the id P and D were sent.
+"""The request id a client sees instead of the id P and D were sent.
 
 The internal id names P's and D's KV addresses (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``,
-or ``xpyd-local-{uuid}``) and vLLM echoes it in every answer (``"id": "cmpl-{id}"``, chat
-``"chatcmpl-{id}"``, batches and n > 1 alike, since all are built from the header). Unless
---expose-routing-headers, the relayed bytes get the neutral id in its place, so ids look like
-vLLM's own (``cmpl-<32 hex>``) and the x-request-id header says the same. The neutral id is a
-keyed hash of the uuid (a key of this proxy's, drawn at start): it names no transfer, so a
-client cannot work out the transfer key (uuid + prompt index) that P's and D's connectors
-move its KV under; only a request that asks (xpyd_report_transfer_key) is told it.
+``xpyd-early`` in front when D is asked with P, or ``xpyd-local-{uuid}``) and vLLM echoes it in
+every answer (``"id": "cmpl-{id}"``, chat ``"chatcmpl-{id}"``, batches and n > 1 alike, since all
+are built from the header). Unless --expose-routing-headers, the relayed bytes get in its place what
+one vLLM server would have named the answer after: the client's own id (its X-Request-Id header,
+else the body's ``request_id``: vLLM 0.32 takes them in that order), else a neutral id of vLLM's
+shape (16 hex digits, as vLLM's random_uuid). The neutral id is a keyed hash of the uuid (a key of
+this proxy's, drawn at start): it names no transfer, so a client cannot work out the transfer key
+(uuid + prompt index) that P's and D's connectors move its KV under; only a request that asks
+(xpyd_report_transfer_key) is told it.
 
 A streamed id may be split across two upstream chunks: the rewriter holds back only a tail
-that is a proper prefix of the internal id. vLLM's chunks end with an SSE event ("\\n\\n"),
-where nothing can be held: that is the fast path, one bytes.replace per chunk.
+that is a proper prefix of the internal id, before replacing (so the client's id may be any
+string). vLLM's chunks end with an SSE event ("\\n\\n"), where nothing can be held: that is the
+fast path, one bytes.replace per chunk.
 """
 
 from __future__ import annotations
@@ -20,19 +23,20 @@ import hashlib
 import os
 import re
 
-_HEX = b"0123456789abcdef"
+import orjson
 
 
 class NeutralIds:
-    """The neutral id of each internal one, keyed by a secret of this proxy's: 32 hex digits,
-    as vLLM's own, from which the uuid both internal forms end with cannot be worked out."""
+    """The neutral id of each internal one, keyed by a secret of this proxy's: 16 hex digits,
+    as vLLM 0.32's own (random_uuid), from which the uuid both internal forms end with cannot
+    be worked out."""
 
     __slots__ = ("_keyed", "_last")
 
     def __init__(self, key: bytes | None = None) -> None:
         # Keyed once; each id copies it (a third cheaper than keying anew).
-        self._keyed = hashlib.blake2b(digest_size=16, key=os.urandom(16) if key is None else key)
-        self._last = ("", "")  # a request asks twice (header, rewrite): computed once
+        self._keyed = hashlib.blake2b(digest_size=8, key=os.urandom(16) if key is None else key)
+        self._last = ("", "")  # a request asks more than once (P's answer, D's): computed once
 
     def neutral(self, internal: str) -> str:
         last = self._last
@@ -44,25 +48,44 @@ class NeutralIds:
         self._last = (internal, out)
         return out
 
-    def rewrite(self, internal: str) -> IdRewrite:
-        return IdRewrite(internal, self.neutral(internal))
+    def shown(self, internal: str, client: str | None) -> str:
+        """The id the client sees for ``internal``: its own (``client``), else the neutral one."""
+        return self.neutral(internal) if client is None else client
+
+    def rewrite(self, internal: str, client: str | None = None) -> IdRewrite:
+        return IdRewrite(internal, self.shown(internal, client))
+
+
+def _border(old: bytes) -> bool:
+    """Whether some proper prefix of ``old`` is also its suffix. A border of 4 bytes or more starts
+    with old's first 4, which the ids the proxy builds hold only at their start ("___p", "xpyd"):
+    one search rules those out, then the 3 shorter ones are tried."""
+    if len(old) > 4 and old.find(old[:4], 1) < 0:
+        return old[:1] == old[-1:] or old[:2] == old[-2:] or old[:3] == old[-3:]
+    return any(old.startswith(old[i:]) for i in range(1, len(old)))
 
 
 class IdRewrite:
-    """Replaces one internal id by its neutral form in a body or a stream of chunks."""
+    """Replaces one internal id by the id the client is shown (written as inside a JSON
+    string, where vLLM writes it) in a body or a stream of chunks."""
 
-    __slots__ = ("old", "new", "_lead", "_held")
+    __slots__ = ("internal", "shown", "old", "new", "_lead", "_held")
 
-    def __init__(self, internal: str, neutral: str) -> None:
+    def __init__(self, internal: str, shown: str) -> None:
+        self.internal, self.shown = internal, shown
         self.old = internal.encode("ascii")
-        self.new = neutral.encode("ascii")
-        # The held tail can never overlap a replacement: `new` is hex only and `old` starts
-        # with a non-hex byte, so a tail that is a prefix of `old` starts after any `new`.
-        # A chunk ending in "\n" holds nothing back: the id has no newline.
-        if self.new.translate(None, _HEX) or self.old[0] in _HEX or b"\n" in self.old:
-            raise ValueError(f"cannot rewrite {internal!r} to {neutral!r}")
+        self.new = orjson.dumps(shown)[1:-1]
+        # The tail held back is cut before replacing, and no occurrence of `old` can overlap it
+        # when `old` has no border (the internal ids have none: they start with "_" or "x" and
+        # end in hex). A chunk ending in "\n" holds nothing back: the id has no newline.
+        if not self.old or b"\n" in self.old or _border(self.old):
+            raise ValueError(f"cannot rewrite {internal!r}")
         self._lead = self.old[:1]
         self._held = b""
+
+    def text(self, value: str) -> str:
+        """A string of the answer (not yet written as JSON) as the client is to see it."""
+        return value.replace(self.internal, self.shown)
 
     def whole(self, data: bytes) -> bytes:
         """A complete body (non-streamed answer, error JSON)."""
@@ -73,19 +96,18 @@ class IdRewrite:
         if self._held:
             chunk = self._held + chunk
             self._held = b""
-        data = chunk.replace(self.old, self.new)
-        if not data or data[-1] == 10:  # ends a line ("\n\n": end of an SSE event)
-            return data
-        old = self.old
-        n = len(data)
+        old, new = self.old, self.new
+        if not chunk or chunk[-1] == 10:  # ends a line ("\n\n": end of an SSE event)
+            return chunk.replace(old, new)
+        n = len(chunk)
         # Only a tail shorter than the id can be the start of one.
-        i = data.find(self._lead, max(0, n - len(old) + 1))
+        i = chunk.find(self._lead, max(0, n - len(old) + 1))
         while i >= 0:
-            if old.startswith(data[i:]):
-                self._held = data[i:]
-                return data[:i]
-            i = data.find(self._lead, i + 1)
-        return data
+            if old.startswith(chunk[i:]):
+                self._held = chunk[i:]
+                return chunk[:i].replace(old, new)
+            i = chunk.find(self._lead, i + 1)
+        return chunk.replace(old, new)
 
     def flush(self) -> bytes:
         """What is held back, at the clean end of the stream: D's bytes, sent as they are
@@ -141,4 +163,70 @@ class UsageRewrite:
         return self.whole(held)
 
     def drop(self) -> None:
+        self._held = b""
+
+
+# ---------------------------------------------------------------- completions' and chat's usage
+# With --enable-prompt-tokens-details vLLM reports the prompt tokens it found in its prefix cache
+# (and, for chat, those it wrote to it) in prompt_tokens_details. D counts the KV it loaded from P
+# as found: P's figures, which one server that computed the prompt reports, replace D's, in the
+# one place vLLM writes them (compact JSON, fixed field order: the whole answer, or a stream's last
+# usage). Off (the default), vLLM writes null there: P's answer is then searched once, and no
+# rewrite is attached.
+_DETAILS_OPEN = b'"prompt_tokens_details":{'
+_DETAILS = re.compile(rb'"prompt_tokens_details":\{"cached_tokens":(\d+|null)(?:,"created_cache_tokens":(\d+|null))?')
+
+
+def prefill_details(p_answer: bytes) -> tuple[bytes, bytes] | None:
+    """P's (cached_tokens, created_cache_tokens) as JSON values, from its answer; None: absent."""
+    if _DETAILS_OPEN not in p_answer:
+        return None
+    m = _DETAILS.search(p_answer)
+    return (m.group(1), m.group(2) or b"null") if m else None
+
+
+class DetailsRewrite:
+    """D's completions or chat answer with P's prompt-cache figures (see above), over the id
+    rewrite (``inner``): the interface of IdRewrite. A stream is rewritten event by event: the
+    bytes after its last complete event are held until the event ends."""
+
+    __slots__ = ("_inner", "_cached", "_created", "_held")
+
+    def __init__(self, figures: tuple[bytes, bytes], inner: IdRewrite | None) -> None:
+        self._inner = inner
+        self._cached, self._created = figures
+        self._held = b""
+
+    def _one(self, m: re.Match[bytes]) -> bytes:
+        out = b'"prompt_tokens_details":{"cached_tokens":' + self._cached
+        return out + b',"created_cache_tokens":' + self._created if m.group(2) is not None else out
+
+    def _sub(self, data: bytes) -> bytes:
+        return _DETAILS.sub(self._one, data) if _DETAILS_OPEN in data else data
+
+    def text(self, value: str) -> str:
+        return value if self._inner is None else self._inner.text(value)
+
+    def whole(self, data: bytes) -> bytes:
+        return self._sub(data if self._inner is None else self._inner.whole(data))
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = chunk if self._inner is None else self._inner.feed(chunk)
+        if self._held:
+            data = self._held + data
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._held = data
+            return b""
+        self._held = data[end + 2:]
+        return self._sub(data[:end + 2])
+
+    def flush(self) -> bytes:
+        tail = b"" if self._inner is None else self._inner.flush()
+        held, self._held = self._held + tail, b""
+        return self._sub(held)
+
+    def drop(self) -> None:
+        if self._inner is not None:
+            self._inner.drop()
         self._held = b""

@@ -7,6 +7,7 @@ import hashlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -265,5 +266,27 @@ def fast_path(app: FastAPI) -> Any:
                 await handler(scope, receive, send)
                 return
         await app(scope, receive, send)
+
+    return request_id_headers(asgi) if app.state.proxy.cfg.enable_request_id_headers else asgi
+
+
+def request_id_headers(app: Any) -> Any:
+    """--enable-request-id-headers, as vLLM 0.32's XRequestIdMiddleware: every HTTP response
+    gets an X-Request-Id, the client's own (the first one sent) or a random uuid4 hex, which
+    is not the id in the answer (vLLM draws it apart)."""
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+
+        async def sending(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                rid = given if given is not None else uuid.uuid4().hex.encode()
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid)]}
+            await send(message)
+
+        await app(scope, receive, sending)
 
     return asgi

@@ -20,7 +20,7 @@ from proxy.dispatch.call import Call
 from proxy.dispatch.dispatcher import Dispatcher
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
-from proxy.openai_api import RESPONSES, estimate_prompt_tokens, response_id, validate_body
+from proxy.openai_api import RESPONSES, client_request_id, estimate_prompt_tokens, response_id, validate_body
 from proxy.registry import Registry
 from proxy.request import RouteRequest
 from proxy.routing.kv_events import KVEvents
@@ -32,6 +32,14 @@ from proxy.upstream.base import Upstream
 from xpyd_wire.headers import XPYD_PREFIX_RAW
 
 log = logging.getLogger("xpyd.proxy.routing")
+
+def _client_header(headers: Headers) -> str | None:
+    """The client's X-Request-Id, as vLLM reads it (the first one, latin-1)."""
+    for k, v in headers:
+        if k == b"x-request-id":
+            return v.decode("latin-1")
+    return None
+
 
 def _header_name(k: bytes) -> str:
     """A timing header's name for the log: without the xpyd prefix."""
@@ -124,9 +132,11 @@ class Router:
         except (ValueError, ProxyError):
             # vLLM's answer to it is vLLM's to give (its 400, or an answer where its parser
             # accepts what ours does not): the body goes to one D as it came (less the proxy's fields).
-            return RouteRequest(path, cleaned_unparsed(raw, self._debug), {}, 0, fwd, verdict=True)
+            return RouteRequest(path, cleaned_unparsed(raw, self._debug), {}, 0, fwd, verdict=True,
+                                client_id=client_request_id(path, _client_header(headers), None))
         raw = cleaned(raw, body, self._debug)  # the proxy's kv_transfer_params are its own
-        req = RouteRequest(path, raw, body, estimate_prompt_tokens(body, path), fwd, body.get("model"))
+        req = RouteRequest(path, raw, body, estimate_prompt_tokens(body, path), fwd, body.get("model"),
+                           client_id=client_request_id(path, _client_header(headers), body))
         if path == RESPONSES:
             req.response_id = response_id(body)
             req.previous_response_id = body.get("previous_response_id")

@@ -6,9 +6,12 @@ output, batches, vLLM's own refusals) goes once to a colocated vLLM server and o
 the proxy, on prompts that are not ASCII too (emoji, CJK, combining marks, and prompts
 whose first generated token is part of a character). The answers must be equal: status,
 error type, tokens and their logprobs (tests/support/e2e_client.py's comparator), text, finish
-reasons, usage, and the fields of every event (its shape). Each request's path through the
-proxy (x-xpyd-path, x-xpyd-first-token) is recorded, and the last test checks that the
-matrix covered every path it is meant to.
+reasons, usage, and the fields of every event (its shape, event by event, however the tokens
+were grouped into events). Each request's path through the proxy (x-xpyd-path,
+x-xpyd-first-token) is asserted where the case names it (and never a rescue), and recorded: the
+last test checks that the matrix covered every path it is meant to. D is reached through a
+recording relay (tests/support/tap.py): a comparison that fails writes the proxy's bytes, the
+reference's and D's own next to the servers' logs.
 
 Two systems, on real vLLM (CPU build), each with its own colocated reference:
 - `shipped`: the proxy and the connector with their shipped defaults, vLLM's own defaults
@@ -16,7 +19,8 @@ Two systems, on real vLLM (CPU build), each with its own colocated reference:
   sets no sampling value);
 - `served`: the same model with a generation_config.json that sets default penalties
   (vLLM applies them where a request leaves the field out) and every server started with
-  --response-role.
+  --response-role, --enable-prompt-tokens-details, --enable-request-id-headers (the proxy too)
+  and a tool parser that adjusts chat requests (--tool-call-parser muse_glimmer).
 The references compute with the OpenMP thread count P and D have (vLLM reserves a core more
 for a server with a KV connector): then their logprobs agree with D's bit for bit on one
 box (measured here: 0 difference over the whole matrix); LOGPROB_TOL (0.01, two bf16 steps of
@@ -31,14 +35,16 @@ connector's). Neither is compared.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
 
 from tests.support import api_fidelity, e2e_cluster
+from tests.support.api_fidelity import comparable, diff, summary
 from tests.support.e2e_client import (
     LOGPROB_TOL,
     MODEL_DIR,
@@ -47,7 +53,10 @@ from tests.support.e2e_client import (
     parting_step,
     stream_answers,
     text_parting,
+    token_bytes,
+    with_token_ids,
 )
+from tests.support.tap import Tap
 from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
 
 pytestmark = pytest.mark.vllm
@@ -62,6 +71,11 @@ RESPONSE_ROLE = "narrator"
 POOLING_MODEL = "tiny-embed"  # the tiny model served with --runner pooling --convert embed (the served system)
 # The `served` model's generation config: penalties vLLM applies where a request leaves them out.
 GENERATION_DEFAULTS = {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_penalty": 1.1}
+# What else the served system's vLLM servers run with: the prompt-cache figures in usage, the request id
+# header, and a tool parser that adjusts a chat request whose tool_choice is not "none" (it keeps
+# special tokens: skip_special_tokens false).
+SERVED_ARGS = ["--enable-prompt-tokens-details", "--enable-request-id-headers", "--tool-call-parser", "muse_glimmer",
+               "--enable-auto-tool-choice"]
 
 # Paths the matrix must take through the proxy (x-xpyd-path, and "first_token" for
 # x-xpyd-first-token: prefill), and where each is seen.
@@ -75,29 +89,46 @@ WANTED_PATHS = {"disaggregated", "first_token", "prefill_alone", "local_short", 
 
 class System:
     def __init__(self, proxy: cluster.Server, prefill: cluster.Server, decode: cluster.Server,
-                 colocated: cluster.Server, pooling: cluster.Server | None = None) -> None:
+                 colocated: cluster.Server, pooling: cluster.Server | None = None, tap: Tap | None = None,
+                 log_dir: Path | None = None, sequential: cluster.Server | None = None) -> None:
         self.proxy, self.prefill, self.decode, self.colocated = proxy, prefill, decode, colocated
+        # The shipped dispatch (concurrent) gives an idle P's request D's first token; a second
+        # proxy on the same instances dispatches sequentially, so P's token path is exercised
+        # (the one a busy P's requests take under the default).
+        self.sequential = sequential or proxy
         self.pooling = pooling  # a static P of another model, served as an embedding model
+        self.tap = tap  # D's recording relay: the proxy reaches D through it
+        self.log_dir = log_dir
+        self.failures = 0
+        self.raw: dict[str, bytes] = {}  # the last answer's bytes from each url (call())
         self.client = httpx.Client(timeout=120)
 
     def servers(self) -> list[cluster.Server]:
-        return [self.proxy, self.prefill, self.decode, self.colocated] + ([self.pooling] if self.pooling else [])
+        return ([self.proxy, self.prefill, self.decode, self.colocated] + ([self.pooling] if self.pooling else [])
+                + ([self.sequential] if self.sequential is not self.proxy else []))
 
     def stop(self) -> None:
         self.client.close()
         for s in self.servers():
             s.stop()
+        if self.tap is not None:
+            self.tap.close()
 
 
 def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str] | None = None,
-           pooling: bool = False) -> System:
-    disc = e2e_cluster.free_port()
+           pooling: bool = False, proxy_args: list[str] | None = None) -> System:
+    discs = [e2e_cluster.free_port(), e2e_cluster.free_port()]
     pool_port = e2e_cluster.free_port()
     # The shipped defaults, but a request may ask D to zero its KV (the power test); with `pooling`,
-    # a static P serving the tiny model as an embedding model too.
-    proxy = cluster.start_proxy(e2e_cluster.free_port(), disc, log_dir, ["--forward-debug-params"] + (
-        ["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else []))
-    started = [proxy]
+    # a static P serving the tiny model as an embedding model too. The second proxy dispatches
+    # sequentially (System.sequential).
+    args = ["--forward-debug-params"] + (["--prefill", f"http://127.0.0.1:{pool_port}"] if pooling else []) + (
+        proxy_args or [])
+    proxy = cluster.start_proxy(e2e_cluster.free_port(), discs[0], log_dir, args)
+    sequential = cluster.start_proxy(e2e_cluster.free_port(), discs[1], log_dir, args + ["--dispatch", "sequential"],
+                                     name="proxy-sequential")
+    started = [proxy, sequential]
+    tap = None
     try:
         pool = None
         if pooling:
@@ -107,10 +138,14 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str]
             started.append(pool)
         servers = []
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
-            kv = cluster.kv_transfer_config(role, e2e_cluster.free_port_pair(), port := e2e_cluster.free_port(), disc)
+            kv = cluster.kv_transfer_config(role, e2e_cluster.free_port_pair(), port := e2e_cluster.free_port(), None,
+                                            proxies=[f"{cluster.HOST}:{d}" for d in discs], heartbeat_interval_s=1.0)
             kv.pop("kv_load_failure_policy")  # vLLM's default: fail
             if role == "kv_consumer":  # lets a request ask D to zero what it loads (the power test)
                 kv["kv_connector_extra_config"]["allow_debug_corruption"] = True
+                # D registers the relay's port as its own: the proxy's requests and D's answers pass it.
+                tap = Tap(port)
+                kv["kv_connector_extra_config"]["http_port"] = tap.port
             servers.append(cluster.start_vllm(name, port, log_dir, model=model, kv_config=kv, extra_args=vllm_args,
                                               env={**e2e_cluster.bind_env(None), **(env or {})}))
             started.append(servers[-1])
@@ -119,11 +154,14 @@ def _start(log_dir: Path, model: Path, vllm_args: list[str], env: dict[str, str]
                                        env={**e2e_cluster.bind_env(None), **REFERENCE_ENV, **(env or {})})
         started.append(colocated)
         cluster.wait_until(started, "/health", 600)
-        e2e_cluster.wait_instances(proxy, 1 + pooling, 1)
-        return System(proxy, servers[0], servers[1], colocated, pool)
+        for front in (proxy, sequential):
+            e2e_cluster.wait_instances(front, 1 + pooling, 1)
+        return System(proxy, servers[0], servers[1], colocated, pool, tap, log_dir, sequential)
     except BaseException:
         for s in started:
             s.stop()
+        if tap is not None:
+            tap.close()
         raise
 
 
@@ -147,8 +185,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, shipped: System):
     gen = json.loads(MODEL_DIR.joinpath("generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**gen, **GENERATION_DEFAULTS}))
     # Stored responses (vLLM's store is off by default) and the tokens-in generate route on too.
-    s = _start(tmp_path_factory.mktemp("fidelity-served"), model, ["--response-role", RESPONSE_ROLE, "--enable-scale-out"],
-               {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, pooling=True)
+    s = _start(tmp_path_factory.mktemp("fidelity-served"), model, ["--response-role", RESPONSE_ROLE, "--enable-scale-out",
+                                                                  *SERVED_ARGS],
+               {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}, pooling=True, proxy_args=["--enable-request-id-headers"])
     yield s
     s.stop()
 
@@ -156,14 +195,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, shipped: System):
 # ---------------------------------------------------------------- requests and comparison
 
 
-def call(s: System, url: str, path: str, body: Any, raw: bytes | None = None) -> tuple[int, dict, Any]:
+def call(s: System, url: str, path: str, body: Any, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict, Any]:
     """One request: (status, response headers, the JSON answer or, for a stream, its events
-    with [DONE] as the string)."""
+    with [DONE] as the string). The bytes as they came are kept in s.raw[url]."""
     content = raw if raw is not None else json.dumps(body).encode()
-    headers = {"content-type": "application/json"}
-    with s.client.stream("POST", url + path, content=content, headers=headers) as r:
+    with s.client.stream("POST", url + path, content=content,
+                         headers={"content-type": "application/json", **(headers or {})}) as r:
         data = r.read()
         status, head = r.status_code, dict(r.headers)
+    s.raw[url] = data
     if head.get("content-type", "").startswith("text/event-stream"):
         events = [ln[6:] for ln in data.decode().split("\n\n") if ln.startswith("data: ")]
         return status, head, [e if e == "[DONE]" else json.loads(e) for e in events]
@@ -171,117 +212,6 @@ def call(s: System, url: str, path: str, body: Any, raw: bytes | None = None) ->
         return status, head, json.loads(data)
     except ValueError:
         return status, head, data.decode(errors="replace")
-
-
-# Fields whose values are the server's own: compared by presence, not value.
-_OWN = frozenset({"id", "created", "created_at", "request_id", "previous_response_id", "system_fingerprint"})
-# Deliberate differences (see the module's text): not compared at all.
-_NOT_COMPARED = frozenset({"kv_transfer_params"})
-# Floats compared within LOGPROB_TOL (logprobs); everything else exactly.
-
-
-def _close(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= (LOGPROB_TOL or 0.0)
-    return a == b
-
-
-def diff(got: Any, want: Any, where: str = "") -> str | None:
-    """Where two answers (JSON values) differ, field by field: None when every field is
-    present in both with equal values (floats within LOGPROB_TOL; _OWN fields by presence)."""
-    if isinstance(want, dict):
-        if not isinstance(got, dict):
-            return f"{where}: {got!r} is not an object"
-        keys = (set(got) | set(want)) - _NOT_COMPARED
-        for k in sorted(keys):
-            if k not in got or k not in want:
-                return f"{where}.{k}: only in {'got' if k in got else 'want'}"
-            if k in _OWN:
-                if (got[k] is None) != (want[k] is None):
-                    return f"{where}.{k}: {got[k]!r} vs {want[k]!r}"
-                continue
-            if (d := diff(got[k], want[k], f"{where}.{k}")) is not None:
-                return d
-        return None
-    if isinstance(want, list):
-        if not isinstance(got, list) or len(got) != len(want):
-            return f"{where}: {len(got) if isinstance(got, list) else got!r} vs {len(want)} items"
-        for i, (g, w) in enumerate(zip(got, want)):
-            if (d := diff(g, w, f"{where}[{i}]")) is not None:
-                return d
-        return None
-    return None if _close(got, want) else f"{where}: {got!r} vs {want!r}"
-
-
-def _shape(value: Any, mapping: bool = False) -> Any:
-    """A JSON value's structure: its keys and the kinds of its values, recursively (the keys
-    of a completion's top_logprobs maps are tokens, data rather than fields)."""
-    if isinstance(value, dict):
-        if mapping:
-            return ("map", tuple(sorted({repr(_shape(v)) for v in value.values()})))
-        return tuple(sorted((k, _shape(v, k == "top_logprobs")) for k, v in value.items() if k not in _NOT_COMPARED))
-    if isinstance(value, list):
-        return ("list", tuple(sorted({repr(_shape(v, mapping)) for v in value})))
-    return None if value is None else type(value).__name__
-
-
-def _paths(value: Any, at: str = "", mapping: bool = False) -> set[tuple[str, str]]:
-    """A JSON value's leaves as (path, kind) pairs, lists and the token-keyed top_logprobs maps
-    folded: the union over events does not depend on how the events were grouped (a busy
-    server sends an echoed prompt and its first tokens as one event or as two)."""
-    if isinstance(value, dict):
-        out: set[tuple[str, str]] = {(at, "{}")}
-        for k, v in value.items():
-            if k not in _NOT_COMPARED:
-                out |= _paths(v, f"{at}.*" if mapping else f"{at}.{k}", k == "top_logprobs")
-        return out
-    if isinstance(value, list):
-        return set().union({(at, "[]")}, *(_paths(v, f"{at}[]", mapping) for v in value))
-    return {(at, "null" if value is None else type(value).__name__)}
-
-
-def summary(events: list, chat: bool) -> dict:
-    """A stream as what a client reads of it, independent of how the tokens were grouped
-    into events (a busy server's API process merges the outputs it has not sent yet, so the
-    count of events is not the server's to fix): per choice its text, logprobs, finish and
-    stop reasons; the usage of the last event that has one; the kinds of events (their
-    fields' shapes); the last event's fields (vLLM puts the fingerprint there); [DONE] last."""
-    choices: dict[int, dict[str, Any]] = {}
-    usage = None
-    for e in events[:-1]:
-        assert isinstance(e, dict), e
-        if e.get("usage") is not None:
-            usage = e["usage"]
-        for ch in e.get("choices") or ():
-            c = choices.setdefault(ch["index"], {"text": "", "logprobs": {}, "finish_reason": None,
-                                                  "stop_reason": None, "role": None})
-            delta = ch.get("delta") or {}
-            c["text"] += (delta.get("content") or "") if chat else (ch.get("text") or "")
-            c["role"] = c["role"] or delta.get("role")
-            for k, v in (ch.get("logprobs") or {}).items():
-                c["logprobs"][k] = c["logprobs"].get(k, []) + (v or [])
-            if ch.get("finish_reason") is not None:
-                c["finish_reason"], c["stop_reason"] = ch["finish_reason"], ch.get("stop_reason")
-    middle = [e for e in events[:-1]
-              if e.get("choices") and all(ch.get("finish_reason") is None for ch in e["choices"])]
-    ends = [e for e in events[:-1] if not any(e is m for m in middle)]
-    return {"choices": choices, "usage": usage,
-            # Events before any choice finished, and the rest (a finish, the usage event).
-            "kinds": {"middle": sorted(set().union(*(_paths(e) for e in middle))),
-                      "ends": sorted({repr(_shape(e)) for e in ends})},
-            "last": sorted(events[-2]) if len(events) > 1 and isinstance(events[-2], dict) else None,
-            "done": events[-1] if events else None}
-
-
-def comparable(got: dict, want: dict) -> tuple[dict, dict]:
-    """Two stream summaries as far as grouping leaves them comparable: a short answer that a
-    busy API process merged into its finishing event has no event before the finish (seen in
-    a CI-like run: two tokens and the stop in one event through D, two events colocated), so
-    the kinds of those events are compared only where both streams have some."""
-    if not got["kinds"]["middle"] or not want["kinds"]["middle"]:
-        got = {**got, "kinds": {**got["kinds"], "middle": None}}
-        want = {**want, "kinds": {**want["kinds"], "middle": None}}
-    return got, want
 
 
 def _parted_at_a_near_tie(got: dict[int, Answer], want: dict[int, Answer], s: System, path: str,
@@ -302,11 +232,12 @@ def _parted_at_a_near_tie(got: dict[int, Answer], want: dict[int, Answer], s: Sy
             continue
         chat = path.endswith("chat/completions")
         extra = {"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2}
-        status, _, ref = call(s, s.colocated.url, path, {**body, **extra, "stream": False})
+        status, _, ref = call(s, s.colocated.url, path, with_token_ids({**body, **extra, "stream": False}))
         if status != 200:
             return False
         ref_answer = answer_of(ref["choices"][i])
-        step, tie = text_parting(str(g), ref_answer)
+        skip = body.get("skip_special_tokens") is not False
+        step, tie = text_parting(str(g), ref_answer, token_bytes(skip))
         if step < len(ref_answer.tokens):
             if not tie:
                 return False
@@ -314,14 +245,64 @@ def _parted_at_a_near_tie(got: dict[int, Answer], want: dict[int, Answer], s: Sy
     return parted
 
 
-def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok: bool = True) -> dict:
+class Route(NamedTuple):
+    """The path a case is to take through the proxy: x-xpyd-path, and whether P's token starts
+    the answer (x-xpyd-first-token: prefill; True: unless P's token is part of a character, which
+    the proxy then counts as held back, and D answers)."""
+
+    path: str
+    first: bool = False
+
+
+SEQUENTIAL = Route("disaggregated")
+FIRST = Route("disaggregated", True)
+ALONE = Route("prefill_alone", True)
+
+
+def _held_back(front: cluster.Server) -> float:
+    """First tokens from P the proxy held back (part of a character), so far."""
+    text = cluster.http_get(front.url + "/metrics")[1].decode()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith('xpyd_first_token_to_decode_total{reason="held_back"}'))
+
+
+def _dump(s: System, what: str, why: str, got: bytes, want: bytes, d_bytes: list[tuple[bytes, bytes]]) -> str:
+    """The failing case's bytes next to the servers' logs: the proxy's answer, the reference's,
+    and what D was sent and answered meanwhile (its relay's record)."""
+    if s.log_dir is None:
+        return ""
+    s.failures += 1
+    out = s.log_dir / f"failure-{s.failures}.txt"
+    parts = [f"{what}\n{why}\n", "---- proxy\n", got.decode(errors="replace"),
+             "\n---- reference\n", want.decode(errors="replace")]
+    for n, (sent, answered) in enumerate(d_bytes):
+        parts += [f"\n---- D connection {n}: sent\n", sent.decode(errors="replace"),
+                  f"\n---- D connection {n}: answered\n", answered.decode(errors="replace")]
+    out.write_text("".join(parts))
+    return f" (bytes: {out})"
+
+
+def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok: bool = True,
+          route: Route | None = None, headers: dict[str, str] | None = None, sequential: bool = False) -> dict:
     """Send the request to the colocated server and through the proxy; assert the answers
-    are equal (see the module's text). Returns the proxy's response headers."""
-    want_status, _, want = call(s, s.colocated.url, path, body, raw)
-    got_status, head, got = call(s, s.proxy.url, path, body, raw)
+    are equal (see the module's text) and, with ``route``, that the proxy took that path; never a
+    rescue (D alone after a failed load: the equality could not show one). A route with P's token,
+    or ``sequential``, goes through the sequential proxy (System.sequential). Returns the proxy's
+    response headers."""
+    front = s.sequential if sequential or (route is not None and route.first) else s.proxy
+    want_status, _, want = call(s, s.colocated.url, path, body, raw, headers)
+    held = _held_back(front) if route is not None and route.first else 0.0
+    mark = s.tap.mark() if s.tap is not None else {}
+    got_status, head, got = call(s, front.url, path, body, raw, headers)
+    bytes_got, bytes_want = s.raw[front.url], s.raw[s.colocated.url]  # before a near tie's judge asks again
     _seen(head)
     what = f"{path} {json.dumps(body)[:300] if raw is None else raw[:80]!r} via {head.get(XPYD_PATH)}"
+    assert head.get(XPYD_PATH) != "local_rescue", f"{what}: rescued"
     assert got_status == want_status, f"{what}: status {got_status} vs {want_status}: {got!r:.400} / {want!r:.400}"
+    if route is not None:
+        taken = head.get(XPYD_PATH), head.get(XPYD_FIRST_TOKEN) == "prefill"
+        assert taken == tuple(route) or (route.first and taken == (route.path, False) and _held_back(front) > held), \
+            f"{what}: took {taken}, not {tuple(route)}"
     if want_status != 200:
         # vLLM's refusal: the same status, error type and parameter (the message may name a
         # request id or an address).
@@ -342,6 +323,8 @@ def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok:
             w = {c["index"]: answer_of(c) for c in want["choices"]}
         if _parted_at_a_near_tie(g, w, s, path, body):
             return head  # a legitimate near tie (see e2e_client.NEAR_TIE): nothing after it is comparable
+    if d is not None:
+        d += _dump(s, what, d, bytes_got, bytes_want, s.tap.since(mark) if s.tap is not None else [])
     assert d is None, f"{what}: {d}"
     return head
 
@@ -430,7 +413,8 @@ GREEDY = [
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
 @pytest.mark.parametrize("text", sorted(TEXTS))
 def test_completions_equal_colocated(shipped, text, stream, limits):
-    check(shipped, "/v1/completions", completion(long(TEXTS[text]), stream=stream, logprobs=2, **limits))
+    route = (ALONE if limits.get("max_tokens") == 1 else FIRST) if stream else SEQUENTIAL
+    check(shipped, "/v1/completions", completion(long(TEXTS[text]), stream=stream, logprobs=2, **limits), route=route)
 
 
 @pytest.mark.parametrize("limits", [pytest.param({"max_tokens": 1}, id="max1"),
@@ -440,27 +424,39 @@ def test_completions_equal_colocated(shipped, text, stream, limits):
 @pytest.mark.parametrize("text", sorted(TEXTS))
 def test_chat_equal_colocated(shipped, text, stream, limits):
     body = chat(long(TEXTS[text], 700), system="You answer in one short sentence.", stream=stream, **limits)
-    check(shipped, "/v1/chat/completions", body)
+    route = (ALONE if limits.get("max_tokens") == 1 else FIRST) if stream else SEQUENTIAL
+    check(shipped, "/v1/chat/completions", body, route=route)
 
 
 _FITTED: dict[int, str] = {}
 
 
+def _chat_prompt_tokens(s: System, content: str) -> int:
+    """The rendered prompt's length of chat(content), as the reference's /tokenize counts it
+    (no prefill: a prompt over the context costs nothing to measure)."""
+    r = s.client.post(s.colocated.url + "/tokenize", json={"model": MODEL, "messages": chat(content)["messages"]})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
 def fitted(s: System, left: int) -> dict:
-    """A chat request without a limit whose rendered prompt leaves about ``left`` tokens of
-    the context (found once per ``left``: each try prefills ~4k tokens)."""
-    body = chat(long(TEXTS["ascii"], CONTEXT * 4))
+    """A chat request without a limit whose rendered prompt leaves ``left`` tokens of the context
+    (or up to 2 more): the longest cut of a long text that fits, found by bisection on its length
+    in characters (once per ``left``) and checked against the reference's usage."""
+    body = chat(long(TEXTS["ascii"], CONTEXT * 8))
     if left not in _FITTED:
         content = body["messages"][-1]["content"]
-        for _ in range(8):
-            _, _, data = call(s, s.colocated.url, "/v1/chat/completions",
-                              {**chat(content), "max_tokens": 1, "stream": False})
-            prompt = data["usage"]["prompt_tokens"] if "usage" in data else CONTEXT * 2
-            over = prompt - (CONTEXT - left)
-            if 0 <= -over <= 2:
+        want = CONTEXT - left
+        lo, hi = 1, len(content)  # tokens(content[:lo]) <= want < tokens(content[:hi])
+        assert _chat_prompt_tokens(s, content) > want
+        for _ in range(40):
+            if hi - lo <= 1:
                 break
-            content = content[: max(1, len(content) - (over + 1) * len(content) // prompt)]
-        _FITTED[left] = content
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if _chat_prompt_tokens(s, content[:mid]) <= want else (lo, mid)
+        _FITTED[left] = content[:lo]
+        _, _, data = call(s, s.colocated.url, "/v1/chat/completions", {**chat(content[:lo]), "max_tokens": 1})
+        assert want - 2 <= data["usage"]["prompt_tokens"] <= want, (data["usage"], want)
     body["messages"][-1]["content"] = _FITTED[left]
     return body
 
@@ -468,8 +464,27 @@ def fitted(s: System, left: int) -> dict:
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
 def test_chat_without_a_limit_runs_to_the_context_end(shipped, stream):
     """No limit: the answer ends at EOS or the context (D's continuation gets what is left
-    of it after P's prompt and token)."""
-    check(shipped, "/v1/chat/completions", {**fitted(shipped, 20), "stream": stream})
+    of it after P's prompt and token): the prompt leaves 20 tokens (or up to 22)."""
+    body = fitted(shipped, 20)
+    assert CONTEXT - 22 <= _chat_prompt_tokens(shipped, body["messages"][-1]["content"]) <= CONTEXT - 20
+    check(shipped, "/v1/chat/completions", {**body, "stream": stream}, route=FIRST if stream else SEQUENTIAL)
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_a_long_answer_to_the_context_end(shipped, kind):
+    """~800 tokens streamed to the context's end (issue 48: a loaded proxy read D's stream 64 KiB and
+    more at a time, and the event such a read ended inside went out unrewritten: a text offset not
+    moved past P's token, a chat chunk left a completion and its text lost). The completion is the
+    chat's rendered prompt as token ids, with logprobs: a KV difference shows as a logprob off."""
+    body = {**fitted(shipped, 800), "stream": True}
+    if kind == "chat":
+        check(shipped, "/v1/chat/completions", body, route=FIRST)
+        return
+    _, _, data = call(shipped, shipped.colocated.url, "/v1/chat/completions",
+                      {**body, "stream": False, "max_tokens": 1, "return_token_ids": True})
+    ids = data["prompt_token_ids"]
+    check(shipped, "/v1/completions", completion(ids, max_tokens=CONTEXT - len(ids), logprobs=2, stream=True),
+          route=FIRST)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
@@ -480,45 +495,54 @@ def test_first_token_that_is_part_of_a_character(shipped, partial_prompts, kind,
     the answer. Streamed, the proxy now leaves it to D's first token."""
     for limit in (6, 1):
         if kind == "completions":
-            head = check(shipped, "/v1/completions", completion(partial_prompts[kind], max_tokens=limit, stream=stream))
+            head = check(shipped, "/v1/completions", completion(partial_prompts[kind], max_tokens=limit, stream=stream),
+                         sequential=True)
         else:
             head = check(shipped, "/v1/chat/completions", continuing(partial_prompts[kind], max_tokens=limit,
-                                                                      stream=stream))
+                                                                      stream=stream), sequential=True)
         if stream and limit > 1:
             assert head.get(XPYD_FIRST_TOKEN) is None and head[XPYD_PATH] == "disaggregated"
             SEEN["first_token_to_decode"] += 1
 
 
+# Each with whether a stream of it may start with P's token (first_token.eligible).
 SAMPLING = [
-    pytest.param({"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 1234}, id="seeded"),
-    pytest.param({"presence_penalty": 0.7}, id="presence"),
-    pytest.param({"frequency_penalty": 0.5}, id="frequency"),
-    pytest.param({"repetition_penalty": 1.3}, id="repetition"),
-    pytest.param({"min_tokens": 6, "max_tokens": 8}, id="min-tokens"),
-    pytest.param({"ignore_eos": True, "max_tokens": 12}, id="ignore-eos"),
-    pytest.param({"n": 2, "max_tokens": 5}, id="n2"),
-    pytest.param({"skip_special_tokens": False}, id="special-tokens"),
-    pytest.param({"logit_bias": {"100": 5.0}}, id="logit-bias"),
+    pytest.param({"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 1234}, False, id="seeded"),
+    pytest.param({"presence_penalty": 0.7}, False, id="presence"),
+    pytest.param({"frequency_penalty": 0.5}, False, id="frequency"),
+    pytest.param({"repetition_penalty": 1.3}, True, id="repetition"),
+    pytest.param({"min_tokens": 6, "max_tokens": 8}, True, id="min-tokens"),
+    pytest.param({"ignore_eos": True, "max_tokens": 12}, True, id="ignore-eos"),
+    pytest.param({"n": 2, "max_tokens": 5}, False, id="n2"),
+    pytest.param({"skip_special_tokens": False}, True, id="special-tokens"),
+    pytest.param({"logit_bias": {"100": 5.0}}, True, id="logit-bias"),
 ]
 
 
-# Streams only (vLLM refuses stream_options otherwise: compared among the refusals).
+# Streams only (vLLM refuses stream_options otherwise: compared among the refusals). Values vLLM's
+# model reads as true (1, "yes", "true": pydantic's bool in lax mode) are true to the proxy too.
 USAGE = [
-    pytest.param({"stream_options": {"include_usage": True}}, id="usage"),
-    pytest.param({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, id="usage-continuous"),
+    pytest.param({"stream_options": {"include_usage": True}}, True, id="usage"),
+    pytest.param({"stream_options": {"include_usage": True, "continuous_usage_stats": True}}, True,
+                 id="usage-continuous"),
+    pytest.param({"stream_options": {"include_usage": 1}, "max_tokens": 1}, True, id="usage-coerced-one-token"),
+    pytest.param({"stream_options": {"include_usage": "yes", "continuous_usage_stats": "true"}}, True,
+                 id="usage-coerced-continuous"),
 ]
 
 
-@pytest.mark.parametrize("fields, stream", [pytest.param(p.values[0], s, id=f"{p.id}-{'sse' if s else 'json'}")
-                                            for p in SAMPLING for s in (True, False)]
-                         + [pytest.param(p.values[0], True, id=f"{p.id}-sse") for p in USAGE])
+@pytest.mark.parametrize("fields, stream, first",
+                         [pytest.param(p.values[0], s, p.values[1], id=f"{p.id}-{'sse' if s else 'json'}")
+                          for p in SAMPLING for s in (True, False)]
+                         + [pytest.param(*p.values[:1], True, p.values[1], id=f"{p.id}-sse") for p in USAGE])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-def test_sampling_fields_equal_colocated(shipped, kind, stream, fields):
+def test_sampling_fields_equal_colocated(shipped, kind, stream, first, fields):
     fields = {"max_tokens": 10, **fields, "stream": stream}
+    route = (ALONE if fields["max_tokens"] == 1 else FIRST) if stream and first else SEQUENTIAL
     if kind == "completions":
-        check(shipped, "/v1/completions", completion(long(TEXTS["ascii"]), **fields))
+        check(shipped, "/v1/completions", completion(long(TEXTS["ascii"]), **fields), route=route)
     else:
-        check(shipped, "/v1/chat/completions", chat(long(TEXTS["emoji"], 700), **fields))
+        check(shipped, "/v1/chat/completions", chat(long(TEXTS["emoji"], 700), **fields), route=route)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -532,9 +556,10 @@ def test_stop_string_that_spans_ps_token_and_ds_first(shipped, stream, include):
     stop = tokens[0][-1:] + tokens[1][:2]
     assert stop.strip(), tokens
     check(shipped, "/v1/completions", completion(prompt, max_tokens=8, stop=[stop], stream=stream,
-                                                 include_stop_str_in_output=include))
+                                                 include_stop_str_in_output=include), route=SEQUENTIAL)
     _, tid = _first_token_of(shipped, "/v1/completions", completion(prompt))
-    check(shipped, "/v1/completions", completion(prompt, max_tokens=8, stop_token_ids=[tid], stream=stream))
+    check(shipped, "/v1/completions", completion(prompt, max_tokens=8, stop_token_ids=[tid], stream=stream),
+          route=FIRST if stream else SEQUENTIAL)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
@@ -542,25 +567,30 @@ def test_echo_and_prompt_scoring(shipped, stream):
     """echo, and how eval harnesses score a prompt (echo, logprobs, max_tokens 0): the proxy
     answered its own 400 for max_tokens 0; vLLM answers the prompt with its logprobs."""
     prompt = long(TEXTS["cjk"], 600)
-    check(shipped, "/v1/completions", completion(prompt, echo=True, max_tokens=4, stream=stream))
-    head = check(shipped, "/v1/completions", completion(prompt, echo=True, logprobs=1, max_tokens=4, stream=stream))
-    assert head[XPYD_PATH] == "local_prompt_logprobs"
+    check(shipped, "/v1/completions", completion(prompt, echo=True, max_tokens=4, stream=stream), route=SEQUENTIAL)
+    scoring = Route("local_prompt_logprobs")
+    check(shipped, "/v1/completions", completion(prompt, echo=True, logprobs=1, max_tokens=4, stream=stream),
+          route=scoring)
+    # echo as vLLM's model reads a bool (1 is true): the prompt's logprobs too
+    check(shipped, "/v1/completions", completion(prompt, echo=1, logprobs=1, max_tokens=4, stream=stream),
+          route=scoring)
     if not stream:
-        head = check(shipped, "/v1/completions", completion(prompt, echo=True, logprobs=1, max_tokens=0))
-        assert head[XPYD_PATH] == "local_prompt_logprobs"
-    check(shipped, "/v1/completions", completion(prompt, prompt_logprobs=1, max_tokens=3, stream=stream))
+        check(shipped, "/v1/completions", completion(prompt, echo=True, logprobs=1, max_tokens=0), route=scoring)
+    check(shipped, "/v1/completions", completion(prompt, prompt_logprobs=1, max_tokens=3, stream=stream),
+          route=scoring)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
 def test_batch_and_token_id_prompts(shipped, stream):
     a, b = long(TEXTS["ascii"]), long(TEXTS["combining"])
-    check(shipped, "/v1/completions", completion([a, b], max_tokens=5, stream=stream))
+    check(shipped, "/v1/completions", completion([a, b], max_tokens=5, stream=stream), route=SEQUENTIAL)
     _, _, data = call(shipped, shipped.colocated.url, "/v1/completions",
                       completion(b, max_tokens=1, return_token_ids=True))
     ids = data["choices"][0]["prompt_token_ids"]
-    check(shipped, "/v1/completions", completion(ids, max_tokens=7, logprobs=1, stream=stream))
+    check(shipped, "/v1/completions", completion(ids, max_tokens=7, logprobs=1, stream=stream),
+          route=FIRST if stream else SEQUENTIAL)
     check(shipped, "/v1/completions", completion(ids, max_tokens=7, stream=stream, return_tokens_as_token_ids=True,
-                                                 logprobs=1))
+                                                 logprobs=1), route=SEQUENTIAL)
 
 
 @pytest.mark.parametrize("fmt", [pytest.param({"type": "json_object"}, id="json_object"),
@@ -568,7 +598,8 @@ def test_batch_and_token_id_prompts(shipped, stream):
                                      "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
                                                              "required": ["a"]}}}, id="json_schema")])
 def test_structured_output(shipped, fmt):
-    check(shipped, "/v1/chat/completions", chat(long(TEXTS["ascii"], 600), response_format=fmt, max_tokens=12))
+    check(shipped, "/v1/chat/completions", chat(long(TEXTS["ascii"], 600), response_format=fmt, max_tokens=12),
+          route=SEQUENTIAL)
 
 
 def test_a_chat_with_history(shipped):
@@ -576,16 +607,16 @@ def test_a_chat_with_history(shipped):
                 {"role": "assistant", "content": "好的。"}, {"role": "user", "content": long(TEXTS["emoji"], 500)}]
     for stream in (True, False):
         check(shipped, "/v1/chat/completions", {"model": MODEL, "messages": messages, "temperature": 0,
-                                                "max_tokens": 8, "stream": stream})
+                                                "max_tokens": 8, "stream": stream}, route=FIRST if stream else SEQUENTIAL)
     check(shipped, "/v1/chat/completions", {"model": MODEL, "messages": messages[:-1], "temperature": 0,
                                             "max_tokens": 8, "stream": True, "add_generation_prompt": False,
-                                            "continue_final_message": True})
+                                            "continue_final_message": True}, route=FIRST)
 
 
 def test_short_prompts_are_answered_by_d_alone_and_equal(shipped):
     for stream in (True, False):
-        head = check(shipped, "/v1/completions", completion("Hi there 👋", max_tokens=6, logprobs=2, stream=stream))
-        assert head[XPYD_PATH] == "local_short"
+        check(shipped, "/v1/completions", completion("Hi there 👋", max_tokens=6, logprobs=2, stream=stream),
+              route=Route("local_short"))
 
 
 REFUSALS = [
@@ -610,12 +641,46 @@ REFUSALS = [
     ("/v1/chat/completions", chat("x" * 600, max_completion_tokens=0, stream=True)),
     ("/v1/chat/completions", chat("x" * 600, stream=True, chat_template="{{ 'INJECTED' }}")),
     ("/v1/chat/completions", chat("x" * 600, stream=True, chat_template_kwargs={"chat_template": "{{ 'X' }}"})),
+    # A prompt over the context cut to it (-1) with no limit left for the answer: vLLM's 400 (P, asked for
+    # one token, cut one more and answered).
+    ("/v1/chat/completions", chat("hi " * 5000, stream=True, truncate_prompt_tokens=-1)),
+    ("/v1/completions", completion("hi " * 5000, stream=True, truncate_prompt_tokens=-1, max_tokens=None)),
+    ("/v1/completions", completion("x" * 600, stream=True, stream_options={"include_usage": "maybe"})),
 ]
 
 
 @pytest.mark.parametrize("path, body", REFUSALS, ids=[f"{i}" for i in range(len(REFUSALS))])
 def test_what_vllm_refuses_is_refused_the_same_way(shipped, path, body):
     check(shipped, path, body, tied_ok=False)
+
+
+def test_a_prompt_over_the_context_cut_to_it_with_a_limit(shipped):
+    """truncate_prompt_tokens -1 with a limit: vLLM keeps the context less one, as P does: P's
+    token may start the answer."""
+    for body in (chat("hi " * 5000, stream=True, truncate_prompt_tokens=-1, max_tokens=3),
+                 completion("hi " * 5000, stream=True, truncate_prompt_tokens=-1, max_tokens=3)):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        check(shipped, path, body, route=FIRST)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+@pytest.mark.parametrize("given", ["header", "body", "neither"])
+def test_the_answer_is_named_as_vllm_names_it(shipped, stream, given):
+    """The client's own id (X-Request-Id, else the body's request_id) names the answer, else an id of
+    vLLM 0.32's shape (16 hex); no X-Request-Id header (vLLM sends one only when told to)."""
+    headers = {"X-Request-Id": "client-id-1"} if given == "header" else {}
+    extra = {"request_id": "client-id-1"} if given == "body" else {}
+    for path, body in (("/v1/completions", completion(long(TEXTS["cjk"]), max_tokens=4, stream=stream, **extra)),
+                       ("/v1/chat/completions", chat(long(TEXTS["cjk"]), max_tokens=4, stream=stream, **extra))):
+        check(shipped, path, body, headers=headers, route=FIRST if stream else SEQUENTIAL)
+        prefix = "chatcmpl-" if "messages" in body else "cmpl-"
+        named = prefix + "client-id-1" if given != "neither" else None
+        for url in (shipped.colocated.url, shipped.proxy.url):
+            status, head, got = call(shipped, url, path, body, headers=headers)
+            ids = {e["id"] for e in got[:-1]} if stream else {got["id"]}
+            assert (ids == {named}) if named else (len(ids) == 1 and re.fullmatch(prefix + "[0-9a-f]{16}", ids.pop())), \
+                (url, ids)
+            assert "x-request-id" not in head, (url, head)
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2]"])
@@ -627,7 +692,7 @@ def test_bodies_the_proxy_cannot_read_get_vllms_own_answer(shipped, raw):
 def test_prompt_one_token_short_of_the_context(shipped):
     """The answer has room for one token: vLLM gives it, with finish_reason length (D got
     max_tokens 0 and refused it, as an error event after P's token)."""
-    check(shipped, "/v1/chat/completions", {**fitted(shipped, 1), "stream": True, "max_tokens": 5})
+    check(shipped, "/v1/chat/completions", {**fitted(shipped, 1), "stream": True, "max_tokens": 5}, route=FIRST)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
@@ -799,9 +864,10 @@ def test_power_corrupted_kv_is_caught_on_the_other_routes(shipped, path):
 def test_no_load_failed_and_nothing_was_rescued(shipped):
     """Every disaggregated answer above loaded P's KV (vLLM's default policy fails a lost
     load: the proxy would have rescued it with D alone, which the equality cannot show)."""
-    text = cluster.http_get(shipped.proxy.url + "/metrics")[1].decode()
-    rescued = [ln for ln in text.splitlines() if ln.startswith('xpyd_dispatch_total{path="local_rescue"}')]
-    assert not rescued or float(rescued[0].rsplit(" ", 1)[1]) == 0, rescued
+    for front in (shipped.proxy, shipped.sequential):
+        text = cluster.http_get(front.url + "/metrics")[1].decode()
+        rescued = [ln for ln in text.splitlines() if ln.startswith('xpyd_dispatch_total{path="local_rescue"}')]
+        assert not rescued or float(rescued[0].rsplit(" ", 1)[1]) == 0, (front.name, rescued)
     assert "kv load failed" not in shipped.decode.log()
 
 
@@ -813,22 +879,66 @@ def test_servers_default_penalties_and_response_role(served, kind):
     """vLLM applies the generation config's penalties where a request leaves them out;
     counted over generated tokens, they would come out different if D saw P's token as
     prompt (4 vs 3 in a direct check): D's connector advertises them, and such requests keep
-    D's first token. The chat role is the server's --response-role."""
+    D's first token; a request that sets them itself may start with P's token. Chat never does
+    here: this system's tool parser reads every chat answer. The chat role is the server's
+    --response-role."""
     for fields in ({}, {"presence_penalty": 0, "frequency_penalty": 0}, {"max_tokens": 1}):
         body = {"max_tokens": 12, "stream": True, **fields}
         if kind == "completions":
-            head = check(served, "/v1/completions", completion(long(TEXTS["ascii"]), **body))
+            check(served, "/v1/completions", completion(long(TEXTS["ascii"]), **body),
+                  route=FIRST if "presence_penalty" in fields else SEQUENTIAL)
         else:
-            head = check(served, "/v1/chat/completions", chat(long(TEXTS["ascii"], 700), **body))
-        if not fields:  # the server's penalties apply: D's first token
-            assert head.get(XPYD_FIRST_TOKEN) is None, head
-        elif "presence_penalty" in fields:  # the request's own values win: P's token may start it
-            assert head.get(XPYD_FIRST_TOKEN) == "prefill" or _held_back(served), head
+            check(served, "/v1/chat/completions", chat(long(TEXTS["ascii"], 700), **body), route=SEQUENTIAL)
     if kind == "chat":
         _, _, events = call(served, served.proxy.url, "/v1/chat/completions",
                             chat(long(TEXTS["cjk"], 700), max_tokens=3, stream=True, presence_penalty=0,
                                  frequency_penalty=0))
         assert events[0]["choices"][0]["delta"]["role"] == RESPONSE_ROLE
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_prompt_cache_figures_are_one_servers(served, kind, stream):
+    """--enable-prompt-tokens-details: D counts the KV it loaded as cached; the answer reports what
+    one server that computed the prompt reports (P's figures): cold, then warm for the same prompt."""
+    text = f"[{kind} {stream}] " + long(TEXTS["combining"], 1500)
+    fields = {"max_tokens": 4, "stream": stream, "presence_penalty": 0, "frequency_penalty": 0,
+              **({"stream_options": {"include_usage": True}} if stream else {})}
+    for _ in range(2):  # chat keeps D's first token here (the tool parser): its rewrite of D's answer is tested
+        if kind == "completions":
+            check(served, "/v1/completions", completion(text, **fields), route=FIRST if stream else SEQUENTIAL)
+        else:
+            check(served, "/v1/chat/completions", chat(text, **fields), route=SEQUENTIAL)
+    _, _, data = call(served, served.proxy.url, "/v1/completions" if kind == "completions" else "/v1/chat/completions",
+                      {**(completion(text) if kind == "completions" else chat(text)), "max_tokens": 1})
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the second time: warm
+
+
+@pytest.mark.parametrize("tool_choice", [None, "none", "absent"])
+def test_a_tool_parser_keeps_chat_on_ds_first_token(served, tool_choice):
+    """The served system's tool parser (muse_glimmer) reads every chat answer (vLLM streams it through
+    the parser: an empty last delta is written {}), and keeps special tokens in one whose tool_choice is
+    not "none" (null included): such answers are D's whole (its completion would answer otherwise).
+    Here the answer is the begin-of-sequence token, again and again (a logit bias)."""
+    body = chat(long(TEXTS["ascii"], 700), max_tokens=5, stream=True, presence_penalty=0, frequency_penalty=0,
+                logit_bias={"1": 100})
+    if tool_choice != "absent":
+        body["tool_choice"] = tool_choice
+    check(served, "/v1/chat/completions", body, route=SEQUENTIAL)
+    if tool_choice is None:  # the parser kept the special tokens (the stream's deltas are the parser's)
+        whole = call(served, served.colocated.url, "/v1/chat/completions", {**body, "stream": False})[2]
+        assert "<s>" in whole["choices"][0]["message"]["content"], whole
+
+
+def test_request_id_headers_where_vllm_sends_them(served):
+    """Started with --enable-request-id-headers (vLLM and the proxy alike): X-Request-Id on every
+    answer, the client's own when it sent one."""
+    body = completion(long(TEXTS["emoji"]), max_tokens=3, presence_penalty=0, frequency_penalty=0)
+    for headers in ({"X-Request-Id": "mine-7"}, {}):
+        heads = [call(served, url, "/v1/completions", body, headers=headers)[1] for url in (served.colocated.url,
+                                                                                           served.proxy.url)]
+        for head in heads:
+            assert head["x-request-id"] == "mine-7" if headers else re.fullmatch("[0-9a-f]{32}", head["x-request-id"])
 
 
 def test_stored_responses_and_follow_ups_equal_colocated(served):
@@ -847,6 +957,7 @@ def test_stored_responses_and_follow_ups_equal_colocated(served):
                                                       "previous_response_id": m.json()["id"]})
                   for url, m in zip(urls, made)]
         assert follow[1][0] == follow[0][0] == 200 and follow[1][1][XPYD_PATH] == "local_stored"
+        _seen(follow[1][1])
         got, want = follow[1][2], follow[0][2]
         if not stream:
             assert got["previous_response_id"] == made[1].json()["id"]
@@ -886,13 +997,6 @@ def test_pooling_and_scoring_through_the_proxy_equal_the_pooling_server(served):
         got = httpx.post(served.proxy.url + path, json=body, timeout=60)
         assert got.status_code == want.status_code, (path, got.text[:300], want.text[:300])
         assert diff(got.json(), want.json()) is None, path
-
-
-def _held_back(s: System) -> bool:
-    """The proxy counted a first token from P held back (part of a character)."""
-    text = cluster.http_get(s.proxy.url + "/metrics")[1].decode()
-    return any(ln.startswith('xpyd_first_token_to_decode_total{reason="held_back"}') and not ln.endswith(" 0.0")
-               for ln in text.splitlines())
 
 
 def test_every_path_was_taken(request: pytest.FixtureRequest):

@@ -36,6 +36,7 @@ from tests.support.e2e_client import (
     metric,
     poll,
     text_parting,
+    with_token_ids,
     with_logprobs,
 )
 from tests.support.e2e_cluster import E2ECluster
@@ -483,7 +484,7 @@ def test_first_token_from_prefill_chat_equals_colocated(sys_: E2ECluster, first_
     as the client's request counts it."""
     prompt = first_token_prompt(sys_, tokenizer, "chat", n_tokens, seed=n_tokens * 10 + 9)
     body = {**body_for("chat", prompt, True), "stream_options": {"include_usage": True}}
-    want, want_last = generate(sys_.colocated.url, "chat", body)  # with logprobs: the near-tie judge
+    want, want_last = generate(sys_.colocated.url, "chat", with_token_ids(body))  # with logprobs: the near-tie judge
     mark = log_mark(sys_)
     got, chunks = chat_text(first_token_proxy.url, body)
     step, near_tie = text_parting(got, want)
@@ -521,7 +522,7 @@ def test_first_token_from_prefill_chat_without_a_limit_equals_colocated(sys_: E2
     assert 4 <= left <= 40, left
     body = {k: v for k, v in body_for("chat", content, True).items() if k != "max_tokens"}
     body["stream_options"] = {"include_usage": True}
-    want, want_last = generate(sys_.colocated.url, "chat", body)
+    want, want_last = generate(sys_.colocated.url, "chat", with_token_ids(body))
     assert want_last["usage"]["completion_tokens"] == left  # the context's end, not EOS: the limit is tested
     headers: dict = {}
     mark = log_mark(sys_)
@@ -538,7 +539,7 @@ def test_first_token_from_prefill_chat_power_corrupted_kv_changes_output(sys_: E
                                                                           tokenizer):
     prompt = first_token_prompt(sys_, tokenizer, "chat", 3 * BLOCK, seed=4713)
     body = body_for("chat", prompt, True)
-    want, _ = generate(sys_.colocated.url, "chat", body)
+    want, _ = generate(sys_.colocated.url, "chat", with_token_ids(body))
     got, _ = chat_text(first_token_proxy.url, {**body, "kv_transfer_params": {"xpyd_debug_corrupt_kv": True}})
     step, near_tie = text_parting(got, want)
     assert 1 <= step < len(want.tokens) and not near_tie, f"step {step}: got {got!r}, want {str(want)!r}"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -84,6 +86,12 @@ def with_logprobs(endpoint: str, body: dict) -> dict:
     return {"logprobs": True, "top_logprobs": TOP_LOGPROBS, **body}
 
 
+def with_token_ids(body: dict) -> dict:
+    """The body asking for the logprobs' tokens as ids ("token_id:N"), for the reference that
+    text_parting judges by: a token's string is "" where it is part of a character."""
+    return {**body, "return_tokens_as_token_ids": True}
+
+
 def choice_steps(choice: dict) -> list[tuple[str, dict[str, float]]]:
     """(token, top logprobs) for each step in one choice (or one streamed chunk's choice)."""
     lp = choice.get("logprobs") or {}
@@ -156,24 +164,64 @@ def assert_same_greedy(got: Answer, want: Answer, tol: float | None = None) -> i
     return step
 
 
-def text_parting(got: str, want: Answer) -> tuple[int, bool]:
-    """For an answer without logprobs (``got``: its text) against one with them: the step
-    where got's text leaves want's tokens (len(want.tokens) when it never does), and
-    whether that step is a near tie in want's own logprobs (the only side that has them).
-    A got that is want's text and more parts at the end, and is no near tie."""
+TOKEN_ID = "token_id:"  # how vLLM spells a logprob's token with return_tokens_as_token_ids
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's bytes_to_unicode) read back: each char to its byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+@functools.cache
+def token_bytes(skip_special_tokens: bool = True) -> Callable[[list[int]], bytes]:
+    """Token ids to the bytes of the text vLLM's detokenizer writes, with the tiny model's tokenizer
+    (byte-level BPE: each token is bytes; special tokens are left out unless asked for)."""
+    tokenizer = load_tokenizer()
+    special, alphabet = set(tokenizer.all_special_ids), _byte_of_char()
+
+    def one(i: int) -> bytes:
+        tok = tokenizer.convert_ids_to_tokens(i)
+        if i in special or tok in tokenizer.get_added_vocab():
+            return b"" if skip_special_tokens else tok.encode()
+        return bytes(alphabet[c] for c in tok)
+
+    return lambda ids: b"".join(map(one, ids))
+
+
+def token_ids(want: Answer) -> list[int]:
+    """The token ids of an answer asked with return_tokens_as_token_ids (with_logprobs)."""
+    assert all(t.startswith(TOKEN_ID) for t in want.tokens), "ask the reference with with_token_ids()"
+    return [int(t[len(TOKEN_ID):]) for t in want.tokens]
+
+
+def text_parting(got: str, want: Answer, to_bytes: Callable[[list[int]], bytes] | None = None) -> tuple[int, bool]:
+    """For an answer without logprobs (``got``: its text) against one with them, their tokens as
+    ids (``want``, asked with_token_ids): the step where got's text leaves want's tokens (len(want.tokens)
+    when it never does), and whether that step is a near tie in want's own logprobs (the only side
+    that has them). The texts are compared as bytes, each step's being its token's (``to_bytes``:
+    the tiny model's tokenizer): a token that is part of a character adds its bytes where its
+    logprob string is "" (adding strings up found the step too late, or never, in an answer with
+    such tokens). A got that is want's text and more parts at the end, and is no near tie."""
+    ids = token_ids(want)
     if got == str(want):
-        return len(want.tokens), False
-    # A token's logprob string may differ from what it adds to the text (part of a
-    # character: "" there, U+FFFD in the text), so find where the texts part and the
-    # token whose span holds that character.
-    c = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    at = 0
-    for i, (tok, top) in enumerate(zip(want.tokens, want.top)):
-        at += len(tok)
-        if at > c:
+        return len(ids), False
+    to_bytes = to_bytes or token_bytes()
+    have, seen = got.encode(), b""
+    for i, tid in enumerate(ids):
+        seen += to_bytes([tid])
+        if not have.startswith(seen):
+            top, tok = want.top[i], want.tokens[i]
             runner_up = max((lp for t, lp in top.items() if t != tok), default=float("-inf"))
             return i, top[tok] - runner_up < NEAR_TIE
-    return len(want.tokens) - 1, False  # got's text is longer or shorter at the very end
+    return len(ids) - 1, False  # got's text is longer at the very end
 
 
 def assert_greedy_differs(got: Answer, want: Answer) -> None:

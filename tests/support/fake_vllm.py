@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -23,12 +24,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httptools
+import pydantic
 import zmq
 import zmq.asyncio
 
 from tests.support import fake_apis, fake_lora
 from xpyd_wire.discovery import GenerationDefaults, Load, OutputLimits, Registration, encode
 from xpyd_wire.kv_events import EventsEndpoint
+
+# How vLLM's request models read a bool field (pydantic in lax mode: 1, "yes", "TRUE" are true).
+_LAX_BOOL = pydantic.TypeAdapter(bool | None)
 
 
 @dataclass
@@ -120,10 +125,18 @@ FIRST_TOKEN_ID = 900  # the fake's i-th generated token has id FIRST_TOKEN_ID + 
 def prompt_token_ids(prompt: Any) -> list[int]:
     """The fake's tokenizer: a text prompt is one id per character; token ids are themselves."""
     if isinstance(prompt, str):
-        return [ord(c) % 800 for c in prompt]
+        return list(_text_ids(prompt))
     if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
         return list(prompt)
     return []
+
+
+@functools.lru_cache(maxsize=64)
+def _text_ids(text: str) -> tuple[int, ...]:
+    """Remembered: a benchmark sends one prompt again and again, and tokenizing a 4k-character one
+    in Python twice a request (ids and usage) took 2 x ~0.36 ms of the cores the proxy measured
+    beside it shares (scripts/bench_proxy.py, issue 49); a vLLM tokenizes in its own process."""
+    return tuple(ord(c) % 800 for c in text)
 
 
 def prompt_tokens(chat: bool, body: dict) -> int:
@@ -294,6 +307,9 @@ class FakeVLLM:
         # answers for a one-token answer whose token is part of a character (it holds it back).
         self.first_text: str | None = None
         self.role_name = "assistant"  # a chat answer's role (vLLM's --response-role)
+        # vLLM's --enable-prompt-tokens-details: the (cached, created) prompt-cache figures it reports
+        # in usage.prompt_tokens_details (chat alone reports created); None: off, null there.
+        self.prompt_details: tuple[int, int] | None = None
         # Status /health and /v1/models answer with (tests flip these: unhealthy, no models).
         self.health_status = 200
         self.models_status = 200
@@ -620,6 +636,10 @@ class FakeVLLM:
         prompt = prompt_tokens(chat, body)
         usage = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n,
                  "prompt_tokens_details": None, "completion_tokens_details": None}
+        if self.prompt_details is not None:  # as vLLM 0.32 writes them whole
+            cached, created = self.prompt_details
+            usage["prompt_tokens_details"] = {"cached_tokens": cached, "created_cache_tokens": created if chat else None,
+                                              "multimodal_tokens": None}
         ids = body.get("return_token_ids") is True
         token_ids = [FIRST_TOKEN_ID + start + i for i in range(n)] if ids else None
         created = int(time.time())
@@ -658,7 +678,7 @@ class FakeVLLM:
         model = json.dumps(self.model)
         suffix = os.urandom(4).hex()
         opts = body.get("stream_options")
-        usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        usage = isinstance(opts, dict) and bool(_LAX_BOOL.validate_python(opts.get("include_usage")))
         fingerprint = "" if usage else ',"system_fingerprint":"%s"' % FINGERPRINT
         if chat:
             ident = json.dumps(f"chatcmpl-{rid}-{suffix}")
@@ -682,8 +702,12 @@ class FakeVLLM:
             events.append(head + ((last if i == n - 1 else mid) % (start + i)))
         if usage:
             prompt = prompt_tokens(chat, body)
-            events.append(head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d},'
-                          '"system_fingerprint":"%s"}' % (prompt, prompt + n, n, FINGERPRINT))
+            details = ""
+            if self.prompt_details is not None:  # as a stream's last usage: null members left out
+                details = ',"prompt_tokens_details":{"cached_tokens":%d%s}' % (
+                    self.prompt_details[0], ',"created_cache_tokens":%d' % self.prompt_details[1] if chat else "")
+            events.append(head + '],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d%s},'
+                          '"system_fingerprint":"%s"}' % (prompt, prompt + n, n, details, FINGERPRINT))
         out = [b"data: " + e.encode() + b"\n\n" for e in events]
         out.append(b"data: [DONE]\n\n")
         return out

@@ -14,6 +14,8 @@ from tests.support.e2e_client import (
     assert_same_greedy,
     parting_step,
     stream_answers,
+    text_parting,
+    with_token_ids,
 )
 
 
@@ -129,3 +131,53 @@ def test_stream_answers_reads_each_choice_of_completion_and_chat_chunks():
     chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
             {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "length"}]}]
     assert str(stream_answers(chat)[0]) == "hi" and stream_answers(chat)[0].finish == "length"
+
+
+# Byte tokens as the tiny model's byte-level BPE has them: "A" "B" are whole characters, 0xE4 0xBB 0x8A
+# the three bytes of one ("今"); a logprob's string is "" for each of those three.
+_BYTES = {1: b"A", 2: b"B", 3: b"\xe4", 4: b"\xbb", 5: b"\x8a", 6: b"C"}
+
+
+def _bytes(ids: list[int]) -> bytes:
+    return b"".join(_BYTES[i] for i in ids)
+
+
+def id_answer(ids: list[int], runner_up: list[float]) -> Answer:
+    """An answer asked with return_tokens_as_token_ids: each step's token is "token_id:N", chosen
+    at logprob -1.0 against a runner-up (token 9) at the given logprob."""
+    steps = [(f"token_id:{i}", {f"token_id:{i}": -1.0, "token_id:9": r}) for i, r in zip(ids, runner_up)]
+    return Answer.of(_bytes(ids).decode(), steps)
+
+
+def test_text_parting_judges_the_step_by_token_ids_where_strings_are_empty():
+    """The answers part inside the character after "A": got has "AB", want "A今C". Adding up
+    logprob strings ("" for each byte of 今) would put the parting at the last step, C's, and judge
+    its margin; the ids put it at the first byte of 今 (step 1), whose margin decides."""
+    want = id_answer([1, 3, 4, 5, 6], [-3.0, -1.01, -3.0, -3.0, -3.0])
+    assert str(want) == "A今C"
+    assert text_parting("AB", want, _bytes) == (1, True)  # a near tie at step 1
+    wide = id_answer([1, 3, 4, 5, 6], [-3.0, -3.0, -3.0, -3.0, -1.01])
+    assert text_parting("AB", wide, _bytes) == (1, False)  # no tie there, whatever step 4 holds
+    assert text_parting("A今B", wide, _bytes) == (4, True)
+    assert text_parting("A今C", want, _bytes) == (5, False)  # never parts
+    assert text_parting("A今CD", want, _bytes) == (4, False)  # longer at the very end
+
+
+def test_the_reference_is_asked_for_its_tokens_as_ids():
+    assert with_token_ids({"logprobs": 2}) == {"logprobs": 2, "return_tokens_as_token_ids": True}
+    with pytest.raises(AssertionError, match="with_token_ids"):
+        text_parting("x", Answer.of("y", [("y", {"y": -1.0})]), _bytes)
+
+
+def test_token_bytes_are_the_tiny_models_text():
+    """The tokenizer's own decoding, byte for byte, also across a character split into byte tokens."""
+    pytest.importorskip("transformers")
+    from tests.support.e2e_client import MODEL_DIR, load_tokenizer, token_bytes
+
+    if not MODEL_DIR.joinpath("tokenizer.json").exists():
+        pytest.skip("the tiny model is made by scripts/setup.sh")
+    tok = load_tokenizer()
+    text = "今天天气 🌦️ Café — naïve <|user|>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert token_bytes()(ids).decode() == tok.decode(ids, skip_special_tokens=True)
+    assert token_bytes(False)(ids).decode() == tok.decode(ids, skip_special_tokens=False)

@@ -52,6 +52,7 @@ DOCUMENTED_DEFAULTS = {
     "api_key_file": None,
     "metrics_require_api_key": False,
     "expose_routing_headers": False,
+    "enable_request_id_headers": False,
     "upstream_api_key": None,
     "upstream_api_key_file": None,
     "forward_client_auth": False,

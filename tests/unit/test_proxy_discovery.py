@@ -729,7 +729,7 @@ def test_generation_messages_and_defaults():
 
     from xpyd_wire.discovery import GenerationDefaults, ProtocolError, check_generation
 
-    assert check_generation({}) == GenerationDefaults((), False)  # reasoning_parser absent: False
+    assert check_generation({}) == GenerationDefaults((), False, None)  # reasoning_parser absent: False
     with pytest.raises(ProtocolError, match="^generation must be a map of sampling, reasoning_parser$"):
         check_generation({"x": 1})
     with pytest.raises(ProtocolError, match="^generation.sampling must be a map of at most 16 entries$"):

@@ -280,7 +280,7 @@ async def test_rescue_decode_alone_after_failed_kv_load(path, body, dispatch):
         else:
             assert resp.json()["choices"][0]["text"] == " t0 t1 t2 t3 t4"
         assert resp.headers[XPYD_PATH] == "local_rescue"
-        assert resp.headers["x-request-id"] == px.neutral(second.request_id)
+        assert "x-request-id" not in resp.headers  # vLLM sends none without --enable-request-id-headers
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert await px.metric("xpyd_dispatch_total", path="disaggregated") == 1
         assert await px.metric("xpyd_decode_retries_total") == 0
@@ -361,7 +361,6 @@ async def test_rescue_failing_too_relays_the_original_error(body):
         assert local_id(second.request_id)
         # The disaggregated attempt's error (it quotes that request's id), with its headers.
         assert err["message"] == f"Internal server error ({px.neutral(first.request_id)})"
-        assert resp.headers["x-request-id"] == px.neutral(first.request_id)
         assert resp.headers[XPYD_PATH] == "disaggregated"
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
@@ -585,7 +584,7 @@ async def test_stream_error_event_when_the_rescue_fails_too(path, body):
                                          "code": 500}}  # fmt: skip
         first, second = d.completions()
         assert local_id(second.request_id)
-        assert resp.headers["x-request-id"] == px.neutral(first.request_id)
+        assert resp.headers[XPYD_PATH] == "disaggregated"  # the first failure, with its headers
         assert await px.metric("xpyd_dispatch_total", path="local_rescue") == 1
         assert px.registry.live("D")[0].in_flight == 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -178,20 +179,83 @@ async def test_ds_stream_error_event_is_logged_as_such(caplog):
 @pytest.mark.parametrize("expose", [False, True])
 async def test_the_request_id_clients_see(expose):
     """Exposed: the id P and D were sent, also where an instance's error quotes it; else its
-    neutral id, in the header and in the relayed error alike."""
+    neutral id (16 hex digits, vLLM's own shape), in the answer and in the relayed error alike;
+    no X-Request-Id header either way (vLLM sends one only with --enable-request-id-headers)."""
     quoting = json.dumps({"error": {"message": "failed ({request_id})", "type": "InternalServerError",
                                     "param": None, "code": 500}}).encode()  # fmt: skip
     async with running_proxy(expose_routing_headers=expose) as px:
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         rid = d.completions()[0].request_id
-        assert resp.headers["x-request-id"] == (rid if expose else px.neutral(rid))
+        assert resp.json()["id"].startswith("cmpl-" + (rid if expose else px.neutral(rid)) + "-")
+        assert len(px.neutral(rid)) == 16 and "x-request-id" not in resp.headers
         assert (XPYD_DECODE_INSTANCE in resp.headers) is expose
         p.fault = Fault(status=500, error_body=quoting)
         resp = await px.client.post("/v1/completions", json=COMPLETION)
         rid = p.completions()[-1].request_id
         assert resp.status_code == 500 and resp.json()["error"]["message"] == f"failed ({rid if expose else px.neutral(rid)})"
-        assert resp.headers["x-request-id"] == (rid if expose else px.neutral(rid))
+        assert "x-request-id" not in resp.headers
+
+
+def _ids(resp) -> set[str]:
+    """The ids an answer names itself by: each event's, or the body's."""
+    if resp.headers["content-type"].startswith("text/event-stream"):
+        return {json.loads(line[6:])["id"] for line in resp.text.splitlines() if line.startswith("data: {")}
+    return {resp.json()["id"]}
+
+
+CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5,
+               "stream": True}
+
+
+@pytest.mark.parametrize("how", ["header", "body", "both"])
+async def test_the_clients_own_request_id_names_the_answer(how):
+    """vLLM 0.32 names its answer after the client's X-Request-Id, else the body's request_id
+    (``cmpl-{id}``): through the proxy too, on every path (P then D, P's token first, D alone, an
+    instance's error quoting it), while P and D are sent the internal id; no X-Request-Id header."""
+    mine = 'client "id"-1'
+    headers = {"x-request-id": mine} if how != "body" else {}
+    extra = {"request_id": "from-the-body" if how == "both" else mine} if how != "header" else {}
+    quoting = json.dumps({"error": {"message": "bad ({request_id})", "type": "BadRequestError",
+                                    "param": None, "code": 400}}).encode()  # fmt: skip
+    async with running_proxy() as px:
+        p, d = await px.pd()
+        for path, body, route in [("/v1/completions", COMPLETION, "disaggregated"),
+                                  ("/v1/completions", STREAM, "disaggregated"),  # P's token first
+                                  ("/v1/chat/completions", CHAT_STREAM, "disaggregated"),
+                                  ("/v1/completions", {**COMPLETION, "prompt": "Hi"}, "disaggregated")]:
+            resp = await px.client.post(path, json={**body, **extra}, headers=headers)
+            assert resp.status_code == 200 and resp.headers[XPYD_PATH] == route, resp.text
+            prefix = "chatcmpl-" if "messages" in body else "cmpl-"
+            assert all(i.startswith(prefix + mine + "-") for i in _ids(resp)), (_ids(resp), body)
+            assert d.completions()[-1].request_id.startswith("___prefill_addr_")
+            assert "x-request-id" not in resp.headers
+        p.fault = Fault(status=400, times=1, error_body=quoting)
+        d.fault = Fault(status=400, times=1, error_body=quoting)
+        resp = await px.client.post("/v1/completions", json={**COMPLETION, **extra}, headers=headers)
+        assert resp.status_code == 400 and resp.json()["error"]["message"] == f"bad ({mine})"
+    async with running_proxy(local_prefill_threshold=1000) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json={**STREAM, **extra}, headers=headers)
+        assert resp.headers[XPYD_PATH] == "local_short" and d.completions()[-1].request_id.startswith("xpyd-local-")
+        assert all(i.startswith("cmpl-" + mine + "-") for i in _ids(resp))
+
+
+async def test_request_id_headers_as_vllms_flag_adds_them():
+    """--enable-request-id-headers: every answer carries X-Request-Id as vLLM's middleware sets
+    it, the client's own, else a random uuid4 hex that is not the answer's id."""
+    async with running_proxy(enable_request_id_headers=True) as px:
+        p, d = await px.pd()
+        resp = await px.client.post("/v1/completions", json=COMPLETION, headers={"x-request-id": "mine"})
+        assert resp.headers.get_list("x-request-id") == ["mine"] and resp.json()["id"].startswith("cmpl-mine-")
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        (drawn,) = resp.headers.get_list("x-request-id")
+        assert re.fullmatch(r"[0-9a-f]{32}", drawn) and not any(drawn in i for i in _ids(resp))
+        for r in (await px.client.get("/health"), await px.client.post("/v1/completions", json={"model": 5})):
+            assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"]), r.headers
+    async with running_proxy() as px:
+        await px.pd()
+        assert "x-request-id" not in (await px.client.get("/health")).headers
 
 
 async def test_instances_count_the_requests_they_served():
@@ -228,18 +292,19 @@ async def test_ps_held_back_token_leaves_the_answer_to_d():
         assert await px.metric("xpyd_first_token_to_decode_total", reason="unusable") == 0
 
 
-def test_id_rewrite_takes_its_neutral_form_and_refuses_ids_it_could_not_hold_back():
-    """IdRewrite's own rules (proxy/dispatch/rewrite.py): an explicit neutral form is used; a
-    neutral form that is not hex, an internal id starting with a hex digit or holding a newline
-    could overlap what it holds back, and are refused by name."""
+def test_id_rewrite_takes_the_id_shown_and_refuses_ids_it_could_not_hold_back():
+    """IdRewrite's own rules (proxy/dispatch/rewrite.py): the id shown is used as it is written
+    inside a JSON string; an internal id that a held tail could overlap (some start of it is
+    also its end), that holds a newline or is empty, is refused by name."""
     from proxy.dispatch.rewrite import IdRewrite
 
     internal = "___prefill_addr_127.0.0.1:1___decode_addr_127.0.0.1:2_" + "a" * 32
-    assert IdRewrite(internal, "b" * 32).whole(f"cmpl-{internal}".encode()) == b"cmpl-" + b"b" * 32
-    for bad, neutral in [(internal, "xyz"), ("0_" + "a" * 32, "b" * 32), ("_\n" + "a" * 32, "b" * 32)]:
+    assert IdRewrite(internal, "b" * 16).whole(f"cmpl-{internal}".encode()) == b"cmpl-" + b"b" * 16
+    assert IdRewrite(internal, 'my "id"').whole(f"cmpl-{internal}".encode()) == b'cmpl-my \\"id\\"'
+    for bad in ["_a_", "x" + "a" * 32 + "x", "_\n" + "a" * 32, ""]:
         with pytest.raises(ValueError) as e:
-            IdRewrite(bad, neutral)
-        assert str(e.value) == f"cannot rewrite {bad!r} to {neutral!r}"
+            IdRewrite(bad, "b" * 16)
+        assert str(e.value) == f"cannot rewrite {bad!r}"
 
 
 class _Selector:
@@ -315,6 +380,10 @@ def test_without_p_the_path_is_local_or_a_503_that_says_so():
         ({"messages": [], "logprobs": True, "top_logprobs": 2}, "/v1/chat/completions", False),
         ({"messages": [], "prompt_logprobs": 0}, "/v1/chat/completions", True),
         ({"prompt": "x", "prompt_logprobs": None}, "/v1/completions", False),
+        # echo as vLLM's model reads a bool (pydantic, lax): 1 and "true" are true, "0" is not
+        ({"prompt": "x", "echo": 1, "logprobs": 1}, "/v1/completions", True),
+        ({"prompt": "x", "echo": "true", "max_tokens": 0}, "/v1/completions", True),
+        ({"prompt": "x", "echo": "0", "logprobs": 1}, "/v1/completions", False),
     ],
 )
 def test_only_prompt_logprobs_keep_the_prefill_on_d(body, path, local):

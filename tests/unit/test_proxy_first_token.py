@@ -14,6 +14,7 @@ import httpx
 import orjson
 import pytest
 
+from proxy.dispatch import events as d_events
 from proxy.dispatch import first_token
 from proxy.dispatch.first_token import PromptIds
 from proxy.openai_api import CHAT, COMPLETIONS
@@ -254,7 +255,7 @@ def test_continuation_events_count_p_token_across_any_split():
               b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":9,"total_tokens":13,'
               b'"completion_tokens":4}}\n\ndata: [DONE]\n\n')
     for cut in range(1, len(events)):
-        shift = first_token.ContinuationEvents(3, "cmpl-p")
+        shift = d_events.ContinuationEvents(3, "cmpl-p")
         out = shift.feed(events[:cut]) + shift.feed(events[cut:]) + shift.flush()
         first, usage_event, done = out.split(b"\n\n")[:3]
         assert out.count(b'"id":"cmpl-p"') == 2 and b"cmpl-x" not in out, cut  # P's id, D's is gone
@@ -279,7 +280,7 @@ def test_chat_continuation_events_are_chat_chunks_across_any_split():
              "usage": {"prompt_tokens": 8, "total_tokens": 11, "completion_tokens": 3,
                        "completion_tokens_details": None}}, "[DONE]"]  # vLLM's chat writes it on a token's usage
     for cut in range(1, len(stream)):
-        shift = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True)
+        shift = d_events.ContinuationEvents(0, "chatcmpl-p", chat=True)
         out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
         assert events(out.decode()) == want, cut
 
@@ -324,31 +325,31 @@ def test_chat_translation_of_usual_chunks_equals_the_json_path(text):
         if "usage" in src:  # on a chunk with a token: vLLM's chat adds completion_tokens_details
             want["usage"] = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
                              "completion_tokens_details": None}
-        out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk + b"data: [DONE]\n\n")
+        out = d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk + b"data: [DONE]\n\n")
         assert events(out.decode()) == [want, "[DONE]"], chunk
         if not text.isascii():  # \\u escapes, which orjson would write as UTF-8: kept by the regex pass only
             raw_text = chunk.split(b'"text":', 1)[1].split(b',"logprobs"', 1)[0]
             assert (b'"content":' + raw_text + b"}" in out) == (chunk in usual), chunk
     # All of them in one piece, as D's answer often arrives.
     stream = b"".join(usual + other) + b"data: [DONE]\n\n"
-    out = first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(stream)
+    out = d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(stream)
     got = events(out.decode())
     assert len(got) == len(usual) + len(other) + 1 and got[-1] == "[DONE]"
     assert all(e["object"] == "chat.completion.chunk" and "text" not in e["choices"][0] for e in got[:-1])
 
 
 def test_continuation_events_pass_what_they_do_not_rewrite_at_once():
-    """Events before the last one's start go out as they come, whatever their line ends
-    (CRLF too); only the event still arriving waits."""
-    shift = first_token.ContinuationEvents(0, "cmpl-p")
+    """Complete events go out as they come, whatever their line ends (CRLF too); only what
+    follows the last one's end (the event still arriving) waits."""
+    shift = d_events.ContinuationEvents(0, "cmpl-p")
     assert shift.feed(b'data: {"a":1}\r\n\r\ndata: {"b"') == b'data: {"a":1}\r\n\r\n'
     assert shift.feed(b':2}\r\n\r\n') == b'data: {"b":2}\r\n\r\n'
-    assert shift.feed(b": comment, no data\n") == b": comment, no data\n"  # no event start: nothing to hold
-    assert shift.feed(b"\n\nda") == b"\n\n"  # maybe the start of "data:": held
+    assert shift.feed(b": comment, no data\n") == b""  # not ended yet: held
+    assert shift.feed(b"\n\nda") == b": comment, no data\n\n\n"  # ended; what follows waits
     assert shift.feed(b'ta: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n') == \
         b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n'
     crlf_usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}\r\n\r\n'
-    assert b'"prompt_tokens":2' in first_token.ContinuationEvents(0, "cmpl-p").feed(crlf_usage)
+    assert b'"prompt_tokens":2' in d_events.ContinuationEvents(0, "cmpl-p").feed(crlf_usage)
 
 
 def events(text: str) -> list[dict | str]:
@@ -389,7 +390,7 @@ async def test_client_gets_p_token_then_d_continues_from_it():
         assert cont.json["kv_transfer_params"] == {PREFILL_PROMPT_TOKENS_PARAM: len(want_prompt) - 1}
         assert cont.headers["x-request-id"] == pre.headers["x-request-id"]  # D loads P's KV
         # The client sees one id throughout, and not the internal one.
-        assert {e["id"].split("-")[1] for e in got[:-1]} == {resp.headers["x-request-id"]}
+        assert {e["id"].split("-")[1] for e in got[:-1]} == {px.neutral(pre.request_id)}
         assert len({e["id"] for e in got[:-1]}) == 1  # P's id, also on D's events
 
 
@@ -621,7 +622,7 @@ async def test_exposed_routing_headers_name_both_instances():
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json=STREAM)
         rid = d.completions()[0].request_id
-        assert resp.headers["x-request-id"] == rid and resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
         assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
         assert resp.headers[XPYD_DECODE_INSTANCE] == d.http_address
         (event_id,) = {e["id"] for e in events(resp.text)[:-1]}
@@ -1091,15 +1092,15 @@ def test_continuation_events_carry_ps_created_across_any_split(chat):
         b'"total_tokens":11,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
     )
     for cut in range(len(stream)):
-        shift = first_token.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000005)
+        shift = d_events.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000005)
         out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
         got = events(out.decode())
         assert [e["created"] for e in got[:-1]] == [1700000005] * 2 and got[-1] == "[DONE]", cut
         assert b"1700000007" not in out
         assert got[1]["usage"]["completion_tokens"] == 3
-    same = first_token.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000007).feed(stream)
+    same = d_events.ContinuationEvents(0, "cmpl-p", chat=chat, created=1700000007).feed(stream)
     assert [e["created"] for e in events(same.decode())[:-1]] == [1700000007] * 2
-    kept = first_token.ContinuationEvents(0, "cmpl-p", chat=chat).feed(stream)  # created None: D's stays
+    kept = d_events.ContinuationEvents(0, "cmpl-p", chat=chat).feed(stream)  # created None: D's stays
     assert [e["created"] for e in events(kept.decode())[:-1]] == [1700000007] * 2
 
 
@@ -1112,7 +1113,7 @@ def test_chat_translation_keeps_a_choices_index():
         ('{"text":" a","logprobs":null,"finish_reason":null}', 0),
     ):
         chunk = f'data: {{"id":"cmpl-x","object":"text_completion","choices":[{choice}]{usage}}}\n\n'.encode()
-        (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk).decode())
+        (got,) = events(d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(chunk).decode())
         assert got["choices"] == [
             {"index": index, "delta": {"content": " a"}, "logprobs": None, "finish_reason": None, "token_ids": None}
         ]
@@ -1130,7 +1131,7 @@ def test_events_nothing_is_rewritten_in_pass_byte_for_byte(offset):
     too), also when another event of the same piece is rewritten."""
     plain = b'data: {"id":"cmpl-p","choices":[{"index":0,"text":"caf\\u00e9","logprobs":null}]}\n\n'
     usage = b'data: {"id":"cmpl-p","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
-    out = first_token.ContinuationEvents(offset, "cmpl-p").feed(plain + usage)
+    out = d_events.ContinuationEvents(offset, "cmpl-p").feed(plain + usage)
     assert out.startswith(plain) and b'"prompt_tokens":2' in out[len(plain) :]
 
 
@@ -1144,13 +1145,13 @@ def test_events_nothing_is_rewritten_in_pass_byte_for_byte(offset):
     ],
 )
 def test_continuation_events_rewrite_only_one_line_events(event):
-    out = first_token.ContinuationEvents(3, "cmpl-p").feed(event + b"\n\n")
+    out = d_events.ContinuationEvents(3, "cmpl-p").feed(event + b"\n\n")
     assert out == event + b"\n\n"
 
 
 def test_an_extra_blank_line_does_not_hide_an_event_from_the_rewrite():
     usage = b'data: {"usage":{"prompt_tokens":3,"completion_tokens":1}}'
-    out = first_token.ContinuationEvents(0, "cmpl-p").feed(usage + b"\n\n\n")
+    out = d_events.ContinuationEvents(0, "cmpl-p").feed(usage + b"\n\n\n")
     assert out == b'data: {"usage":{"prompt_tokens":2,"completion_tokens":2}}\n\n\n'
 
 
@@ -1161,7 +1162,7 @@ def test_continuation_events_survive_choices_not_vllms():
         b'data: {"choices":["x",{"logprobs":null},{"logprobs":{"text_offset":null}},'
         b'{"logprobs":{"text_offset":[null,2,"7"]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
     )
-    out = first_token.ContinuationEvents(3, "cmpl-p").feed(event)
+    out = d_events.ContinuationEvents(3, "cmpl-p").feed(event)
     (got,) = events(out.decode())
     assert got["choices"] == [
         "x",
@@ -1177,13 +1178,13 @@ def test_chat_events_that_carry_an_error_are_not_made_chunks():
         b'data: {"error":{"message":"x","type":"BadRequestError","param":null,"code":400},"choices":[],'
         b'"usage":{"prompt_tokens":3,"completion_tokens":1}}\n\n'
     )
-    (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(error).decode())
+    (got,) = events(d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(error).decode())
     assert "object" not in got and got["choices"] == [] and got["error"]["code"] == 400
 
 
 def test_chat_usage_event_without_an_object_is_counted_and_made_a_chunk():
     usage = b'data: {"id":"cmpl-x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n'
-    (got,) = events(first_token.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(usage).decode())
+    (got,) = events(d_events.ContinuationEvents(0, "chatcmpl-p", chat=True).feed(usage).decode())
     assert got == {
         "id": "chatcmpl-p",
         "object": "chat.completion.chunk",
@@ -1192,11 +1193,40 @@ def test_chat_usage_event_without_an_object_is_counted_and_made_a_chunk():
     }
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_read_of_many_events_ending_inside_one_holds_that_one_back(chat):
+    """Issue 48's intermittent failure: on a loaded box the proxy read D's stream 64 KiB and more at
+    a time, and the bound on what waits was applied to the whole read, so the event the read ended
+    inside went out in two pieces, neither rewritten: a completion's text offsets not moved past P's
+    token (seen: one offset 4 short), a chat chunk left a completion (its text lost to the client:
+    a proxied answer 8 characters short at the context's end). Only the event still arriving waits."""
+    text = "\ufffdree"
+
+    def event(i: int) -> bytes:
+        return ('data: {"id":"cmpl-d","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+                f'"text":"{text}","logprobs":{{"text_offset":[{3 * i}],"token_logprobs":[-6.1],"tokens":["ree"],'
+                '"top_logprobs":[{"ree":-6.1}]},"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                '"token_ids":null}]}\n\n').encode()
+
+    stream = b"".join(event(i) for i in range(700))  # ~200 KB
+    assert len(stream) > 2 * d_events._HOLD_MAX
+    for cut in (d_events._HOLD_MAX + 100, d_events._HOLD_MAX + 431, 3 * d_events._HOLD_MAX - 7):
+        shift = d_events.ContinuationEvents(4, "cmpl-p", chat=chat)
+        out = shift.feed(stream[:cut]) + shift.feed(stream[cut:]) + shift.flush()
+        got = [json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: ")]
+        assert len(got) == 700, cut
+        if chat:
+            assert {e["object"] for e in got} == {"chat.completion.chunk"}, cut
+            assert "".join(e["choices"][0]["delta"]["content"] for e in got) == text * 700
+        else:
+            assert [e["choices"][0]["logprobs"]["text_offset"][0] for e in got] == [3 * i + 4 for i in range(700)], cut
+
+
 def test_an_event_is_held_up_to_the_bound_then_passed():
     """An event still arriving waits up to _HOLD_MAX bytes; past that it goes on unchanged."""
-    shift = first_token.ContinuationEvents(0, "cmpl-p")
-    part = b'data: {"usage":{"x":"' + b"y" * (first_token._HOLD_MAX - 21)
-    assert len(part) == first_token._HOLD_MAX
+    shift = d_events.ContinuationEvents(0, "cmpl-p")
+    part = b'data: {"usage":{"x":"' + b"y" * (d_events._HOLD_MAX - 21)
+    assert len(part) == d_events._HOLD_MAX
     assert shift.feed(part) == b""
     assert shift.feed(b"z") == part + b"z"
     assert shift.flush() == b""
@@ -1316,3 +1346,224 @@ def test_only_completions_and_chat_take_the_path_and_min_tokens_is_held_to_ds_ca
     capped = OutputLimits(override=3, context=4096)
     assert first_token.eligible(route({**STREAM, "min_tokens": 3}), capped, GEN)
     assert not first_token.eligible(route({**STREAM, "min_tokens": 4}), capped, GEN)
+
+
+# ---------------------------------------------------------------- issue 48: what a client could still tell
+
+
+@pytest.mark.parametrize("opts, ok, wanted", [
+    ({"include_usage": True}, True, (True, False)),
+    ({"include_usage": 1}, True, (True, False)),  # vLLM's model reads a bool as pydantic does in lax mode
+    ({"include_usage": "yes", "continuous_usage_stats": "TRUE"}, True, (True, True)),
+    ({"include_usage": 1.0, "continuous_usage_stats": "on"}, True, (True, True)),
+    ({"include_usage": "t", "continuous_usage_stats": 0}, True, (True, False)),
+    ({"include_usage": "0", "continuous_usage_stats": True}, True, (False, False)),  # continuous needs usage
+    ({"include_usage": "off"}, True, (False, False)),
+    ({"include_usage": None, "continuous_usage_stats": None}, True, (False, False)),
+    ({}, True, (False, False)),
+    ({"include_usage": "maybe"}, False, (False, False)),  # vLLM's 400: only D's first token answers it
+    ({"include_usage": 2}, False, (False, False)),
+    ({"include_usage": True, "continuous_usage_stats": " yes"}, False, (True, False)),
+    ({"include_usage": True, "continuous_usage_stats": []}, False, (True, False)),
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_options_are_read_as_vllms_model_reads_them(opts, ok, wanted, chat):
+    body, path = ({**CHAT_STREAM, "stream_options": opts}, CHAT) if chat else ({**STREAM, "stream_options": opts},
+                                                                              COMPLETIONS)
+    assert first_token.eligible(route(body, path), LIMITS, GEN) is ok
+    assert first_token.usage_wanted(body) == wanted
+
+
+@pytest.mark.parametrize("value, want", [
+    (True, True), (False, False), (1, True), (0, False), (1.0, True), (0.0, False), (2, None), (-1, None),
+    (0.5, None), ("1", True), ("Yes", True), ("y", True), ("ON", True), ("T", True), ("true", True),
+    ("0", False), ("No", False), ("n", False), ("OFF", False), ("f", False), ("false", False),
+    ("", None), (" true", None), ("01", None), ("truthy", None), (None, None), ([], None), ({}, None),
+])
+def test_lax_bool_is_pydantics(value, want):
+    """The rule vLLM 0.32's request models apply (pydantic 2, lax mode), checked against pydantic itself."""
+    pydantic = pytest.importorskip("pydantic")
+    assert first_token.lax_bool(value) is want
+    try:
+        theirs = pydantic.TypeAdapter(bool | None).validate_python(value)
+    except pydantic.ValidationError:
+        theirs = "refused"
+    assert (want if want is not None or value is None else "refused") == theirs
+
+
+@pytest.mark.parametrize("opts", [{"include_usage": 1}, {"include_usage": "yes", "continuous_usage_stats": "true"}])
+@pytest.mark.parametrize("limit", [1, 3])
+async def test_usage_options_vllm_coerces_get_their_usage_events(opts, limit):
+    """{"include_usage": 1} with one token asked: the usage event (P's answer is all of it); with
+    continuous_usage_stats "true": usage on P's event too."""
+    async with running_proxy() as px:
+        await px.pd()
+        resp = await px.client.post("/v1/completions", json={**STREAM, "max_tokens": limit, "stream_options": opts})
+        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
+        got = events(resp.text)
+        assert got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] == limit
+        if "continuous_usage_stats" in opts:
+            assert got[0]["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({"truncate_prompt_tokens": 8}, True),
+    ({"truncate_prompt_tokens": 0}, True),
+    ({"truncate_prompt_tokens": -1}, True),  # with a limit: vLLM keeps context - 1, as P does
+    ({"truncate_prompt_tokens": -1, "max_completion_tokens": None}, False),  # none: the whole context (vLLM's 400)
+    ({"truncate_prompt_tokens": -1, "max_completion_tokens": None, "max_tokens": 4}, True),
+    ({"truncate_prompt_tokens": "8"}, False),  # vLLM converts it: D's first token answers as vLLM does
+    ({"truncate_prompt_tokens": 8.0}, False),
+    ({"truncate_prompt_tokens": True}, False),
+    ({"truncate_prompt_tokens": -2}, False),
+])
+def test_truncation_to_the_context_passes_only_where_p_cuts_as_vllm_would(change, ok):
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, GEN) is ok
+
+
+@pytest.mark.parametrize("change, ok", [
+    ({"truncate_prompt_tokens": -1}, True),  # max_tokens 5
+    ({"truncate_prompt_tokens": -1, "max_tokens": None}, False),  # null: vLLM reads 0 here, the whole context
+])
+def test_completion_truncation_to_the_context(change, ok):
+    assert first_token.eligible(route({**STREAM, **change}), LIMITS, GEN) is ok
+    absent = {k: v for k, v in STREAM.items() if k != "max_tokens"}  # absent: 16, a limit
+    assert first_token.eligible(route({**absent, "truncate_prompt_tokens": -1}), LIMITS, GEN)
+
+
+@pytest.mark.parametrize("adjusts, change, ok", [
+    ("none", {"tool_choice": None}, True),
+    ("none", {"tool_choice": "auto", "tools": []}, True),
+    ("tool_choice", {}, False),  # the parser reads every chat answer (vLLM streams it through the parser)
+    ("tool_choice", {"tool_choice": "none"}, False),
+    ("tool_choice", {"tool_choice": None}, False),  # and adjusts this request too: null is not "none"
+    ("always", {}, False),
+    (None, {}, False),  # not known (an older connector)
+])
+def test_a_tool_parser_keeps_chat_on_ds_first_token(adjusts, change, ok):
+    """vLLM 0.32 streams every chat answer through a configured tool parser, whatever tool_choice says
+    (an empty last delta becomes {}), and lets it adjust the request (skip_special_tokens off) when
+    tool_choice is not "none", or always: D's completion would answer otherwise. Completions are
+    never parsed nor adjusted."""
+    gen = GenerationDefaults(tool_parser=adjusts)
+    assert first_token.eligible(route({**CHAT_STREAM, **change}, CHAT), LIMITS, gen) is ok
+    assert first_token.eligible(route(STREAM), LIMITS, gen) is True
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("case", ["json", "stream", "first-token", "first-token-continuous", "p-alone"])
+async def test_prompt_cache_figures_are_ps_not_ds(chat, case):
+    """--enable-prompt-tokens-details: D counts the KV it loaded as cached; the client gets P's
+    figures (P computed the prompt, as one server would have), in the shape vLLM writes them: whole
+    in a JSON answer, without null members in a stream's last usage, on no other event."""
+    body = dict(CHAT_STREAM if chat else STREAM)
+    body["stream"] = case != "json"
+    if case != "json":
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": case == "first-token-continuous"}
+    if case == "p-alone":
+        body["max_completion_tokens" if chat else "max_tokens"] = 1
+    async with running_proxy(first_token="decode" if case in ("json", "stream") else "prefill") as px:
+        p, d = await px.pd()
+        p.prompt_details, d.prompt_details = (3, 128), (40, 0)
+        resp = await px.client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        assert resp.status_code == 200
+        if case == "json":
+            want = {"cached_tokens": 3, "created_cache_tokens": 128 if chat else None, "multimodal_tokens": None}
+            assert resp.json()["usage"]["prompt_tokens_details"] == want
+            return
+        assert (resp.headers.get(XPYD_FIRST_TOKEN) == "prefill") is (case != "stream")
+        got = [e for e in events(resp.text)[:-1] if e.get("usage")]
+        assert got[-1]["choices"] == []
+        assert got[-1]["usage"]["prompt_tokens_details"] == ({"cached_tokens": 3, "created_cache_tokens": 128}
+                                                             if chat else {"cached_tokens": 3})
+        assert not any("prompt_tokens_details" in e["usage"] for e in got[:-1])
+        assert len(got) > 1 if case == "first-token-continuous" else len(got) == 1
+
+
+# ---------------------------------------------------------------- the allow-list, entry by entry
+# Every field the allow-list names, with the values a request may carry on P's-token path and one
+# it may not (None: any value passes). Written out here, not read from first_token's tables, so
+# that an entry flipped there (dropped, let through at any value, one neutral value dropped) fails
+# a case here (scripts/flip_allow_list.py flips each and runs this file).
+_BOTH: dict[str, tuple[list, Any]] = {
+    "model": (["other"], None), "temperature": ([0.7], None), "top_p": ([0.9], None), "top_k": ([5], None),
+    "min_p": ([0.1], None), "repetition_penalty": ([1.2], None), "length_penalty": ([1.5], None),
+    "logit_bias": ([{"5": 1.0}], None), "allowed_token_ids": ([[1, 2]], None), "stop_token_ids": ([[7]], None),
+    "include_stop_str_in_output": ([True], None), "ignore_eos": ([True], None),
+    "skip_special_tokens": ([False], None), "spaces_between_special_tokens": ([False], None), "user": (["u"], None),
+    "priority": ([3], None), "cache_salt": (["s"], None), "request_id": (["r"], None),
+    "truncation_side": (["left"], None), "add_special_tokens": ([False], None),
+    "stream": ([True], False), "min_tokens": ([2], 99), "stream_options": ([{"include_usage": True}], {"x": 1}),
+    "kv_transfer_params": ([{"a": 1}], "x"), "truncate_prompt_tokens": ([8], "8"),
+    "n": ([1], 2), "echo": ([False], True), "prompt_logprobs": ([], 1), "stop": (["", []], ["\n"]),
+    "presence_penalty": ([0, 0.0], 0.5), "frequency_penalty": ([0, 0.0], 0.5), "seed": ([], 7), "suffix": ([""], "x"),
+    "bad_words": ([[]], ["x"]), "return_token_ids": ([False], True), "return_tokens_as_token_ids": ([False], True),
+    "return_token_offsets": ([False], True), "logprob_token_ids": ([], [3]), "prompt_embeds": ([], "x"),
+    "response_format": ([], {"type": "json_object"}), "structured_outputs": ([], {"json": {}}),
+    "use_beam_search": ([False], True), "vllm_xargs": ([], {"a": 1}), "watermarking": ([], {"key": 1}),
+    "session_id": ([], "s"), "routed_experts_prompt_start": ([0], 3), "mm_payload": (["tensors"], "x"),
+    "return_mm_kwargs": ([], True), "ec_transfer_params": ([], {"a": 1}),
+    "repetition_detection": ([], {"max_pattern_size": 4}), "thinking_token_budget": ([], 8),
+    "stream_interval": ([1], 4),
+}
+ALLOWED = {
+    False: {**_BOTH, "max_tokens": ([5], 0), "prompt": (["text", [1, 2]], ["a", "b"]), "logprobs": ([1, 0], -1)},
+    True: {**_BOTH, "max_tokens": ([5], 0), "messages": ([[{"role": "user", "content": "x"}]], []),
+           "chat_template": (["{{ x }}"], None), "chat_template_kwargs": ([{"a": 1}], None),
+           "add_generation_prompt": ([False], None), "continue_final_message": ([True], None),
+           "documents": ([[{"a": "b"}]], None), "reasoning_effort": (["low"], None),
+           "max_completion_tokens": ([5], 0), "logprobs": ([False], True), "top_logprobs": ([0], 2),
+           "tools": ([[]], [{"type": "function", "function": {"name": "f"}}]), "tool_choice": (["none", "auto"], "required"),
+           "parallel_tool_calls": ([True, False], "x"), "include_reasoning": ([True], False),
+           "return_prompt_text": ([False], True), "media_io_kwargs": ([], {"a": 1}), "mm_processor_kwargs": ([], {"a": 1})},
+}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_field_the_allow_list_names_has_its_cases_here(chat):
+    assert set(ALLOWED[chat]) == set(first_token.fields_named(chat))
+
+
+@pytest.mark.parametrize("chat, name, value, ok", [
+    pytest.param(chat, name, value, ok, id=f"{'chat' if chat else 'completions'}-{name}-{value!r}-{ok}")
+    for chat, table in ALLOWED.items() for name, (values, bad) in table.items()
+    for value, ok in [*((v, True) for v in values), *([] if bad is None else [(bad, False)])]
+])
+def test_each_allow_list_entry(chat, name, value, ok):
+    base, path = (CHAT_STREAM, CHAT) if chat else (STREAM, COMPLETIONS)
+    assert first_token.eligible(route({**base, name: value}, path), LIMITS, GEN) is ok
+
+
+@pytest.mark.parametrize("name, same", [("temperature", True), ("top_p", True), ("top_k", True), ("min_p", True),
+                                        ("repetition_penalty", True), ("presence_penalty", False),
+                                        ("frequency_penalty", False)])
+@pytest.mark.parametrize("chat", [False, True])
+def test_each_server_sampling_default_that_means_the_same_on_p_and_d(name, same, chat):
+    assert set(first_token._SAMPLING_SAME) <= {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    base, path = (CHAT_STREAM, CHAT) if chat else (STREAM, COMPLETIONS)
+    gen = GenerationDefaults(((name, 0.5),))
+    assert first_token.eligible(route(base, path), LIMITS, gen) is same
+
+
+# What a chat request's continuation (a completion) carries of it, as the client sent it: the fields
+# a completion means the same way, and the neutral ones (left out, D's server would apply its
+# default). max_tokens, min_tokens and kv_transfer_params are the continuation's own (tested above).
+CARRIED = {"model": "m2", "temperature": 0.5, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.1,
+           "length_penalty": 1.2, "stop_token_ids": [7], "include_stop_str_in_output": True, "ignore_eos": True,
+           "skip_special_tokens": False, "spaces_between_special_tokens": False, "allowed_token_ids": [1, 2],
+           "logit_bias": {"5": 1.0}, "user": "u", "stream": True, "stream_options": {"include_usage": True},
+           "priority": 2, "cache_salt": "salt", "request_id": "r", "n": 1, "presence_penalty": 0,
+           "frequency_penalty": 0.0, "echo": False, "stop": [], "use_beam_search": False, "stream_interval": 1}
+
+
+def test_a_chat_continuation_carries_what_a_completion_means_the_same_way():
+    first = FIRST_TOKEN_CHAT
+    cont = first_token.continuation({**CHAT_STREAM, **CARRIED, "messages": [{"role": "user", "content": "hi"}],
+                                     "chat_template_kwargs": {"a": 1}, "tool_choice": "none"}, first, LIMITS)
+    assert {k: cont.get(k, "absent") for k in CARRIED} == CARRIED
+    assert {"messages", "chat_template_kwargs", "tool_choice", "max_completion_tokens"}.isdisjoint(cont)
+    assert set(first_token._COMPLETION_KEYS) <= set(CARRIED) | {"max_tokens", "min_tokens", "kv_transfer_params"}
+
+
+FIRST_TOKEN_CHAT = first_token.FirstToken(True, "chatcmpl-x", 1, "m", " a", [5], PromptIds.of([1, 2, 3]), None, None,
+                                          None, None)

@@ -19,9 +19,9 @@ from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH,
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
-HEX32 = re.compile(r"[0-9a-f]{32}")
+HEX16 = re.compile(r"[0-9a-f]{16}")  # vLLM 0.32's own ids (random_uuid)
 INTERNAL = "___prefill_addr_127.0.0.1:21001___decode_addr_[::1]:21002_" + "ab" * 16
-NEUTRAL = "ef" * 16
+NEUTRAL = "ef" * 8
 
 
 def leaks(text: str, *fakes) -> list[str]:
@@ -80,11 +80,30 @@ def test_rewrite_holds_back_only_a_proper_prefix_of_the_id():
     assert rw.flush() == b""
     assert rw.feed(b"x___") == b"x" and rw.flush() == b"___"
     # The local path's id likewise.
-    local = IdRewrite("xpyd-local-" + "ab" * 16, "cd" * 16)
+    local = IdRewrite("xpyd-local-" + "ab" * 16, "cd" * 8)
     assert local.feed(b"cmpl-xpyd-lo") == b"cmpl-"
-    assert local.feed(b"cal-" + b"ab" * 16 + b"-0\n\n") == b"cd" * 16 + b"-0\n\n"
+    assert local.feed(b"cal-" + b"ab" * 16 + b"-0\n\n") == b"cd" * 8 + b"-0\n\n"
     with pytest.raises(ValueError):
-        IdRewrite("0123" + "ab" * 16, NEUTRAL)  # an id starting with hex could overlap its rewrite
+        IdRewrite("ab-" + "cd" * 16 + "-ab", NEUTRAL)  # "ab" both starts and ends it: a held tail could overlap one
+
+
+@pytest.mark.parametrize("client", ["client-id-1", '"quoted" \\ and \n', "___prefill_addr_x", "xpyd-local-", "ab" * 16,
+                                    "caf\u00e9 \U0001f600", ""])
+def test_rewrite_to_the_clients_own_id_whatever_it_holds(client):
+    """The client's own request id replaces the internal one as vLLM writes it in JSON (escaped),
+    even where it holds what starts the internal id, across every split of the stream."""
+    shown = json.dumps(client, ensure_ascii=False)[1:-1].encode()
+    for internal in (INTERNAL, "xpyd-local-" + "ab" * 16):
+        event = b'data: {"id":"cmpl-' + internal.encode() + b'","choices":[]}\n\n'
+        stream = event * 2 + b"data: [DONE]\n\n"
+        expected = stream.replace(internal.encode(), shown)
+        assert json.loads(expected.split(b"\n\n")[0][6:])["id"] == "cmpl-" + client
+        assert IdRewrite(internal, client).whole(stream) == expected
+        for cut in range(len(stream) + 1):
+            for cut2 in (cut, min(len(stream), cut + 7)):
+                rw = IdRewrite(internal, client)
+                out = rw.feed(stream[:cut]) + rw.feed(stream[cut:cut2]) + rw.feed(stream[cut2:]) + rw.flush()
+                assert out == expected, (cut, cut2)
 
 
 def test_event_boundary():
@@ -115,8 +134,8 @@ async def test_neutral_ids_and_no_addresses_by_default(path, body):
             rec = d.completions()[-1]
             internal = re.fullmatch(REQUEST_ID_RE, rec.request_id)
             assert internal and p.completions()[-1].request_id == rec.request_id
-            neutral = resp.headers["x-request-id"]
-            assert HEX32.fullmatch(neutral) and neutral == px.neutral(rec.request_id)
+            neutral = px.neutral(rec.request_id)
+            assert HEX16.fullmatch(neutral) and "x-request-id" not in resp.headers  # vLLM's default: none
             # It names no transfer: the uuid P's and D's connectors key the KV by is nowhere.
             assert neutral != internal["uuid"] and internal["uuid"] not in resp.text + str(resp.headers)
             if XPYD_FIRST_TOKEN not in resp.headers:  # else P's token, then D's (test_proxy_first_token.py)
@@ -137,8 +156,8 @@ async def test_local_path_id_is_neutral_too():
             resp = await px.client.post("/v1/completions", json={**COMPLETION, "stream": stream})
             assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "local_short"
             rec = d.completions()[-1]
-            assert rec.request_id.startswith("xpyd-local-")
-            assert resp.headers["x-request-id"] == px.neutral(rec.request_id)
+            assert rec.request_id.startswith("xpyd-local-") and "x-request-id" not in resp.headers
+            assert px.neutral(rec.request_id).encode() in resp.content
             assert resp.content == px.relayed(rec) and not leaks(resp.text, p, d)
         assert not p.completions()
 
@@ -148,8 +167,7 @@ async def test_expose_routing_headers_keeps_todays_view():
         p, d = await px.pd()
         resp = await px.client.post("/v1/completions", json={**COMPLETION, "stream": True})
         rec = d.completions()[-1]
-        assert resp.headers["x-request-id"] == rec.request_id
-        assert resp.content == bytes(rec.sent)  # byte for byte
+        assert resp.content == bytes(rec.sent)  # byte for byte, the internal id in it
         assert resp.headers[XPYD_PREFILL_INSTANCE] == p.http_address
         assert resp.headers[XPYD_DECODE_INSTANCE] == d.http_address
         listed = {(i["role"], i["http_address"], i["zmq_address"])
@@ -177,7 +195,7 @@ async def test_errors_name_no_instance_by_default():
         p.fault = Fault(status=400, times=1, error_body=bad)
         d.fault = Fault(status=400, times=1, error_body=bad)
         resp = check(await px.client.post("/v1/completions", json=COMPLETION), 400)
-        assert resp.json()["error"]["message"] == f"request {resp.headers['x-request-id']} is bad"
+        assert resp.json()["error"]["message"] == f"request {px.neutral(d.completions()[-1].request_id)} is bad"
         # A non-JSON error page is wrapped without the instance's address.
         # (times=2: D alone, the local rescue, fails too, so D's error is relayed.)
         d.fault = Fault(status=500, times=2, error_body=b"<h1>{request_id} broke</h1>",
@@ -332,6 +350,7 @@ class ScriptedD:
         self.pieces: list[bytes] = []
         self.clean = True
         self.server: asyncio.Server | None = None
+        self.rids: list[str] = []  # the X-Request-Id of each POST, in order
 
     async def start(self) -> ScriptedD:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -354,6 +373,7 @@ class ScriptedD:
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                              b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
                 rid = hdrs.get("x-request-id", "").encode()
+                self.rids.append(rid.decode())
                 half = len(rid) // 2
                 for piece in self.pieces:
                     piece = piece.replace(b"{rid}", rid)
@@ -395,9 +415,10 @@ async def test_mid_stream_error_starts_a_fresh_event(case, expose):
             resp = await px.client.post("/v1/completions", json={**COMPLETION, "stream": True})
             assert resp.status_code == 200
             text = resp.text
+            shown = d.rids[-1] if expose else px.neutral(d.rids[-1])
             if case == "clean-split":  # the id split mid-way is rewritten, no error
                 assert not error_events(text) and ("prefill_addr" in text) == expose
-                assert text.count("cmpl-" + resp.headers["x-request-id"]) == 2
+                assert text.count("cmpl-" + shown) == 2
                 return
             (err,) = error_events(text)
             assert err["code"] == "decode_midstream"
@@ -406,7 +427,7 @@ async def test_mid_stream_error_starts_a_fresh_event(case, expose):
             # The error event starts on a boundary, with no blank line added when not needed.
             assert at_event_boundary(before.encode()), repr(before)
             if case in ("lf", "crlf", "split-blank-line"):
-                assert before == (ev.decode().replace("{rid}", resp.headers["x-request-id"])
+                assert before == (ev.decode().replace("{rid}", shown)
                                   + ("\r\n\r\n" if case == "crlf" else "\n\n"))  # fmt: skip
             if case == "held-id":
                 # The start of the internal id was held back, then dropped with the stream.

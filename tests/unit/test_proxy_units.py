@@ -278,7 +278,8 @@ def test_instance_to_json_shows_its_state():
         "static": False, "healthy": True, "kv_transport_fallbacks": 2, "pending": True,
         "probe_error": "timeout", "source": "10.0.0.5",
         "output_limits": {"default": 16, "override": None, "context": 4096},
-        "generation": {"sampling": {"temperature": 0.5}, "reasoning_parser": True}, "load": None,
+        "generation": {"sampling": {"temperature": 0.5}, "reasoning_parser": True, "tool_parser": "none"},
+        "load": None,
     }
     i.cooldown_until = time.monotonic() + 60
     r.set_models(i, {"b": {}, "a": {}})

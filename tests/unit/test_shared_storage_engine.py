@@ -125,6 +125,29 @@ def test_load_waits_for_a_file_the_producer_writes_later(engines):
         assert torch.equal(b[n][[4, 5]], a[n][[0, 1]])
 
 
+def test_an_idle_poll_waits_for_a_pending_read_and_wakes_when_it_ends(engines):
+    """A step that computes nothing waits (bounded) for a read instead of returning into
+    vLLM's next empty step: D waiting for P's files would otherwise spin its engine."""
+    a, b = caches(1), caches(2)
+    ea, eb = engines(a), engines(b)
+    ks = chain(2)
+    eb.submit_load(FetchSpec("d", (4, 5), ks, 0, wait_s=30.0))
+    timer = threading.Timer(0.3, lambda: ea.submit_store(StoreSpec("p", (0, 1), ks, 0)))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        r = eb.poll(set(), wait_s=20.0)
+    finally:
+        timer.join()
+    assert r.finished == {"d"} and 0.25 <= time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    assert eb.poll(set(), wait_s=20.0).finished == set()  # nothing pending: no wait
+    assert time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    eb.poll(set(), wait_s=0.3, awaiting=True)  # requests await a producer's first file: its bound
+    assert time.monotonic() - t0 >= 0.25
+
+
 def test_load_gives_up_at_its_deadline(engines):
     eb = engines(caches(2))
     t0 = time.monotonic()

@@ -171,6 +171,38 @@ def test_proxy_request_claims_what_the_producer_was_told_to_store(tmp_path: Path
     assert spec.wait_s == TIMEOUT and spec.block_ids == (1, 2, 3) and len(spec.keys) == 3
 
 
+def test_request_asked_before_p_answered_waits_without_blocks_for_ps_first_file(tmp_path: Path, monkeypatch):
+    """Concurrent dispatch: D is asked while P is queued or computing (the proxy's early mark).
+    No file of P's yet: no blocks, no load (None: asked again next step), and the worker's idle
+    steps wait (awaiting); P's first file: the claim as above, the loader waiting kv_load_timeout_s
+    for the rest. None within kv_prefill_wait_s: D computes the prompt."""
+    from connector.shared_storage import scheduler as ss_sched
+
+    clock = [1000.0]
+    monkeypatch.setattr(ss_sched.time, "monotonic", lambda: clock[0])
+    s = sched("kv_consumer", tmp_path)
+    t = toks(3 * BS + 5)
+    r = req(pd_id(d=D_ADDR).replace("___prefill_addr_", "xpyd-early___prefill_addr_"), t)
+    s.on_new_request(r)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, False)
+    meta = s.build_connector_meta(sched_out())
+    assert meta.loads == [] and meta.idle and meta.awaiting
+    clock[0] += 100.0
+    put(tmp_path, t, 1)  # P's first block is stored
+    assert admit(s, r, 0, [1, 2, 3, 4]) == (3 * BS, True)
+    meta = s.build_connector_meta(sched_out())
+    (spec,) = meta.loads
+    assert spec.wait_s == TIMEOUT and not meta.awaiting
+    late = req(pd_id(key="cd" * 16, d=D_ADDR).replace("___prefill_addr_", "xpyd-early___prefill_addr_"),
+               toks(3 * BS + 5, 9000))
+    s.on_new_request(late)
+    assert s.get_num_new_matched_tokens(late, 0) == (None, False)
+    clock[0] += s._cfg.base.kv_prefill_wait_s
+    assert s.get_num_new_matched_tokens(late, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(late, 0) == (0, False)  # computed here from now on
+    assert not s.build_connector_meta(sched_out()).awaiting
+
+
 def test_proxy_request_for_another_decode_does_not_wait(tmp_path: Path):
     """kv_both: a transfer whose decode is someone else is a plain lookup."""
     s = sched("kv_both", tmp_path)

@@ -1,0 +1,401 @@
+#!/usr/bin/env python3
+"""xPyD under a load-test client users already run, side by side with vllm-router's P/D mode
+and with colocated serving, on the same vLLM (CPU build) instances (issue 49).
+
+Two vLLM servers, each pinned to one core with one OMP thread and the xPyD connector (P on
+core 0, D on core 1), serve three setups in turn:
+
+* colocated: both servers as plain replicas behind vllm-router's round robin (`--worker-urls`;
+  a plain request id: the connector moves no KV);
+* xpyd: the proxy (`python -m proxy`, shipped defaults), P prefills, D decodes;
+* vllm-router: vllm-router 0.1.17 in its vLLM P/D mode (`--vllm-pd-disaggregation
+  --vllm-discovery-address`, `--policy round_robin`), fed by the same connector's heartbeats.
+
+The client is `vllm bench serve` (vllm.benchmarks.serve, run in this process: the CPU build's
+`vllm` script fails; scripts/bench_serve.py is the same): the random dataset (synthetic token
+ids, the model's local tokenizer, nothing downloaded), Poisson arrivals at each --rates value,
+TTFT / ITL p50 and p99, output tokens/s and goodput at the stated SLO. `--client guidellm` adds
+guidellm (its own venv: scripts/setup_bench.sh) at the same points. Each (profile, rate) is
+measured --rounds times, the setups taking turns in a rotating order, every request a fresh
+prompt (a seed per setup, round and rate: no prefix-cache hits across setups); medians are
+reported, with the machine (lscpu) and its load (uptime) before and after.
+
+    .venv/bin/python -m scripts.bench_load --json load.json --plot docs/img/bench_load.png
+    .venv/bin/python -m scripts.bench_load --rounds 1 --profiles short --rates-short 2   # smoke
+
+Install (the router, the plot, guidellm): `bash scripts/setup_bench.sh`. Loopback only; every
+process started here is stopped by its process group at the end, also on error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support import cluster  # tests/support/cluster.py: the servers' spawner
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUPS = ("colocated", "xpyd", "vllm-router")
+METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_s", "goodput")
+# Where the CPU went during a point (/proc, every process of a server's session): the front (the
+# setup's proxy or router), P and D in cores busy over the point's wall time (a front's CPU a
+# request would count its idle heartbeats and probes over a slow point's minute).
+CPU = ("front_cores", "p_cores", "d_cores", "gap1_p50", "gap1_max")
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A prompt shape: tokens in and out, its request rates and the goodput SLO (ms)."""
+
+    name: str
+    input_len: int
+    output_len: int
+    rates: tuple[float, ...]
+    prompts: int  # requests per point
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+
+
+def machine() -> dict[str, str]:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    keep = ("Model name", "CPU(s)", "Thread(s) per core", "Hypervisor vendor")
+    fields = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in lscpu.splitlines()) if k.strip() in keep}
+    return {"lscpu": "; ".join(f"{k}: {v}" for k, v in fields.items()),
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+def post_ok(url: str, timeout: float = 60.0) -> bool:
+    body = json.dumps({"model": cluster_model_name(), "prompt": "hello there", "max_tokens": 2}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:  # noqa: S310 (loopback)
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def cluster_model_name() -> str:
+    return "tiny-llama"  # cluster.start_vllm serves every model under this name
+
+
+def wait_routed(url: str, name: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if post_ok(url, timeout=30):
+            return
+        time.sleep(1)
+    raise TimeoutError(f"{name} routed no completion in {timeout:.0f}s")
+
+
+def start_router(name: str, args: list[str], log_dir: Path) -> cluster.Server:
+    port = cluster.free_port()
+    cmd = [shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router"),
+           "--host", cluster.HOST, "--port", str(port), "--policy", "round_robin", "--log-level", "warning",
+           # Its metrics port defaults to a fixed 29000, taken by any other router on the machine.
+           "--prometheus-port", str(cluster.free_port()), *args]  # fmt: skip
+    return cluster._spawn(name, port, cmd, log_dir, {})
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int) -> dict[str, float]:
+    """One `vllm bench serve` run; its own print-out goes to a buffer (kept on failure)."""
+    from vllm.benchmarks import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    # --save-detailed keeps the per-request ITLs and errors in the result (nothing is written).
+    argv = ["--backend", "openai", "--base-url", url, "--model", cluster_model_name(), "--tokenizer", str(model),
+            "--dataset-name", "random", "--random-input-len", str(p.input_len), "--random-output-len",
+            str(p.output_len), "--num-prompts", str(p.prompts), "--request-rate", str(rate), "--seed", str(seed),
+            "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--goodput", f"ttft:{p.slo_ttft_ms:g}", f"tpot:{p.slo_tpot_ms:g}", "--disable-tqdm",
+            "--save-detailed"]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        r = serve.main(parser.parse_args(argv))
+    if r["completed"] != p.prompts:
+        errors = [e for e in r.get("errors", []) if e][:3]
+        raise RuntimeError(f"{url}: {r['completed']} of {p.prompts} completed; {errors}\n{out.getvalue()[-2000:]}")
+    # The gap from each answer's first token to its second, which the ITL figures include: with
+    # the first token from P, D's first step after the KV load (issue 49 section 1).
+    gaps = sorted(1000 * itl[0] for itl in r["itls"] if itl)
+    return {"ttft_p50": r["median_ttft_ms"], "ttft_p99": r["p99_ttft_ms"], "itl_p50": r["median_itl_ms"],
+            "itl_p99": r["p99_itl_ms"], "out_tok_s": r["output_throughput"], "goodput": r["request_goodput"],
+            "gap1_p50": statistics.median(gaps) if gaps else 0.0, "gap1_max": gaps[-1] if gaps else 0.0}
+
+
+def guidellm_point(url: str, model: Path, p: Profile, rate: float, seed: int, out_dir: Path) -> dict[str, float]:
+    """One guidellm run (poisson at ``rate``, synthetic prompts from the local tokenizer,
+    completions). Its start-up takes ~40 s on a loaded 2-core box: `--client both` doubles a sweep
+    and more."""
+    exe = ROOT / ".venv-guidellm" / "bin" / "guidellm"
+    if not exe.exists():
+        raise SystemExit("--client guidellm needs .venv-guidellm (bash scripts/setup_bench.sh)")
+    out = out_dir / f"guidellm-{seed}.json"
+    cmd = [str(exe), "run", "--backend",
+           f"kind=openai_http,target={url},model={cluster_model_name()},request_format=/v1/completions",
+           "--profile", f"kind=poisson,rate={rate}", "--constraint", f"kind=max_requests,count={p.prompts}",
+           "--tokenizer", f"kind=huggingface_auto,model={model}",
+           "--data", f"kind=synthetic_text,prompt_tokens={p.input_len},output_tokens={p.output_len}",
+           "--seed", f"kind=static,value={seed}", "--output", f"kind=json,path={out}", "--disable-console"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    if res.returncode != 0 or not out.exists():
+        raise RuntimeError(f"guidellm failed ({res.returncode}): {shlex.join(cmd)}\n{res.stderr[-3000:]}")
+    return guidellm_metrics(json.loads(out.read_text()), p)
+
+
+def guidellm_metrics(report: dict, p: Profile) -> dict[str, float]:
+    """TTFT/ITL percentiles and output tokens/s from guidellm's JSON report; goodput from its
+    per-request records at the same SLO as vllm bench serve's (TTFT, and time per output token
+    after the first)."""
+    bench = report["benchmarks"][0]
+    m = bench["metrics"]
+
+    def dist(name: str) -> dict:
+        return m[name]["successful"]
+
+    ttft, itl = dist("time_to_first_token_ms"), dist("inter_token_latency_ms")
+    reqs = bench.get("requests", {}).get("successful", [])
+    good = sum(1 for r in reqs if (r.get("time_to_first_token_ms") or 1e18) <= p.slo_ttft_ms
+               and (r.get("inter_token_latency_ms") or 0) <= p.slo_tpot_ms)
+    duration = bench.get("duration") or (bench.get("end_time", 0) - bench.get("start_time", 0)) or 1
+    return {"ttft_p50": ttft["median"], "ttft_p99": ttft["percentiles"]["p99"], "itl_p50": itl["median"],
+            "itl_p99": itl["percentiles"]["p99"], "out_tok_s": dist("output_tokens_per_second")["mean"],
+            "goodput": good / duration}
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def session_cpu(sessions: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of every process in each named session (a server and its children)."""
+    by_sid = {sid: name for name, sid in sessions.items()}
+    out = dict.fromkeys(sessions, 0.0)
+    for _, fields in cluster.proc_stats():
+        name = by_sid.get(int(fields[3]))
+        if name is not None:
+            out[name] += (int(fields[11]) + int(fields[12])) / HZ
+    return out
+
+
+def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles: list[Profile],
+          log_dir: Path, sessions: dict[str, int]) -> dict:  # fmt: skip
+    """{client: {profile: {rate: {setup: [metrics per round]}}}}, the setups taking turns.
+    ``sessions``: the session (leader pid) of P, D and each setup's front, named so."""
+    clients = ["vllm"] + (["guidellm"] if args.client == "both" else []) if args.client != "guidellm" else ["guidellm"]
+    res: dict = {c: {p.name: {r: {s: [] for s in urls} for r in p.rates} for p in profiles} for c in clients}
+    names = list(urls)
+    for rnd in range(args.rounds):
+        for p in profiles:
+            for i, rate in enumerate(p.rates):
+                order = names[rnd % len(names):] + names[:rnd % len(names)]  # who goes first rotates
+                for s in order:
+                    for c in clients:
+                        seed = args.seed + 10_000 * rnd + 1_000 * i + 100 * names.index(s) + 10 * clients.index(c)
+                        seed += 5_000_000 * profiles.index(p)
+                        t0, cpu0 = time.monotonic(), session_cpu(sessions)
+                        point = (vllm_point(urls[s], model, p, rate, seed) if c == "vllm"
+                                 else guidellm_point(urls[s], model, p, rate, seed, log_dir))
+                        wall, cpu1 = time.monotonic() - t0, session_cpu(sessions)
+                        point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
+                                  "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
+                        res[c][p.name][rate][s].append(point)
+                        print(f"  round {rnd + 1}/{args.rounds} {c} {p.name} {rate:g}/s {s:<12} "
+                              + " ".join(f"{k} {v:.1f}" for k, v in point.items())
+                              + f" ({time.monotonic() - t0:.0f}s; load {os.getloadavg()[0]:.1f})", flush=True)
+    return res
+
+
+def medians(res: dict) -> dict:
+    return {c: {p: {r: {s: {k: statistics.median(x[k] for x in runs) for k in METRICS + CPU if k in runs[0]}
+                        for s, runs in by_setup.items() if runs}
+                    for r, by_setup in by_rate.items()} for p, by_rate in by_prof.items()}
+            for c, by_prof in res.items()}
+
+
+def report(med: dict, profiles: list[Profile], args: argparse.Namespace) -> list[str]:
+    lines = []
+    for c, by_prof in med.items():
+        for p in profiles:
+            lines.append(f"\n{c}: {p.name} prompts ({p.input_len} tokens in, {p.output_len} out, {p.prompts} requests "
+                         f"a point, Poisson), goodput SLO TTFT <= {p.slo_ttft_ms:g} ms and TPOT <= {p.slo_tpot_ms:g} "
+                         f"ms; medians of {args.rounds} rounds")
+            lines.append(f"| rate/s | setup | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | out tok/s | goodput req/s |")
+            lines.append("|---|---|---|---|---|---|---|---|")
+            for rate, by_setup in by_prof[p.name].items():
+                for s, m in by_setup.items():
+                    lines.append(f"| {rate:g} | {s} | {m['ttft_p50']:.0f} | {m['ttft_p99']:.0f} | {m['itl_p50']:.1f} | "
+                                 f"{m['itl_p99']:.1f} | {m['out_tok_s']:.1f} | {m['goodput']:.2f} |")
+            rows = [(rate, s, m) for rate, by_setup in by_prof[p.name].items() for s, m in by_setup.items()
+                    if "front_cores" in m]
+            if rows:
+                lines.append("\nwhere the CPU went (/proc: cores busy over the point; the front: the setup's proxy or "
+                             "router; P and D have one core each) and the gap from each answer's first token to its "
+                             "second (in the ITL figures)")
+                lines.append("| rate/s | setup | front cores | P cores | D cores | token 1 -> 2 gap p50 / max ms |")
+                lines.append("|---|---|---|---|---|---|")
+                lines += [f"| {rate:g} | {s} | {m['front_cores']:.3f} | {m['p_cores']:.2f} | {m['d_cores']:.2f} | "
+                          f"{m.get('gap1_p50', 0):.0f} / {m.get('gap1_max', 0):.0f} |" for rate, s, m in rows]
+    return lines
+
+
+def plot(med: dict, profiles: list[Profile], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install -e '.[bench]')") from None
+    by_prof = med["vllm"] if "vllm" in med else next(iter(med.values()))
+    panels = [("ttft_p99", "TTFT p99 (ms)"), ("itl_p99", "ITL p99 (ms)"), ("out_tok_s", "output tokens/s"),
+              ("goodput", "goodput (req/s)")]
+    fig, axes = plt.subplots(len(profiles), len(panels), figsize=(4 * len(panels), 3.2 * len(profiles)), squeeze=False)
+    for row, p in zip(axes, profiles):
+        rates = sorted(by_prof[p.name])
+        for ax, (key, label) in zip(row, panels):
+            for s in SETUPS:
+                ys = [by_prof[p.name][r][s][key] for r in rates if s in by_prof[p.name][r]]
+                if ys:
+                    ax.plot(rates[:len(ys)], ys, marker="o", label=s)
+            ax.set_title(f"{p.name} ({p.input_len} in / {p.output_len} out): {label}", fontsize=9)
+            ax.set_xlabel("request rate (req/s)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("bench", "tiny"), default="bench",
+                    help="bench: scripts/bench_e2e's 4-layer h768 Llama (a 1k prefill ~150-300 ms on one core); tiny")
+    ap.add_argument("--profiles", default="short,long", help="which of short, long")
+    ap.add_argument("--short", default="256,64", help="short prompts: input,output tokens")
+    ap.add_argument("--long", default="2048,64", help="long prompts: input,output tokens")
+    ap.add_argument("--rates-short", default="1,3", help="request rates (req/s) of the short prompts")
+    ap.add_argument("--rates-long", default="0.3,0.6", help="request rates (req/s) of the long prompts")
+    ap.add_argument("--prompts", type=int, default=12, help="requests per point")
+    ap.add_argument("--slo-short", default="1000,100", help="goodput SLO for short prompts: TTFT,TPOT ms")
+    ap.add_argument("--slo-long", default="3000,100", help="goodput SLO for long prompts: TTFT,TPOT ms")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--client", choices=("vllm", "guidellm", "both"), default="vllm")
+    ap.add_argument("--proxy-args", default="", help="extra flags for the xPyD proxy (default: shipped defaults)")
+    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--plot", default=None, metavar="PNG")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--startup-timeout", type=float, default=600)
+    ap.add_argument("--log-dir", default=None)
+    args = ap.parse_args()
+
+    def prof(name: str) -> Profile:
+        i, o = (int(x) for x in getattr(args, name).split(","))
+        ttft, tpot = (float(x) for x in getattr(args, f"slo_{name}").split(","))
+        rates = tuple(float(x) for x in getattr(args, f"rates_{name}").split(","))
+        return Profile(name, i, o, rates, args.prompts, ttft, tpot)
+
+    profiles = [prof(n) for n in args.profiles.split(",") if n]
+    setups = [s for s in args.setups.split(",") if s]
+    cmd = shlex.join([os.path.relpath(sys.executable, ROOT), "-m", "scripts.bench_load", *sys.argv[1:]])
+    before = machine()
+    print(f"$ {cmd}\n{before['lscpu']}\nbefore: {before['uptime']}", flush=True)
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="xpyd-bench-load-"))
+    servers: list[cluster.Server] = []
+    ok = False
+    try:
+        from scripts.bench_e2e import ensure_model  # the bench model, generated locally
+
+        t0 = time.monotonic()
+        model = ensure_model(args.model)
+        disc, rdisc = cluster.free_port(), cluster.free_port()
+        p_port, d_port = cluster.free_port(), cluster.free_port()
+        proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, shlex.split(args.proxy_args))
+        servers.append(proxy)
+        router_pd = start_router("router-pd", ["--vllm-pd-disaggregation", "--vllm-discovery-address",
+                                               f"{cluster.HOST}:{rdisc}"], log_dir)
+        servers.append(router_pd)
+        common = {"model": model, "log_dir": log_dir}
+        reg = {"proxies": [f"{cluster.HOST}:{rdisc}"]}  # the connector registers with both
+        for name, port, role, cpu in (("prefill", p_port, "kv_producer", "0"), ("decode", d_port, "kv_consumer", "1")):
+            servers.append(cluster.start_vllm(
+                name, port, cpus=cpu, env={"VLLM_CPU_OMP_THREADS_BIND": cpu},
+                kv_config=cluster.kv_transfer_config(role, cluster.free_port_pair(), port, disc, **reg), **common))
+        print(f"starting P (core 0), D (core 1), the proxy, two routers; model {model.name}; logs in {log_dir}",
+              flush=True)
+        cluster.wait_until(servers[-2:], "/health", args.startup_timeout)
+        # Started once its workers answer (it checks them at start-up).
+        colocated = start_router("router-colocated", ["--worker-urls", f"http://{cluster.HOST}:{p_port}",
+                                                      f"http://{cluster.HOST}:{d_port}"], log_dir)
+        servers.append(colocated)
+        all_urls = {"colocated": colocated.url, "xpyd": proxy.url, "vllm-router": router_pd.url}
+        urls = {s: all_urls[s] for s in SETUPS if s in setups}
+        for s, url in urls.items():
+            wait_routed(url, s, 120)
+        print(f"  up in {time.monotonic() - t0:.0f}s", flush=True)
+        sessions = {"P": servers[2].proc.pid, "D": servers[3].proc.pid, "colocated": colocated.proc.pid,
+                    "xpyd": proxy.proc.pid, "vllm-router": router_pd.proc.pid}
+        res = sweep(args, urls, model, profiles, log_dir, sessions)
+        after = machine()
+        med = medians(res)
+        title = (f"{before['lscpu']}; {args.model} model; medians of {args.rounds} rounds\n"
+                 f"before: {before['uptime']}\nafter: {after['uptime']}")
+        lines = report(med, profiles, args)
+        print("\n".join([f"\n$ {cmd}", before["lscpu"], f"before: {before['uptime']}", f"after: {after['uptime']}",
+                         "setups: colocated = vllm-router round robin over P and D as plain servers; xpyd = the proxy"
+                         f" ({args.proxy_args or 'shipped defaults'}); vllm-router = its P/D mode, round_robin",
+                         *lines]), flush=True)  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps({"command": cmd, "machine": before, "after": after,
+                                                   "profiles": [p.__dict__ for p in profiles], "medians": med,
+                                                   "rounds": res}, indent=1, default=str) + "\n")
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot(med, profiles, args.plot, title)
+            print(f"wrote {args.plot}")
+        ok = True
+        return 0
+    except KeyboardInterrupt:
+        print(f"interrupted; logs in {log_dir}", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - reported; the servers are stopped below
+        print(f"bench failed: {type(e).__name__}: {e}\nlogs kept in {log_dir}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for s in reversed(servers):
+            try:
+                s.stop()
+            except Exception as e:  # noqa: BLE001 - keep stopping the others
+                print(f"stopping {s.name}: {e}", file=sys.stderr)
+        if ok and not args.log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""scripts/bench_load.py's arithmetic: medians per setup over rounds, the report's rows, and
+guidellm's JSON report read into the same figures as vllm bench serve's (goodput at the same
+SLO from its per-request records)."""
+
+from scripts.bench_load import Profile, guidellm_metrics, medians, report
+
+P = Profile("long", 2048, 64, (0.5,), 3, slo_ttft_ms=1000, slo_tpot_ms=50)
+
+
+def _point(ttft: float, goodput: float) -> dict[str, float]:
+    return {"ttft_p50": ttft, "ttft_p99": 2 * ttft, "itl_p50": 5.0, "itl_p99": 9.0, "out_tok_s": 100.0,
+            "goodput": goodput}
+
+
+def test_medians_are_per_setup_and_metric_over_rounds():
+    res = {"vllm": {"long": {0.5: {"xpyd": [_point(10, 0.1), _point(30, 0.3), _point(20, 0.9)],
+                                    "colocated": [_point(50, 0.2)], "vllm-router": []}}}}
+    med = medians(res)["vllm"]["long"][0.5]
+    assert med["xpyd"]["ttft_p50"] == 20 and med["xpyd"]["goodput"] == 0.3 and med["xpyd"]["ttft_p99"] == 40
+    assert "vllm-router" not in med  # no round measured it
+    class Args:
+        rounds = 3
+    lines = report(medians(res), [P], Args)
+    assert "| 0.5 | xpyd | 20 | 40 | 5.0 | 9.0 | 100.0 | 0.30 |" in lines
+    assert any("TTFT <= 1000 ms and TPOT <= 50 ms" in line for line in lines)
+    assert not any("front cores" in line for line in lines)  # no CPU figures measured
+    cpu = {"front_cores": 0.5, "p_cores": 0.9, "d_cores": 0.4}
+    res["vllm"]["long"][0.5]["xpyd"] = [_point(10, 0.1) | cpu, _point(10, 0.1) | cpu | {"front_cores": 0.7}]
+    lines = report(medians(res), [P], Args)
+    assert "| 0.5 | xpyd | 0.600 | 0.90 | 0.40 | 0 / 0 |" in lines
+
+
+def test_guidellm_report_gives_the_same_figures():
+    dist = {"median": 12.0, "percentiles": {"p99": 40.0}, "mean": 7.0}
+    reqs = [{"time_to_first_token_ms": 900, "inter_token_latency_ms": 40},  # good
+            {"time_to_first_token_ms": 1100, "inter_token_latency_ms": 40},  # TTFT over the SLO
+            {"time_to_first_token_ms": 100, "inter_token_latency_ms": 60}]  # TPOT over it
+    report_json = {"benchmarks": [{"duration": 2.0, "requests": {"successful": reqs}, "metrics": {
+        name: {"successful": dist} for name in ("time_to_first_token_ms", "inter_token_latency_ms",
+                                                 "output_tokens_per_second")}}]}
+    m = guidellm_metrics(report_json, P)
+    assert m == {"ttft_p50": 12.0, "ttft_p99": 40.0, "itl_p50": 12.0, "itl_p99": 40.0, "out_tok_s": 7.0,
+                 "goodput": 0.5}
