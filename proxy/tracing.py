@@ -50,7 +50,6 @@ _FROM_HEADERS: dict[bytes, tuple[str, bool]] = {
     XPYD_QUEUE_MS_RAW: ("xpyd.queue_ms", True),
     XPYD_PREFILL_MS_RAW: ("xpyd.prefill_ms", True),
     XPYD_DECODE_TTFB_MS_RAW: ("xpyd.decode_ttfb_ms", True),
-    b"x-request-id": ("xpyd.request_id", False),
 }
 ROLE_NAMES = {"P": "prefill", "D": "decode"}
 INSTALL_HINT = "pip install 'xpyd[tracing]' (opentelemetry-sdk and opentelemetry-exporter-otlp)"

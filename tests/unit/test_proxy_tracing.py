@@ -66,7 +66,6 @@ async def test_a_request_is_one_span_in_the_clients_trace_and_p_and_d_are_its_ch
     assert a["xpyd.prefill.instance"] == p.http_address and a["xpyd.decode.instance"] == d.http_address
     assert (a["xpyd.prefill.attempts"], a["xpyd.decode.attempts"]) == (1, 1)
     assert a["xpyd.path"] == "disaggregated"
-    assert a["xpyd.request_id"] == resp.headers["x-request-id"]
     for timing in ("xpyd.queue_ms", "xpyd.prefill_ms", "xpyd.decode_ttfb_ms"):
         assert isinstance(a[timing], float) and a[timing] >= 0, timing
     assert [(e.name, e.attributes["xpyd.instance"]) for e in span.events] == [
