@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.registry import Registry
+from proxy.registry import Instance, Registry
 
 # Sub-millisecond buckets matter: proxy overhead and prefill of short prompts live there.
 LATENCY_BUCKETS = (
@@ -46,6 +46,51 @@ class _InstanceCollector(Collector):
         for inst in self._registry.all():
             inflight.add_metric([inst.role, inst.http_address], inst.in_flight)
         yield inflight
+        yield from role_signals(self._registry.all())
+
+
+def role_signals(instances: list[Instance]) -> Iterator[Metric]:
+    """What an autoscaler reads, per role and model (docs/deploying/autoscaling.md): the live
+    instances, the load their heartbeats report (vLLM's waiting and running requests, KV-cache
+    use) and the proxy's requests in flight to them. An instance counts under each model it
+    serves; model "" while its models are not known yet. Every proxy replica hears every engine:
+    aggregate these across replicas with max, not sum."""
+    count: dict[tuple[str, str], int] = {}
+    reporting: dict[tuple[str, str], int] = {}
+    waiting: dict[tuple[str, str], int] = {}
+    running: dict[tuple[str, str], int] = {}
+    kv: dict[tuple[str, str], float] = {}
+    in_flight: dict[tuple[str, str], int] = {}
+    for inst in instances:
+        for model in inst.models or ("",):
+            key = (inst.role, model)
+            count[key] = count.get(key, 0) + 1
+            in_flight[key] = in_flight.get(key, 0) + inst.in_flight
+            load = inst.load
+            if load is not None:
+                reporting[key] = reporting.get(key, 0) + 1
+                waiting[key] = waiting.get(key, 0) + load.waiting
+                running[key] = running.get(key, 0) + load.running
+                kv[key] = kv.get(key, 0.0) + load.kv_usage
+    instances_f = GaugeMetricFamily("xpyd_role_instances", "Live instances per role and model",
+                                    labels=["role", "model"])  # fmt: skip
+    requests_f = GaugeMetricFamily(
+        "xpyd_role_requests",
+        "Requests the live instances of a role report in their heartbeats (vLLM's scheduler: waiting, running)",
+        labels=["role", "model", "state"],
+    )
+    kv_f = GaugeMetricFamily("xpyd_role_kv_cache_usage", "Mean KV-cache use (0-1) the live instances of a role "
+                             "report in their heartbeats", labels=["role", "model"])  # fmt: skip
+    flight_f = GaugeMetricFamily("xpyd_role_in_flight", "Requests the proxy has in flight to a role's instances",
+                                 labels=["role", "model"])  # fmt: skip
+    for key, n in count.items():
+        instances_f.add_metric(list(key), n)
+        flight_f.add_metric(list(key), in_flight[key])
+        if key in reporting:
+            requests_f.add_metric([*key, "waiting"], waiting[key])
+            requests_f.add_metric([*key, "running"], running[key])
+            kv_f.add_metric(list(key), kv[key] / reporting[key])
+    yield from (instances_f, requests_f, kv_f, flight_f)
 
 
 class Metrics:
@@ -144,6 +189,8 @@ class Metrics:
             ["role"],
             registry=r,
         )
+        for role in ("P", "D"):  # 0 without admission control: a scaler's query finds the series
+            self.queue_depth.labels(role)
         self.shed_requests = Counter(
             "xpyd_shed_requests",
             "Requests answered 429 by admission control (queue_full, queue_timeout)",

@@ -2,7 +2,7 @@
 """Writes docs/reference/flags.md from the configuration definitions themselves.
 
 Proxy flags come from proxy/config.py: the ProxyConfig dataclass (names, types, defaults),
-its HELP texts and the argparse parser built from them (flag names, choices). The
+its HELP texts (proxy/config_help.py) and the argparse parser built from them (flag names, choices). The
 connector's kv_connector_extra_config keys are found by reading the source of
 connector/config.py and connector/shared_storage/config.py (every ``extra.get("key", d)``,
 ``extra["key"]`` and helper call that takes ``extra`` and a key), with defaults evaluated in
@@ -217,7 +217,7 @@ def proxy_section() -> list[str]:
     lines = [
         "## Proxy (`xpyd-proxy`, `python -m proxy`)",
         "",
-        "Source: `proxy/config.py` (`ProxyConfig`, `HELP`).",
+        "Source: `proxy/config.py` (`ProxyConfig`) and `proxy/config_help.py` (`HELP`).",
         "Every flag is also a key of the YAML `--config` file (snake_case) and an environment variable",
         f"(`{config.ENV_PREFIX}<NAME>`, e.g. `{config.ENV_PREFIX}HEARTBEAT_TIMEOUT=5`; the file itself: "
         f"`{config.ENV_PREFIX}CONFIG`).",
@@ -240,7 +240,7 @@ def proxy_section() -> list[str]:
             lines.append("- one of " + ", ".join(f"`{c}`" for c in action.choices))
         help_text = config.HELP.get(f.name)
         if not help_text:
-            raise SystemExit(f"proxy/config.py: {f.name} has no HELP text (the flag reference is built from it)")
+            raise SystemExit(f"proxy/config_help.py: {f.name} has no HELP text (the flag reference is built from it)")
         wrapped = _wrap(help_text[0].upper() + help_text[1:] + ".", "  ")
         lines += ["- " + wrapped[0].lstrip()] + wrapped[1:]
         lines.append("")

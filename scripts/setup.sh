@@ -16,7 +16,7 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   # Their PyPI builds are CUDA builds and break `import transformers`.
   $VENV/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
-$PIP install -e ".[test,docs]"
+$PIP install -e ".[test,docs,tracing]"  # tracing: the --tracing tests (vLLM pulls the same packages)
 # haproxy and prometheus for two e2e tests (best effort: those tests skip without them).
 bash scripts/setup_system.sh
 "$VENV/bin/python" -m scripts.make_tiny_model --out .models/tiny-llama

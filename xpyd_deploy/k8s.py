@@ -394,12 +394,16 @@ def render_topology(topo: Topology) -> dict[str, str]:
                      # `kustomize edit set image xpyd=REGISTRY/xpyd:TAG` points it at your registry.
                      "images": [{"name": "xpyd", "newName": "xpyd", "newTag": IMAGES[topo.device].split(":")[1]}]}
     out["kustomization.yaml"] = (header + "# Not listed: secrets-example.yaml (create the real Secret yourself),\n"
-                                 "# monitoring.yaml (needs the Prometheus Operator's CRD).\n"
+                                 "# monitoring.yaml (needs the Prometheus Operator's CRD), autoscaling-*.yaml (KEDA or\n"
+                                 "# an external-metrics adapter: pick one).\n"
                                  + yaml.dump(kustomization, Dumper=_NoAliases, sort_keys=False, width=1000))
     hf = (' \\\n#     --from-literal=hf-token="$HF_TOKEN"   # optional: gated models only'
           if topo.device == "cuda" else "")
     out["secrets-example.yaml"] = header + SECRET_COMMENT.format(hf=hf) + _dump_all(render_secret_example(topo))
     out["monitoring.yaml"] = header + MONITORING_COMMENT + _dump_all(render_podmonitor(topo))
+    from scripts.k8s_autoscaling import render_files  # imports this module: at call time
+
+    out.update(render_files(topo, header, _dump_all))  # autoscaling-{keda,hpa}.yaml, optional
     return out
 
 

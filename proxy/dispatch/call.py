@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from proxy.asgi import Flight, Send
 from proxy.errors import ProxyError
 from proxy.request import RouteRequest
+from proxy.tracing import RequestTrace
 
 # Dispatch paths, as counted in xpyd_dispatch_total.
 DISAGGREGATED = "disaggregated"
@@ -71,3 +72,5 @@ class Call:
     cache_usage: tuple[int, int] | None = None
     # Sends what the client connection holds now (proxy/serving/corked.py); None: not corked.
     flush: Callable[[], None] | None = None
+    # The request's span (--tracing: proxy/tracing.py); None: tracing off.
+    trace: RequestTrace | None = None

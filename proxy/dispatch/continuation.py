@@ -84,6 +84,8 @@ class Continuation:
             except ProxyError as e:
                 raise StreamFailed(sse_event_of(e), e.message) from None
             except DecodeFailed as e:
+                if call.trace is not None:
+                    call.trace.failed("D", d.http_address, e.error.message)
                 rescuer = await self._rescuer(call, d)
                 answer = await self._continue_alone(call, rescuer or d, cont, e.error)
             stitched.d = answer.resp
@@ -123,6 +125,8 @@ class Continuation:
         log.warning("decode continuation failed before its first byte error=%s; D alone on instance=%s",
                     failed.message, d.http_address)
         self.metrics.dispatch(LOCAL_RESCUE)
+        if call.trace is not None:
+            call.trace.instance("D", d.http_address, LOCAL_RESCUE)
         left = self._left(call)
         if left > 0:
             plain = {**call.req.headers, "x-request-id": request_id.build_local()}

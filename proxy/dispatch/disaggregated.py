@@ -97,6 +97,8 @@ class Disaggregated:
                  or await self.selector.acquire("P", req, slow))  # fmt: skip
             if p is None:
                 break
+            if call.trace is not None:
+                call.trace.instance("P", p.http_address)
             # An idle P's eligible request gets D's first token, a busy P's P's own (see
             # _prefill_then_open); whichever P is, D is asked at once unless P's token goes first.
             idle = self._concurrent and _idle(p)
@@ -127,6 +129,8 @@ class Disaggregated:
                     last_msg = str(e)
                 failures.append(kind)
                 self._prefill_failed(p, kind, attempt, last_msg)
+                if call.trace is not None:
+                    call.trace.failed("P", p.http_address, kind)
                 if kind != "timeout":
                     last_msg = upstream_text(kind, last_msg, self._expose)
                 continue
@@ -147,6 +151,9 @@ class Disaggregated:
                 self.metrics.first_token_to_d("unusable" if first is None else "held_back")
             elif eligible:
                 self.metrics.first_token_to_d("concurrent")
+            if eligible and call.trace is not None:  # why D, not P, gives the first token
+                call.trace.note("first_token_to_decode",
+                                "concurrent" if not first_mode else "unusable" if first is None else "held_back")
             try:
                 answer = await self.decode.first_bytes(
                     call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers,

@@ -74,6 +74,8 @@ class Dispatcher:
             attempts += 1
             if attempt:
                 self.metrics.decode_retries.inc()
+            if call.trace is not None:
+                call.trace.instance("D", d.http_address)
             call.flight.extra.clear()  # headers describe the attempt that answers
             try:
                 try:
@@ -81,6 +83,8 @@ class Dispatcher:
                 except DecodeFailed as e:
                     tried.append(d)
                     last = e.error
+                    if call.trace is not None:
+                        call.trace.failed("D", d.http_address, e.error.message)
                     log.warning(
                         "decode failed before first byte instance=%s attempt=%d error=%s",
                         d.http_address, attempt + 1, e,
@@ -109,6 +113,8 @@ class Dispatcher:
                 raise ProxyError(503, "no decode instance is available", "no_decode_instance")
         if self._expose:
             call.flight.extra.append((XPYD_DECODE_INSTANCE_RAW, d.http_address.encode()))
+        if call.trace is not None:
+            call.trace.instance("D", d.http_address, LOCAL_STORED)
         try:
             try:
                 answer = await self._local.answer(call, d, LOCAL_STORED)

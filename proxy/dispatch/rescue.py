@@ -60,6 +60,8 @@ class Rescue:
             call.flight.extra.clear()
             if self._expose:
                 call.flight.extra.append((XPYD_DECODE_INSTANCE_RAW, d.http_address.encode()))
+            if call.trace is not None:
+                call.trace.instance("D", d.http_address, LOCAL_RESCUE)
             try:
                 answer = await self.local.answer(call, d, LOCAL_RESCUE, deadline - time.perf_counter())
             except (DecodeFailed, ProxyError) as e:

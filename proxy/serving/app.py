@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -32,6 +33,7 @@ from proxy.routing.kv_events import EventsConfig, KVEvents
 from proxy.serving.adapters import Adapters
 from proxy.serving.passthrough import Passthrough, not_found
 from proxy.serving.routes import Router
+from proxy.tracing import Tracing
 from proxy.upstream.base import Upstream, UpstreamError
 from proxy.upstream.factory import make_upstream
 
@@ -57,7 +59,9 @@ class ProxyState:
         )
         self.kv_events = KVEvents(self.registry, self.metrics, EventsConfig(
             default_cap=cfg.kv_index_max_blocks, silence_s=cfg.kv_events_silence))
-        self.router = Router(cfg, self.registry, self.metrics, self.upstream, self.kv_events)
+        # --tracing: OpenTelemetry imported only now (proxy/tracing.py).
+        self.tracing = Tracing() if cfg.tracing else None
+        self.router = Router(cfg, self.registry, self.metrics, self.upstream, self.kv_events, self.tracing)
         self.passthrough = Passthrough(cfg, self.router, self.metrics, self.upstream)
         self.prober = Prober(cfg, self.registry, self.metrics, self.upstream)
         self.adapters = Adapters(cfg, self.registry, self.metrics, self.upstream, self.prober, self.label)
@@ -103,6 +107,8 @@ class ProxyState:
         await self.prober.stop()
         await self.upstream.close()
         self.router.selector.close()
+        if self.tracing is not None:  # the spans still batched: exported, within the exporter's timeout
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def _json_error(status: int, message: str, code: Any = None, headers=None) -> JSONResponse:

@@ -27,6 +27,7 @@ from proxy.routing.kv_events import KVEvents
 from proxy.routing.selection import Selector
 from proxy.serving.corked import FLUSH, WATCH
 from proxy.serving.intake import cleaned, cleaned_unparsed, forwarded, upstream_headers
+from proxy.tracing import RequestTrace, Tracing
 from proxy.upstream.base import Upstream
 from xpyd_wire.headers import XPYD_PREFIX_RAW
 
@@ -67,8 +68,10 @@ class Router:
         metrics: Metrics,
         upstream: Upstream,
         events: KVEvents | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.cfg = cfg
+        self._tracing = tracing  # None: no span, no cost (proxy/tracing.py)
         self.metrics = metrics
         self.selector = Selector(cfg, registry, metrics, events)
         self.dispatcher = Dispatcher(cfg, self.selector, metrics, upstream)
@@ -151,8 +154,13 @@ class Router:
         watcher: asyncio.Task | None = None
         unwatch: Callable[[], None] | None = None
         status = 500
+        trace: RequestTrace | None = None
+        if self._tracing is not None:
+            trace = self._tracing.start(path, scope["headers"])
         try:
             req = await self._read(path, scope, receive)
+            if trace is not None:
+                trace.begin(req.headers, req.model)
             if not req.verdict and not self.selector.check_model(req):
                 req.verdict, req.model = True, None  # any D: its vLLM's 404 names what it serves
             # From here on the request waits on upstreams: watch for the client leaving.
@@ -163,7 +171,7 @@ class Router:
             else:  # any other ASGI server: a task waits on receive()
                 watcher = loop.create_task(_watch(receive, flight))
             status = await self.dispatcher.run(
-                Call(req, send, flight, t0, loop, flush=state.get(FLUSH) if state else None)
+                Call(req, send, flight, t0, loop, flush=state.get(FLUSH) if state else None, trace=trace)
             )
         except ProxyError as e:
             status = e.status
@@ -197,6 +205,8 @@ class Router:
                 watcher.cancel()
             elapsed = time.perf_counter() - t0
             self.metrics.observe_request(path, status, elapsed)
+            if trace is not None:
+                trace.end(status, flight.extra)
             if log.isEnabledFor(logging.DEBUG):
                 timing = " ".join(f"{_header_name(k)}={v.decode()}" for k, v in flight.extra)
                 log.debug("request path=%s status=%d ms=%.2f %s", path, status, elapsed * 1e3, timing)

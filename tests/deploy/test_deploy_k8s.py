@@ -40,7 +40,7 @@ from xpyd_deploy.topology import Topology, load_topology  # noqa: E402  (xpyd_de
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
 K8S_DIR = ROOT / "configs" / "k8s"
-NOT_IN_KUSTOMIZATION = {"secrets-example.yaml", "monitoring.yaml"}
+NOT_IN_KUSTOMIZATION = {"secrets-example.yaml", "monitoring.yaml", "autoscaling-keda.yaml", "autoscaling-hpa.yaml"}
 # Paths the probes may use: the proxy's own routes are read from its app below; vLLM's health
 # route is checked against the installed vLLM when there is one (test_vllm_accepts_...).
 VLLM_PATHS = {"/health", "/metrics"}
@@ -332,7 +332,7 @@ def test_rendered_topologies():
 # ---- schema ----------------------------------------------------------------------------
 def _schema_docs() -> list[tuple[str, dict]]:
     return [(f"{t}/{f}", d) for t in k8s.TOPOLOGIES for f, docs in load_dir(t).items() for d in docs
-            if d["kind"] not in ("Kustomization", "PodMonitor")]
+            if d["kind"] not in ("Kustomization", "PodMonitor", "ScaledObject")]  # CRDs: test_deploy_autoscaling
 
 
 @pytest.mark.parametrize("version", k8s.KUBERNETES_VERSIONS)

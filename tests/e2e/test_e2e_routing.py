@@ -11,6 +11,10 @@ rate; every answer must equal the colocated one.
   policies `precise` vs both `cache_aware`, on a multi-turn chat trace with a shared system
   prompt: where each turn is prefilled and decoded, P's hit rate, and the KV bytes P ships
   per turn (P ships only the blocks D lacks, issue 17).
+
+Every vLLM here exports its spans (``--otlp-traces-endpoint``) to one OTLP receiver on loopback
+(tests/support/otlp_receiver.py), so a proxy with ``--tracing`` can show one request as one trace:
+the proxy's span with P's and D's ``llm_request`` spans as its children (issue 50).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from tests.support.e2e_client import (
 )
 from tests.support.e2e_cluster import free_port, free_port_pair
 from tests.support.haproxy_helpers import HAPROXY, Balancer, any_free_port
+from tests.support.otlp_receiver import OtlpReceiver, render
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_PATH, XPYD_PREFILL_INSTANCE
 
 cluster = e2e_cluster.cluster
@@ -50,13 +55,26 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory):
+def traces():
+    """The OTLP receiver every server of the module exports its spans to."""
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+def _tracing_env(rx: OtlpReceiver, service: str) -> dict[str, str | None]:
+    """OTLP over HTTP to `rx` (vLLM's default is grpc), spans batched for 100 ms, named `service`."""
+    return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": service}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, traces: OtlpReceiver):
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
     log_dir = Path(tmp_path_factory.mktemp("e2e-routing"))
     discs = (free_port(), free_port())  # every instance registers with both
     env = e2e_cluster.bind_env(None)  # vLLM's default binding
-    common = dict(max_num_batched_tokens=e2e_cluster.MAX_BATCHED_TOKENS, env=env)
+    common = dict(max_num_batched_tokens=e2e_cluster.MAX_BATCHED_TOKENS)
     started: dict[str, cluster.Server] = {}
     try:
         for name, role in (("p0", "kv_producer"), ("p1", "kv_producer"), ("d", "kv_consumer"),
@@ -64,9 +82,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
             port = free_port()
             kv = cluster.kv_transfer_config(role, free_port_pair(), port, None, heartbeat_interval_s=1.0,
                                             proxies=[f"{cluster.HOST}:{d}" for d in discs])
-            started[name] = cluster.start_vllm(name, port, log_dir, **common, kv_config=kv,
-                                               extra_args=["--kv-events-config", _events_config(free_port_pair())])
-        started["colocated"] = cluster.start_vllm("colocated", free_port(), log_dir, **common)
+            started[name] = cluster.start_vllm(
+                name, port, log_dir, **common, kv_config=kv, env={**env, **_tracing_env(traces, f"vllm-{name}")},
+                extra_args=["--kv-events-config", _events_config(free_port_pair()),
+                            "--otlp-traces-endpoint", traces.endpoint])
+        started["colocated"] = cluster.start_vllm("colocated", free_port(), log_dir, **common, env=env)
         cluster.wait_until(list(started.values()), "/health", 600)
         yield discs, log_dir, started
     finally:
@@ -82,15 +102,16 @@ def _events_config(port: int) -> str:
 
 
 def _proxy(disc: int, log_dir: Path, policy: str, decode_policy: str = "round_robin",
-           name: str = "proxy") -> cluster.Server:
+           name: str = "proxy", extra_args: tuple[str, ...] = (), env: dict[str, str | None] | None = None
+           ) -> cluster.Server:  # fmt: skip
     """A proxy with `policy` for P, waiting until both Ps and both Ds have registered (and,
     for precise, until it knows every instance's KV index)."""
     # --expose-routing-headers: which P prefilled is read from x-xpyd-prefill-instance.
     args = ["--prefill-policy", policy, "--decode-policy", decode_policy, "--heartbeat-timeout", "5",
-            "--expose-routing-headers"]
+            "--expose-routing-headers", *extra_args]
     if "precise" in (policy, decode_policy):
         args += ["--tokenizer", str(MODEL_DIR)]
-    proxy = cluster.start_proxy(free_port(), disc, log_dir / f"{policy}-{name}", args, name=name)
+    proxy = cluster.start_proxy(free_port(), disc, log_dir / f"{policy}-{name}", args, name=name, env=env)
     cluster.wait_until([proxy], "/health", 60)
 
     def registered() -> bool:
@@ -292,3 +313,40 @@ def test_precise_keeps_each_conversation_where_its_history_is_over_two_proxies(s
             assert 0 < turn["bytes"] <= new_blocks * block_bytes, (turn, prev, block_bytes)
     assert precise["hit_rate"] >= guess["hit_rate"] - 0.05, (precise["hit_rate"], guess["hit_rate"])
     assert precise["hit_rate"] > 0.5, precise["hit_rate"]
+
+
+def test_one_request_is_one_trace_across_the_proxy_p_and_d(servers, traces: OtlpReceiver, tokenizer):
+    """--tracing (issue 50): the client's trace holds the proxy's span, and P's and D's vLLM
+    ``llm_request`` spans (each engine's own export) are its children, under the P and D it chose."""
+    discs, log_dir, s = servers
+    trace_id, client_span = "5a1e" * 8, "c0ffee00c0ffee00"
+    proxy = _proxy(discs[0], log_dir, "round_robin", name="proxy-traced", extra_args=("--tracing",),
+                   env=_tracing_env(traces, "xpyd-proxy"))
+    try:
+        body = body_for("completions", make_prompt(tokenizer, SYSTEM_TOKENS, 9100), False, max_tokens=MAX_TOKENS)
+        r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=300,
+                       headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+        assert r.status_code == 200, r.text
+        assert r.headers[XPYD_PATH] == "disaggregated"
+    finally:
+        proxy.stop()  # SIGTERM: the proxy exports what its batch holds before it exits
+
+    def whole(spans) -> bool:
+        mine = [x for x in spans if x.trace_id == trace_id]
+        return any(x.service == "xpyd-proxy" for x in mine) and sum(x.name == "llm_request" for x in mine) >= 2
+
+    spans = [x for x in traces.wait_for(whole, 120, "proxy span and both engines' spans") if x.trace_id == trace_id]
+    print(render(spans))  # the trace as text (docs/tracing.md shows one)
+    (root,) = [x for x in spans if x.service == "xpyd-proxy"]
+    assert root.parent_span_id == client_span and root.name == "POST /v1/completions"
+    by_url = {v.url.removeprefix("http://"): k for k, v in s.items()}
+    p, d = (f"vllm-{by_url[r.headers[h]]}" for h in (XPYD_PREFILL_INSTANCE, XPYD_DECODE_INSTANCE))
+    engines = {x.service: x for x in spans if x.name == "llm_request"}
+    assert sorted(engines) == sorted((p, d)) and len(spans) == 3, [(x.service, x.name) for x in spans]
+    assert all(x.parent_span_id == root.span_id for x in engines.values())
+    assert root.attributes["xpyd.prefill.instance"] == r.headers[XPYD_PREFILL_INSTANCE]
+    assert root.attributes["xpyd.decode.instance"] == r.headers[XPYD_DECODE_INSTANCE]
+    assert root.attributes["xpyd.path"] == "disaggregated"
+    # Each engine's span is its own request: P's one token (the prefill), D's answer (or its rest).
+    tokens = {x: engines[x].attributes.get("gen_ai.usage.completion_tokens") for x in (p, d)}
+    assert tokens[p] == 1 and tokens[d] >= 1, tokens

@@ -163,10 +163,10 @@ def start_vllm(
 
 
 def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[str] | None = None,
-                name: str = "proxy") -> Server:
+                name: str = "proxy", env: dict[str, str | None] | None = None) -> Server:
     cmd = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
            "--discovery-host", HOST, "--discovery-port", str(discovery_port)] + (extra_args or [])
-    return _spawn(name, port, cmd, log_dir, {})
+    return _spawn(name, port, cmd, log_dir, env or {})
 
 
 def proc_stats() -> Iterator[tuple[int, list[str]]]:

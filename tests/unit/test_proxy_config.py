@@ -97,6 +97,7 @@ DOCUMENTED_DEFAULTS = {
     "probe_concurrency": 32,
     "shutdown_grace_s": 30.0,
     "log_level": "info",
+    "tracing": False,
     "upstream_client": "native",
     "loop": "auto",
     "http": "auto",
