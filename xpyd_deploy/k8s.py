@@ -401,7 +401,7 @@ def render_topology(topo: Topology) -> dict[str, str]:
           if topo.device == "cuda" else "")
     out["secrets-example.yaml"] = header + SECRET_COMMENT.format(hf=hf) + _dump_all(render_secret_example(topo))
     out["monitoring.yaml"] = header + MONITORING_COMMENT + _dump_all(render_podmonitor(topo))
-    from scripts.k8s_autoscaling import render_files  # imports this module: at call time
+    from xpyd_deploy.k8s_autoscaling import render_files  # imports this module: at call time
 
     out.update(render_files(topo, header, _dump_all))  # autoscaling-{keda,hpa}.yaml, optional
     return out

@@ -20,7 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTOR = ROOT / "connector"
-ROOT_MODULES = {"__init__", "affinity", "base", "config", "layout", "log", "registration", "scheduler_output", "stats"}
+ROOT_MODULES = {"__init__", "affinity", "base", "config", "layout", "log", "registration", "scheduler_output",
+                "server_args", "stats"}
 WINGS = {"p2p", "shared_storage", "transport", "tools"}
 # area -> the areas its modules may import ("root" is connector/*.py)
 ALLOWED = {

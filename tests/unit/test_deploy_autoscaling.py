@@ -1,4 +1,4 @@
-"""configs/k8s/<topology>/autoscaling-{keda,hpa}.yaml (scripts/k8s_autoscaling.py; issue 50 §2) agree
+"""configs/k8s/<topology>/autoscaling-{keda,hpa}.yaml (xpyd_deploy/k8s_autoscaling.py; issue 50 §2) agree
 with the role Deployments, with the proxy's real /metrics and with Kubernetes (no cluster needed).
 
 The HPAs pass the strict autoscaling/v2 schema of the pinned Kubernetes versions (kubernetes-validate;
@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.config import load_config
 from proxy.serving.app import create_app
-from scripts import k8s
-from scripts.topology import Topology, load_topology
+from xpyd_deploy import k8s
+from xpyd_deploy.topology import Topology, load_topology
 from xpyd_wire.discovery import Load
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

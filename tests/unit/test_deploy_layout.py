@@ -16,7 +16,7 @@ from xpyd_deploy import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "xpyd_deploy"
-MODULES = {"__init__", "__main__", "cli", "topology", "launch", "compose", "k8s", "haproxy_cfg"}
+MODULES = {"__init__", "__main__", "cli", "topology", "launch", "compose", "k8s", "k8s_autoscaling", "haproxy_cfg"}
 # What a module of xpyd_deploy may import from the other packages of the checkout.
 ALLOWED = {"proxy.config", "xpyd_deploy"}
 ALLOWED_IN = {"cli": {"connector.tools.doctor"}}  # `xpyd doctor`, imported when that subcommand runs

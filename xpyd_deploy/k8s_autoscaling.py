@@ -1,4 +1,4 @@
-"""Autoscaling manifests per role, rendered with scripts/k8s.py's into configs/k8s/<topology>/
+"""Autoscaling manifests per role, rendered with xpyd_deploy/k8s.py's into configs/k8s/<topology>/
 (docs/deploying/autoscaling.md says which signal scales which role and why):
 
 - autoscaling-keda.yaml: a KEDA ScaledObject (keda.sh/v1alpha1) per role, Prometheus triggers;
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from scripts.k8s import COMPONENT, _meta
-from scripts.topology import Topology
+from xpyd_deploy.k8s import COMPONENT, _meta
+from xpyd_deploy.topology import Topology
 
 # Where KEDA reaches Prometheus: the Prometheus Operator's default Service in a "monitoring"
 # namespace. Edit it for yours (docs/deploying/autoscaling.md).
@@ -33,7 +33,7 @@ PREFILL_WAITING_PER_REPLICA = 4
 DECODE_KV_USAGE = 0.8
 DECODE_WAITING_PER_REPLICA = 2
 MAX_REPLICAS_FACTOR = 4  # up to this many times the topology's count of a role
-POLLING_S = 15  # the PodMonitor's scrape interval (scripts/k8s.py render_podmonitor)
+POLLING_S = 15  # the PodMonitor's scrape interval (xpyd_deploy/k8s.py render_podmonitor)
 # An engine takes minutes to start (model load): scale down only after this long below target,
 # so a dip between bursts does not drop a replica that the next burst needs again.
 SCALE_DOWN_WINDOW_S = 600
