@@ -85,9 +85,13 @@ def test_full_decode_buffer_fails_the_load_at_once_and_recomputes(pdd, tokenizer
     got, data, elapsed = _disaggregated(p, d1, prompt)
     assert_same_greedy(got, want)
     assert data["kv_transfer_params"]["xpyd"]["load_failed"] is True
-    assert elapsed < 5.0, f"D1 waited {elapsed:.1f}s for KV that was refused (deadline {LOAD_TIMEOUT_S}s)"
-    assert re.search(r"refused kv transfer=\S+ reason=recv buffer full", d1.log())
-    assert re.search(r"kv load failed .* error=recv buffer full", d1.log())
+    key = data["kv_transfer_params"]["xpyd"]["transfer_key"]
+    assert re.search(rf"refused kv transfer={key} reason=recv buffer full", d1.log())
+    # The load failed at once (D's own figure; the answer's wall time also holds D computing the
+    # prompt itself, which a loaded box stretches), far from its deadline.
+    failed = re.search(rf"kv load failed req=\S+ transfer={key} after ([0-9.]+)ms error=recv buffer full", d1.log())
+    assert failed and float(failed[1]) < 1000, failed and failed[0]
+    assert elapsed < LOAD_TIMEOUT_S, f"D1 waited {elapsed:.1f}s for KV that was refused (deadline {LOAD_TIMEOUT_S}s)"
     # A prompt that fits still moves.
     small = make_prompt(tokenizer, 60, seed=4402)
     want, _ = generate(p.url, "completions", body_for("completions", small, False))
