@@ -388,11 +388,7 @@ def main() -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for s in reversed(servers):
-            try:
-                s.stop()
-            except Exception as e:  # noqa: BLE001 - keep stopping the others
-                print(f"stopping {s.name}: {e}", file=sys.stderr)
+        cluster.stop_all(servers)
         if ok and not args.log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
 

@@ -182,6 +182,16 @@ def proc_stats() -> Iterator[tuple[int, list[str]]]:
             continue  # gone meanwhile
 
 
+def stop_all(servers: list[Server]) -> None:
+    """Stop servers, the last started first; one that fails to stop is reported and the others
+    still stopped (the benchmarks' teardown)."""
+    for s in reversed(servers):
+        try:
+            s.stop()
+        except Exception as e:  # noqa: BLE001 - keep stopping the others
+            print(f"stopping {s.name}: {e}", file=sys.stderr)
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback)
