@@ -58,6 +58,10 @@ class XpydConnectorBase(KVConnectorBase_V1):
         assert isinstance(meta, self._metadata_type)
         return meta
 
+    def _meta_if_bound(self) -> Any:
+        """This step's metadata, or None outside a step (get_transfer_results may be called then)."""
+        return self._meta() if self.has_connector_metadata() else None
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)

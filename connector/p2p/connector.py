@@ -90,7 +90,7 @@ class P2pNcclConnector(XpydConnectorBase):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        meta = self._meta() if self.has_connector_metadata() else None
+        meta = self._meta_if_bound()
         r = self._worker.poll(finished_req_ids, meta)
         return KVConnectorTransferResults(
             finished_sending=r.finished_sending,

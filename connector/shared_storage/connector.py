@@ -67,7 +67,7 @@ class SharedStorageConnector(XpydConnectorBase):
     # ---- worker side ----
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        meta = self._meta() if self.has_connector_metadata() else None
+        meta = self._meta_if_bound()
         r = self._worker.poll(finished_req_ids, idle=meta is not None and meta.idle,
                               awaiting=meta is not None and meta.awaiting)
         return KVConnectorTransferResults(finished_recving=r.finished)
