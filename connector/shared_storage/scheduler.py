@@ -70,7 +70,6 @@ class _Req:
     loads: int = 0
     loaded_tokens: int = 0
     load_failed: bool = False
-    awaiting_since: float | None = None  # asked before P answered, P's files not begun: since when
 
 
 class SharedStorageScheduler:
@@ -82,6 +81,8 @@ class SharedStorageScheduler:
         self._model_id = model_id
         self._reqs: dict[str, _Req] = {}
         self._new_loads: list[FetchSpec] = []
+        # Requests asked before P answered whose producer has stored no file yet -> since when.
+        self._awaiting: dict[str, float] = {}
         self._kvm: KVCacheManager | None = None
         self._running = 0
         self._queue_usage = 0.0  # the workers' writer queues, from their stats
@@ -133,11 +134,10 @@ class SharedStorageScheduler:
         queued or computing. Like the P2P consumer, wait without blocks (None: ask again next
         step) for kv_prefill_wait_s, then compute the prompt here."""
         now = time.monotonic()
-        if st.awaiting_since is None:
-            st.awaiting_since = now
-        if now - st.awaiting_since < self._cfg.base.kv_prefill_wait_s:
+        since = self._awaiting.setdefault(request.request_id, now)
+        if now - since < self._cfg.base.kv_prefill_wait_s:
             return None, False
-        st.awaiting_since = None
+        del self._awaiting[request.request_id]
         st.load_failed = True  # not asked again: computed here
         logger.error("kv storage wait timed out req=%s: no file of the producer's in %.1fs; computing the prompt here",
                      request.request_id, self._cfg.base.kv_prefill_wait_s)
@@ -168,7 +168,7 @@ class SharedStorageScheduler:
             if expected > hit:
                 if tid.early and hit == first:
                     return self._not_begun(st, request)
-                st.awaiting_since = None
+                self._awaiting.pop(request.request_id, None)
                 hit, wait_s = expected, self._cfg.base.kv_load_timeout_s
         ext = min(hit * self._bs, limit) - num_computed_tokens
         if ext <= 0:
@@ -201,7 +201,7 @@ class SharedStorageScheduler:
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> SharedStorageMetadata:
         meta = SharedStorageMetadata(loads=self._new_loads, idle=scheduler_output.total_num_scheduled_tokens == 0,
-                                     awaiting=any(st.awaiting_since is not None for st in self._reqs.values()))
+                                     awaiting=bool(self._awaiting))
         self._new_loads = []
         self._running = len(scheduler_output.num_scheduled_tokens)
         if self._cfg.is_producer:
@@ -248,6 +248,7 @@ class SharedStorageScheduler:
         """Nothing to keep (stores copied their blocks out in the step that computed
         them); the params reach the client as ``kv_transfer_params: {"xpyd": ...}``."""
         st = self._reqs.pop(request.request_id, None)
+        self._awaiting.pop(request.request_id, None)  # aborted while P had stored nothing
         if st is None or (st.stored == 0 and st.load is None):
             return False, None
         info: dict[str, Any] = {"storage": "shared"}
