@@ -133,6 +133,11 @@ class ProxyConfig:
     # computes the first token itself, unless P is busy and the first token may be P's (then D is
     # asked after P's token, as sequential); sequential: D gets the request when P has answered.
     dispatch: str = "concurrent"
+    # Concurrent dispatch: requests this proxy has asked one D ahead of P's answer that still wait
+    # for it. Each waits in D's engine queue, which vLLM's scheduler walks every step (D's
+    # decoding slows with them: scripts/bench_waiting.py); past the bound a request's D is asked
+    # once P answered, as with sequential dispatch. 0: no bound.
+    decode_max_early: int = 8
     # prefill: the client's first token is P's, sent as soon as P answers, and D continues
     # from prompt + that token (streaming completions whose parameters allow it:
     # proxy/dispatch/first_token.py); TTFT then waits for neither the transfer nor D's first step.
@@ -236,7 +241,8 @@ class ProxyConfig:
                 "--discovery-host 127.0.0.1, or pass --allow-unauthenticated-discovery"
             )
         for name in ("prefill_retries", "decode_retries", "local_prefill_threshold",
-                     "prefill_max_in_flight", "decode_max_in_flight", "queue_size"):
+                     "prefill_max_in_flight", "decode_max_in_flight", "queue_size",
+                     "decode_max_early"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
         for name in ("discovery_max_per_role", "discovery_max_per_source", "probe_concurrency",

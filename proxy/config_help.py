@@ -88,6 +88,8 @@ HELP = MappingProxyType(
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
         "dispatch": "concurrent: D is asked with P and computes the first token itself (a busy P's eligible "
                     "request keeps P's token, D asked after it); sequential: D is asked after P answered",
+        "decode_max_early": "concurrent dispatch: requests a D may hold that wait for P's prefill; beyond, D is "
+                            "asked after P answered (0: no limit)",
         "first_token": "prefill: P's token goes to the client as soon as P answers and D continues from it "
                        "(streaming completions whose parameters allow it); decode: D computes the first token",
         "local_prefill_threshold": "prompts under this many estimated tokens (4 characters each) skip P (0: never)",

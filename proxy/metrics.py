@@ -167,6 +167,13 @@ class Metrics:
             ["prefill"],
             registry=r,
         )
+        self.decode_early_full = Counter(
+            "xpyd_decode_early_full",
+            "Disaggregated attempts under concurrent dispatch whose D already held decode_max_early requests "
+            "of this proxy waiting for their prefill: D was asked once P answered, as with sequential dispatch",
+            ["decode"],
+            registry=r,
+        )
         self.first_token_fallbacks = Counter(
             "xpyd_first_token_to_decode",
             "Requests eligible for the first token from P whose answer went to D's first token instead "

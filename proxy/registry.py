@@ -56,6 +56,8 @@ class Instance:
     # Proxy-tracked load: requests and estimated prompt tokens currently sent to it.
     in_flight: int = 0
     in_flight_tokens: int = 0
+    # D only: requests sent ahead of their P's answer (concurrent dispatch) not answered by P yet.
+    early: int = 0
     # Monotonic deadline until which routing avoids it after a refused connection.
     cooldown_until: float = 0.0
     served: int = 0
@@ -96,6 +98,7 @@ class Instance:
             "heartbeat_age_s": round(max(0.0, now_wall - self.last_heartbeat_wall), 3),
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
+            "early": self.early,
             "served": self.served,
             "cooling_down": self.cooldown_until > time.monotonic(),
             "models": None if self.models is None else sorted(self.models),

@@ -63,6 +63,7 @@ class Disaggregated:
         self.continuation = continuation
         self._phase = metrics.phase_children
         self._concurrent = cfg.dispatch == "concurrent"
+        self._max_early = cfg.decode_max_early or None
         self._first_token = cfg.first_token == "prefill"
         self._expose = cfg.expose_routing_headers
 
@@ -100,13 +101,17 @@ class Disaggregated:
             if call.trace is not None:
                 call.trace.instance("P", p.http_address)
             # An idle P's eligible request gets D's first token, a busy P's P's own (see
-            # _prefill_then_open); whichever P is, D is asked at once unless P's token goes first.
+            # _prefill_then_open); whichever P is, D is asked at once unless P's token goes first
+            # or D holds decode_max_early requests waiting for their prefill already.
             idle = self._concurrent and _idle(p)
+            room = self._concurrent and (self._max_early is None or d.early < self._max_early)
             if self._concurrent:
                 self.metrics.concurrent_dispatch("idle" if idle else "busy")
-            first_mode = eligible and not (either and idle)
+                if not room:
+                    self.metrics.decode_early_full.labels(d.http_address).inc()
+            first_mode = eligible and not (either and idle and room)
             pre_raw = pre_first if first_mode else pre_plain
-            early = self._concurrent and not first_mode  # D asked with P (the id says so to D's connector)
+            early = room and not first_mode  # D asked with P (the id says so to D's connector)
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address, early=early)
             if req.response_id is not None:  # the transfer rides in P's body (openai_api.prefill_body)
                 pre_raw = orjson.dumps(prefill_body(req.path, req.body, skip, rid))
@@ -179,7 +184,7 @@ class Disaggregated:
 
         D's connector gives the request KV-cache blocks, and starts its load deadline, only
         once P began sending (connector/p2p/scheduler.py): a P that is queued or slow costs D
-        nothing but a waiting entry. P's failure aborts D's request at once; D's failure
+        nothing but a waiting entry (at most decode_max_early from this proxy). P's failure aborts D's request at once; D's failure
         before P is done aborts P's. A busy P's request that may start with P's token keeps
         it (first_token): D is asked once P answered, as with sequential dispatch."""
         try:
@@ -187,6 +192,7 @@ class Disaggregated:
                 return None, await self._prefill(loop, p, req, pre_raw, headers)
             opening = loop.create_task(self.decode.open(req, d, headers))
             prefill = loop.create_task(self._prefill(loop, p, req, pre_raw, headers))
+            d.early += 1
             try:
                 await asyncio.wait((prefill, opening), return_when=asyncio.FIRST_COMPLETED)
                 if opening.done() and opening.exception() is not None and not prefill.done():
@@ -197,6 +203,8 @@ class Disaggregated:
                 await _discard(prefill)
                 await _discard(opening)
                 raise
+            finally:
+                d.early -= 1
             return opening, data
         finally:
             self.selector.release(p, req)

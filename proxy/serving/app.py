@@ -81,7 +81,7 @@ class ProxyState:
             return full
         label = self.label(inst)
         keep = ("role", "models", "healthy", "pending", "probe_error", "static", "in_flight",
-                "in_flight_tokens", "served", "cooling_down", "heartbeat_age_s", "load",
+                "in_flight_tokens", "early", "served", "cooling_down", "heartbeat_age_s", "load",
                 "kv_transport_fallbacks", "kv_events", "output_limits")  # fmt: skip
         return {"label": label, **{k: full[k] for k in keep}}
 

@@ -6,6 +6,7 @@ fake instances over real HTTP and ZMQ (the mutation survivors of proxy/dispatch/
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from contextlib import contextmanager
@@ -261,3 +262,38 @@ async def test_a_d_that_cannot_be_connected_to_in_time_is_a_504_decode_timeout(c
         f"decode failed before first byte instance={addr} attempt=1 "
         "error=decode instance failed before answering: connect timed out"
     ]
+
+
+async def test_concurrent_dispatch_bounds_the_requests_d_holds_waiting_for_their_prefill():
+    """decode_max_early: once D holds that many of this proxy's requests still waiting for P's
+    answer, the next request's D is asked after P answered (as sequential), counted per D;
+    when P answers, the room comes back."""
+    async with running_proxy(dispatch="concurrent", decode_max_early=1) as px:
+        p, d = await px.pd()
+        p.fault = Fault(delay=1.5)  # early: within 1 s (slack for a loaded box); late: after 1.5 s
+        first = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))
+        await wait_until(lambda: len(d.completions()) == 1, what="D asked early")
+        assert await _early(px) == 1
+        second = await px.client.post("/v1/completions", json=COMPLETION)
+        assert [r.status_code for r in (await first, second)] == [200, 200]
+        pre = {r.request_id: r for r in p.completions()}
+        early, late = sorted(d.completions(), key=lambda r: r.received_at)
+        assert early.received_at < pre[early.request_id].received_at + 1.0
+        assert late.received_at >= pre[late.request_id].received_at + 1.4
+        assert await px.metric("xpyd_decode_early_full_total", decode=d.http_address) == 1
+        assert await _early(px) == 0
+        p.fault = Fault(delay=0.5)
+        third = await px.client.post("/v1/completions", json=COMPLETION)
+        assert third.status_code == 200
+        last = max(d.completions(), key=lambda r: r.received_at)
+        assert last.received_at < pre_of(p, last.request_id).received_at + 0.4  # early again
+        assert await px.metric("xpyd_decode_early_full_total", decode=d.http_address) == 1
+
+
+def pre_of(p, request_id: str):
+    return next(r for r in p.completions() if r.request_id == request_id)
+
+
+async def _early(px) -> int:
+    (d,) = [i for i in (await px.client.get("/instances")).json() if i["role"] == "D"]
+    return d["early"]
