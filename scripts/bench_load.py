@@ -55,6 +55,8 @@ METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_s", "goodput")
 # setup's proxy or router), P and D in cores busy over the point's wall time (a front's CPU a
 # request would count its idle heartbeats and probes over a slow point's minute).
 CPU = ("front_cores", "p_cores", "d_cores", "gap1_p50", "gap1_max")
+# D's connector loads over a point (vllm:xpyd_kv_transfers_total{role="load"}): summed over rounds.
+LOADS = ("loads_ok", "loads_failed")
 HZ = os.sysconf("SC_CLK_TCK")
 
 
@@ -114,7 +116,8 @@ def start_router(name: str, args: list[str], log_dir: Path) -> cluster.Server:
 # ----------------------------------------------------------------------------- clients
 
 
-def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int) -> dict[str, float]:
+def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int,
+               max_concurrency: int | None = None) -> dict[str, float]:
     """One `vllm bench serve` run; its own print-out goes to a buffer (kept on failure)."""
     from vllm.benchmarks import serve
 
@@ -127,6 +130,8 @@ def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int) -> dic
             "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--goodput", f"ttft:{p.slo_ttft_ms:g}", f"tpot:{p.slo_tpot_ms:g}", "--disable-tqdm",
             "--save-detailed"]  # fmt: skip
+    if max_concurrency:
+        argv += ["--max-concurrency", str(max_concurrency)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         r = serve.main(parser.parse_args(argv))
@@ -196,8 +201,21 @@ def session_cpu(sessions: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def kv_loads(d_url: str) -> dict[str, float]:
+    """D's connector loads so far, ok and failed (any result but ok and unneeded), from its /metrics."""
+    with urllib.request.urlopen(d_url + "/metrics", timeout=30) as r:  # noqa: S310 (loopback)
+        text = r.read().decode()
+    out = dict.fromkeys(LOADS, 0.0)
+    for line in text.splitlines():
+        if line.startswith("vllm:xpyd_kv_transfers_total{") and 'role="load"' in line:
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            if result != "unneeded":
+                out["loads_ok" if result == "ok" else "loads_failed"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles: list[Profile],
-          log_dir: Path, sessions: dict[str, int]) -> dict:  # fmt: skip
+          log_dir: Path, sessions: dict[str, int], d_url: str) -> dict:  # fmt: skip
     """{client: {profile: {rate: {setup: [metrics per round]}}}}, the setups taking turns.
     ``sessions``: the session (leader pid) of P, D and each setup's front, named so."""
     clients = ["vllm"] + (["guidellm"] if args.client == "both" else []) if args.client != "guidellm" else ["guidellm"]
@@ -211,12 +229,13 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                     for c in clients:
                         seed = args.seed + 10_000 * rnd + 1_000 * i + 100 * names.index(s) + 10 * clients.index(c)
                         seed += 5_000_000 * profiles.index(p)
-                        t0, cpu0 = time.monotonic(), session_cpu(sessions)
-                        point = (vllm_point(urls[s], model, p, rate, seed) if c == "vllm"
+                        loads0, t0, cpu0 = kv_loads(d_url), time.monotonic(), session_cpu(sessions)
+                        point = (vllm_point(urls[s], model, p, rate, seed, args.max_concurrency) if c == "vllm"
                                  else guidellm_point(urls[s], model, p, rate, seed, log_dir))
                         wall, cpu1 = time.monotonic() - t0, session_cpu(sessions)
                         point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
                                   "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
+                        point |= {k: v - loads0[k] for k, v in kv_loads(d_url).items()}
                         res[c][p.name][rate][s].append(point)
                         print(f"  round {rnd + 1}/{args.rounds} {c} {p.name} {rate:g}/s {s:<12} "
                               + " ".join(f"{k} {v:.1f}" for k, v in point.items())
@@ -225,7 +244,9 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
 
 
 def medians(res: dict) -> dict:
+    """Medians over the rounds; D's loads summed."""
     return {c: {p: {r: {s: {k: statistics.median(x[k] for x in runs) for k in METRICS + CPU if k in runs[0]}
+                        | {k: sum(x.get(k, 0) for x in runs) for k in LOADS}
                         for s, runs in by_setup.items() if runs}
                     for r, by_setup in by_rate.items()} for p, by_rate in by_prof.items()}
             for c, by_prof in res.items()}
@@ -250,10 +271,12 @@ def report(med: dict, profiles: list[Profile], args: argparse.Namespace) -> list
                 lines.append("\nwhere the CPU went (/proc: cores busy over the point; the front: the setup's proxy or "
                              "router; P and D have one core each) and the gap from each answer's first token to its "
                              "second (in the ITL figures)")
-                lines.append("| rate/s | setup | front cores | P cores | D cores | token 1 -> 2 gap p50 / max ms |")
-                lines.append("|---|---|---|---|---|---|")
+                lines.append("| rate/s | setup | front cores | P cores | D cores | token 1 -> 2 gap p50 / max ms "
+                             "| D's KV loads ok / failed (all rounds) |")
+                lines.append("|---|---|---|---|---|---|---|")
                 lines += [f"| {rate:g} | {s} | {m['front_cores']:.3f} | {m['p_cores']:.2f} | {m['d_cores']:.2f} | "
-                          f"{m.get('gap1_p50', 0):.0f} / {m.get('gap1_max', 0):.0f} |" for rate, s, m in rows]
+                          f"{m.get('gap1_p50', 0):.0f} / {m.get('gap1_max', 0):.0f} | "
+                          f"{m['loads_ok']:.0f} / {m['loads_failed']:.0f} |" for rate, s, m in rows]
     return lines
 
 
@@ -296,6 +319,9 @@ def main() -> int:
     ap.add_argument("--rates-short", default="1,3", help="request rates (req/s) of the short prompts")
     ap.add_argument("--rates-long", default="0.3,0.6", help="request rates (req/s) of the long prompts")
     ap.add_argument("--prompts", type=int, default=12, help="requests per point")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="vllm bench serve's --max-concurrency: at most this many requests in flight (with a rate "
+                         "of inf: a closed loop of N clients)")
     ap.add_argument("--slo-short", default="1000,100", help="goodput SLO for short prompts: TTFT,TPOT ms")
     ap.add_argument("--slo-long", default="3000,100", help="goodput SLO for long prompts: TTFT,TPOT ms")
     ap.add_argument("--rounds", type=int, default=3)
@@ -315,6 +341,8 @@ def main() -> int:
         rates = tuple(float(x) for x in getattr(args, f"rates_{name}").split(","))
         return Profile(name, i, o, rates, args.prompts, ttft, tpot)
 
+    if args.max_concurrency and args.client != "vllm":
+        ap.error("--max-concurrency is vllm bench serve's: use it with --client vllm")
     profiles = [prof(n) for n in args.profiles.split(",") if n]
     setups = [s for s in args.setups.split(",") if s]
     cmd = shlex.join([os.path.relpath(sys.executable, ROOT), "-m", "scripts.bench_load", *sys.argv[1:]])
@@ -360,7 +388,7 @@ def main() -> int:
         print(f"  up in {time.monotonic() - t0:.0f}s", flush=True)
         sessions = {"P": servers[2].proc.pid, "D": servers[3].proc.pid, "colocated": colocated.proc.pid,
                     "xpyd": proxy.proc.pid, "vllm-router": router_pd.proc.pid}
-        res = sweep(args, urls, model, profiles, log_dir, sessions)
+        res = sweep(args, urls, model, profiles, log_dir, sessions, servers[3].url)
         after = machine()
         med = medians(res)
         title = (f"{before['lscpu']}; {args.model} model; medians of {args.rounds} rounds\n"

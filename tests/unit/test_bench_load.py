@@ -25,9 +25,45 @@ def test_medians_are_per_setup_and_metric_over_rounds():
     assert any("TTFT <= 1000 ms and TPOT <= 50 ms" in line for line in lines)
     assert not any("front cores" in line for line in lines)  # no CPU figures measured
     cpu = {"front_cores": 0.5, "p_cores": 0.9, "d_cores": 0.4}
-    res["vllm"]["long"][0.5]["xpyd"] = [_point(10, 0.1) | cpu, _point(10, 0.1) | cpu | {"front_cores": 0.7}]
+    res["vllm"]["long"][0.5]["xpyd"] = [_point(10, 0.1) | cpu | {"loads_ok": 3, "loads_failed": 1},
+                                        _point(10, 0.1) | cpu | {"front_cores": 0.7, "loads_ok": 3}]
     lines = report(medians(res), [P], Args)
-    assert "| 0.5 | xpyd | 0.600 | 0.90 | 0.40 | 0 / 0 |" in lines
+    assert "| 0.5 | xpyd | 0.600 | 0.90 | 0.40 | 0 / 0 | 6 / 1 |" in lines  # D's loads: summed over rounds
+
+
+def test_ds_loads_are_read_from_its_metrics_ok_and_failed():
+    """kv_loads: ok, and every other result but unneeded as failed, of the load role only."""
+    import http.server
+    import threading
+
+    from scripts.bench_load import kv_loads
+
+    text = "\n".join([
+        '# HELP vllm:xpyd_kv_transfers_total x',
+        'vllm:xpyd_kv_transfers_total{engine="0",model_name="m",role="load",result="ok"} 7.0',
+        'vllm:xpyd_kv_transfers_total{engine="0",model_name="m",role="load",result="failed"} 2.0',
+        'vllm:xpyd_kv_transfers_total{engine="0",model_name="m",role="load",result="missed"} 1.0',
+        'vllm:xpyd_kv_transfers_total{engine="0",model_name="m",role="load",result="unneeded"} 5.0',
+        'vllm:xpyd_kv_transfers_total{engine="0",model_name="m",role="send",result="failed"} 4.0',
+        'vllm:xpyd_kv_failures_total{engine="0",model_name="m",role="load",reason="timeout"} 2.0', ""]).encode()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert kv_loads(f"http://127.0.0.1:{srv.server_port}") == {"loads_ok": 7.0, "loads_failed": 3.0}
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_guidellm_report_gives_the_same_figures():
