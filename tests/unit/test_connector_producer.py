@@ -697,7 +697,8 @@ def test_a_send_queued_while_its_decode_was_dead_goes_once_a_probe_gets_through(
     out once the probe is answered, and close() waits for that send on the wire (the probe
     before it was a call close() does not wait for; the send is not)."""
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
-    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=3.0)  # the second put, 0.8 s late, must not time out on a loaded box
+    # 3 s: the second put, answered 0.8 s late through the front, must not time out on a loaded box.
+    prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=3.0)
     front = ProbeFront(rank0(cons))
     try:
         prod.save(save_spec(prod, front.address, req_id="lost", key="a" * 32))
