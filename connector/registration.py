@@ -55,16 +55,18 @@ RESOLVE_DEADLINE_S = (1.0, 5.0)
 
 
 def heartbeat_load(kv_cache_manager: KVCacheManager | None, running: int, known: int,
-                   buffer_usage: float) -> Load:
+                   buffer_usage: float, waiting_for_kv: int = 0) -> Load:
     """The load a scheduler reports in its heartbeats: running and waiting requests (of the
-    `known` ones), KV cache usage (best effort) and the connector's own buffer usage."""
+    `known` ones; of the waiting, `waiting_for_kv` held until their prefill begins sending), KV
+    cache usage (best effort) and the connector's own buffer usage."""
     usage = 0.0
     if kv_cache_manager is not None:
         try:
             usage = float(kv_cache_manager.usage)
         except Exception:  # usage is best effort
             usage = 0.0
-    return Load(running, max(0, known - running), _fraction(usage), _fraction(buffer_usage))
+    waiting = max(0, known - running)
+    return Load(running, waiting, _fraction(usage), _fraction(buffer_usage), min(waiting, max(0, waiting_for_kv)))
 
 
 def _fraction(x: float) -> float:

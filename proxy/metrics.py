@@ -58,6 +58,7 @@ def role_signals(instances: list[Instance]) -> Iterator[Metric]:
     count: dict[tuple[str, str], int] = {}
     reporting: dict[tuple[str, str], int] = {}
     waiting: dict[tuple[str, str], int] = {}
+    for_kv: dict[tuple[str, str], int] = {}
     running: dict[tuple[str, str], int] = {}
     kv: dict[tuple[str, str], float] = {}
     in_flight: dict[tuple[str, str], int] = {}
@@ -69,14 +70,16 @@ def role_signals(instances: list[Instance]) -> Iterator[Metric]:
             load = inst.load
             if load is not None:
                 reporting[key] = reporting.get(key, 0) + 1
-                waiting[key] = waiting.get(key, 0) + load.waiting
+                waiting[key] = waiting.get(key, 0) + load.waiting - load.waiting_for_kv
+                for_kv[key] = for_kv.get(key, 0) + load.waiting_for_kv
                 running[key] = running.get(key, 0) + load.running
                 kv[key] = kv.get(key, 0.0) + load.kv_usage
     instances_f = GaugeMetricFamily("xpyd_role_instances", "Live instances per role and model",
                                     labels=["role", "model"])  # fmt: skip
     requests_f = GaugeMetricFamily(
         "xpyd_role_requests",
-        "Requests the live instances of a role report in their heartbeats (vLLM's scheduler: waiting, running)",
+        "Requests the live instances of a role report in their heartbeats: running, waiting (to be computed) "
+        "and waiting_for_kv (held by D until their prefill's KV begins to come: concurrent dispatch)",
         labels=["role", "model", "state"],
     )
     kv_f = GaugeMetricFamily("xpyd_role_kv_cache_usage", "Mean KV-cache use (0-1) the live instances of a role "
@@ -88,6 +91,7 @@ def role_signals(instances: list[Instance]) -> Iterator[Metric]:
         flight_f.add_metric(list(key), in_flight[key])
         if key in reporting:
             requests_f.add_metric([*key, "waiting"], waiting[key])
+            requests_f.add_metric([*key, "waiting_for_kv"], for_kv[key])
             requests_f.add_metric([*key, "running"], running[key])
             kv_f.add_metric(list(key), kv[key] / reporting[key])
     yield from (instances_f, requests_f, kv_f, flight_f)

@@ -113,8 +113,8 @@ class Instance:
                                                                 "tool_parser": self.generation.tool_parser},
             "load": None
             if load is None
-            else {"running": load.running, "waiting": load.waiting, "kv_usage": load.kv_usage,
-                  "kv_buffer_usage": load.kv_buffer_usage},
+            else {"running": load.running, "waiting": load.waiting, "waiting_for_kv": load.waiting_for_kv,
+                  "kv_usage": load.kv_usage, "kv_buffer_usage": load.kv_buffer_usage},
         }
 
 

@@ -3,8 +3,11 @@
 Upstream-compatible core: ``msgpack({"type": "P"|"D", "http_address": "host:port",
 "zmq_address": "host:port"})``. Optional xPyD fields:
 
-- ``load``: ``{"running": int, "waiting": int, "kv_usage": float, "kv_buffer_usage": float}``
-  (counts 0..MAX_LOAD_COUNT, usages 0..1; ``kv_buffer_usage``: the KV connector's receive buffer)
+- ``load``: ``{"running": int, "waiting": int, "kv_usage": float, "kv_buffer_usage": float,
+  "waiting_for_kv": int?}`` (counts 0..MAX_LOAD_COUNT, usages 0..1; ``kv_buffer_usage``: the KV
+  connector's receive buffer; ``waiting_for_kv``: of the waiting, those a D holds until their
+  prefill begins sending, which concurrent dispatch sends ahead of P; absent: 0, and proxies
+  before it ignore it)
 - ``kv_transport_fallbacks``: int 0..MAX_LOAD_COUNT, times the instance's KV transport left
   NCCL for the host-staged tcp path with a peer since it started (0 and absent alike)
 - ``leave``: ``True`` to deregister gracefully
@@ -110,7 +113,7 @@ TOOL_PARSER_ADJUSTS = ("none", "tool_choice", "always")
 # vLLM's generation-config sampling fields are 7; room for a few more from a newer vLLM.
 MAX_SAMPLING_DEFAULTS = 16
 _SAMPLING_NAME = re.compile(r"[a-z_]{1,32}", re.ASCII)
-_LOAD_COUNTS = ("running", "waiting")
+_LOAD_COUNTS = ("running", "waiting", "waiting_for_kv")
 _LOAD_USAGES = ("kv_usage", "kv_buffer_usage")
 
 
@@ -128,6 +131,8 @@ class Load:
     waiting: int = 0
     kv_usage: float = 0.0
     kv_buffer_usage: float = 0.0
+    # Of `waiting`: requests held until their prefill's KV begins to come (not D's compute).
+    waiting_for_kv: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +222,8 @@ def encode(reg: Registration, secret: str | None = None) -> bytes:
             "kv_usage": reg.load.kv_usage,
             "kv_buffer_usage": reg.load.kv_buffer_usage,
         }
+        if reg.load.waiting_for_kv:
+            fields["load"]["waiting_for_kv"] = reg.load.waiting_for_kv
     if reg.kv_transport_fallbacks:
         fields["kv_transport_fallbacks"] = reg.kv_transport_fallbacks
     if reg.kv_events is not None:
@@ -303,7 +310,9 @@ def _check_load(value: Any) -> Load:
         if not _is_number(u) or not 0.0 <= u <= 1.0:
             raise ProtocolError(f"load.{key} must be a number 0..1, got {_show(u)}")
         usages.append(float(u))
-    return Load(counts[0], counts[1], usages[0], usages[1])
+    if counts[2] > counts[1]:
+        raise ProtocolError(f"load.waiting_for_kv ({counts[2]}) exceeds load.waiting ({counts[1]})")
+    return Load(counts[0], counts[1], usages[0], usages[1], counts[2])
 
 
 def check_output_limits(value: Any) -> OutputLimits:

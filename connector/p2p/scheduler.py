@@ -193,7 +193,8 @@ class P2pScheduler:
 
     def load_report(self) -> Load:
         """Load figures for the discovery heartbeat."""
-        return heartbeat_load(self._kv_cache_manager, self._running, len(self._live), self._buffer_usage)
+        return heartbeat_load(self._kv_cache_manager, self._running, len(self._live), self._buffer_usage,
+                              len(self._unstarted))
 
     # ---- which side of a transfer this instance is on ----
     def _consumes(self, tid: request_id.TransferId) -> bool:

@@ -95,7 +95,7 @@ class SharedStorageScheduler:
         self._kvm = kv_cache_manager
 
     def load_report(self) -> Load:
-        return heartbeat_load(self._kvm, self._running, len(self._reqs), self._queue_usage)
+        return heartbeat_load(self._kvm, self._running, len(self._reqs), self._queue_usage, len(self._awaiting))
 
     # ---- keys ----
     def _state(self, request: "Request") -> _Req | None:

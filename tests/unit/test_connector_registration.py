@@ -156,6 +156,7 @@ def test_registrar_says_at_start_up_when_the_proxy_would_drop_it(health_server, 
 
 def test_heartbeat_load_is_always_in_the_range_the_proxy_accepts():
     assert heartbeat_load(None, 2, 5, float("nan")) == Load(2, 3, 0.0, 0.0)
+    assert heartbeat_load(None, 2, 5, 0.0, waiting_for_kv=9).waiting_for_kv == 3  # never more than waiting
     assert heartbeat_load(None, 0, 0, 1.7).kv_buffer_usage == 1.0
     assert heartbeat_load(None, 0, 0, -0.2).kv_buffer_usage == 0.0
 

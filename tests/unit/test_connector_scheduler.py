@@ -217,10 +217,13 @@ def test_consumer_waits_without_blocks_until_the_prefill_begins(monkeypatch):
     waiting = s.build_connector_meta(sched_out())
     # An idle step waits for a sender to begin (the worker's bounded wait), not back to back.
     assert waiting.loads == [] and waiting.idle and waiting.awaiting_senders
+    # The heartbeat tells the proxies it waits for P's KV, not for D's compute (autoscaling).
+    assert s.load_report() == Load(0, 1, 0.0, 0.0, waiting_for_kv=1)
     probe.started.add(TK)  # P reserved room in D's buffer: its KV is on its way
     assert admit(s, req, 0, [1, 2, 3]) == (299, True)
     planned = s.build_connector_meta(sched_out())
     assert planned.loads[0].num_tokens == 299 and not planned.awaiting_senders
+    assert s.load_report().waiting_for_kv == 0
     # Never begun: asked before P answered (the proxy's early mark), D waits kv_prefill_wait_s,
     # then computes it (the key let go, the load reported failed).
     late = make_req(pd_id(key=KEY2).replace("___prefill_addr_", "xpyd-early___prefill_addr_"), 300)

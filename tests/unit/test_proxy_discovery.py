@@ -30,7 +30,7 @@ async def test_registration_shows_in_instances_and_ready():
         by_role = {i["role"]: i for i in data}
         assert by_role["P"]["http_address"] == p.http_address
         assert by_role["P"]["zmq_address"] == p.zmq_address
-        assert by_role["P"]["load"] == {"running": 2, "waiting": 1, "kv_usage": 0.25,
+        assert by_role["P"]["load"] == {"running": 2, "waiting": 1, "waiting_for_kv": 0, "kv_usage": 0.25,
                                           "kv_buffer_usage": 0.0}
         assert by_role["D"]["http_address"] == d.http_address and by_role["D"]["load"] is None
         for inst in data:
@@ -326,6 +326,7 @@ def test_invalid_addresses_are_protocol_errors(address):
     {"load": {"kv_usage": float("inf")}}, {"load": {"kv_usage": 1.01}},
     {"load": {"kv_buffer_usage": -0.1}}, {"load": {"kv_usage": False}},
     {"load": {"kv_usage": "0.5"}}, {"load": {f"k{i}": 0 for i in range(48)}},
+    {"load": {"waiting": 1, "waiting_for_kv": 2}}, {"load": {"waiting_for_kv": -1}},
     {"type": msgpack.ExtType(1, b"P")},
     {"kv_transport_fallbacks": -1}, {"kv_transport_fallbacks": 1.5}, {"kv_transport_fallbacks": True},
     {"kv_transport_fallbacks": 10**8},
@@ -784,3 +785,16 @@ def test_identity_field_refusals(fields, why):
         decode(_msg(**fields))
     assert decode(_msg(kv_transport_fallbacks=10_000_000)).kv_transport_fallbacks == 10_000_000
     assert decode(_msg()).kv_transport_fallbacks == 0  # a sender that never fell back says nothing
+
+
+def test_load_waiting_for_kv_round_trips_and_is_optional():
+    """D's requests held for their prefill's KV ride in the load map; a sender that leaves the
+    field out (an older connector) reports none, and a load without them encodes without it
+    (so an older proxy sees the map it knows)."""
+    from xpyd_wire.discovery import Load, Registration, decode, encode
+
+    reg = Registration("D", "127.0.0.1:1", "127.0.0.1:2", load=Load(1, 5, 0.5, 0.0, waiting_for_kv=3))
+    assert decode(encode(reg)).load == Load(1, 5, 0.5, 0.0, 3)
+    plain = Registration("D", "127.0.0.1:1", "127.0.0.1:2", load=Load(1, 5, 0.5, 0.0))
+    assert "waiting_for_kv" not in msgpack.unpackb(encode(plain))["load"]
+    assert decode(_msg(load={"running": 1, "waiting": 2})).load == Load(1, 2)

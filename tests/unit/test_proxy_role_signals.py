@@ -46,7 +46,8 @@ async def test_per_role_and_model_what_the_instances_report_and_what_the_proxy_h
     async with running_proxy() as px:
         p1 = await px.fake("P", load=Load(running=2, waiting=3, kv_usage=0.5))
         await px.fake("P", load=Load(running=1, waiting=1, kv_usage=0.25))
-        await px.fake("D", load=Load(running=4, waiting=0, kv_usage=0.8), token_delay=0.3)
+        # 3 of D's 5 waiting are held for their prefill's KV (concurrent dispatch): not D's queue.
+        await px.fake("D", load=Load(running=4, waiting=5, kv_usage=0.8, waiting_for_kv=3), token_delay=0.3)
         await px.fake("D", model="other-model", load=Load(running=1, waiting=2, kv_usage=0.1))
         fake_p = dict(role="P", model="fake-model")
         fake_d = dict(role="D", model="fake-model")
@@ -57,6 +58,9 @@ async def test_per_role_and_model_what_the_instances_report_and_what_the_proxy_h
             key("xpyd_role_kv_cache_usage", **fake_p): 0.375,  # the mean over P's
             key("xpyd_role_instances", **fake_d): 1,
             key("xpyd_role_requests", **fake_d, state="running"): 4,
+            key("xpyd_role_requests", **fake_d, state="waiting"): 2,
+            key("xpyd_role_requests", **fake_d, state="waiting_for_kv"): 3,
+            key("xpyd_role_requests", **fake_p, state="waiting_for_kv"): 0,
             key("xpyd_role_kv_cache_usage", **fake_d): 0.8,
             key("xpyd_role_requests", role="D", model="other-model", state="waiting"): 2,
         }, "the heartbeats' loads per role and model")

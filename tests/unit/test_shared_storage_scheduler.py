@@ -187,12 +187,13 @@ def test_request_asked_before_p_answered_waits_without_blocks_for_ps_first_file(
     assert s.get_num_new_matched_tokens(r, 0) == (None, False)
     meta = s.build_connector_meta(sched_out())
     assert meta.loads == [] and meta.idle and meta.awaiting
+    assert s.load_report().waiting_for_kv == 1  # the heartbeat: waiting for P, not for D's compute
     clock[0] += 100.0
     put(tmp_path, t, 1)  # P's first block is stored
     assert admit(s, r, 0, [1, 2, 3, 4]) == (3 * BS, True)
     meta = s.build_connector_meta(sched_out())
     (spec,) = meta.loads
-    assert spec.wait_s == TIMEOUT and not meta.awaiting
+    assert spec.wait_s == TIMEOUT and not meta.awaiting and s.load_report().waiting_for_kv == 0
     late = req(pd_id(key="cd" * 16, d=D_ADDR).replace("___prefill_addr_", "xpyd-early___prefill_addr_"),
                toks(3 * BS + 5, 9000))
     s.on_new_request(late)
