@@ -104,7 +104,7 @@ class Disaggregated:
             # _prefill_then_open); whichever P is, D is asked at once unless P's token goes first
             # or D holds decode_max_early requests waiting for their prefill already.
             idle = self._concurrent and _idle(p)
-            room = self._concurrent and (self._max_early is None or d.early < self._max_early)
+            room = self._concurrent and (self._max_early is None or _early_held(d) < self._max_early)
             if self._concurrent:
                 self.metrics.concurrent_dispatch("idle" if idle else "busy")
                 if not room:
@@ -260,6 +260,13 @@ def _idle(p: Instance) -> bool:
     """P has no request but this one from this proxy, and its last heartbeat (from any
     proxy's traffic) reported none waiting."""
     return p.in_flight <= 1 and (p.load is None or p.load.waiting == 0)
+
+
+def _early_held(d: Instance) -> int:
+    """Requests D holds for their prefill: this proxy's own count, or what D's last heartbeat
+    reported (every proxy's, a heartbeat old) when that is more."""
+    reported = d.load.waiting_for_kv if d.load is not None else 0
+    return d.early if d.early >= reported else reported
 
 
 async def _discard(task: asyncio.Task | None) -> None:

@@ -297,3 +297,21 @@ def pre_of(p, request_id: str):
 async def _early(px) -> int:
     (d,) = [i for i in (await px.client.get("/instances")).json() if i["role"] == "D"]
     return d["early"]
+
+
+async def test_the_bound_on_early_requests_counts_what_ds_heartbeat_reports_from_other_proxies():
+    """D's heartbeat says it holds decode_max_early requests for their prefill (other proxies'):
+    this proxy's first request already finds no room; once D reports fewer, it has."""
+    async with running_proxy(dispatch="concurrent", decode_max_early=2) as px:
+        p = await px.fake("P")
+        d = await px.fake("D", load=Load(running=0, waiting=2, waiting_for_kv=2))
+        p.fault = Fault(delay=1.0)
+        assert (await px.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        (pre,), (dec,) = p.completions(), d.completions()
+        assert dec.received_at >= pre.received_at + 0.9  # after P's answer
+        assert await px.metric("xpyd_decode_early_full_total", decode=d.http_address) == 1
+        d.load = Load(running=0, waiting=2, waiting_for_kv=1)
+        await wait_until(lambda: px.registry.live("D")[0].load.waiting_for_kv == 1, what="D's new heartbeat")
+        assert (await px.client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        last = max(d.completions(), key=lambda r: r.received_at)
+        assert last.received_at < pre_of(p, last.request_id).received_at + 0.8  # early again
