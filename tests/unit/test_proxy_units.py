@@ -81,6 +81,7 @@ def test_registry_heartbeat_keeps_load():
     assert inst.to_json(now_wall=inst.last_heartbeat_wall)["load"] == {
         "running": 2,
         "waiting": 3,
+        "waiting_for_kv": 0,
         "kv_usage": 0.5,
         "kv_buffer_usage": 0.75,
     }
@@ -274,7 +275,7 @@ def test_instance_to_json_shows_its_state():
     assert j == {
         "role": "D", "http_address": "10.0.0.5:8200", "zmq_address": "10.0.0.5:1",
         "registered_at": i.registered_at, "last_heartbeat": i.last_heartbeat_wall, "heartbeat_age_s": 1.235,
-        "in_flight": 3, "in_flight_tokens": 40, "served": 7, "cooling_down": False, "models": None,
+        "in_flight": 3, "in_flight_tokens": 40, "early": 0, "served": 7, "cooling_down": False, "models": None,
         "static": False, "healthy": True, "kv_transport_fallbacks": 2, "pending": True,
         "probe_error": "timeout", "source": "10.0.0.5",
         "output_limits": {"default": 16, "override": None, "context": 4096},
