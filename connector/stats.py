@@ -17,6 +17,7 @@ a fresh ``XpydStats`` from it (vLLM may hold on to the object it gets).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -84,7 +85,7 @@ class XpydStats(KVConnectorStats):
     {direction: n}, ``refused`` {reason: n}, ``fallbacks`` {reason: n} (a peer's KV moved
     from NCCL to the host-staged tcp path), ``load_wait_s`` [seconds, ...], ``legs`` (only while
     tracing is on: each request's send or load as its rank saw it, for its span; connector/tracing.py)
-    [[role, request id, result, bytes, ms, wait_ms, reason], ...]."""
+    [[role, request id, result, bytes, ms, wait_ms, reason, when (ns since the epoch)], ...]."""
 
     def __post_init__(self) -> None:
         base = _empty()
@@ -226,7 +227,7 @@ class StatsRecorder:
         if self.legs:
             with self._lock:
                 self._stats.data["legs"].append([role, rid, "ok" if ok else "failed", int(nbytes), float(ms),
-                                                 wait_ms, reason])
+                                                 wait_ms, reason, time.time_ns()])
 
     def transfer(self, role: Role, result: Result, nbytes: int = 0, direction: Direction | None = None) -> None:
         with self._lock:

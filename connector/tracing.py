@@ -13,10 +13,12 @@ xPyD proxy's span), beside the engines' own ``llm_request`` spans.
   the send's end (``finished_sending``, or the step that sent it).
 - The numbers: the workers' own, those of their ``kv sent`` / ``kv loaded`` log lines, reported per
   request through the connector stats (``StatsRecorder.leg``, only while tracing is on) as
-  ``[role, request, result, bytes, ms, wait_ms, reason]``: bytes moved, ms (send: from the end of
-  the forward pass that wrote the blocks to the last byte, like ``kv sent ... ms=``; load: applying
-  the KV, ``apply_ms``), wait_ms (load: from the step that planned it to the KV being whole here,
-  ``wait_ms``). With several worker ranks the bytes add up and the times are the slowest rank's.
+  ``[role, request, result, bytes, ms, wait_ms, reason, when]``: bytes moved, ms (send: from the end
+  of the forward pass that wrote the blocks to the last byte, like ``kv sent ... ms=``, 0 when a
+  layer-wise send had shipped everything before that pass ended; load: applying the KV,
+  ``apply_ms``), wait_ms (load: from the step that planned it to the KV being whole here, ``wait_ms``),
+  when it ended (the span's end: the scheduler hears of it only at the end of a step). With several
+  worker ranks the bytes add up and the times are the slowest rank's.
 
 Off (no ``--otlp-traces-endpoint``) the connectors hold no ``TransferSpans`` and nothing here runs;
 a request without trace headers (the client or proxy sent none) costs one dict lookup per hook.
@@ -48,10 +50,12 @@ class _Leg:
     context: Any  # the parent (OpenTelemetry Context from the request's trace headers)
     span: Any = None  # started (a send's starts when it is planned)
     seen: int = 0  # when the scheduler first saw the request (ns, the spans' clock)
+    started: int = 0  # the span's start (a load's: seen; a send's: planned)
     reports: int = 0  # worker ranks that reported their part
     nbytes: int = 0
     ms: float = 0.0
     wait_ms: float | None = None
+    ended: int = 0  # when the last rank's part ended (ns), as the worker saw it
     result: str = "ok"  # ok, failed, cancelled (aborted while loading), not_loaded (D computed the prompt
     # itself: its own prefix cache held it, or the request ended before a load), unknown
     reason: str | None = None  # why it failed: a rank's reason, or no_sender (none began in time)
@@ -133,11 +137,12 @@ class TransferSpans:
         stats = out.kv_connector_stats
         legs = stats.data.get("legs") if stats is not None else None
         finished = [*(out.finished_recving or ()), *(out.failed_recving or ()), *(out.finished_sending or ())]
-        for role, rid, result, nbytes, ms, wait_ms, reason in legs or ():
+        for role, rid, result, nbytes, ms, wait_ms, reason, when in legs or ():
             leg = self._legs.get(rid)
             if leg is None or leg.role != role:
                 continue
             leg.reports += 1
+            leg.ended = max(leg.ended, int(when))
             leg.nbytes += int(nbytes)
             leg.ms = max(leg.ms, float(ms))
             if wait_ms is not None:
@@ -163,8 +168,8 @@ class TransferSpans:
 
     # ---- spans ----
     def _start(self, leg: _Leg, attrs: dict[str, Any]) -> None:
-        start = leg.seen if leg.role == LOAD else time.time_ns()
-        leg.span = self._tracer.start_span(SPAN_NAMES[leg.role], context=leg.context, start_time=start,
+        leg.started = leg.seen if leg.role == LOAD else time.time_ns()
+        leg.span = self._tracer.start_span(SPAN_NAMES[leg.role], context=leg.context, start_time=leg.started,
                                            attributes={"xpyd.kv.transfer": leg.key, **attrs})
 
     def _end(self, rid: str, leg: _Leg) -> None:
@@ -184,4 +189,5 @@ class TransferSpans:
             from opentelemetry.trace import Status, StatusCode
 
             span.set_status(Status(StatusCode.ERROR, leg.reason or "failed"))
-        span.end(end_time=time.time_ns())
+        # The worker's end, not when the scheduler heard of it (at the end of a step, maybe long after).
+        span.end(end_time=max(leg.ended, leg.started) if leg.reports else time.time_ns())

@@ -207,7 +207,7 @@ def test_a_load_past_its_deadline_times_out_and_is_logged(engines):
     assert f"kv load timed out req=D-req transfer={KEY} after 0.3s" in lines.lines
     stats = cons.xfer_stats.peek()
     assert stats.failures("load", "timeout") == 1 and stats.failures("load", "aborted") == 0
-    assert [leg[:3] + leg[6:] for leg in stats.data["legs"]] == [["load", "D-req", "failed", "timeout"]]
+    assert [leg[:3] + leg[6:7] for leg in stats.data["legs"]] == [["load", "D-req", "failed", "timeout"]]
 
 
 def test_a_load_whose_sender_gave_up_fails_at_once_and_is_logged(engines, kv_client):

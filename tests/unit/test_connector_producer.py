@@ -230,7 +230,7 @@ def test_a_send_refused_by_a_full_decode_buffer_is_logged_and_counted(engines):
     stats = prod.xfer_stats.peek()
     assert stats.failures("send", "refused") == 1 and stats.transfers("send", "ok") == 0
     assert not [x for x in lines.lines if x.startswith("kv sent")]
-    assert [leg[:3] + leg[6:] for leg in stats.data["legs"]] == [["send", "P-req", "failed", "not_taken"]]
+    assert [leg[:3] + leg[6:7] for leg in stats.data["legs"]] == [["send", "P-req", "failed", "not_taken"]]
 
 
 def test_a_dead_decode_is_logged_counted_and_told_once_it_is_back(engines):

@@ -6,6 +6,8 @@ update_connector_output) are the real ones of P2pNcclConnector."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -54,9 +56,10 @@ def request(rid: str, n_prompt: int, headers: dict[str, str] | None = HEADERS) -
     return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=16), None, trace_headers=headers)
 
 
-def output(legs=(), recving=(), failed=(), sending=()) -> KVConnectorOutput:
+def output(legs=(), recving=(), failed=(), sending=(), when: int | None = None) -> KVConnectorOutput:
+    """A step's output; `legs`: the workers' reports without their time (`when`, default now)."""
     stats = XpydStats()
-    stats.data["legs"] = [list(x) for x in legs]
+    stats.data["legs"] = [[*x, when or time.time_ns()] for x in legs]
     return KVConnectorOutput(finished_sending=set(sending), finished_recving=set(recving),
                              failed_recving=set(failed), kv_connector_stats=stats)
 
@@ -113,6 +116,27 @@ def test_d_load_that_finishes_with_its_request_waits_for_the_steps_reports(rx):
     assert rx.snapshot() == []
     c.update_connector_output(output(legs=[("load", req.request_id, "ok", 4096, 0.1, 0.0, None)]))
     assert the_span(rx, "kv load").attributes["xpyd.kv.bytes"] == 4096
+    provider.shutdown()
+
+
+def test_a_span_ends_when_the_worker_finished_not_when_the_scheduler_heard(rx):
+    """P's worker reports a layer-wise send at the end of a long step: the span ends at the send's end."""
+    provider, spans = spans_to(rx, "vllm-p")
+    kvm = FakeKVCacheManager()
+    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False, spans=spans)
+    s.bind(kvm)
+    c = facade(s, spans)
+    req = request(pd_id(), 300)
+    kvm.blocks[req.request_id] = [4, 5, 6]
+    c.on_new_request(req)
+    c.build_connector_meta(sched_out(new=[(req.request_id, 0, 300)]))
+    sent_at = time.time_ns()
+    while time.time_ns() - sent_at < 20_000_000:  # the rest of the step (its forward pass)
+        time.sleep(0.005)
+    c.update_connector_output(output(legs=[("send", req.request_id, "ok", 1024, 0.0, None, None)],
+                                     sending=[req.request_id], when=sent_at))
+    span = the_span(rx, "kv send")
+    assert span.end_ns == sent_at and span.start_ns <= sent_at
     provider.shutdown()
 
 
@@ -200,8 +224,8 @@ def test_workers_report_legs_only_while_tracing():
     rec.leg("send", "r", True, 10, 1.0)
     rec.leg("load", "q", False, reason="timeout")
     got = rec.take(0, 0, 1)
-    assert got.data["legs"] == [["send", "r", "ok", 10, 1.0, None, None],
-                                ["load", "q", "failed", 0, 0.0, None, "timeout"]]
+    assert [x[:7] for x in got.data["legs"]] == [["send", "r", "ok", 10, 1.0, None, None],
+                                                 ["load", "q", "failed", 0, 0.0, None, "timeout"]]
     # Carried as vLLM carries stats (a dict copy), and merged over ranks.
     both = XpydStats.from_dict(got.data).aggregate(XpydStats.from_dict(got.data))
     assert len(both.data["legs"]) == 4 and not both.is_empty()
