@@ -62,7 +62,8 @@ class _Leg:
 
 
 class TransferSpans:
-    """Scheduler side: the open ``kv load`` / ``kv send`` spans, by request id."""
+    """Scheduler side: the open ``kv load`` / ``kv send`` spans, by request id. ``ranks``: the worker
+    processes that each report their part (vLLM's world size, TP x PP); ``tracer``: vLLM's (tests: theirs)."""
 
     def __init__(self, ranks: int = 1, tracer: Any = None) -> None:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator

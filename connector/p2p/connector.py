@@ -64,7 +64,7 @@ class P2pNcclConnector(XpydConnectorBase):
             if cfg.is_consumer:
                 warn_unless_recompute("P2pNcclConnector", vllm_config,
                                       "a KV transfer that fails (P gone, a send timed out, refused or evicted KV)")
-            self._spans = TransferSpans(vllm_config.parallel_config.tensor_parallel_size) \
+            self._spans = TransferSpans(vllm_config.parallel_config.world_size) \
                 if tracing_on(vllm_config) else None
             self._scheduler = P2pScheduler(cfg, vllm_config.cache_config.block_size,
                                            probe=arrival_probe(cfg, vllm_config), spans=self._spans)

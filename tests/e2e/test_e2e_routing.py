@@ -20,6 +20,7 @@ the proxy's span with P's and D's ``llm_request`` spans as its children (issue 5
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -339,8 +340,9 @@ def test_one_request_is_one_trace_across_the_proxy_p_and_d(servers, traces: Otlp
     spans = [x for x in traces.wait_for(whole, 120, "proxy span, both engines' and the connector's spans")
              if x.trace_id == trace_id]
     print(render(spans))  # the trace as text (docs/tracing.md shows one)
-    otlp_receiver.save(spans, log_dir / "trace.json")  # scripts/trace_picture.py draws it
-    print(f"trace saved: {log_dir / 'trace.json'}")
+    saved = Path(os.environ.get("XPYD_TRACE_JSON") or log_dir / "trace.json")
+    otlp_receiver.save(spans, saved)  # scripts/trace_picture.py draws it (docs/img/trace.png)
+    print(f"trace saved: {saved}")
     (root,) = [x for x in spans if x.service == "xpyd-proxy"]
     assert root.parent_span_id == client_span and root.name == "POST /v1/completions"
     by_url = {v.url.removeprefix("http://"): k for k, v in s.items()}
