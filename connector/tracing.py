@@ -83,7 +83,7 @@ class TransferSpans:
     # ---- the scheduler's hooks ----
     def seen(self, request: Any, role: str, key: str) -> None:
         """A request this instance loads (role LOAD: its span starts now) or sends (SEND: at `planned`)."""
-        headers = request.trace_headers
+        headers = getattr(request, "trace_headers", None)
         if not headers or request.request_id in self._legs:
             return
         leg = _Leg(role, key, self._propagator.extract(dict(headers)), seen=time.time_ns())
@@ -104,6 +104,9 @@ class TransferSpans:
             return
         if leg.span is None:
             self._start(leg, attrs)
+        elif leg.role == SEND:  # preempted (its send cancelled if not begun) and recomputed: sent again
+            leg.span.set_attributes(attrs)
+            leg.span.add_event("send_replanned")
         else:
             now = time.time_ns()
             leg.span.set_attributes({**attrs, "xpyd.kv.sender_wait_ms": round((now - leg.seen) / 1e6, 3)})

@@ -195,6 +195,26 @@ def test_p_send_span_from_the_planned_send_to_finished_sending(rx):
     provider.shutdown()
 
 
+def test_a_send_planned_again_after_a_preemption_stays_one_span(rx):
+    provider, spans = spans_to(rx, "vllm-p")
+    kvm = FakeKVCacheManager()
+    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False, spans=spans)
+    s.bind(kvm)
+    c = facade(s, spans)
+    req = request(pd_id(), 300)
+    rid = req.request_id
+    kvm.blocks[rid] = [1, 2, 3]
+    c.on_new_request(req)
+    c.build_connector_meta(sched_out(new=[(rid, 0, 300)]))
+    assert c.build_connector_meta(sched_out(preempted={rid})).preempted == [rid]
+    kvm.blocks[rid] = [7, 8, 9]
+    assert len(c.build_connector_meta(sched_out(cached=[(rid, 0, 302)], resumed={rid})).saves) == 1
+    c.update_connector_output(output(legs=[("send", rid, "ok", 3, 1.0, None, None)], sending=[rid]))
+    span = the_span(rx, "kv send")
+    assert [e.name for e in span.events] == ["send_replanned"] and "xpyd.kv.sender_wait_ms" not in span.attributes
+    provider.shutdown()
+
+
 def test_no_span_without_trace_headers_or_for_a_send_never_planned(rx):
     provider, spans = spans_to(rx, "vllm-p")
     kvm = FakeKVCacheManager()
