@@ -45,6 +45,7 @@ class XpydConnectorBase(KVConnectorBase_V1):
     _scheduler: Any
     _worker: Any
     _metadata_type: type[KVConnectorMetadata]  # what the scheduler half sends the worker half
+    _spans: Any = None  # scheduler: the kv send/load spans (connector/tracing.py) while vLLM traces
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -103,6 +104,8 @@ class XpydConnectorBase(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+        if self._spans is not None:
+            self._spans.close()
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
@@ -127,4 +130,7 @@ class XpydConnectorBase(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        out = self._scheduler.request_finished(request, block_ids)
+        if self._spans is not None:
+            self._spans.finished(request, *out)
+        return out

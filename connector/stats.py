@@ -17,6 +17,7 @@ a fresh ``XpydStats`` from it (vLLM may hold on to the object it gets).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -74,7 +75,7 @@ def _empty() -> dict[str, Any]:
     # Plain dicts, str keys (rank keys are ints): msgpack carries them to the
     # API server's loggers as they are.
     return {"buffers": {}, "transfers": {}, "failures": {}, "bytes": {}, "refused": {}, "fallbacks": {},
-            "load_wait_s": []}
+            "load_wait_s": [], "legs": []}
 
 
 @dataclass
@@ -82,7 +83,9 @@ class XpydStats(KVConnectorStats):
     """``data``: ``buffers`` {rank: [used, capacity]}, ``transfers``
     {"role/result": n}, ``failures`` {"role/reason": n}, ``bytes``
     {direction: n}, ``refused`` {reason: n}, ``fallbacks`` {reason: n} (a peer's KV moved
-    from NCCL to the host-staged tcp path), ``load_wait_s`` [seconds, ...]."""
+    from NCCL to the host-staged tcp path), ``load_wait_s`` [seconds, ...], ``legs`` (only while
+    tracing is on: each request's send or load as its rank saw it, for its span; connector/tracing.py)
+    [[role, request id, result, bytes, ms, wait_ms, reason, when (ns since the epoch)], ...]."""
 
     def __post_init__(self) -> None:
         base = _empty()
@@ -105,6 +108,7 @@ class XpydStats(KVConnectorStats):
             "buffers": {r: list(v) for r, v in (d.get("buffers") or {}).items()},
             **{k: dict(d.get(k) or {}) for k in _COUNTERS},
             "load_wait_s": list(d.get("load_wait_s") or []),
+            "legs": [list(x) for x in d.get("legs") or ()],
         })
 
     # ---- recording (single-threaded; StatsRecorder adds the lock) ----
@@ -162,7 +166,7 @@ class XpydStats(KVConnectorStats):
         return min(1.0, used / cap) if cap > 0 else 0.0
 
     def has_events(self) -> bool:
-        return any(self.data[k] for k in _COUNTERS) or bool(self.data["load_wait_s"])
+        return any(self.data[k] for k in _COUNTERS) or bool(self.data["load_wait_s"]) or bool(self.data["legs"])
 
     # ---- vLLM's KVConnectorStats interface ----
     def reset(self) -> None:
@@ -179,6 +183,7 @@ class XpydStats(KVConnectorStats):
             for k, n in other.data[kind].items():
                 self._inc(kind, k, n)
         self.data["load_wait_s"].extend(other.data["load_wait_s"])
+        self.data["legs"].extend(other.data["legs"])
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -214,6 +219,15 @@ class StatsRecorder:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = XpydStats()
+        self.legs = False  # report each request's send/load (its span's numbers): on while tracing is
+
+    def leg(self, role: Role, rid: str, ok: bool, nbytes: int = 0, ms: float = 0.0, wait_ms: float | None = None,
+            reason: str | None = None) -> None:
+        """One request's send or load ended on this rank (connector/tracing.py); a no-op unless tracing."""
+        if self.legs:
+            with self._lock:
+                self._stats.data["legs"].append([role, rid, "ok" if ok else "failed", int(nbytes), float(ms),
+                                                 wait_ms, reason, time.time_ns()])
 
     def transfer(self, role: Role, result: Result, nbytes: int = 0, direction: Direction | None = None) -> None:
         with self._lock:

@@ -1,7 +1,6 @@
 """One OpenTelemetry trace per request (``--tracing``, off by default): the proxy's span and its context
 passed on to P and D, whose vLLM joins the trace (its ``--otlp-traces-endpoint``: each engine's
-``llm_request`` span). The connector's KV send and load are not spans (yet): their bytes and waits are
-the engines' ``vllm:xpyd_kv_*`` metrics.
+``llm_request`` span), and the connector's ``kv send`` on P and ``kv load`` on D (connector/tracing.py).
 
 - The span: one per request on the disaggregated routes (api_routes.P_THEN_D), a SERVER span named
   ``POST /v1/...``, child of the client's ``traceparent`` when it sends one (W3C trace context), else

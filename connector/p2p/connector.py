@@ -21,6 +21,7 @@ from connector.base import XpydConnectorBase, reasoning_parser_of, warn_unless_r
 from connector.p2p.metadata import P2pConnectorMetadata
 from connector.p2p.scheduler import ArrivalProbe, P2pScheduler
 from connector.p2p.worker import P2pWorker
+from connector.tracing import TransferSpans, tracing_on
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +64,10 @@ class P2pNcclConnector(XpydConnectorBase):
             if cfg.is_consumer:
                 warn_unless_recompute("P2pNcclConnector", vllm_config,
                                       "a KV transfer that fails (P gone, a send timed out, refused or evicted KV)")
-            self._scheduler = P2pScheduler(cfg, vllm_config.cache_config.block_size, probe=arrival_probe(cfg, vllm_config))
+            self._spans = TransferSpans(vllm_config.parallel_config.world_size) \
+                if tracing_on(vllm_config) else None
+            self._scheduler = P2pScheduler(cfg, vllm_config.cache_config.block_size,
+                                           probe=arrival_probe(cfg, vllm_config), spans=self._spans)
         else:
             self._worker = P2pWorker(cfg, vllm_config, _worker_rank())
 
@@ -104,6 +108,8 @@ class P2pNcclConnector(XpydConnectorBase):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._scheduler is not None
+        if self._spans is not None:
+            self._spans.output(connector_output)
         self._scheduler.update_connector_output(set(connector_output.failed_recving or ()),
                                                 connector_output.kv_connector_stats,
                                                 set(connector_output.invalid_block_ids or ()))

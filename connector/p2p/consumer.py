@@ -308,6 +308,9 @@ class Consumer:
                 err = self._apply(load, payloads)
         except Exception as e:  # noqa: BLE001 - a peer's bad payload must not kill the worker
             err = f"malformed payload: {type(e).__name__}: {e}"
+        apply_ms, wait_ms = (time.perf_counter() - t0) * 1e3, (now - load.started) * 1e3
+        nbytes = sum(p.nbytes for p in payloads)
+        self.stats.leg("load", rid, not err, nbytes, apply_ms, wait_ms, "invalid" if err else None)  # its span
         if err:
             self.stats.failure("load", "invalid")
             logger.error("kv load failed req=%s transfer=%s error=%s", rid, key, err)
@@ -316,8 +319,7 @@ class Consumer:
         self.stats.load_wait(now - load.started)
         logger.info(
             "kv loaded req=%s transfer=%s tokens=%d blocks=%d wait_ms=%.1f%s apply_ms=%.2f%s",
-            rid, key, load.spec.num_tokens, len(load.spec.dst_block_ids), (now - load.started) * 1e3, how,
-            (time.perf_counter() - t0) * 1e3,
+            rid, key, load.spec.num_tokens, len(load.spec.dst_block_ids), wait_ms, how, apply_ms,
             " CORRUPTED(test)" if load.spec.corrupt_for_test else "",
         )
         return True
@@ -341,6 +343,7 @@ class Consumer:
         if payloads is None:
             # Gone between the scheduler's check and this step (its TTL, a late abort).
             self.stats.failure("load", "aborted" if why else "error")
+            self.stats.leg("load", spec.req_id, False, reason="aborted" if why else "error")
             logger.error("kv load failed req=%s transfer=%s error=%s", spec.req_id, spec.transfer_key,
                          why or "the payload the scheduler saw is gone")
         self._invalid.update(spec.dst_block_ids)
@@ -379,6 +382,8 @@ class Consumer:
             done.add(rid)
             failed.add(rid)
             self.stats.failure("load", "timeout" if why is None else "aborted")
+            self.stats.leg("load", rid, False, wait_ms=(now - load.started) * 1e3,
+                           reason="timeout" if why is None else "aborted")
             if why is None:
                 logger.error("kv load timed out req=%s transfer=%s after %.1fs",
                              rid, key, self._cfg.kv_load_timeout_s)

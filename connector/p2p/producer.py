@@ -358,6 +358,7 @@ class PeerSender:
                 logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s",
                                send.spec.req_id, send.spec.transfer_key, self.peer, reason)
                 self._stats.failure("send", "unreachable")
+                self._stats.leg("send", send.spec.req_id, False, reason="unreachable")
                 self._notice(send.spec.transfer_key, reason)
                 send.finish()
 
@@ -601,6 +602,7 @@ class PeerSender:
                        spec.req_id, spec.transfer_key, self.peer, why)
         # Refused (e.g. another kv_secret): D knows and logs it, as for reserve.
         self._stats.failure("send", "refused" if refused else "invalid")
+        self._stats.leg("send", spec.req_id, False, reason="refused" if refused else "invalid")
         if not refused:
             self._notice(spec.transfer_key, why, [self.peer])
 
@@ -621,10 +623,14 @@ class PeerSender:
                        "phases_ms=%s%s", " slowly" if took > SLOW_SEND_S else "", spec.req_id, spec.transfer_key,
                        spec.num_tokens, len(spec.block_ids), sent, self.instance, ranks, took * 1e3,
                        phases.describe(), reported)
+            self._stats.leg("send", spec.req_id, True, sent, took * 1e3)  # its span (connector/tracing.py)
+        else:  # a rank refused it, or D no longer needed it (logged as such)
+            self._stats.leg("send", send.spec.req_id, False, sent, reason="not_taken")
         send.finish()
 
     def _failed(self, spec: SaveSpec, phases: SendPhases, e: Exception, pending: list[str] | None) -> None:
         """A send failed: count it and tell the decode ranks still waiting for it."""
+        self._stats.leg("send", spec.req_id, False, reason=type(e).__name__)
         if isinstance(e, TransportError):
             logger.warning("kv send failed req=%s transfer=%s peer=%s error=%s phases_ms=%s",
                            spec.req_id, spec.transfer_key, self.peer, e, phases.describe())

@@ -22,6 +22,7 @@ from connector.p2p.metadata import LoadSpec, P2pConnectorMetadata, SaveSpec
 from connector.registration import Registrar, heartbeat_load
 from connector.scheduler_output import tokens_computed_before
 from connector.stats import XpydStats
+from connector.tracing import LOAD, SEND, TransferSpans
 from connector.transport import KVAuth, TcpTransport, TransportError
 from connector.transport.auth import RateLimitedLog
 from xpyd_wire import request_id
@@ -145,8 +146,9 @@ class ArrivalProbe:
 
 class P2pScheduler:
     def __init__(self, cfg: ConnectorConfig, block_size: int, start_registrar: bool = True,
-                 probe: ArrivalProbe | None = None) -> None:
+                 probe: ArrivalProbe | None = None, spans: TransferSpans | None = None) -> None:
         self._cfg = cfg
+        self._spans = spans  # the requests' kv load/send spans (connector/tracing.py); None: not tracing
         self._block_size = block_size
         # Consumer (PUT modes): asks whether a request's KV is here already (a synchronous load);
         # None: every load is asynchronous. GET pulls the KV only once the load is planned.
@@ -245,9 +247,13 @@ class P2pScheduler:
             self._outgoing[rid] = _Outgoing(tid, request.num_prompt_tokens, _skip_tokens(request))
             if self._cfg.send_type == "PUT_ASYNC":
                 self._contacts[tid.decode_addr] = None
+            if self._spans is not None:
+                self._spans.seen(request, SEND, tid.key)
         if self._consumes(tid) and tid.key not in self._released:
             self._grace.pop(tid.key, None)  # a late sibling: it loads too
             self._unplanned.setdefault(tid.key, set()).add(rid)
+            if self._spans is not None:
+                self._spans.seen(request, LOAD, tid.key)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
@@ -337,6 +343,9 @@ class P2pScheduler:
         self._new_loads.append(spec)
         self._loaded[request.request_id] = spec
         probe_ms = self._probe_ms.pop(request.request_id, None)
+        if self._spans is not None:
+            self._spans.planned(request.request_id, {"xpyd.kv.tokens": num_external_tokens, "xpyd.kv.local_hit": local,
+                                "xpyd.kv.blocks": len(spec.dst_block_ids), "xpyd.kv.mode": "sync" if sync else "async"})
         logger.info("kv load planned req=%s transfer=%s local_hit=%d external=%d blocks=%d mode=%s%s",
                     request.request_id, tid.key, local, num_external_tokens, len(spec.dst_block_ids),
                     "sync" if sync else "async", "" if probe_ms is None else f" probe_ms={probe_ms:.2f}")
@@ -398,6 +407,10 @@ class P2pScheduler:
             first_block=skip,
         )
         self._saving[rid] = spec
+        if self._spans is not None:
+            self._spans.planned(rid, {"xpyd.kv.tokens": spec.num_tokens, "xpyd.kv.blocks": len(block_ids),
+                                "xpyd.kv.skipped_blocks": skip, "xpyd.kv.peer": spec.decode_addr,
+                                "xpyd.kv.mode": self._cfg.send_type})
         logger.info("kv send planned req=%s transfer=%s tokens=%d blocks=%d skipped=%d to=%s mode=%s",
                     rid, spec.transfer_key, spec.num_tokens, len(block_ids), skip, spec.decode_addr,
                     self._cfg.send_type)

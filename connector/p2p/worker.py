@@ -16,6 +16,7 @@ from connector.p2p.engine import KVEngine, PollResult
 from connector.log import get_logger
 from connector.p2p.metadata import P2pConnectorMetadata
 from connector.stats import XpydStats
+from connector.tracing import tracing_on
 
 logger = get_logger(__name__)
 
@@ -52,6 +53,7 @@ class P2pWorker:
         affinity.log_plan(cpus)
         self.engine = KVEngine(self._cfg, self._rank, kv_caches, block_layout, cpus=cpus,
                                tp_side=tp_side(self._vllm_config, block_layout))
+        self.engine.xfer_stats.legs = tracing_on(self._vllm_config)  # each transfer's numbers, for its span
 
     @property
     def layerwise(self) -> bool:

@@ -20,6 +20,7 @@ the proxy's span with P's and D's ``llm_request`` spans as its children (issue 5
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import httpx
 import pytest
 
 from xpyd_deploy.haproxy_cfg import render_servers
-from tests.support import e2e_cluster
+from tests.support import e2e_cluster, otlp_receiver
 from tests.support.e2e_client import (
     BLOCK,
     MODEL_DIR,
@@ -332,18 +333,33 @@ def test_one_request_is_one_trace_across_the_proxy_p_and_d(servers, traces: Otlp
         proxy.stop()  # SIGTERM: the proxy exports what its batch holds before it exits
 
     def whole(spans) -> bool:
-        mine = [x for x in spans if x.trace_id == trace_id]
-        return any(x.service == "xpyd-proxy" for x in mine) and sum(x.name == "llm_request" for x in mine) >= 2
+        names = [x.name for x in spans if x.trace_id == trace_id]
+        return (any(x.service == "xpyd-proxy" for x in spans if x.trace_id == trace_id)
+                and names.count("llm_request") >= 2 and "kv send" in names and "kv load" in names)
 
-    spans = [x for x in traces.wait_for(whole, 120, "proxy span and both engines' spans") if x.trace_id == trace_id]
+    spans = [x for x in traces.wait_for(whole, 120, "proxy span, both engines' and the connector's spans")
+             if x.trace_id == trace_id]
     print(render(spans))  # the trace as text (docs/tracing.md shows one)
+    saved = Path(os.environ.get("XPYD_TRACE_JSON") or log_dir / "trace.json")
+    otlp_receiver.save(spans, saved)  # scripts/trace_picture.py draws it (docs/img/trace.png)
+    print(f"trace saved: {saved}")
     (root,) = [x for x in spans if x.service == "xpyd-proxy"]
     assert root.parent_span_id == client_span and root.name == "POST /v1/completions"
     by_url = {v.url.removeprefix("http://"): k for k, v in s.items()}
     p, d = (f"vllm-{by_url[r.headers[h]]}" for h in (XPYD_PREFILL_INSTANCE, XPYD_DECODE_INSTANCE))
     engines = {x.service: x for x in spans if x.name == "llm_request"}
-    assert sorted(engines) == sorted((p, d)) and len(spans) == 3, [(x.service, x.name) for x in spans]
+    assert sorted(engines) == sorted((p, d)) and len(spans) == 5, [(x.service, x.name) for x in spans]
     assert all(x.parent_span_id == root.span_id for x in engines.values())
+    # The connector's spans (connector/tracing.py): P's send and D's load of this request's KV, children of
+    # the proxy's span too, from each engine's EngineCore process, with the workers' numbers.
+    (send,), (load,) = ([x for x in spans if x.name == n] for n in ("kv send", "kv load"))
+    assert (send.service, load.service) == (p, d) and send.parent_span_id == load.parent_span_id == root.span_id
+    assert send.attributes["xpyd.kv.transfer"] == load.attributes["xpyd.kv.transfer"]
+    for kv in (send, load):
+        assert kv.attributes["xpyd.kv.result"] == "ok" and kv.attributes["xpyd.kv.ms"] >= 0, kv.attributes
+    assert send.attributes["xpyd.kv.bytes"] == load.attributes["xpyd.kv.bytes"] > 0
+    assert load.attributes["xpyd.kv.tokens"] > 0 and send.attributes["xpyd.kv.blocks"] > 0
+    assert engines[d].start_ns <= load.start_ns and load.end_ns <= engines[d].end_ns
     assert root.attributes["xpyd.prefill.instance"] == r.headers[XPYD_PREFILL_INSTANCE]
     assert root.attributes["xpyd.decode.instance"] == r.headers[XPYD_DECODE_INSTANCE]
     assert root.attributes["xpyd.path"] == "disaggregated"

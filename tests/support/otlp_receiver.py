@@ -13,12 +13,15 @@ collector gives. Exporters post from their own threads: a ThreadingHTTPServer, o
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import json
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -47,6 +50,7 @@ def _attrs(kvs: Any) -> dict[str, Any]:
 class Event:
     name: str
     attributes: dict[str, Any]
+    time_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ class OtlpReceiver:
                         trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
                         name=s.name, kind=s.kind, start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
                         attributes=_attrs(s.attributes), resource=resource,
-                        events=tuple(Event(e.name, _attrs(e.attributes)) for e in s.events),
+                        events=tuple(Event(e.name, _attrs(e.attributes), e.time_unix_nano) for e in s.events),
                         status_code=s.status.code,
                     ))  # fmt: skip
         with self._cond:
@@ -191,9 +195,22 @@ def render(spans: list[Span]) -> str:
             for k, v in sorted(s.attributes.items()):
                 lines.append(f"{pad}    {k} = {v}")
             for e in s.events:
-                lines.append(f"{pad}    event {e.name} {e.attributes}")
+                at = f" +{(e.time_ns - t0) / 1e6:.1f} ms" if e.time_ns else ""
+                lines.append(f"{pad}    event {e.name}{at}{' ' + str(e.attributes) if e.attributes else ''}")
             walk(s.span_id, depth + 1)
 
     walk("", 0)
     return "\n".join(lines)
 
+
+def save(spans: list[Span], path: Path) -> None:
+    """One trace as JSON (what scripts/trace_picture.py draws); ``load`` reads it back."""
+    path.write_text(json.dumps([dataclasses.asdict(s) for s in spans], indent=1, default=str))
+
+
+def load(path: Path) -> list[Span]:
+    out = []
+    for d in json.loads(path.read_text()):
+        events = tuple(Event(**e) for e in d.pop("events"))
+        out.append(Span(**d, events=events))
+    return out

@@ -77,6 +77,7 @@ def test_a_synchronous_load_says_so_in_its_log_and_returns_true(engines):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     before = snapshot(cons.caches)
+    cons.xfer_stats.legs = True  # tracing on: the load's numbers go to the scheduler for its span
     prod.save(save_spec(prod, rank0(cons)))
     wait_for(lambda: cons.consumer.ready(KEY))
     with connector_log("consumer") as lines:
@@ -85,7 +86,12 @@ def test_a_synchronous_load_says_so_in_its_log_and_returns_true(engines):
     loaded = [x for x in lines.lines if x.startswith("kv loaded req=D-req ")]
     assert len(loaded) == 1 and f"transfer={KEY} tokens=" in loaded[0] and " sync apply_ms=" in loaded[0], loaded
     assert cons.take_invalid_blocks() == set()
-    assert cons.xfer_stats.peek().transfers("load", "ok") == 1
+    stats = cons.xfer_stats.peek()
+    assert stats.transfers("load", "ok") == 1
+    (leg,) = stats.data["legs"]  # the span's numbers: the log line's apply_ms and wait_ms, the bytes received
+    apply_ms = float(loaded[0].partition(" apply_ms=")[2].split()[0])
+    assert leg[:3] == ["load", "D-req", "ok"] and leg[3] == stats.nbytes("received") > 0, leg
+    assert round(leg[4], 2) == apply_ms and leg[6] is None, leg
 
 
 def test_a_synchronous_load_whose_payload_is_gone_counts_an_error(engines):
@@ -193,6 +199,7 @@ def test_a_load_whose_request_finished_is_cancelled_and_logged(engines):
 def test_a_load_past_its_deadline_times_out_and_is_logged(engines):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_load_timeout_s=0.3)
+    cons.xfer_stats.legs = True
     with connector_log("consumer") as lines:
         _async_load(cons, prod)
         res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
@@ -200,6 +207,7 @@ def test_a_load_past_its_deadline_times_out_and_is_logged(engines):
     assert f"kv load timed out req=D-req transfer={KEY} after 0.3s" in lines.lines
     stats = cons.xfer_stats.peek()
     assert stats.failures("load", "timeout") == 1 and stats.failures("load", "aborted") == 0
+    assert [leg[:3] + leg[6:7] for leg in stats.data["legs"]] == [["load", "D-req", "failed", "timeout"]]
 
 
 def test_a_load_whose_sender_gave_up_fails_at_once_and_is_logged(engines, kv_client):

@@ -1,7 +1,7 @@
 """connector/'s shape (issue 50, section 3), as vLLM keeps v1/nixl/ and v1/mooncake/: each
 connector its own wing, what both use at the root.
 
-- root: the shared vocabulary (config, base, registration, stats, layout, affinity, log,
+- root: the shared vocabulary (config, base, registration, stats, tracing, layout, affinity, log,
   scheduler_output), importing only the root and transport/ (stats names its refusal reasons);
 - p2p/: P2pNcclConnector, importing the root, transport/ and itself;
 - shared_storage/: SharedStorageConnector, importing the root and itself, never p2p/;
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CONNECTOR = ROOT / "connector"
 ROOT_MODULES = {"__init__", "affinity", "base", "config", "layout", "log", "registration", "scheduler_output",
-                "server_args", "stats"}
+                "server_args", "stats", "tracing"}
 WINGS = {"p2p", "shared_storage", "transport", "tools"}
 # area -> the areas its modules may import ("root" is connector/*.py)
 ALLOWED = {

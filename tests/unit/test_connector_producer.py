@@ -175,6 +175,7 @@ PHASE = r"\d+\.\d"
 def test_a_send_logs_what_it_sent_and_where_its_time_went(engines):
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request")  # one payload
+    prod.xfer_stats.legs = True  # tracing on: the send's numbers go to the scheduler for its span
     with connector_log() as lines:
         prod.save(save_spec(prod, rank0(cons)))
         poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
@@ -193,6 +194,10 @@ def test_a_send_logs_what_it_sent_and_where_its_time_went(engines):
     )
     stats = prod.xfer_stats.peek()
     assert stats.transfers("send", "ok") == 1 and stats.nbytes("sent") == nbytes
+    # The span's numbers are the log line's: bytes and ms.
+    (leg,) = stats.data["legs"]
+    logged_ms = float(re.search(r" ms=(\S+) ", sent[0]).group(1))
+    assert leg[:4] == ["send", "P-req", "ok", nbytes] and round(leg[4], 1) == logged_ms, (leg, sent)
 
 
 def test_a_slow_send_is_logged_as_slow_at_warning(engines, caplog):
@@ -213,6 +218,7 @@ def test_a_slow_send_is_logged_as_slow_at_warning(engines, caplog):
 def test_a_send_refused_by_a_full_decode_buffer_is_logged_and_counted(engines):
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2, kv_buffer_size=1000)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1)
+    prod.xfer_stats.legs = True
     with connector_log() as lines:
         prod.save(save_spec(prod, rank0(cons)))
         poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
@@ -224,6 +230,7 @@ def test_a_send_refused_by_a_full_decode_buffer_is_logged_and_counted(engines):
     stats = prod.xfer_stats.peek()
     assert stats.failures("send", "refused") == 1 and stats.transfers("send", "ok") == 0
     assert not [x for x in lines.lines if x.startswith("kv sent")]
+    assert [leg[:3] + leg[6:7] for leg in stats.data["legs"]] == [["send", "P-req", "failed", "not_taken"]]
 
 
 def test_a_dead_decode_is_logged_counted_and_told_once_it_is_back(engines):
