@@ -365,30 +365,37 @@ def main() -> int:
         p_port, d_port = cluster.free_port(), cluster.free_port()
         proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, shlex.split(args.proxy_args))
         servers.append(proxy)
-        router_pd = start_router("router-pd", ["--vllm-pd-disaggregation", "--vllm-discovery-address",
-                                               f"{cluster.HOST}:{rdisc}"], log_dir)
-        servers.append(router_pd)
+        # The routers only for the setups asked for (an xpyd-only run needs no vllm-router installed).
+        router_pd = None
+        if "vllm-router" in setups:
+            router_pd = start_router("router-pd", ["--vllm-pd-disaggregation", "--vllm-discovery-address",
+                                                   f"{cluster.HOST}:{rdisc}"], log_dir)
+            servers.append(router_pd)
         common = {"model": model, "log_dir": log_dir}
-        reg = {"proxies": [f"{cluster.HOST}:{rdisc}"]}  # the connector registers with both
+        reg = {"proxies": [f"{cluster.HOST}:{rdisc}"]} if router_pd else {}  # the connector registers with both
         for name, port, role, cpu in (("prefill", p_port, "kv_producer", "0"), ("decode", d_port, "kv_consumer", "1")):
             servers.append(cluster.start_vllm(
                 name, port, cpus=cpu, env={"VLLM_CPU_OMP_THREADS_BIND": cpu},
                 kv_config=cluster.kv_transfer_config(role, cluster.free_port_pair(), port, disc, **reg), **common))
-        print(f"starting P (core 0), D (core 1), the proxy, two routers; model {model.name}; logs in {log_dir}",
+        print(f"starting P (core 0), D (core 1), the proxy{', vllm-router' if router_pd else ''}; model {model.name}; "
+              f"logs in {log_dir}",
               flush=True)
         cluster.wait_until(servers[-2:], "/health", args.startup_timeout)
-        # Started once its workers answer (it checks them at start-up).
-        colocated = start_router("router-colocated", ["--worker-urls", f"http://{cluster.HOST}:{p_port}",
-                                                      f"http://{cluster.HOST}:{d_port}"], log_dir)
-        servers.append(colocated)
-        all_urls = {"colocated": colocated.url, "xpyd": proxy.url, "vllm-router": router_pd.url}
+        engines = servers[-2:]
+        colocated = None
+        if "colocated" in setups:  # started once its workers answer (it checks them at start-up)
+            colocated = start_router("router-colocated", ["--worker-urls", f"http://{cluster.HOST}:{p_port}",
+                                                          f"http://{cluster.HOST}:{d_port}"], log_dir)
+            servers.append(colocated)
+        all_urls = {"xpyd": proxy.url} | ({"colocated": colocated.url} if colocated else {}) \
+            | ({"vllm-router": router_pd.url} if router_pd else {})
         urls = {s: all_urls[s] for s in SETUPS if s in setups}
         for s, url in urls.items():
             wait_routed(url, s, 120)
         print(f"  up in {time.monotonic() - t0:.0f}s", flush=True)
-        sessions = {"P": servers[2].proc.pid, "D": servers[3].proc.pid, "colocated": colocated.proc.pid,
-                    "xpyd": proxy.proc.pid, "vllm-router": router_pd.proc.pid}
-        res = sweep(args, urls, model, profiles, log_dir, sessions, servers[3].url)
+        sessions = {"P": engines[0].proc.pid, "D": engines[1].proc.pid, "xpyd": proxy.proc.pid}
+        sessions |= {s: srv.proc.pid for s, srv in (("colocated", colocated), ("vllm-router", router_pd)) if srv}
+        res = sweep(args, urls, model, profiles, log_dir, sessions, engines[1].url)
         after = machine()
         med = medians(res)
         title = (f"{before['lscpu']}; {args.model} model; medians of {args.rounds} rounds\n"
