@@ -167,15 +167,21 @@ def test_d_load_that_fails_or_is_cancelled_says_so(rx, leg, recving, failed, res
     provider.shutdown()
 
 
-def test_p_send_span_from_the_planned_send_to_finished_sending(rx):
+def producer_facade(rx, blocks: list[int]):
+    """A P's scheduler half behind the facade, tracing to rx, and one request of 300 tokens on
+    `blocks`: (provider, facade, kv cache manager, request)."""
     provider, spans = spans_to(rx, "vllm-p")
     kvm = FakeKVCacheManager()
     s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False, spans=spans)
     s.bind(kvm)
-    c = facade(s, spans)
     req = request(pd_id(), 300)
+    kvm.blocks[req.request_id] = blocks
+    return provider, facade(s, spans), kvm, req
+
+
+def test_p_send_span_from_the_planned_send_to_finished_sending(rx):
+    provider, c, kvm, req = producer_facade(rx, [4, 5, 6])
     rid = req.request_id
-    kvm.blocks[rid] = [4, 5, 6]
     c.on_new_request(req)
     c.build_connector_meta(sched_out(new=[(rid, 0, 200)]))  # chunked prefill: no send yet
     c.update_connector_output(output())
@@ -196,14 +202,8 @@ def test_p_send_span_from_the_planned_send_to_finished_sending(rx):
 
 
 def test_a_send_planned_again_after_a_preemption_stays_one_span(rx):
-    provider, spans = spans_to(rx, "vllm-p")
-    kvm = FakeKVCacheManager()
-    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False, spans=spans)
-    s.bind(kvm)
-    c = facade(s, spans)
-    req = request(pd_id(), 300)
+    provider, c, kvm, req = producer_facade(rx, [1, 2, 3])
     rid = req.request_id
-    kvm.blocks[rid] = [1, 2, 3]
     c.on_new_request(req)
     c.build_connector_meta(sched_out(new=[(rid, 0, 300)]))
     assert c.build_connector_meta(sched_out(preempted={rid})).preempted == [rid]
