@@ -83,6 +83,7 @@ def waiters(d: cluster.Server, n: int) -> list[http.client.HTTPConnection]:
 
 
 CLK = os.sysconf("SC_CLK_TCK")
+ROLES = ("api", "engine", "worker")
 
 
 def _role(pid: int) -> str:
@@ -152,32 +153,39 @@ def main() -> int:
     results = []
     try:
         cluster.wait_until([d], "/health", 600)
-        stream_itl_ms(d, 8)  # warm-up
+        for _ in range(3):  # warm-up: the first streams after start-up run slower
+            stream_itl_ms(d, args.tokens)
         if args.profile:
             args.profile.mkdir(parents=True, exist_ok=True)
             for n in args.waiting:
                 profile(d, n, args.profile_s, args.profile / f"waiting-{n}.json")
-        for n in args.waiting:
-            p50s, p99s, means = [], [], []
-            cpu: dict[str, list[float]] = {}
-            for _ in range(args.rounds):
+        # Rounds outside, points inside: each round measures every N within seconds of its N = 0,
+        # so a load that comes and goes on a shared box reaches all points alike.
+        runs: dict[int, list[dict]] = {n: [] for n in args.waiting}
+        for _ in range(args.rounds):
+            for n in args.waiting:
                 conns = waiters(d, n)
                 time.sleep(args.settle_s if n else 0.0)
                 before, cpu0 = engine_itl(d), cpu_s(d)
                 gaps = sorted(stream_itl_ms(d, args.tokens))
                 after, cpu1 = engine_itl(d), cpu_s(d)
-                for role in ("api", "engine", "worker"):  # CPU ms per streamed token
-                    cpu.setdefault(role, []).append((cpu1.get(role, 0.0) - cpu0.get(role, 0.0)) * 1e3 / args.tokens)
-                means.append((after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e3)
-                p50s.append(statistics.median(gaps))
-                p99s.append(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))])
+                runs[n].append({
+                    "engine": (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e3,
+                    "p50": statistics.median(gaps), "p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+                    # CPU ms per streamed token, by process
+                    "cpu": {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) * 1e3 / args.tokens for k in ROLES},
+                })
                 for conn in conns:
                     conn.close()
                 time.sleep(args.settle_s if n else 0.0)  # D aborts them
-            results.append({"waiting": n, "engine_itl_ms": round(statistics.median(means), 2),
-                            "client_itl_p50_ms": round(statistics.median(p50s), 2),
-                            "client_itl_p99_ms": round(statistics.median(p99s), 2),
-                            "cpu_ms_per_token": {k: round(statistics.median(v), 2) for k, v in cpu.items()}})
+        for n in args.waiting:
+            rs = runs[n]
+            results.append({"waiting": n, "engine_itl_ms": round(statistics.median(r["engine"] for r in rs), 2),
+                            "engine_itl_rounds_ms": [round(r["engine"], 2) for r in rs],
+                            "client_itl_p50_ms": round(statistics.median(r["p50"] for r in rs), 2),
+                            "client_itl_p99_ms": round(statistics.median(r["p99"] for r in rs), 2),
+                            "cpu_ms_per_token": {k: round(statistics.median(r["cpu"][k] for r in rs), 2)
+                                                 for k in ROLES}})
         base = results[0]
         for r in results:
             r["engine_ratio"] = round(r["engine_itl_ms"] / base["engine_itl_ms"], 3)
