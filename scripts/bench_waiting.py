@@ -14,7 +14,9 @@ engine step is short, so what the waiting requests add to it shows.
 
 Each point also reports the CPU D's processes (API server, EngineCore, worker) used per token of
 the stream. ``--profile DIR`` first records D's processes with py-spy (.venv/bin/py-spy, from
-scripts/setup_bench.sh) while each N waits, as speedscope JSON.
+scripts/setup_bench.sh) while each N waits, as speedscope JSON. ``--step-timing`` splits D's
+engine step per N (scheduling, the waiting requests' prefix-cache lookups, the connector's
+answers, the wait for the worker; scripts/step_timing/sitecustomize.py).
 
 Every process started here is stopped by its process group; the waiting requests are closed
 (vLLM aborts them) after each round.
@@ -135,6 +137,21 @@ def profile(d: cluster.Server, n: int, seconds: float, out: Path) -> None:
         time.sleep(2.0)
 
 
+def step_parts_us(log_dir: Path, n: int) -> dict[str, float]:
+    """Mean microseconds a part of D's one-token steps took with n requests waiting, per step
+    (--step-timing; a part that did not run in a step counts 0 there)."""
+    totals: dict[str, list[float]] = {}
+    for path in log_dir.glob("steps-*.json"):
+        totals.update(json.loads(path.read_text()))
+    steps = totals.get(f"{n}:step", [0, 0.0])[0]
+    out = {}
+    for key, (_, seconds) in totals.items():
+        waiting, _, part = key.partition(":")
+        if steps and waiting == str(n):
+            out[part] = round(seconds * 1e6 / steps, 1)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--waiting", type=int, nargs="+", default=[0, 16, 64], help="requests waiting, per point")
@@ -145,10 +162,17 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="before measuring, record D's processes with py-spy while each "
                     "--waiting N wait and a stream runs (speedscope JSON: this folder's waiting-N.json)")
     ap.add_argument("--profile-s", type=float, default=6.0, help="length of that recording")
+    ap.add_argument("--step-timing", action="store_true", help="time the parts of D's engine step (scheduling, "
+                    "the prefix-cache lookups of waiting requests, the connector's answers, the worker) per N: "
+                    "scripts/step_timing/sitecustomize.py on D's PYTHONPATH")
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-waiting-"))
     port = cluster.free_port()
-    d = cluster.start_vllm("decode", port, log_dir, env={"VLLM_CPU_OMP_THREADS_BIND": None},
+    env: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": None}
+    if args.step_timing:
+        env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'scripts' / 'step_timing'}",
+                   XPYD_STEP_TIMING_DIR=str(log_dir))
+    d = cluster.start_vllm("decode", port, log_dir, env=env,
                            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), port, None))
     results = []
     try:
@@ -194,6 +218,11 @@ def main() -> int:
                   + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items()), flush=True)
     finally:
         d.stop()
+    if args.step_timing:
+        for r in results:
+            r["step_us"] = step_parts_us(log_dir, r["waiting"])
+            print(f"{r['waiting']:4d} waiting: D's decode step, mean us: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in r["step_us"].items()), flush=True)
     out = {"results": results, "rounds": args.rounds, "tokens": args.tokens, "cpus": os.cpu_count(),
            "load": os.getloadavg(), "command": " ".join(sys.argv), "logs": str(log_dir)}
     print(json.dumps(out, indent=1))
