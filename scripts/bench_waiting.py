@@ -12,6 +12,12 @@ engine step is short, so what the waiting requests add to it shows.
 
     .venv/bin/python -m scripts.bench_waiting --waiting 0 16 64 --rounds 3
 
+Each point also reports the CPU D's processes (API server, EngineCore, worker) used per token of
+the stream. ``--profile DIR`` first records D's processes with py-spy (.venv/bin/py-spy, from
+scripts/setup_bench.sh) while each N waits, as speedscope JSON. ``--step-timing`` splits D's
+engine step per N (scheduling, the waiting requests' prefix-cache lookups, the connector's
+answers, the wait for the worker; scripts/step_timing/sitecustomize.py).
+
 Every process started here is stopped by its process group; the waiting requests are closed
 (vLLM aborts them) after each round.
 """
@@ -23,6 +29,7 @@ import http.client
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +84,74 @@ def waiters(d: cluster.Server, n: int) -> list[http.client.HTTPConnection]:
     return conns
 
 
+CLK = os.sysconf("SC_CLK_TCK")
+ROLES = ("api", "engine", "worker")
+
+
+def _role(pid: int) -> str:
+    """Which of D's processes pid is: vLLM titles its engine and worker processes."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return "gone"
+    return "engine" if b"EngineCore" in cmd else "worker" if b"Worker" in cmd else "api"
+
+
+def cpu_s(d: cluster.Server) -> dict[str, float]:
+    """CPU seconds (user + system) D's processes used so far, by role (api, engine, worker)."""
+    out: dict[str, float] = {}
+    for pid, fields in cluster.proc_stats():
+        if int(fields[2]) == d.proc.pid:
+            role = _role(pid)
+            out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / CLK
+    return out
+
+
+def profile(d: cluster.Server, n: int, seconds: float, out: Path) -> None:
+    """py-spy samples D's processes (API server, EngineCore, worker) for ``seconds`` while n
+    requests wait and one stream runs (read until the recording ends; 3,500 tokens last ~8 s at
+    the tiny model's 2.3 ms a token); written to ``out`` as speedscope JSON."""
+    pid = d.proc.pid
+    py_spy = ROOT / ".venv" / "bin" / "py-spy"
+    if not py_spy.exists():
+        print(f"profile skipped: no {py_spy}", file=sys.stderr)
+        return
+    conns = waiters(d, n)
+    try:
+        time.sleep(2.0 if n else 0.0)
+        spy = subprocess.Popen([str(py_spy), "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                "--rate", "50", "--format", "speedscope", "--output", str(out), "--nonblocking",
+                                "--subprocesses"])
+        body = {"model": "tiny-llama", "prompt": "The river runs past the old mill.", "max_tokens": 3500,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with _post(d.url, body, {"X-Request-Id": request_id.build_local()}, 300) as r:
+            for _ in r:  # read until the recording ends (closing the stream aborts it)
+                if spy.poll() is not None:
+                    break
+        spy.wait(timeout=seconds + 60)
+        print(f"profile of D (pid {pid} and its children) with {n} waiting: {out}", file=sys.stderr)
+    finally:
+        for conn in conns:
+            conn.close()
+        time.sleep(2.0)
+
+
+def step_parts_us(log_dir: Path, n: int) -> dict[str, float]:
+    """Mean microseconds a part of D's one-token steps took with n requests waiting, per step
+    (--step-timing; a part that did not run in a step counts 0 there)."""
+    totals: dict[str, list[float]] = {}
+    for path in log_dir.glob("steps-*.json"):
+        totals.update(json.loads(path.read_text()))
+    steps = totals.get(f"{n}:step", [0, 0.0])[0]
+    out = {}
+    for key, (_, seconds) in totals.items():
+        waiting, _, part = key.partition(":")
+        if steps and waiting == str(n):
+            out[part] = round(seconds * 1e6 / steps, 1)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--waiting", type=int, nargs="+", default=[0, 16, 64], help="requests waiting, per point")
@@ -84,39 +159,70 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens of the measured stream")
     ap.add_argument("--settle-s", type=float, default=2.0, help="from the waiters' start to the stream")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--profile", type=Path, help="before measuring, record D's processes with py-spy while each "
+                    "--waiting N wait and a stream runs (speedscope JSON: this folder's waiting-N.json)")
+    ap.add_argument("--profile-s", type=float, default=6.0, help="length of that recording")
+    ap.add_argument("--step-timing", action="store_true", help="time the parts of D's engine step (scheduling, "
+                    "the prefix-cache lookups of waiting requests, the connector's answers, the worker) per N: "
+                    "scripts/step_timing/sitecustomize.py on D's PYTHONPATH")
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-waiting-"))
     port = cluster.free_port()
-    d = cluster.start_vllm("decode", port, log_dir, env={"VLLM_CPU_OMP_THREADS_BIND": None},
+    env: dict[str, str | None] = {"VLLM_CPU_OMP_THREADS_BIND": None}
+    if args.step_timing:
+        env.update(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'scripts' / 'step_timing'}",
+                   XPYD_STEP_TIMING_DIR=str(log_dir))
+    d = cluster.start_vllm("decode", port, log_dir, env=env,
                            kv_config=cluster.kv_transfer_config("kv_consumer", cluster.free_port_pair(), port, None))
     results = []
     try:
         cluster.wait_until([d], "/health", 600)
-        stream_itl_ms(d, 8)  # warm-up
-        for n in args.waiting:
-            p50s, p99s, means = [], [], []
-            for _ in range(args.rounds):
+        for _ in range(3):  # warm-up: the first streams after start-up run slower
+            stream_itl_ms(d, args.tokens)
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            for n in args.waiting:
+                profile(d, n, args.profile_s, args.profile / f"waiting-{n}.json")
+        # Rounds outside, points inside: each round measures every N within seconds of its N = 0,
+        # so a load that comes and goes on a shared box reaches all points alike.
+        runs: dict[int, list[dict]] = {n: [] for n in args.waiting}
+        for _ in range(args.rounds):
+            for n in args.waiting:
                 conns = waiters(d, n)
                 time.sleep(args.settle_s if n else 0.0)
-                before = engine_itl(d)
+                before, cpu0 = engine_itl(d), cpu_s(d)
                 gaps = sorted(stream_itl_ms(d, args.tokens))
-                after = engine_itl(d)
-                means.append((after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e3)
-                p50s.append(statistics.median(gaps))
-                p99s.append(gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))])
+                after, cpu1 = engine_itl(d), cpu_s(d)
+                runs[n].append({
+                    "engine": (after[0] - before[0]) / max(1.0, after[1] - before[1]) * 1e3,
+                    "p50": statistics.median(gaps), "p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+                    # CPU ms per streamed token, by process
+                    "cpu": {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) * 1e3 / args.tokens for k in ROLES},
+                })
                 for conn in conns:
                     conn.close()
                 time.sleep(args.settle_s if n else 0.0)  # D aborts them
-            results.append({"waiting": n, "engine_itl_ms": round(statistics.median(means), 2),
-                            "client_itl_p50_ms": round(statistics.median(p50s), 2),
-                            "client_itl_p99_ms": round(statistics.median(p99s), 2)})
+        for n in args.waiting:
+            rs = runs[n]
+            results.append({"waiting": n, "engine_itl_ms": round(statistics.median(r["engine"] for r in rs), 2),
+                            "engine_itl_rounds_ms": [round(r["engine"], 2) for r in rs],
+                            "client_itl_p50_ms": round(statistics.median(r["p50"] for r in rs), 2),
+                            "client_itl_p99_ms": round(statistics.median(r["p99"] for r in rs), 2),
+                            "cpu_ms_per_token": {k: round(statistics.median(r["cpu"][k] for r in rs), 2)
+                                                 for k in ROLES}})
         base = results[0]
         for r in results:
             r["engine_ratio"] = round(r["engine_itl_ms"] / base["engine_itl_ms"], 3)
             print(f"{r['waiting']:4d} waiting: D's mean ITL {r['engine_itl_ms']:.2f} ms ({r['engine_ratio']:.2f}x); "
-                  f"client p50 {r['client_itl_p50_ms']:.2f} / p99 {r['client_itl_p99_ms']:.2f} ms", flush=True)
+                  f"client p50 {r['client_itl_p50_ms']:.2f} / p99 {r['client_itl_p99_ms']:.2f} ms; CPU ms a token "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_token"].items()), flush=True)
     finally:
         d.stop()
+    if args.step_timing:
+        for r in results:
+            r["step_us"] = step_parts_us(log_dir, r["waiting"])
+            print(f"{r['waiting']:4d} waiting: D's decode step, mean us: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in r["step_us"].items()), flush=True)
     out = {"results": results, "rounds": args.rounds, "tokens": args.tokens, "cpus": os.cpu_count(),
            "load": os.getloadavg(), "command": " ".join(sys.argv), "logs": str(log_dir)}
     print(json.dumps(out, indent=1))

@@ -91,6 +91,16 @@ class _Outgoing:
     skip_tokens: int = 0  # leading tokens D holds already (the proxy's word)
 
 
+@dataclass(slots=True)
+class _Unstarted:
+    """A request waiting (unallocated) for its prefill to begin sending: its transfer, parsed at
+    its first ask (it is asked every engine step), since when it waits and when D gives up."""
+
+    tid: request_id.TransferId
+    since: float
+    until: float
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -154,9 +164,9 @@ class P2pScheduler:
         # None: every load is asynchronous. GET pulls the KV only once the load is planned.
         self._probe = probe if cfg.loads_sync else None
         self._sync: set[str] = set()  # requests told "synchronous" by the last matched-tokens call
-        # Requests waiting (unallocated) for their prefill to begin sending -> since when, and
-        # those that stopped waiting (computed here, reported as a failed load).
-        self._unstarted: dict[str, float] = {}
+        # Requests waiting (unallocated) for their prefill to begin sending, and those that
+        # stopped waiting (computed here, reported as a failed load).
+        self._unstarted: dict[str, _Unstarted] = {}
         self._gave_up: set[str] = set()
         self._probe_ms: dict[str, float] = {}  # how long the last probe of a request took (its log line)
         self._kv_cache_manager: KVCacheManager | None = None
@@ -257,11 +267,23 @@ class P2pScheduler:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        if rid in self._loaded:
-            return 0, False  # loaded (or failed) once already: recompute locally
-        tid = _transfer(request)
-        if tid is None or not self._consumes(tid):
-            return 0, False
+        waiting = self._unstarted.get(rid)
+        if waiting is not None:
+            # vLLM asks every engine step for every request waiting for its prefill: the common
+            # answer from the transfer parsed at the first ask and the board (which remembers a
+            # key not begun until something is written), before anything else; the rest (begun,
+            # covered by a local hit, given up) takes the full path below.
+            assert self._probe is not None  # only requests probed wait
+            if (request.num_tokens - 1 > num_computed_tokens and not self._probe.begun(waiting.tid.key)
+                    and time.monotonic() < waiting.until):
+                return None, False
+            tid = waiting.tid
+        else:
+            if rid in self._loaded:
+                return 0, False  # loaded (or failed) once already: recompute locally
+            tid = _transfer(request)
+            if tid is None or not self._consumes(tid):
+                return 0, False
         if rid not in self._unplanned.get(tid.key, ()):
             # A sibling that came after the key's KV was released: compute it.
             return 0, False
@@ -269,6 +291,7 @@ class P2pScheduler:
         # produce logits for the first output token.
         n = request.num_tokens - 1 - num_computed_tokens
         if n <= 0:
+            self._unstarted.pop(rid, None)  # waited for a prefill its own prefix cache now holds
             self._covered[rid] = num_computed_tokens
             return 0, False
         self._sync.discard(rid)
@@ -295,13 +318,16 @@ class P2pScheduler:
         a wrong secret); then D computes the prompt itself, reported as a failed load (the
         key is released: a late payload is refused as unneeded)."""
         now = time.monotonic()
-        since = self._unstarted.setdefault(rid, now)
-        if now - since < (self._cfg.kv_prefill_wait_s if tid.early else self._cfg.kv_load_timeout_s):
+        waiting = self._unstarted.get(rid)
+        if waiting is None:
+            wait_s = self._cfg.kv_prefill_wait_s if tid.early else self._cfg.kv_load_timeout_s
+            waiting = self._unstarted[rid] = _Unstarted(tid, now, now + wait_s)
+        if now < waiting.until:
             return None, False
         del self._unstarted[rid]
         self._gave_up.add(rid)
         logger.error("kv load timed out req=%s transfer=%s: no sender began it in %.1fs; computing the prompt here",
-                     rid, tid.key, now - since)
+                     rid, tid.key, now - waiting.since)
         return 0, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
