@@ -107,7 +107,7 @@ class Disaggregated:
             room = self._concurrent and (self._max_early is None or _early_held(d) < self._max_early)
             if self._concurrent:
                 self.metrics.concurrent_dispatch("idle" if idle else "busy")
-                if not room:
+                if not room and not (eligible and not (either and idle)):  # the bound made D wait for P
                     self.metrics.decode_early_full.labels(d.http_address).inc()
             first_mode = eligible and not (either and idle and room)
             pre_raw = pre_first if first_mode else pre_plain
@@ -184,9 +184,10 @@ class Disaggregated:
 
         D's connector gives the request KV-cache blocks, and starts its load deadline, only
         once P began sending (connector/p2p/scheduler.py): a P that is queued or slow costs D
-        nothing but a waiting entry (at most decode_max_early from this proxy). P's failure aborts D's request at once; D's failure
-        before P is done aborts P's. A busy P's request that may start with P's token keeps
-        it (first_token): D is asked once P answered, as with sequential dispatch."""
+        nothing but a waiting entry (at most decode_max_early: _early_held). P's failure aborts
+        D's request at once; D's failure before P is done aborts P's. A busy P's request that
+        may start with P's token keeps it (first_token): D is asked once P answered, as with
+        sequential dispatch."""
         try:
             if not early:
                 return None, await self._prefill(loop, p, req, pre_raw, headers)
