@@ -119,15 +119,21 @@ def test_d_load_that_finishes_with_its_request_waits_for_the_steps_reports(rx):
     provider.shutdown()
 
 
-def test_a_span_ends_when_the_worker_finished_not_when_the_scheduler_heard(rx):
-    """P's worker reports a layer-wise send at the end of a long step: the span ends at the send's end."""
+def producer_facade(rx, blocks: list[int]):
+    """A P's scheduler half behind the facade, tracing to rx, and one request of 300 tokens on
+    `blocks`: (provider, facade, kv cache manager, request)."""
     provider, spans = spans_to(rx, "vllm-p")
     kvm = FakeKVCacheManager()
     s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False, spans=spans)
     s.bind(kvm)
-    c = facade(s, spans)
     req = request(pd_id(), 300)
-    kvm.blocks[req.request_id] = [4, 5, 6]
+    kvm.blocks[req.request_id] = blocks
+    return provider, facade(s, spans), kvm, req
+
+
+def test_a_span_ends_when_the_worker_finished_not_when_the_scheduler_heard(rx):
+    """P's worker reports a layer-wise send at the end of a long step: the span ends at the send's end."""
+    provider, c, kvm, req = producer_facade(rx, [4, 5, 6])
     c.on_new_request(req)
     c.build_connector_meta(sched_out(new=[(req.request_id, 0, 300)]))
     sent_at = time.time_ns()
@@ -165,18 +171,6 @@ def test_d_load_that_fails_or_is_cancelled_says_so(rx, leg, recving, failed, res
     assert span.attributes.get("xpyd.kv.reason") == reason
     assert (span.status_code == ERROR) == (result == "failed")
     provider.shutdown()
-
-
-def producer_facade(rx, blocks: list[int]):
-    """A P's scheduler half behind the facade, tracing to rx, and one request of 300 tokens on
-    `blocks`: (provider, facade, kv cache manager, request)."""
-    provider, spans = spans_to(rx, "vllm-p")
-    kvm = FakeKVCacheManager()
-    s = P2pScheduler(make_cfg("kv_producer"), BS, start_registrar=False, spans=spans)
-    s.bind(kvm)
-    req = request(pd_id(), 300)
-    kvm.blocks[req.request_id] = blocks
-    return provider, facade(s, spans), kvm, req
 
 
 def test_p_send_span_from_the_planned_send_to_finished_sending(rx):
