@@ -40,6 +40,7 @@ from tests.support.e2e_client import (
     with_logprobs,
 )
 from tests.support.e2e_cluster import E2ECluster
+from xpyd_wire import request_id
 from xpyd_wire.headers import XPYD_FIRST_TOKEN, XPYD_PATH
 
 pytestmark = pytest.mark.vllm
@@ -607,11 +608,12 @@ def test_kv_that_comes_after_the_request_waits_without_blocks(sys_: E2ECluster, 
     """D has the request before P has sent (concurrent dispatch, a queued P): D's connector
     gives it no KV-cache blocks and starts no load while no sender began (the request waits
     in vLLM's queue, D's engine goes on stepping); once P sends, D loads the KV and answers
-    exactly. After the lost-transfer check: under vLLM's default binding it can lose one."""
+    exactly. The id carries the proxy's early mark, as concurrent dispatch sends it: D waits
+    kv_prefill_wait_s for P to begin, not kv_load_timeout_s (P may take that long on a loaded box)."""
     prompt = make_prompt(tokenizer, 2 * BLOCK + 30, seed=6262)
     body = {**body_for("completions", prompt, False), "kv_transfer_params": {"xpyd_report_transfer_key": True}}
     want, _ = generate(sys_.colocated.url, "completions", body)
-    rid = pd_request_id(sys_)
+    rid = request_id.build(sys_.kv_addr(sys_.prefill), sys_.kv_addr(sys_.decode), early=True)
     key = rid.rsplit("_", 1)[1] + "-0"
     with ThreadPoolExecutor(1) as pool:
         on_d = pool.submit(generate, sys_.decode.url, "completions", body, {"X-Request-Id": rid})
