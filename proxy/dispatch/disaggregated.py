@@ -105,11 +105,12 @@ class Disaggregated:
             # or D holds decode_max_early requests waiting for their prefill already.
             idle = self._concurrent and _idle(p)
             room = self._concurrent and (self._max_early is None or _early_held(d) < self._max_early)
+            p_token = eligible and not (either and idle)  # P's token first, whatever D holds
             if self._concurrent:
                 self.metrics.concurrent_dispatch("idle" if idle else "busy")
-                if not room and not (eligible and not (either and idle)):  # the bound made D wait for P
+                if not room and not p_token:  # the bound made D wait for P's answer
                     self.metrics.decode_early_full.labels(d.http_address).inc()
-            first_mode = eligible and not (either and idle and room)
+            first_mode = p_token or (eligible and not room)
             pre_raw = pre_first if first_mode else pre_plain
             early = room and not first_mode  # D asked with P (the id says so to D's connector)
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address, early=early)
