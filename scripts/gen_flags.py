@@ -71,8 +71,8 @@ CONNECTOR_MEANINGS: dict[str, str] = {
     "synchronous load) instead of one engine step later; `false`: always asynchronously. A synchronous load that "
     "fails reports its blocks to vLLM, and `kv_load_failure_policy` decides, as for an asynchronous one",
     "idle_wait_ms": "in an engine step that computes nothing (a request waits for KV or for P to begin sending it, or "
-    "finished requests' blocks wait for their send), wait up to this long for a transfer to move (or begin) instead of returning into vLLM's next, "
-    "equally empty step; a request that reaches the engine meanwhile starts at most this much later; `0`: vLLM's own "
+    "finished requests' blocks wait for their send), wait up to this long for a transfer to move (or begin) "
+    "instead of returning into vLLM's next, equally empty step; a request that reaches the engine meanwhile starts at most this much later; `0`: vLLM's own "
     "behaviour (see the proxy's *Concurrent dispatch* for why); at most {MAX_IDLE_WAIT_MS:g}",
     "send_timeout_s": "P gives up a send to an unresponsive D after this, frees the blocks, tells D, and fails further "
     "sends to that D at once until it answers again",
