@@ -163,14 +163,6 @@ class Metrics:
             "Requests redone on another D after D failed before its first byte",
             registry=r,
         )
-        self.concurrent_dispatches = Counter(
-            "xpyd_concurrent_dispatch",
-            "Disaggregated attempts under concurrent dispatch by the chosen P's state: idle (no other request "
-            "of this proxy in flight on it and none waiting in its last heartbeat: an eligible request gets "
-            "D's first token) or busy (an eligible request gets P's token, D asked after P answered)",
-            ["prefill"],
-            registry=r,
-        )
         self.decode_early_full = Counter(
             "xpyd_decode_early_full",
             "Disaggregated attempts under concurrent dispatch whose D already held decode_max_early requests "
@@ -182,7 +174,7 @@ class Metrics:
             "xpyd_first_token_to_decode",
             "Requests eligible for the first token from P whose answer went to D's first token instead "
             "(held_back: P's token is part of a character, which vLLM holds back; unusable: P's answer is "
-            "not what vLLM writes; concurrent: P was idle under concurrent dispatch, D was asked at once)",
+            "not what vLLM writes; concurrent: D was asked with P under concurrent dispatch)",
             ["reason"],
             registry=r,
         )
@@ -259,9 +251,6 @@ class Metrics:
         if lat is None:
             lat = self._lat_children[route] = self.latency.labels(route)
         lat.observe(seconds)
-
-    def concurrent_dispatch(self, state: str) -> None:
-        self.concurrent_dispatches.labels(state).inc()
 
     def first_token_to_d(self, reason: str) -> None:
         self.first_token_fallbacks.labels(reason).inc()

@@ -76,9 +76,10 @@ class Disaggregated:
         # P's one token is the whole answer: a plain request id, so P ships no KV that D would
         # never claim (it would hold D's receive buffer until buffer_ttl_s).
         alone = eligible and first_token.max_tokens(req.body, req.path == CHAT, limits) == 1
-        # With concurrent dispatch an idle P's request goes out with D's, and D computes the
-        # first token itself (its request overlapping P's prefill beats P's token handed on);
-        # a busy P's gets P's token. Which one is known once P is chosen: both bodies are ready.
+        # With concurrent dispatch the request goes out with D's, and D computes the first token
+        # itself (its request overlapping P's prefill beats P's token handed on, whose D would be
+        # admitted between the client's first and second token); P's token only when D cannot be
+        # asked early (decode_max_early). Which one is known once P is chosen: both bodies ready.
         either = eligible and not alone and self._concurrent
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
@@ -100,16 +101,12 @@ class Disaggregated:
                 break
             if call.trace is not None:
                 call.trace.instance("P", p.http_address)
-            # An idle P's eligible request gets D's first token, a busy P's P's own (see
-            # _prefill_then_open); whichever P is, D is asked at once unless P's token goes first
-            # or D holds decode_max_early requests waiting for their prefill already.
-            idle = self._concurrent and _idle(p)
+            # D is asked at once unless it holds decode_max_early requests waiting for their
+            # prefill already; then it waits for P's answer, which starts the client's if it may.
             room = self._concurrent and (self._max_early is None or _early_held(d) < self._max_early)
-            p_token = eligible and not (either and idle)  # P's token first, whatever D holds
-            if self._concurrent:
-                self.metrics.concurrent_dispatch("idle" if idle else "busy")
-                if not room and not p_token:  # the bound made D wait for P's answer
-                    self.metrics.decode_early_full.labels(d.http_address).inc()
+            p_token = eligible and not either  # P's token first, whatever D holds
+            if self._concurrent and not room and not p_token:  # the bound made D wait for P's answer
+                self.metrics.decode_early_full.labels(d.http_address).inc()
             first_mode = p_token or (eligible and not room)
             pre_raw = pre_first if first_mode else pre_plain
             early = room and not first_mode  # D asked with P (the id says so to D's connector)
@@ -186,9 +183,7 @@ class Disaggregated:
         D's connector gives the request KV-cache blocks, and starts its load deadline, only
         once P began sending (connector/p2p/scheduler.py): a P that is queued or slow costs D
         nothing but a waiting entry (at most decode_max_early: _early_held). P's failure aborts
-        D's request at once; D's failure before P is done aborts P's. A busy P's request that
-        may start with P's token keeps it (first_token): D is asked once P answered, as with
-        sequential dispatch."""
+        D's request at once; D's failure before P is done aborts P's."""
         try:
             if not early:
                 return None, await self._prefill(loop, p, req, pre_raw, headers)
@@ -256,12 +251,6 @@ class Disaggregated:
             "prefill failed instance=%s kind=%s attempt=%d error=%s",
             p.http_address, kind, attempt + 1, message,
         )  # fmt: skip
-
-
-def _idle(p: Instance) -> bool:
-    """P has no request but this one from this proxy, and its last heartbeat (from any
-    proxy's traffic) reported none waiting."""
-    return p.in_flight <= 1 and (p.load is None or p.load.waiting == 0)
 
 
 def _early_held(d: Instance) -> int:

@@ -165,13 +165,15 @@ async def test_a_retried_prefill_goes_to_a_p_not_tried_yet():
         assert len(idle.completions()) == 1 and len(busy.completions()) == 1
 
 
-async def test_concurrent_dispatch_gives_an_idle_ps_request_ds_first_token_and_a_busy_ps_ps():
-    """With the first token from P and concurrent dispatch: while P is idle, D is asked at
-    once with the client's own request and computes the first token (its request overlaps
-    P's prefill; counted as reason="concurrent"); while P has a queue, D's request is the
-    continuation of P's token, sent once P answered."""
+async def test_concurrent_dispatch_gives_an_eligible_request_ds_first_token_unless_the_bound_is_full():
+    """With the first token from P and concurrent dispatch: D is asked at once with the client's
+    own request and computes the first token (its request overlaps P's prefill; counted as
+    reason="concurrent"), also while P has a queue; once D holds decode_max_early requests
+    waiting for their prefill, D is asked after P answered, and then P's token starts the answer
+    (D's request is the continuation of it)."""
     async with running_proxy(dispatch="concurrent", first_token="prefill") as px:
-        p, d = await px.pd()
+        p = await px.fake("P", load=Load(running=1, waiting=1))
+        d = await px.fake("D")
         p.fault = Fault(delay=2.0)  # D asked after P's answer would be 2 s late; 1.5 s of slack
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
@@ -180,15 +182,18 @@ async def test_concurrent_dispatch_gives_an_idle_ps_request_ds_first_token_and_a
         assert dec.received_at < pre.received_at + 1.5 and dec.request_id == pre.request_id
         assert dec.json == STREAM and "return_token_ids" not in pre.json
         assert await px.metric("xpyd_first_token_to_decode_total", reason="concurrent") == 1
-    async with running_proxy(dispatch="concurrent", first_token="prefill") as px:
-        p = await px.fake("P", load=Load(running=1, waiting=1))
-        d = await px.fake("D")
-        p.fault = Fault(delay=0.3)
+    async with running_proxy(dispatch="concurrent", first_token="prefill", decode_max_early=1) as px:
+        p, d = await px.pd()
+        p.fault = Fault(delay=1.5)
+        first = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))
+        await wait_until(lambda: len(d.completions()) == 1, what="D asked early")
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+        assert (await first).status_code == 200
         assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
-        (pre,), (dec,) = p.completions(), d.completions()
-        assert dec.received_at >= pre.received_at + 0.25
+        streamed = [r for r in d.completions() if r.json.get("stream")]
+        (dec,) = streamed
+        assert dec.received_at >= pre_of(p, dec.request_id).received_at + 1.4  # after P's answer
         assert dec.json["prompt"] != STREAM["prompt"]  # the prompt's ids and P's token
         assert await px.metric("xpyd_first_token_to_decode_total", reason="concurrent") == 0
 
@@ -274,13 +279,13 @@ async def test_concurrent_dispatch_bounds_the_requests_d_holds_waiting_for_their
         first = asyncio.create_task(px.client.post("/v1/completions", json=COMPLETION))
         await wait_until(lambda: len(d.completions()) == 1, what="D asked early")
         assert await _early(px) == 1
-        # A stream P is busy for takes P's token anyway: not counted as kept from D by the bound.
-        streamed = asyncio.create_task(px.client.post("/v1/completions", json=STREAM))
+        # A one-token stream is P's answer alone (no D at all): not counted as kept from D by the bound.
+        alone = asyncio.create_task(px.client.post("/v1/completions", json={**STREAM, "max_tokens": 1}))
         second = await px.client.post("/v1/completions", json=COMPLETION)
         assert [r.status_code for r in (await first, second)] == [200, 200]
-        assert (await streamed).headers.get(XPYD_FIRST_TOKEN) == "prefill"
+        assert (await alone).headers[XPYD_PATH] == "prefill_alone"
         pre = {r.request_id: r for r in p.completions()}
-        early, late = sorted((r for r in d.completions() if not r.json.get("stream")), key=lambda r: r.received_at)
+        early, late = sorted(d.completions(), key=lambda r: r.received_at)
         assert early.received_at < pre[early.request_id].received_at + 1.0
         assert late.received_at >= pre[late.request_id].received_at + 1.4
         assert await px.metric("xpyd_decode_early_full_total", decode=d.http_address) == 1
