@@ -9,7 +9,8 @@ core 0, D on core 1), serve three setups in turn:
   a plain request id: the connector moves no KV);
 * xpyd: the proxy (`python -m proxy`, shipped defaults), P prefills, D decodes;
 * vllm-router: vllm-router 0.1.17 in its vLLM P/D mode (`--vllm-pd-disaggregation
-  --vllm-discovery-address`, `--policy round_robin`), fed by the same connector's heartbeats.
+  --vllm-discovery-address`, `--policy round_robin`), fed by the same connector's heartbeats;
+* xpyd-base (with --base DIR): the proxy of another tree, same flags, for a before/after in one run.
 
 The client is `vllm bench serve` (vllm.benchmarks.serve, run in this process: the CPU build's
 `vllm` script fails; scripts/bench_serve.py is the same): the random dataset (synthetic token
@@ -49,7 +50,7 @@ from pathlib import Path
 from tests.support import cluster  # tests/support/cluster.py: the servers' spawner
 
 ROOT = Path(__file__).resolve().parent.parent
-SETUPS = ("colocated", "xpyd", "vllm-router")
+SETUPS = ("colocated", "xpyd", "xpyd-base", "vllm-router")  # xpyd-base: only with --base
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_s", "goodput")
 # Where the CPU went during a point (/proc, every process of a server's session): the front (the
 # setup's proxy or router), P and D in cores busy over the point's wall time (a front's CPU a
@@ -325,7 +326,10 @@ def main() -> int:
     ap.add_argument("--slo-short", default="1000,100", help="goodput SLO for short prompts: TTFT,TPOT ms")
     ap.add_argument("--slo-long", default="3000,100", help="goodput SLO for long prompts: TTFT,TPOT ms")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--setups", default="colocated,xpyd,vllm-router", help="which of " + ", ".join(SETUPS))
+    ap.add_argument("--base", default=None, metavar="DIR",
+                    help="also run the proxy of another tree as setup xpyd-base, same flags, on the same P and D (a "
+                         "before/after in one run; DIR from `git archive REV proxy xpyd_wire`)")
     ap.add_argument("--client", choices=("vllm", "guidellm", "both"), default="vllm")
     ap.add_argument("--proxy-args", default="", help="extra flags for the xPyD proxy (default: shipped defaults)")
     ap.add_argument("--json", default=None, metavar="FILE")
@@ -345,6 +349,10 @@ def main() -> int:
         ap.error("--max-concurrency is vllm bench serve's: use it with --client vllm")
     profiles = [prof(n) for n in args.profiles.split(",") if n]
     setups = [s for s in args.setups.split(",") if s]
+    if args.base and "xpyd-base" not in setups:
+        setups.append("xpyd-base")
+    if "xpyd-base" in setups and not args.base:
+        ap.error("setup xpyd-base needs --base DIR")
     cmd = shlex.join([os.path.relpath(sys.executable, ROOT), "-m", "scripts.bench_load", *sys.argv[1:]])
     before = machine()
     print(f"$ {cmd}\n{before['lscpu']}\nbefore: {before['uptime']}", flush=True)
@@ -365,6 +373,11 @@ def main() -> int:
         p_port, d_port = cluster.free_port(), cluster.free_port()
         proxy = cluster.start_proxy(cluster.free_port(), disc, log_dir, shlex.split(args.proxy_args))
         servers.append(proxy)
+        base, bdisc = None, cluster.free_port()
+        if args.base:
+            base = cluster.start_proxy(cluster.free_port(), bdisc, log_dir, shlex.split(args.proxy_args),
+                                       name="proxy-base", checkout=Path(args.base).resolve())
+            servers.append(base)
         # The routers only for the setups asked for (an xpyd-only run needs no vllm-router installed).
         router_pd = None
         if "vllm-router" in setups:
@@ -372,7 +385,9 @@ def main() -> int:
                                                    f"{cluster.HOST}:{rdisc}"], log_dir)
             servers.append(router_pd)
         common = {"model": model, "log_dir": log_dir}
-        reg = {"proxies": [f"{cluster.HOST}:{rdisc}"]} if router_pd else {}  # the connector registers with both
+        # The connector registers with every front that routes by its heartbeats.
+        more = [f"{cluster.HOST}:{port}" for port, on in ((rdisc, router_pd), (bdisc, base)) if on]
+        reg = {"proxies": more} if more else {}
         for name, port, role, cpu in (("prefill", p_port, "kv_producer", "0"), ("decode", d_port, "kv_consumer", "1")):
             servers.append(cluster.start_vllm(
                 name, port, cpus=cpu, env={"VLLM_CPU_OMP_THREADS_BIND": cpu},
@@ -388,13 +403,14 @@ def main() -> int:
                                                           f"http://{cluster.HOST}:{d_port}"], log_dir)
             servers.append(colocated)
         all_urls = {"xpyd": proxy.url} | ({"colocated": colocated.url} if colocated else {}) \
-            | ({"vllm-router": router_pd.url} if router_pd else {})
+            | ({"vllm-router": router_pd.url} if router_pd else {}) | ({"xpyd-base": base.url} if base else {})
         urls = {s: all_urls[s] for s in SETUPS if s in setups}
         for s, url in urls.items():
             wait_routed(url, s, 120)
         print(f"  up in {time.monotonic() - t0:.0f}s", flush=True)
         sessions = {"P": engines[0].proc.pid, "D": engines[1].proc.pid, "xpyd": proxy.proc.pid}
-        sessions |= {s: srv.proc.pid for s, srv in (("colocated", colocated), ("vllm-router", router_pd)) if srv}
+        sessions |= {s: srv.proc.pid for s, srv in (("colocated", colocated), ("vllm-router", router_pd),
+                                                     ("xpyd-base", base)) if srv}
         res = sweep(args, urls, model, profiles, log_dir, sessions, engines[1].url)
         after = machine()
         med = medians(res)
@@ -403,7 +419,8 @@ def main() -> int:
         lines = report(med, profiles, args)
         print("\n".join([f"\n$ {cmd}", before["lscpu"], f"before: {before['uptime']}", f"after: {after['uptime']}",
                          "setups: colocated = vllm-router round robin over P and D as plain servers; xpyd = the proxy"
-                         f" ({args.proxy_args or 'shipped defaults'}); vllm-router = its P/D mode, round_robin",
+                         f" ({args.proxy_args or 'shipped defaults'}){'; xpyd-base = the same of ' + args.base if base else ''}"
+                         "; vllm-router = its P/D mode, round_robin",
                          *lines]), flush=True)  # fmt: skip
         if args.json:
             Path(args.json).write_text(json.dumps({"command": cmd, "machine": before, "after": after,

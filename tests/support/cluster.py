@@ -109,9 +109,10 @@ def kv_transfer_config(
 
 
 def _spawn(name: str, port: int, cmd: list[str], log_dir: Path, env: dict[str, str | None],
-           drop_env: tuple[str, ...] = (), kv_port: int | None = None) -> Server:
+           drop_env: tuple[str, ...] = (), kv_port: int | None = None, cwd: Path = ROOT) -> Server:
     """Start cmd in its own session (so stop() can signal the whole group), output
-    to log_dir/name.log, with this repo importable in every child process."""
+    to log_dir/name.log, with this repo importable in every child process (after ``cwd``'s
+    packages, which ``python -m`` imports first)."""
     penv: dict[str, str] = {k: v for k, v in os.environ.items() if k not in drop_env}
     penv["PYTHONPATH"] = f"{ROOT}{os.pathsep}{penv.get('PYTHONPATH', '')}"
     for k, v in env.items():  # None: unset what this process inherited
@@ -123,7 +124,7 @@ def _spawn(name: str, port: int, cmd: list[str], log_dir: Path, env: dict[str, s
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=penv,
-                                start_new_session=True, cwd=ROOT)
+                                start_new_session=True, cwd=cwd)
     return Server(name, port, proc, log_path, kv_port=kv_port)
 
 
@@ -163,10 +164,12 @@ def start_vllm(
 
 
 def start_proxy(port: int, discovery_port: int, log_dir: Path, extra_args: list[str] | None = None,
-                name: str = "proxy", env: dict[str, str | None] | None = None) -> Server:
+                name: str = "proxy", env: dict[str, str | None] | None = None, checkout: Path | None = None) -> Server:
+    """``checkout``: run the proxy package of another tree (e.g. ``git archive REV proxy xpyd_wire``
+    unpacked there), for a benchmark's before/after in one run."""
     cmd = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(port),
            "--discovery-host", HOST, "--discovery-port", str(discovery_port)] + (extra_args or [])
-    return _spawn(name, port, cmd, log_dir, env or {})
+    return _spawn(name, port, cmd, log_dir, env or {}, cwd=checkout or ROOT)
 
 
 def proc_stats() -> Iterator[tuple[int, list[str]]]:
