@@ -130,8 +130,7 @@ class ProxyConfig:
     decode_retries: int = 1
     # concurrent: D gets the request as soon as P is chosen (it parses, tokenizes and queues it
     # while P prefills, holding no KV blocks until P begins sending: connector/p2p/scheduler.py), and
-    # computes the first token itself, unless P is busy and the first token may be P's (then D is
-    # asked after P's token, as sequential); sequential: D gets the request when P has answered.
+    # computes the first token itself; sequential: D gets the request when P has answered.
     dispatch: str = "concurrent"
     # Concurrent dispatch: requests this proxy has asked one D ahead of P's answer that still wait
     # for it. Each waits in D's engine queue, which vLLM's scheduler walks every step (D's
@@ -141,7 +140,8 @@ class ProxyConfig:
     # prefill: the client's first token is P's, sent as soon as P answers, and D continues
     # from prompt + that token (streaming completions whose parameters allow it:
     # proxy/dispatch/first_token.py); TTFT then waits for neither the transfer nor D's first step.
-    # decode: D computes it after loading the KV, for every request.
+    # With sequential dispatch only (concurrent: D computes it), and a one-token answer is P's
+    # alone with either. decode: D computes it after loading the KV, for every request.
     first_token: str = "prefill"
     # Prompts shorter than this many (estimated) tokens go to D alone; 0 disables. 128:
     # below it D alone answers faster than P + transfer (scripts/bench_e2e.py

@@ -86,12 +86,13 @@ HELP = MappingProxyType(
         "stream_idle_timeout": "max seconds between two chunks of D's stream",
         "prefill_retries": "extra attempts on another P after a connect error or timeout",
         "decode_retries": "extra attempts on another D (new P/D pair) when D fails before answering",
-        "dispatch": "concurrent: D is asked with P and computes the first token itself (a busy P's eligible "
-                    "request keeps P's token, D asked after it); sequential: D is asked after P answered",
+        "dispatch": "concurrent: D is asked with P and computes the first token itself; sequential: D is asked "
+                    "after P answered",
         "decode_max_early": "concurrent dispatch: requests a D may hold that wait for P's prefill; beyond, D is "
                             "asked after P answered (0: no limit)",
         "first_token": "prefill: P's token goes to the client as soon as P answers and D continues from it "
-                       "(streaming completions whose parameters allow it); decode: D computes the first token",
+                       "(streaming completions whose parameters allow it; sequential dispatch, or a one-token "
+                       "answer); decode: D computes the first token",
         "local_prefill_threshold": "prompts under this many estimated tokens (4 characters each) skip P (0: never)",
         "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",

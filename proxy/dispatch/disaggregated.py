@@ -76,15 +76,16 @@ class Disaggregated:
         # P's one token is the whole answer: a plain request id, so P ships no KV that D would
         # never claim (it would hold D's receive buffer until buffer_ttl_s).
         alone = eligible and first_token.max_tokens(req.body, req.path == CHAT, limits) == 1
-        # With concurrent dispatch the request goes out with D's, and D computes the first token
-        # itself (its request overlapping P's prefill beats P's token handed on, whose D would be
-        # admitted between the client's first and second token); P's token only when D cannot be
-        # asked early (decode_max_early). Which one is known once P is chosen: both bodies ready.
-        either = eligible and not alone and self._concurrent
+        # P's token starts the client's answer with sequential dispatch (or is all of it). With
+        # concurrent dispatch D computes the first token, asked with P (its request overlapping
+        # P's prefill) or, once it holds decode_max_early waiting, after P's answer: P's token
+        # handed on would put D's admission and first step into the client's first gap between
+        # tokens, where under load they set the ITL tail (docs/performance.md, issue 49).
+        p_token = eligible and (alone or not self._concurrent)
         try:
             skip = self.selector.decode_holds(d, req) if cfg.send_only_missing else 0
-            pre_first = orjson.dumps(first_token.prefill_request(req.path, req.body, skip)) if eligible else b""
-            pre_plain = orjson.dumps(prefill_body(req.path, req.body, skip)) if either or not eligible else b""
+            pre_raw = orjson.dumps(first_token.prefill_request(req.path, req.body, skip) if p_token
+                                   else prefill_body(req.path, req.body, skip))  # fmt: skip
         except orjson.JSONEncodeError:
             # orjson reads nesting up to 1024 levels but writes only up to 254.
             raise ProxyError(400, "request body is nested too deeply", "invalid_body") from None
@@ -102,17 +103,15 @@ class Disaggregated:
             if call.trace is not None:
                 call.trace.instance("P", p.http_address)
             # D is asked at once unless it holds decode_max_early requests waiting for their
-            # prefill already; then it waits for P's answer, which starts the client's if it may.
+            # prefill already; then it is asked once P answered.
             room = self._concurrent and (self._max_early is None or _early_held(d) < self._max_early)
-            p_token = eligible and not either  # P's token first, whatever D holds
             if self._concurrent and not room and not p_token:  # the bound made D wait for P's answer
                 self.metrics.decode_early_full.labels(d.http_address).inc()
-            first_mode = p_token or (eligible and not room)
-            pre_raw = pre_first if first_mode else pre_plain
-            early = room and not first_mode  # D asked with P (the id says so to D's connector)
+            early = room and not p_token  # D asked with P (the id says so to D's connector)
             rid = request_id.build_local() if alone else request_id.build(p.zmq_address, d.zmq_address, early=early)
+            body = pre_raw
             if req.response_id is not None:  # the transfer rides in P's body (openai_api.prefill_body)
-                pre_raw = orjson.dumps(prefill_body(req.path, req.body, skip, rid))
+                body = orjson.dumps(prefill_body(req.path, req.body, skip, rid))
             headers = {**req.headers, "x-request-id": rid}
             t_start = time.perf_counter()
             if attempt == 0:
@@ -121,7 +120,7 @@ class Disaggregated:
             else:
                 self.metrics.prefill_retries.inc()
             try:
-                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, pre_raw, headers, req, early)
+                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, body, headers, req, early)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
                 kind = e.kind if isinstance(e, UpstreamError) else "timeout"
@@ -145,10 +144,10 @@ class Disaggregated:
             p.served += 1
             self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
             call.flight.extra.append((XPYD_PATH_RAW, _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
-            first = first_token.parse(pre_answer, req.path == CHAT) if first_mode else None
+            first = first_token.parse(pre_answer, req.path == CHAT) if p_token else None
             if first is not None and limits is not None and first_token.starts_answer(req.body, first, limits):
                 return self.continuation.answer(call, d, first, headers)
-            if first_mode:
+            if p_token:
                 # P's answer cannot start the client's (its token is part of a character, or the
                 # answer is not what vLLM writes): D answers the client's own request.
                 self.metrics.first_token_to_d("unusable" if first is None else "held_back")
@@ -156,7 +155,7 @@ class Disaggregated:
                 self.metrics.first_token_to_d("concurrent")
             if eligible and call.trace is not None:  # why D, not P, gives the first token
                 call.trace.note("first_token_to_decode",
-                                "concurrent" if not first_mode else "unusable" if first is None else "held_back")
+                                "concurrent" if not p_token else "unusable" if first is None else "held_back")
             try:
                 answer = await self.decode.first_bytes(
                     call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers,

@@ -92,9 +92,8 @@ class System:
                  colocated: cluster.Server, pooling: cluster.Server | None = None, tap: Tap | None = None,
                  log_dir: Path | None = None, sequential: cluster.Server | None = None) -> None:
         self.proxy, self.prefill, self.decode, self.colocated = proxy, prefill, decode, colocated
-        # The shipped dispatch (concurrent) gives a request D's first token; a second proxy on
-        # the same instances dispatches sequentially, so P's token path is exercised (the one a
-        # request takes under the default when its D holds decode_max_early waiting already).
+        # The shipped dispatch (concurrent) gives every request D's first token; a second proxy
+        # on the same instances dispatches sequentially, so P's token path is exercised too.
         self.sequential = sequential or proxy
         self.pooling = pooling  # a static P of another model, served as an embedding model
         self.tap = tap  # D's recording relay: the proxy reaches D through it

@@ -165,12 +165,12 @@ async def test_a_retried_prefill_goes_to_a_p_not_tried_yet():
         assert len(idle.completions()) == 1 and len(busy.completions()) == 1
 
 
-async def test_concurrent_dispatch_gives_an_eligible_request_ds_first_token_unless_the_bound_is_full():
+async def test_concurrent_dispatch_gives_an_eligible_request_ds_first_token_also_past_the_bound():
     """With the first token from P and concurrent dispatch: D is asked at once with the client's
     own request and computes the first token (its request overlaps P's prefill; counted as
     reason="concurrent"), also while P has a queue; once D holds decode_max_early requests
-    waiting for their prefill, D is asked after P answered, and then P's token starts the answer
-    (D's request is the continuation of it)."""
+    waiting for their prefill, D is asked after P answered, still with the client's own request
+    (P's token handed on would put D's admission into the client's first gap between tokens)."""
     async with running_proxy(dispatch="concurrent", first_token="prefill") as px:
         p = await px.fake("P", load=Load(running=1, waiting=1))
         d = await px.fake("D")
@@ -190,12 +190,12 @@ async def test_concurrent_dispatch_gives_an_eligible_request_ds_first_token_unle
         resp = await px.client.post("/v1/completions", json=STREAM)
         assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
         assert (await first).status_code == 200
-        assert resp.headers[XPYD_FIRST_TOKEN] == "prefill"
-        streamed = [r for r in d.completions() if r.json.get("stream")]
-        (dec,) = streamed
+        assert XPYD_FIRST_TOKEN not in resp.headers
+        (dec,) = [r for r in d.completions() if r.json.get("stream")]
         assert dec.received_at >= pre_of(p, dec.request_id).received_at + 1.4  # after P's answer
-        assert dec.json["prompt"] != STREAM["prompt"]  # the prompt's ids and P's token
-        assert await px.metric("xpyd_first_token_to_decode_total", reason="concurrent") == 0
+        assert dec.json == STREAM and "return_token_ids" not in pre_of(p, dec.request_id).json
+        assert await px.metric("xpyd_first_token_to_decode_total", reason="concurrent") == 1  # the stream
+        assert await px.metric("xpyd_decode_early_full_total", decode=d.http_address) == 1
 
 
 @pytest.mark.parametrize("status", [404, 422])
