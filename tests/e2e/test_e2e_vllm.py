@@ -54,7 +54,7 @@ def sys_(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     log_dir = Path(tmp_path_factory.mktemp("e2e-logs"))
     bind, prefill_extra = request.param
     # Sequential dispatch: this module checks the connector's paths and P's first token, which
-    # the default (concurrent) dispatch never gives; the default is the one
+    # the default (concurrent) dispatch gives only as a one-token answer; the default is the one
     # test_e2e_fidelity, test_e2e_defaults and test_e2e_send_modes run.
     c = e2e_cluster.start(log_dir, bind=bind, prefill_extra=prefill_extra, proxy_extra=["--dispatch", "sequential"])
     yield c
