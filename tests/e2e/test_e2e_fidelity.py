@@ -98,7 +98,7 @@ class System:
         self.pooling = pooling  # a static P of another model, served as an embedding model
         self.tap = tap  # D's recording relay: the proxy reaches D through it
         self.log_dir = log_dir
-        self.failures = 0
+        self.dumps: Counter[str] = Counter()  # dumps written, per kind (_dump)
         self.raw: dict[str, bytes] = {}  # the last answer's bytes from each url (call())
         self.client = httpx.Client(timeout=120)
 
@@ -265,13 +265,15 @@ def _held_back(front: cluster.Server) -> float:
                if ln.startswith('xpyd_first_token_to_decode_total{reason="held_back"}'))
 
 
-def _dump(s: System, what: str, why: str, got: bytes, want: bytes, d_bytes: list[tuple[bytes, bytes]]) -> str:
+def _dump(s: System, what: str, why: str, got: bytes, want: bytes, d_bytes: list[tuple[bytes, bytes]],
+          kind: str = "failure") -> str:
     """The failing case's bytes next to the servers' logs: the proxy's answer, the reference's,
-    and what D was sent and answered meanwhile (its relay's record)."""
+    and what D was sent and answered meanwhile (its relay's record). ``kind`` names the file: a
+    power test's difference is its aim (`expected-N.txt`), not a failure to diagnose."""
     if s.log_dir is None:
         return ""
-    s.failures += 1
-    out = s.log_dir / f"failure-{s.failures}.txt"
+    s.dumps[kind] += 1
+    out = s.log_dir / f"{kind}-{s.dumps[kind]}.txt"
     parts = [f"{what}\n{why}\n", "---- proxy\n", got.decode(errors="replace"),
              "\n---- reference\n", want.decode(errors="replace")]
     for n, (sent, answered) in enumerate(d_bytes):
@@ -282,12 +284,13 @@ def _dump(s: System, what: str, why: str, got: bytes, want: bytes, d_bytes: list
 
 
 def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok: bool = True,
-          route: Route | None = None, headers: dict[str, str] | None = None, sequential: bool = False) -> dict:
+          route: Route | None = None, headers: dict[str, str] | None = None, sequential: bool = False,
+          expected: bool = False) -> dict:
     """Send the request to the colocated server and through the proxy; assert the answers
     are equal (see the module's text) and, with ``route``, that the proxy took that path; never a
     rescue (D alone after a failed load: the equality could not show one). A route with P's token,
-    or ``sequential``, goes through the sequential proxy (System.sequential). Returns the proxy's
-    response headers."""
+    or ``sequential``, goes through the sequential proxy (System.sequential). ``expected``: a power
+    test, which wants the difference (its dump is named so). Returns the proxy's response headers."""
     front = s.sequential if sequential or (route is not None and route.first) else s.proxy
     want_status, _, want = call(s, s.colocated.url, path, body, raw, headers)
     held = _held_back(front) if route is not None and route.first else 0.0
@@ -325,7 +328,8 @@ def check(s: System, path: str, body: Any, raw: bytes | None = None, *, tied_ok:
         if _parted_at_a_near_tie(g, w, s, path, body):
             return head  # a legitimate near tie (see e2e_client.NEAR_TIE): nothing after it is comparable
     if d is not None:
-        d += _dump(s, what, d, bytes_got, bytes_want, s.tap.since(mark) if s.tap is not None else [])
+        d += _dump(s, what, d, bytes_got, bytes_want, s.tap.since(mark) if s.tap is not None else [],
+                   "expected" if expected else "failure")
     assert d is None, f"{what}: {d}"
     return head
 
@@ -696,15 +700,25 @@ def test_prompt_one_token_short_of_the_context(shipped):
     check(shipped, "/v1/chat/completions", {**fitted(shipped, 1), "stream": True, "max_tokens": 5}, route=FIRST)
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["full", "partial"])
 @pytest.mark.parametrize("stream", [True, False], ids=["sse", "json"])
-def test_power_corrupted_kv_is_caught(shipped, stream):
+def test_power_corrupted_kv_is_caught(shipped, stream, held):
     """The comparison can fail: D zeroes the KV it loads (a debug switch of the connector),
-    and the answer through the proxy is no longer the colocated server's."""
-    body = completion(long(TEXTS["ascii"]), max_tokens=12, logprobs=2, stream=stream,
+    and the answer through the proxy is no longer the colocated server's. All of the prompt's,
+    or (``held``) only the part D lacks: D holds the prompt's full blocks from an earlier answer,
+    and P ships the rest (105 of 362 tokens; zeroed, they moved the first token's logprob by 0.037
+    and parted at step 1: e2e_client.LOGPROB_TOL). Each case has a prompt of its own: D caches the
+    full blocks it loaded, zeroed ones too, and no other case may read them."""
+    prompt = f"[power {stream} {held}] " + long(TEXTS["ascii"])
+    if held:  # D computes and caches the prompt's full blocks, uncorrupted
+        call(shipped, shipped.decode.url, "/v1/completions", completion(prompt, max_tokens=1))
+    body = completion(prompt, max_tokens=12, logprobs=2, stream=stream,
                       kv_transfer_params={"xpyd_debug_corrupt_kv": True})
     with pytest.raises(AssertionError):
-        check(shipped, "/v1/completions", body, tied_ok=False)
-    assert "CORRUPTED(test)" in shipped.decode.log()
+        check(shipped, "/v1/completions", body, tied_ok=False, expected=True)
+    zeroed = [ln for ln in shipped.decode.log().splitlines() if "CORRUPTED(test)" in ln]
+    loaded = int(re.search(r" tokens=(\d+) ", zeroed[-1]).group(1))
+    assert (loaded < 128) if held else (loaded > 256), zeroed[-1]  # the part D lacked (one block), or all
 
 
 # ---------------------------------------------------------------- the other routes (proxy/api_routes.py)

@@ -69,14 +69,17 @@ def _shape(value: Any, mapping: bool = False) -> Any:
     return None if value is None else type(value).__name__
 
 
-def _kind(event: dict, chat: bool) -> str:
-    """Where an event stands in its choice's stream: chat's role chunk, a token before the finish
-    ("mid"), or the finish and what follows (a usage event)."""
+def _kind(event: dict, chat: bool, started: set) -> str:
+    """Where an event stands in its choice's stream: chat's role chunk, a completion choice's first
+    token event before the finish ("first": vLLM puts the prompt's fields there only, the echoed
+    prompt and its logprobs, prompt_token_ids), a later token before the finish ("mid"), or the
+    finish and what follows (a usage event). ``started``: the completion choices seen so far."""
     choices = event.get("choices") or []
     if chat and any("role" in (ch.get("delta") or {}) for ch in choices if isinstance(ch, dict)):
         return "role"
     if choices and all(isinstance(ch, dict) and ch.get("finish_reason") is None for ch in choices):
-        return "mid"
+        first = not chat and not any(ch.get("index") in started for ch in choices)
+        return "first" if first else "mid"
     return "end"
 
 
@@ -86,19 +89,22 @@ def summary(events: list, chat: bool) -> dict:
     count of events is not the server's to fix): per choice its text, logprobs, finish and
     stop reasons; the usage of the last event that has one; each event's fields (its shape),
     per choice (and for the events of none, such as the usage event) and per place in the
-    stream (role chunk, tokens, finish): the set of shapes the events there have, which merging
-    events of one kind does not change and one event unlike its neighbours does (P's event
-    without the usage D's carry); the last event's fields (vLLM puts the fingerprint there);
-    [DONE] last."""
+    stream (chat's role chunk, a completion's first token event, later tokens, finish): the set
+    of shapes the events there have, which merging events of one kind does not change and one
+    event unlike its neighbours does (P's event without the usage D's carry); the last event's
+    fields (vLLM puts the fingerprint there); [DONE] last."""
     choices: dict[int, dict[str, Any]] = {}
     usage = None
     kinds: dict[str, dict[str, set[str]]] = {}
+    started: set = set()
     for e in events[:-1]:
         assert isinstance(e, dict), e
         if e.get("usage") is not None:
             usage = e["usage"]
         track = ",".join(str(ch.get("index")) for ch in e.get("choices") or ()) or "none"
-        kinds.setdefault(track, {"role": set(), "mid": set(), "end": set()})[_kind(e, chat)].add(repr(_shape(e)))
+        places = kinds.setdefault(track, {"role": set(), "first": set(), "mid": set(), "end": set()})
+        places[_kind(e, chat, started)].add(repr(_shape(e)))
+        started.update(ch.get("index") for ch in e.get("choices") or () if isinstance(ch, dict))
         for ch in e.get("choices") or ():
             c = choices.setdefault(ch["index"], {"text": "", "logprobs": {}, "finish_reason": None,
                                                   "stop_reason": None, "role": None})
@@ -116,15 +122,18 @@ def summary(events: list, chat: bool) -> dict:
 
 
 def comparable(got: dict, want: dict) -> tuple[dict, dict]:
-    """Two stream summaries as far as grouping leaves them comparable: a short answer that a
-    busy API process merged into its finishing event has no token event before the finish (seen
-    in a CI-like run: two tokens and the stop in one event through D, two events colocated), so
-    a choice's token events are compared only where both streams have some."""
+    """Two stream summaries as far as grouping leaves them comparable: a busy API process merges
+    the outputs it has not sent yet, so a place may have no event on one side (seen in CI-like
+    runs: two tokens and the stop in one event through D, two events colocated; an echoed prompt
+    with its logprobs, ~140 KB, then the other three tokens merged into the finishing event
+    colocated and one event each through D): a choice's first and later token events are each
+    compared only where both streams have some."""
     got_kinds = {t: dict(p) for t, p in got["kinds"].items()}
     want_kinds = {t: dict(p) for t, p in want["kinds"].items()}
     for track in got_kinds.keys() & want_kinds.keys():
-        if not got_kinds[track]["mid"] or not want_kinds[track]["mid"]:
-            got_kinds[track]["mid"] = want_kinds[track]["mid"] = None
+        for place in ("first", "mid"):
+            if not got_kinds[track][place] or not want_kinds[track][place]:
+                got_kinds[track][place] = want_kinds[track][place] = None
     return {**got, "kinds": got_kinds}, {**want, "kinds": want_kinds}
 
 

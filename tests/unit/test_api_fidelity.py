@@ -77,3 +77,27 @@ def test_chat_role_chunk_is_its_own_place():
     got = copy.deepcopy(want)
     got[0]["usage"] = _usage(0)  # only the role chunk carries usage
     assert same(got, want, chat=True) is not None
+
+
+def _echoed(text: str) -> dict:
+    """A completion's first event with echo: the prompt's fields ride there only."""
+    e = _tok(text)
+    e["choices"][0]["prompt_token_ids"] = [1, 2, 3]
+    return e
+
+
+def test_first_token_event_is_its_own_place():
+    """An echoed prompt with its logprobs (~140 KB) comes first; a busy API process then merged the
+    other three tokens into the finishing event colocated, while D sent them one event each (a
+    CI-like run: '.kinds.0.mid: 2 vs 1 items'). The first event's prompt fields are no shape the
+    later token events must share."""
+    merged = stream(_echoed("prompt a"), _tok(" b c d", "length"))
+    one_each = stream(_echoed("prompt a"), _tok(" b"), _tok(" c"), _tok(" d", "length"))
+    assert same(one_each, merged) is None
+    assert same(merged, one_each) is None
+    # ... but the first event must still be alike, and so must the later ones where both have some.
+    bare = stream(_tok("prompt a"), _tok(" b"), _tok(" c"), _tok(" d", "length"))
+    assert same(bare, one_each) is not None
+    odd = copy.deepcopy(one_each)
+    odd[2]["choices"][0]["prompt_token_ids"] = [1, 2, 3]  # a later event carrying the prompt's fields
+    assert same(odd, one_each) is not None

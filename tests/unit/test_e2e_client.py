@@ -90,6 +90,18 @@ def test_logprobs_at_agreeing_steps_must_agree():
     assert parting_step(close, WANT, LOGPROB_TOL) == (3, None)
 
 
+def test_a_near_tie_with_the_tied_tokens_logprobs_moved_is_a_difference():
+    """Parting at a near tie in both, but the two tokens' logprobs moved by 0.037 (what zeroing
+    105 of 362 loaded tokens did to a step, e2e_client.LOGPROB_TOL): the contexts were the same up
+    to there, so where logprobs are compared that is wrong KV, not rounding."""
+    moved = ans([("a", {"a": -1.0, "b": -2.0}), ("c", {"c": -1.037, "b": -1.047}), ("x", {"x": -0.1})])
+    step, why = parting_step(moved, WANT, LOGPROB_TOL)
+    assert step == 1 and "parted at a near tie" in why and "top logprob" in why
+    assert parting_step(moved, WANT) == (1, None)  # not asked for: a near tie
+    rounded = ans([("a", {"a": -1.0, "b": -2.0}), ("c", {"c": -1.0039, "b": -1.0059}), ("x", {"x": -0.1})])
+    assert parting_step(rounded, WANT, LOGPROB_TOL) == (1, None)  # a bf16 step or so: a near tie
+
+
 def test_same_tokens_with_other_text_fail():
     """Distinct tokens can share a logprob string (byte tokens of one character read ""):
     the text is compared too."""
