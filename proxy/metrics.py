@@ -1,13 +1,19 @@
-"""Prometheus metrics, on a per-app CollectorRegistry so several proxies can share a process."""
+"""Prometheus metrics, on a per-app CollectorRegistry so several proxies can share a process.
+
+The counters and histograms every request updates (requests, latency, phases, dispatch
+paths, the first token's fallbacks, the precise policies' tokenizing and choices) are
+loop-owned (proxy/loop_metrics.py: no lock, exported at scrape time with the same text);
+the rarer ones (errors, retries, refusals, discovery, KV events) stay prometheus_client's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.loop_metrics import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from proxy.registry import Instance, Registry
 
 # Sub-millisecond buckets matter: proxy overhead and prefill of short prompts live there.
@@ -101,17 +107,17 @@ class Metrics:
     def __init__(self, registry: Registry) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "xpyd_requests", "Client requests by route and status", ["route", "status"], registry=r
         )
-        self.latency = Histogram(
+        self.latency = LoopHistogram(
             "xpyd_request_duration_seconds",
             "End-to-end request latency by route",
             ["route"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.phase = Histogram(
+        self.phase = LoopHistogram(
             "xpyd_phase_duration_seconds",
             "Per-phase latency: queue, prefill, decode_ttfb (D's first byte), decode (D total)",
             ["phase"],
@@ -163,14 +169,14 @@ class Metrics:
             "Requests redone on another D after D failed before its first byte",
             registry=r,
         )
-        self.decode_early_full = Counter(
+        self.decode_early_full = LoopCounter(
             "xpyd_decode_early_full",
             "Disaggregated attempts under concurrent dispatch whose D already held decode_max_early requests "
             "of this proxy waiting for their prefill: D was asked once P answered, as with sequential dispatch",
             ["decode"],
             registry=r,
         )
-        self.first_token_fallbacks = Counter(
+        self.first_token_fallbacks = LoopCounter(
             "xpyd_first_token_to_decode",
             "Requests eligible for the first token from P whose answer went to D's first token instead "
             "(held_back: P's token is part of a character, which vLLM holds back; unusable: P's answer is "
@@ -178,7 +184,7 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.dispatch_paths = Counter(
+        self.dispatch_paths = LoopCounter(
             "xpyd_dispatch",
             "Requests by dispatch path: disaggregated, or D alone (local_short: short prompt, "
             "local_cached: D holds the prefix, local_no_prefill: no P live or reachable, "
@@ -205,12 +211,12 @@ class Metrics:
             "xpyd_kv_events",
             "KV-event batches from instances: applied, or dropped by reason",
             ["result"], registry=r)  # fmt: skip
-        self.prompt_ids = Counter(
+        self.prompt_ids = LoopCounter(
             "xpyd_prompt_ids",
             "Prompts tokenized for the precise policies: ok, or judged by the guess because "
             "unsupported, too_large, queue_full, timeout (the tokenizing budget) or failed",
             ["result"], registry=r)  # fmt: skip
-        self.precise_choices = Counter(
+        self.precise_choices = LoopCounter(
             "xpyd_precise_choices",
             "precise policy choices by role and source: events (the instance's KV index) or "
             "guess (cache_aware's, while its index is unknown)",
@@ -235,11 +241,11 @@ class Metrics:
             "Client connections or requests refused at the HTTP edge, by reason "
             "(connection_limit, headers_too_large, header_timeout, body_timeout, bad_request)",
             ["reason"], registry=r)  # fmt: skip
-        # Label children are cached: .labels() costs more than the observation itself.
-        self._req_children: dict[tuple[str, int], Counter] = {}
-        self._lat_children: dict[str, Histogram] = {}
+        # Label children are cached: a dict lookup here, no str() of the status.
+        self._req_children: dict[tuple[str, int], CounterChild] = {}
+        self._lat_children: dict[str, HistogramChild] = {}
         self.phase_children = {p: self.phase.labels(p) for p in PHASES}
-        self._path_children: dict[str, Counter] = {}
+        self._path_children: dict[str, CounterChild] = {}
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         key = (route, status)

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"
 
 ROOT_MODULES = {
-    "__init__", "__main__", "api_routes", "asgi", "config", "config_help", "credentials", "deadline", "errors", "metrics",
-    "openai_api", "registry", "request", "secret_files", "tracing",
+    "__init__", "__main__", "api_routes", "asgi", "config", "config_help", "credentials", "deadline", "errors",
+    "loop_metrics", "metrics", "openai_api", "registry", "request", "secret_files", "tracing",
 }  # fmt: skip
 WINGS = {"serving", "dispatch", "routing", "upstream", "membership"}
 MAX_LINES = 500
