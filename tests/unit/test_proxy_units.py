@@ -434,6 +434,18 @@ def test_make_policy():
         make_policy("random")
 
 
+def test_estimate_prompt_tokens_counts_text_beyond_ascii_as_more_tokens():
+    """~1 token a CJK character (a 600-character Chinese prompt is ~600 tokens, not 150: the
+    local threshold would send it to D alone), 0.75 for two-byte characters, 1.75 an emoji."""
+    assert estimate_prompt_tokens({"prompt": "今" * 600}) == 751
+    assert estimate_prompt_tokens({"prompt": "д" * 400}) == 301
+    assert estimate_prompt_tokens({"prompt": "\U0001f600" * 40}) == 71
+    assert estimate_prompt_tokens({"prompt": "x" * 396 + "今" * 4}) == 100 + 1 + 4
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "今" * 100}]}]}
+    assert estimate_prompt_tokens(chat, CHAT) == 126
+    assert estimate_prompt_tokens({"prompt": "\ud800" * 8}) > 2  # a lone surrogate (JSON allows it) is counted, not an error
+
+
 def test_estimate_prompt_tokens():
     assert estimate_prompt_tokens({"prompt": "x" * 400}) == 101
     assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3

@@ -21,8 +21,8 @@ from proxy.request import RouteRequest
 from proxy.routing.policies.base import adapter_of, load_score
 from proxy.routing.policies.least_loaded import LeastLoaded
 
-# The proxy's own prompt-size estimate (openai_api.estimate_prompt_tokens) counts 4
-# characters per token; text chunks use the same rate so matches convert back to tokens.
+# The proxy's own prompt-size estimate (openai_api.estimate_prompt_tokens) counts 4 ASCII
+# characters per token; text chunks use that rate so matches convert back to tokens.
 CHARS_PER_TOKEN = 4
 # Instances that were not among the candidates for this long are forgotten (they left;
 # a re-registered instance is a new Instance object with a cold cache anyway).
