@@ -180,7 +180,7 @@ class Metrics:
             "xpyd_first_token_to_decode",
             "Requests eligible for the first token from P whose answer went to D's first token instead "
             "(held_back: P's token is part of a character, which vLLM holds back; unusable: P's answer is "
-            "not what vLLM writes; concurrent: D was asked with P under concurrent dispatch)",
+            "not what vLLM writes; concurrent: concurrent dispatch, where D computes every first token)",
             ["reason"],
             registry=r,
         )
