@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, metrics as _prom_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -61,7 +62,10 @@ class HistogramChild:
         self.sum += amount
 
 
-class _Family(Collector):
+_Child = TypeVar("_Child", CounterChild, HistogramChild)
+
+
+class _Family(Collector, Generic[_Child]):
     """The labelled series of one family, keyed by their label values as strings
     (prometheus_client's labels() turns values into str too), in the order first asked for."""
 
@@ -72,12 +76,15 @@ class _Family(Collector):
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._series: dict[tuple[str, ...], CounterChild | HistogramChild] = {}
-        self._asked: dict[tuple[object, ...], CounterChild | HistogramChild] = {}  # values as given
+        self._series: dict[tuple[str, ...], _Child] = {}
+        self._asked: dict[tuple[object, ...], _Child] = {}  # values as given
         if registry is not None:
             registry.register(self)
 
-    def _add(self, values: tuple[object, ...]) -> CounterChild | HistogramChild:
+    def labels(self, *values: object) -> _Child:
+        return self._asked.get(values) or self._add(values)
+
+    def _add(self, values: tuple[object, ...]) -> _Child:
         """The series for label values not asked for before (labels() looks them up first)."""
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: expected {len(self.labelnames)} label values, got {values!r}")
@@ -88,7 +95,7 @@ class _Family(Collector):
         self._asked[values] = child
         return child
 
-    def _new(self) -> CounterChild | HistogramChild:
+    def _new(self) -> _Child:
         raise NotImplementedError
 
     def describe(self) -> list[Metric]:
@@ -98,11 +105,8 @@ class _Family(Collector):
         raise NotImplementedError
 
 
-class LoopCounter(_Family):
+class LoopCounter(_Family[CounterChild]):
     """A labelled counter, written as prometheus_client's Counter writes it (name_total)."""
-
-    def labels(self, *values: object) -> CounterChild:
-        return self._asked.get(values) or self._add(values)  # type: ignore[return-value]
 
     def _new(self) -> CounterChild:
         return CounterChild()
@@ -118,7 +122,7 @@ class LoopCounter(_Family):
         return [family]
 
 
-class LoopHistogram(_Family):
+class LoopHistogram(_Family[HistogramChild]):
     """A labelled histogram with fixed bounds (+Inf added), written as prometheus_client's
     Histogram writes it: cumulative _bucket samples, _count, _sum, _created."""
 
@@ -134,9 +138,6 @@ class LoopHistogram(_Family):
         self.bounds = tuple(bounds)
         self._les = [floatToGoString(b) for b in bounds]
         super().__init__(name, documentation, labelnames, registry)
-
-    def labels(self, *values: object) -> HistogramChild:
-        return self._asked.get(values) or self._add(values)  # type: ignore[return-value]
 
     def _new(self) -> HistogramChild:
         return HistogramChild(self.bounds)
