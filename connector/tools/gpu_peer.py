@@ -210,7 +210,6 @@ def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str =
     blocks; returns what each printed (checksums, load result). ``p_device``/``d_device``
     (default ``device``) put them on two GPUs; ``split_hosts`` makes the two processes two
     NCCL hosts (needed when they share a GPU, not otherwise). Everything ends by ``timeout``."""
-    p_port, d_port = _free_port(), _free_port()
     common = ["--layout", layout, "--send-type", send_type, "--transport", transport, "--timeout",
               str(int(timeout * 2 / 3)), "--granularity", granularity]
 
@@ -223,26 +222,37 @@ def run_pair(layout: str, send_type: str, transport: str = "nccl", device: str =
                       "--peer-port", str(peer_port), "--device", dev, *common], env)
 
     deadline = time.monotonic() + timeout
-    peers: list[_Peer] = []
-    try:
-        d = start("d", d_port, p_port, d_device or device)
-        peers.append(d)
-        p = start("p", p_port, d_port, p_device or device)
-        peers.append(p)
-        if not d.json_line(deadline).get("ready") or not p.json_line(deadline).get("ready"):
-            raise RuntimeError("a peer did not get ready")
-        d.proc.stdin.write("go\n")
-        d.proc.stdin.flush()
-        d_out = d.json_line(deadline)
-        p.proc.stdin.close()
-        p_out = p.json_line(deadline)
-        d.proc.wait(max(1.0, deadline - time.monotonic()))
-        p.proc.wait(max(1.0, deadline - time.monotonic()))
-        return p_out, d_out
-    finally:
-        for peer in peers:
-            peer.stop()
-
+    # A free port can be taken before the peer binds it: by another pair running beside this
+    # one (pytest-xdist) or by NCCL's own loopback listeners. Such a pair starts again on
+    # fresh ports, within the same deadline.
+    for attempt in range(3):
+        p_port, d_port = _free_port(), _free_port()
+        peers: list[_Peer] = []
+        try:
+            d = start("d", d_port, p_port, d_device or device)
+            peers.append(d)
+            p = start("p", p_port, d_port, p_device or device)
+            peers.append(p)
+            try:
+                ready = d.json_line(deadline).get("ready") and p.json_line(deadline).get("ready")
+            except RuntimeError as e:
+                if "Address already in use" in str(e) and attempt < 2:
+                    continue
+                raise
+            if not ready:
+                raise RuntimeError("a peer did not get ready")
+            d.proc.stdin.write("go\n")
+            d.proc.stdin.flush()
+            d_out = d.json_line(deadline)
+            p.proc.stdin.close()
+            p_out = p.json_line(deadline)
+            d.proc.wait(max(1.0, deadline - time.monotonic()))
+            p.proc.wait(max(1.0, deadline - time.monotonic()))
+            return p_out, d_out
+        finally:
+            for peer in peers:
+                peer.stop()
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 if __name__ == "__main__":
     main()

@@ -76,3 +76,28 @@ def test_a_peer_that_prints_nothing_is_killed_at_the_deadline():
         assert peer.proc.wait(10) != 0  # killed
     finally:
         peer.stop()
+
+
+@pytest.mark.timeout(900)
+def test_a_pair_whose_port_was_taken_starts_again_on_fresh_ports(monkeypatch):
+    """Six pairs beside each other (the GPU tier's pytest-xdist) took each other's free ports
+    once: a peer that cannot bind its port restarts the pair instead of failing the check."""
+    import socket
+
+    from connector.tools import gpu_peer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        ports = iter([taken.getsockname()[1]])
+        real = gpu_peer._free_port
+        calls = []
+
+        def first_one_taken() -> int:
+            calls.append(1)
+            return next(ports, None) or real()
+
+        monkeypatch.setattr(gpu_peer, "_free_port", first_one_taken)
+        p_out, d_out = run_pair("LBHNC", "PUT_ASYNC", transport="tcp", device="cpu", timeout=600)
+    assert d_out["loaded"] and d_out["sha"] == p_out["sha"]
+    assert len(calls) == 4  # two ports, twice
