@@ -19,8 +19,9 @@ from proxy.dispatch.call import DISAGGREGATED, PREFILL_ALONE, Call
 from proxy.dispatch.continuation import Continuation
 from proxy.dispatch.decode import Decode, too_large
 from proxy.dispatch.relay import Answer
-from proxy.dispatch.rewrite import DetailsRewrite, IdRewrite, UsageRewrite, prefill_cache_usage, prefill_details
-from proxy.errors import ProxyError, upstream_text
+from proxy.dispatch.rewrite import (DetailsRewrite, IdRewrite, LateDetails, UsageRewrite, prefill_cache_usage,
+                                    prefill_details)
+from proxy.errors import ProxyError, instance_text, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, prefill_body
 from proxy.registry import Instance
@@ -66,6 +67,7 @@ class Disaggregated:
         self._max_early = cfg.decode_max_early or None
         self._first_token = cfg.first_token == "prefill"
         self._expose = cfg.expose_routing_headers
+        self._later: set[asyncio.Task[bytes]] = set()  # P's calls that outlived their request's dispatch
 
     async def answer(self, call: Call, d: Instance) -> Answer:
         """P prefills (another P on failure), D decodes from P's KV; the D answer opened."""
@@ -120,7 +122,7 @@ class Disaggregated:
             else:
                 self.metrics.prefill_retries.inc()
             try:
-                opening, pre_answer = await self._prefill_then_open(call.loop, p, d, body, headers, req, early)
+                pre_answer, lead = await self._prefill_then_open(call, p, d, body, headers, early, t_start)
             except (UpstreamError, TimeoutError) as e:
                 tried.append(p)
                 kind = e.kind if isinstance(e, UpstreamError) else "timeout"
@@ -139,30 +141,30 @@ class Disaggregated:
             except ProxyError:  # P's (or D's) own answer, relayed: say who gave it
                 self._prefill_done(call, p, t_start)
                 raise
+            self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
+            call.flight.extra.append((XPYD_PATH_RAW, _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
+            if pre_answer is None:  # D's first token came before P's answer: relayed now
+                assert lead is not None
+                if eligible:
+                    self._first_to_d(call, "concurrent")
+                call.t_decode = time.perf_counter()
+                return lead.result()
             t_pre = self._prefill_done(call, p, t_start)
             call.decode_due = t_pre
             p.served += 1
-            self.metrics.dispatch(PREFILL_ALONE if alone else DISAGGREGATED)
-            call.flight.extra.append((XPYD_PATH_RAW, _PREFILL_ALONE_PATH if alone else _DISAGGREGATED_PATH))
             first = first_token.parse(pre_answer, req.path == CHAT) if p_token else None
             if first is not None and limits is not None and first_token.starts_answer(req.body, first, limits):
                 return self.continuation.answer(call, d, first, headers)
-            if p_token:
-                # P's answer cannot start the client's (its token is part of a character, or the
-                # answer is not what vLLM writes): D answers the client's own request.
-                self.metrics.first_token_to_d("unusable" if first is None else "held_back")
-            elif eligible:
-                self.metrics.first_token_to_d("concurrent")
-            if eligible and call.trace is not None:  # why D, not P, gives the first token
-                call.trace.note("first_token_to_decode",
-                                "concurrent" if not p_token else "unusable" if first is None else "held_back")
-            try:
-                answer = await self.decode.first_bytes(
-                    call.loop, d, opening if opening is not None else self.decode.open(req, d, headers), headers,
-                    client=req.client_id)
-            except BaseException:
-                await _discard(opening)
-                raise
+            if eligible:
+                # D computes the first token (concurrent dispatch), or P's answer cannot start the
+                # client's (its token is part of a character, or the answer is not what vLLM
+                # writes): D answers the client's own request.
+                self._first_to_d(call, "concurrent" if not p_token else "unusable" if first is None else "held_back")
+            if lead is None:
+                answer = await self.decode.first_bytes(call.loop, d, self.decode.open(req, d, headers), headers,
+                                                       client=req.client_id)  # fmt: skip
+            else:
+                answer = await self._lead_after_prefill(call.loop, d, lead)
             self.decode.observe_ttfb(call, t_pre)
             if req.response_id is not None and (usage := prefill_cache_usage(pre_answer)) is not None:
                 answer.rewrite = UsageRewrite(*usage)  # P's cache figures, not D's (rewrite.py)
@@ -172,38 +174,115 @@ class Disaggregated:
             return answer
         raise PrefillExhausted(_prefill_error(failures, last_msg), _unreachable(failures))
 
-    async def _prefill_then_open(self, loop: asyncio.AbstractEventLoop, p: Instance, d: Instance, pre_raw: bytes,
-                                 headers: dict[str, str], req: RouteRequest, early: bool
-                                 ) -> tuple[asyncio.Task[Answer] | None, bytes]:  # fmt: skip
-        """Run P's prefill and return its answer; ``early`` (concurrent dispatch, D computes
-        the first token), D's request goes out at the same time (D parses, tokenizes and
-        queues it while P prefills) and the still-running D task is returned with it.
+    async def _prefill_then_open(self, call: Call, p: Instance, d: Instance, pre_raw: bytes,
+                                 headers: dict[str, str], early: bool, t_start: float
+                                 ) -> tuple[bytes | None, asyncio.Task[Answer] | None]:  # fmt: skip
+        """Run P's prefill; ``early`` (concurrent dispatch, D computes the first token), D's
+        request goes out at the same time (D parses, tokenizes and queues it while P prefills).
+        Returns P's answer and, when D was asked with P, the task that waits for D's first
+        bytes (still running, or done).
 
         D's connector gives the request KV-cache blocks, and starts its load deadline, only
         once P began sending (connector/p2p/scheduler.py): a P that is queued or slow costs D
         nothing but a waiting entry (at most decode_max_early: _early_held). P's failure aborts
-        D's request at once; D's failure before P is done aborts P's."""
+        D's request at once; D's failure before P is done aborts P's.
+
+        D's first token may come before P's answer (P's HTTP answer trails its forward pass,
+        and D stepped on the KV it already has): a stream is then relayed at once, not held
+        until P answers, and P's answer is None; P's call goes on to its end (its deadline)
+        on its own (_prefill_later). Before, the client's first two tokens left together."""
+        loop = call.loop
+        req = call.req
+        later = False  # P's call outlives this one: it releases P itself
         try:
             if not early:
-                return None, await self._prefill(loop, p, req, pre_raw, headers)
-            opening = loop.create_task(self.decode.open(req, d, headers))
+                return await self._prefill(loop, p, req, pre_raw, headers), None
+            lead = loop.create_task(self._lead(loop, d, req, headers))
             prefill = loop.create_task(self._prefill(loop, p, req, pre_raw, headers))
             d.early += 1
             try:
-                await asyncio.wait((prefill, opening), return_when=asyncio.FIRST_COMPLETED)
-                if opening.done() and opening.exception() is not None and not prefill.done():
-                    await _discard(prefill)
-                    raise opening.exception()  # type: ignore[misc]
+                await asyncio.wait((prefill, lead), return_when=asyncio.FIRST_COMPLETED)
+                if lead.done() and not prefill.done():
+                    if lead.exception() is not None:
+                        await _discard(prefill)
+                        raise lead.exception()  # type: ignore[misc]
+                    answer = lead.result()
+                    if _relay_before_prefill(req, answer):
+                        answer.rewrite = LateDetails(prefill, answer.rewrite)  # type: ignore[arg-type]
+                        self._prefill_later(call, p, prefill, t_start)
+                        later = True
+                        return None, lead
                 data = await prefill
             except BaseException:
-                await _discard(prefill)
-                await _discard(opening)
+                if not later:
+                    await _discard(prefill)
+                await _discard(lead)
                 raise
             finally:
                 d.early -= 1
-            return opening, data
+            return data, lead
         finally:
+            if not later:
+                self.selector.release(p, req)
+
+    async def _lead(self, loop: asyncio.AbstractEventLoop, d: Instance, req: RouteRequest,
+                    headers: dict[str, str]) -> Answer:  # fmt: skip
+        """D's request, asked with P's, up to its first generated bytes (Decode.first_bytes).
+        Its deadline is P's and D's together: once P answered, D has decode_ttfb_timeout from
+        then (_lead_after_prefill)."""
+        opening = loop.create_task(self.decode.open(req, d, headers))
+        try:
+            return await self.decode.first_bytes(loop, d, opening, headers,
+                                                 self.cfg.prefill_timeout + self.cfg.decode_ttfb_timeout,
+                                                 req.client_id)  # fmt: skip
+        except BaseException:
+            await _discard(opening)
+            raise
+
+    async def _lead_after_prefill(self, loop: asyncio.AbstractEventLoop, d: Instance,
+                                  lead: asyncio.Task[Answer]) -> Answer:  # fmt: skip
+        """D's first bytes, asked with P, once P answered: due within decode_ttfb_timeout."""
+        limit = self.cfg.decode_ttfb_timeout
+        try:
+            done, _ = await asyncio.wait((lead,), timeout=limit)
+        except BaseException:
+            await _discard(lead)
+            raise
+        if not done:
+            await _discard(lead)
+            self.metrics.upstream_error("D", d.http_address, "timeout")
+            log.warning("decode sent nothing instance=%s for=%.1fs", d.http_address, limit)
+            where = instance_text("decode", d.http_address, self._expose)
+            raise ProxyError(504, f"{where} sent nothing for {limit}s", "decode_timeout")
+        return lead.result()
+
+    def _prefill_later(self, call: Call, p: Instance, prefill: asyncio.Task[bytes], t_start: float) -> None:
+        """P's call, still running after D's stream went to the client: held here until it ends
+        (its own deadline bounds it), then counted as a prefill, P released."""
+        self._later.add(prefill)
+        req = call.req
+
+        def ended(task: asyncio.Task[bytes]) -> None:
+            self._later.discard(task)
             self.selector.release(p, req)
+            if task.cancelled():
+                return
+            e = task.exception()
+            if e is None:
+                self._phase["prefill"].observe(time.perf_counter() - t_start)
+                p.served += 1
+            elif isinstance(e, UpstreamError | TimeoutError):
+                kind = e.kind if isinstance(e, UpstreamError) else "timeout"
+                self._prefill_failed(p, kind, 0, str(e) or kind)
+            # else P's HTTP error, counted in _prefill; D's answer (already relayed) stands
+
+        prefill.add_done_callback(ended)
+
+    def _first_to_d(self, call: Call, why: str) -> None:
+        """Why D, not P, gives the first token (a request eligible for P's)."""
+        self.metrics.first_token_to_d(why)
+        if call.trace is not None:
+            call.trace.note("first_token_to_decode", why)
 
     async def _prefill(self, loop: asyncio.AbstractEventLoop, p: Instance, req: RouteRequest, body: bytes,
                        headers: dict[str, str]) -> bytes:  # fmt: skip
@@ -250,6 +329,13 @@ class Disaggregated:
             "prefill failed instance=%s kind=%s attempt=%d error=%s",
             p.http_address, kind, attempt + 1, message,
         )  # fmt: skip
+
+
+def _relay_before_prefill(req: RouteRequest, answer: Answer) -> bool:
+    """Whether D's answer may go out before P's: a stream whose usage P's figures amend only
+    in completions' and chat's way (LateDetails). A Responses stream (UsageRewrite) and a
+    whole body (all of it generated: P's answer is due any moment) wait for P."""
+    return answer.streaming and req.response_id is None and isinstance(answer.rewrite, IdRewrite | None)
 
 
 def _early_held(d: Instance) -> int:

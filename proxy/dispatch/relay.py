@@ -13,7 +13,7 @@ import orjson
 
 from proxy.asgi import Flight, Send
 from proxy.deadline import Deadline
-from proxy.dispatch.rewrite import DetailsRewrite, IdRewrite, UsageRewrite
+from proxy.dispatch.rewrite import DetailsRewrite, IdRewrite, LateDetails, UsageRewrite
 from proxy.errors import instance_text, sse_error_event, upstream_text
 from proxy.metrics import Metrics
 from proxy.registry import Instance
@@ -31,8 +31,9 @@ class Answer:
     streaming: bool
     chunks: AsyncIterator[bytes] | None  # the rest of a stream
     # internal -> client's request id (None: exposed); P's cache figures in D's usage (UsageRewrite for
-    # the Responses API, DetailsRewrite over the id rewrite for completions and chat)
-    rewrite: IdRewrite | UsageRewrite | DetailsRewrite | None = None
+    # the Responses API, DetailsRewrite over the id rewrite for completions and chat, LateDetails
+    # when the stream went out before P's answer)
+    rewrite: IdRewrite | UsageRewrite | DetailsRewrite | LateDetails | None = None
     # A read of the stream still under way when the lead's deadline came (see read_lead):
     # `chunks` starts with its result, and closing the answer must cancel it.
     pending: asyncio.Task[bytes | None] | None = None
@@ -243,6 +244,7 @@ class Relay:
         """Send the status line, then the body as it arrives. A failure of D after the
         status line ends the stream with an SSE error event: the status cannot change."""
         metrics, idle, rw = self.metrics, self.idle, answer.rewrite
+        late = rw if isinstance(rw, LateDetails) else None  # P's figures may still be to come
         resp = answer.resp
         first = answer.first
         hdrs = [(b"content-type", resp.content_type.encode("latin-1"))]
@@ -254,7 +256,14 @@ class Relay:
         flight.started = True
         await send({"type": "http.response.start", "status": resp.status, "headers": hdrs})
         if not answer.streaming or resp.at_eof():  # all of it in hand: one write, not two
-            if answer.streaming and rw is not None:
+            if late is not None:  # a whole stream before P's answer: only what P's figures amend waits
+                first = late.feed(first)
+                if late.holding:
+                    if first:
+                        await send({"type": "http.response.body", "body": first, "more_body": True})
+                    first = await late.settle()
+                first += late.flush()
+            elif answer.streaming and rw is not None:
                 first = rw.whole(first)
             flight.done = True
             await send({"type": "http.response.body", "body": first, "more_body": False})
@@ -265,7 +274,11 @@ class Relay:
         tail = first[-_TAIL:]
         over = _over(tail)
         if rw is not None:
-            first = rw.feed(first) + (rw.flush() if over else b"")
+            first = rw.feed(first)
+            if late is not None and late.holding:
+                first += await late.settle()
+            if over:
+                first += rw.flush()
         if over:
             flight.done = True
         await send({"type": "http.response.body", "body": first, "more_body": not over})
@@ -282,6 +295,8 @@ class Relay:
                     tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
                     if rw is not None:
                         chunk = rw.feed(chunk)
+                        if late is not None and late.holding:  # D's usage before P's answer
+                            chunk += await late.settle()
                     if resp.at_eof() or _over(tail):  # last piece: send it with the end of the response
                         if rw is not None:
                             chunk += rw.flush()

@@ -19,11 +19,15 @@ fast path, one bytes.replace per chunk.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
 import os
 import re
 
 import orjson
+
+log = logging.getLogger("xpyd.proxy.rewrite")
 
 
 class NeutralIds:
@@ -185,6 +189,18 @@ def prefill_details(p_answer: bytes) -> tuple[bytes, bytes] | None:
     return (m.group(1), m.group(2) or b"null") if m else None
 
 
+def _with_figures(data: bytes, cached: bytes, created: bytes) -> bytes:
+    """``data`` with P's figures (JSON values) in place of D's prompt_tokens_details ones."""
+    if _DETAILS_OPEN not in data:
+        return data
+
+    def one(m: re.Match[bytes]) -> bytes:
+        out = b'"prompt_tokens_details":{"cached_tokens":' + cached
+        return out + b',"created_cache_tokens":' + created if m.group(2) is not None else out
+
+    return _DETAILS.sub(one, data)
+
+
 class DetailsRewrite:
     """D's completions or chat answer with P's prompt-cache figures (see above), over the id
     rewrite (``inner``): the interface of IdRewrite. A stream is rewritten event by event: the
@@ -197,12 +213,8 @@ class DetailsRewrite:
         self._cached, self._created = figures
         self._held = b""
 
-    def _one(self, m: re.Match[bytes]) -> bytes:
-        out = b'"prompt_tokens_details":{"cached_tokens":' + self._cached
-        return out + b',"created_cache_tokens":' + self._created if m.group(2) is not None else out
-
     def _sub(self, data: bytes) -> bytes:
-        return _DETAILS.sub(self._one, data) if _DETAILS_OPEN in data else data
+        return _with_figures(data, self._cached, self._created)
 
     def text(self, value: str) -> str:
         return value if self._inner is None else self._inner.text(value)
@@ -224,6 +236,92 @@ class DetailsRewrite:
     def flush(self) -> bytes:
         tail = b"" if self._inner is None else self._inner.flush()
         held, self._held = self._held + tail, b""
+        return self._sub(held)
+
+    def drop(self) -> None:
+        if self._inner is not None:
+            self._inner.drop()
+        self._held = b""
+
+
+class LateDetails:
+    """DetailsRewrite for a stream relayed before P answered (D's first token came first,
+    disaggregated.py): P's figures are not known yet. D's events go on as they come until one
+    carries prompt_tokens_details (with --enable-prompt-tokens-details: the usage); from that
+    one on the stream waits for P's answer (``holding``: the relay awaits ``settle``). P's call
+    usually ends a token or two into the stream, and from then on this is DetailsRewrite."""
+
+    __slots__ = ("_prefill", "_inner", "_known", "_cached", "_created", "_held", "holding")
+
+    def __init__(self, prefill: asyncio.Future[bytes], inner: IdRewrite | None) -> None:
+        self._prefill = prefill  # P's call: its answer, or its failure
+        self._inner = inner
+        self._known = False
+        self._cached = self._created = b""  # P's figures once known; empty: P reported none
+        self._held = b""
+        self.holding = False
+
+    def _learn(self) -> bool:
+        """Whether P's figures are known (P's call ended); learnt once it has."""
+        if not self._known and self._prefill.done():
+            answer = None if self._prefill.cancelled() or self._prefill.exception() else self._prefill.result()
+            figures = prefill_details(answer) if answer is not None else None
+            if figures is None and answer is None:
+                log.warning("prefill failed after the decode stream began: D's prompt_tokens_details relayed")
+            self._cached, self._created = figures or (b"", b"")
+            self._known = True
+        return self._known
+
+    def _sub(self, data: bytes) -> bytes:
+        return _with_figures(data, self._cached, self._created) if self._cached else data
+
+    def _events(self, data: bytes) -> bytes:
+        """The complete events of ``data`` that may go now; the rest is held."""
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._held = data
+            return b""
+        done, self._held = data[:end + 2], data[end + 2:]
+        if self._known or _DETAILS_OPEN not in done or self._learn():
+            return self._sub(done)
+        # This event has D's figures and P's are still to come: it and what follows wait.
+        before = done.rfind(b"\n\n", 0, done.find(_DETAILS_OPEN))
+        start = before + 2 if before >= 0 else 0
+        self._held = done[start:] + self._held
+        self.holding = True
+        return done[:start]
+
+    def text(self, value: str) -> str:
+        return value if self._inner is None else self._inner.text(value)
+
+    def whole(self, data: bytes) -> bytes:
+        """A complete body: only after ``settle`` (the relay's whole-stream case)."""
+        self._learn()
+        return self._sub(data if self._inner is None else self._inner.whole(data))
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = chunk if self._inner is None else self._inner.feed(chunk)
+        if self._held:
+            data = self._held + data
+        if self.holding:
+            self._held = data
+            return b""
+        return self._events(data)
+
+    async def settle(self) -> bytes:
+        """Wait for P's call to end (bounded by its own deadline; never cancelled from here)
+        and return what was held that may go now."""
+        if not self._prefill.done():
+            await asyncio.wait((self._prefill,))
+        self._learn()
+        self.holding = False
+        held, self._held = self._held, b""
+        return self._events(held)
+
+    def flush(self) -> bytes:
+        tail = b"" if self._inner is None else self._inner.flush()
+        held, self._held = self._held + tail, b""
+        self._learn()  # not settled: a stream that ended inside its usage event keeps D's figures
         return self._sub(held)
 
     def drop(self) -> None:

@@ -20,6 +20,8 @@ from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_FIRST_TOKEN, XPYD_PATH,
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
 STREAM = {**COMPLETION, "stream": True}
+CHAT_STREAM = {"model": "fake-model", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 5,
+               "stream": True}
 
 
 @contextmanager
@@ -124,17 +126,62 @@ async def test_each_failed_prefill_attempt_is_logged(caplog):
 
 
 async def test_concurrent_dispatch_closes_ds_opened_answer_when_p_fails():
-    """D answered (its stream's first event) before P failed: that open answer is closed at
-    once, so vLLM aborts the request instead of decoding for nobody."""
+    """D answered (its chat stream's role chunk: nothing generated yet, as while D waits for
+    the KV) before P failed: that open answer is closed at once, so vLLM aborts the request
+    instead of decoding for nobody."""
     async with running_proxy(dispatch="concurrent", first_token="decode", prefill_retries=0) as px:
         p, d = await px.pd()
-        d.fault = Fault(stall_after=1)  # one event, then nothing until the proxy leaves
+        d.fault = Fault(stall_after=1)  # the role chunk, then nothing until the proxy leaves
         p.fault = Fault(status=500, delay=0.5)
-        resp = await px.client.post("/v1/completions", json=STREAM)
+        resp = await px.client.post("/v1/chat/completions", json=CHAT_STREAM)
         assert resp.status_code == 500 and resp.json()["error"]["message"] == "fake P failure"
         (dec,) = d.completions()
-        assert dec.sent.startswith(b"data: ")  # D's answer was open before P failed
+        assert dec.sent.startswith(b"data: ") and b'"role"' in dec.sent  # D's answer was open before P failed
         await wait_until(lambda: dec.cancelled, what="D aborted")
+
+
+async def test_ds_first_token_before_ps_answer_is_relayed_at_once():
+    """Concurrent dispatch: D's first generated token came while P's answer was still to come
+    (P's HTTP answer trails its forward pass; D stepped on the KV it already had). The stream
+    goes to the client at once, not with P's answer: tokens 1 and 2 used to leave together.
+    P's call ends on its own afterwards (counted, P released)."""
+    async with running_proxy(dispatch="concurrent", first_token="decode") as px:
+        p, d = await px.pd()
+        gate = asyncio.Event()
+        p.fault = Fault(gate=gate)  # P answers only when the test says so
+        async with px.client.stream("POST", "/v1/completions", json=STREAM) as resp:
+            assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
+            assert XPYD_PREFILL_MS not in resp.headers  # P had not answered
+            lines = resp.aiter_lines()
+            first = await asyncio.wait_for(anext(lines), 10)
+            assert first.startswith("data: {") and not gate.is_set()  # before P's answer
+            gate.set()
+            rest = [line async for line in lines]
+        assert [line for line in rest if line][-1] == "data: [DONE]"
+        (inst,) = px.registry.live("P")
+        await wait_until(lambda: inst.served == 1 and inst.in_flight == 0, what="P counted and released")
+        assert await px.metric("xpyd_phase_duration_seconds_count", phase="prefill") == 1
+
+
+@pytest.mark.parametrize("token_delay", [0.0, 0.05])  # D's whole stream in hand at once, or event by event
+async def test_a_usage_event_before_ps_answer_waits_for_ps_figures(token_delay):
+    """With --enable-prompt-tokens-details the usage names the prompt tokens found cached; D
+    counts P's KV there, so P's figures go out instead. A stream relayed before P answered
+    holds its usage event until P's answer is in: the event gets P's figures."""
+    async with running_proxy(dispatch="concurrent", first_token="decode") as px:
+        p, d = await px.pd(token_delay=token_delay)
+        p.prompt_details, d.prompt_details = (3, 0), (17, 0)  # cached_tokens each reports
+        gate = asyncio.Event()
+        p.fault = Fault(gate=gate)
+        body = {**STREAM, "stream_options": {"include_usage": True}}
+        async with px.client.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.aiter_lines()
+            first = await asyncio.wait_for(anext(lines), 10)
+            assert first.startswith("data: {") and not gate.is_set()
+            asyncio.get_running_loop().call_later(0.3, gate.set)
+            rest = [line async for line in lines]
+        usage = [line for line in rest if '"usage":{' in line]
+        assert len(usage) == 1 and '"cached_tokens":3' in usage[0], usage
 
 
 @pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
