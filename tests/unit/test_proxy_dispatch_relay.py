@@ -602,3 +602,48 @@ async def test_relay_sends_what_the_rewrite_held_back_at_a_clean_end():
     rewrite = IdRewrite(internal, "ab" * 16)
     sent, _ = await _relay(_T0, _Script([b": tail ___pre"], "late-eof"), rewrite=rewrite)
     assert [m[1:3] for m in sent[1:]] == [(_T0, True), (b": tail ", True), (b"___pre", False)]
+
+
+def _usage_event(cached: int) -> bytes:
+    return (b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":9,"total_tokens":12,"completion_tokens":3,'
+            b'"prompt_tokens_details":{"cached_tokens":%d}}}\n\n' % cached)
+
+
+async def test_late_details_lets_events_go_until_ds_figures_then_waits_for_ps():
+    """A stream relayed before P's answer: token events go at once, the usage event (split
+    across two chunks) waits for P and gets P's figures; after it nothing is held."""
+    import asyncio
+
+    from proxy.dispatch.rewrite import LateDetails
+
+    prefill: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    late = LateDetails(prefill, None)
+    token = b'data: {"choices":[{"text":"a"}]}\n\n'
+    assert late.feed(token) == token and not late.holding
+    usage = _usage_event(17)
+    assert late.feed(token + usage[:30]) == token and not late.holding  # an event's start: held, not judged
+    assert late.feed(usage[30:] + token) == b"" and late.holding  # D's figures: they and what follows wait
+    assert late.feed(b"data: [DONE]\n\n") == b"" and late.holding
+    settling = asyncio.ensure_future(late.settle())
+    await asyncio.sleep(0)
+    assert not settling.done()  # P has not answered
+    prefill.set_result(b'{"usage":{"prompt_tokens_details":{"cached_tokens":3}}}')
+    assert await settling == _usage_event(3) + token + b"data: [DONE]\n\n"
+    assert not late.holding and late.feed(usage) == _usage_event(3) and late.flush() == b""
+
+
+@pytest.mark.parametrize("p_answer", [None, b'{"usage":{"prompt_tokens_details":null}}'])
+async def test_late_details_keeps_ds_figures_when_p_failed_or_reported_none(p_answer):
+    """P failed after D's stream began, or reports no details: D's usage goes as it is."""
+    import asyncio
+
+    from proxy.dispatch.rewrite import LateDetails
+
+    prefill: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    late = LateDetails(prefill, None)
+    assert late.feed(_usage_event(17)) == b"" and late.holding
+    if p_answer is None:
+        prefill.set_exception(TimeoutError())
+    else:
+        prefill.set_result(p_answer)
+    assert await late.settle() == _usage_event(17)
