@@ -214,8 +214,7 @@ class Disaggregated:
                         return None, lead
                 data = await prefill
             except BaseException:
-                if not later:
-                    await _discard(prefill)
+                await _discard(prefill)
                 await _discard(lead)
                 raise
             finally:
