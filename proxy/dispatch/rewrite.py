@@ -295,7 +295,7 @@ class LateDetails:
         return value if self._inner is None else self._inner.text(value)
 
     def whole(self, data: bytes) -> bytes:
-        """A complete body: only after ``settle`` (the relay's whole-stream case)."""
+        """A complete body, with P's figures if P answered (streams alone get a LateDetails)."""
         self._learn()
         return self._sub(data if self._inner is None else self._inner.whole(data))
 
