@@ -163,6 +163,25 @@ async def test_ds_first_token_before_ps_answer_is_relayed_at_once():
         assert await px.metric("xpyd_phase_duration_seconds_count", phase="prefill") == 1
 
 
+async def test_p_failing_after_ds_stream_went_out_leaves_the_answer_whole():
+    """P's call ends in a failure after D's first token was relayed: the client's stream, all
+    of it D's (D had the KV to compute it), completes; P is released and its failure counted."""
+    async with running_proxy(dispatch="concurrent", first_token="decode") as px:
+        p, d = await px.pd()
+        gate = asyncio.Event()
+        p.fault = Fault(gate=gate, status=500)
+        async with px.client.stream("POST", "/v1/completions", json=STREAM) as resp:
+            lines = resp.aiter_lines()
+            assert (await asyncio.wait_for(anext(lines), 10)).startswith("data: {")
+            gate.set()
+            rest = [line async for line in lines if line]
+        assert resp.status_code == 200 and rest[-1] == "data: [DONE]" and "error" not in "".join(rest)
+        (inst,) = px.registry.live("P")
+        await wait_until(lambda: inst.in_flight == 0, what="P released")
+        assert inst.served == 0
+        assert await px.metric("xpyd_upstream_errors_total", role="P", instance=p.http_address, kind="http_500") == 1
+
+
 @pytest.mark.parametrize("token_delay", [0.0, 0.05])  # D's whole stream in hand at once, or event by event
 async def test_a_usage_event_before_ps_answer_waits_for_ps_figures(token_delay):
     """With --enable-prompt-tokens-details the usage names the prompt tokens found cached; D
