@@ -67,10 +67,7 @@ class Decode:
             async with Deadline(loop, until):
                 answer = await opening
         except TimeoutError:
-            self.metrics.upstream_error("D", d.http_address, "timeout")
-            log.warning("decode sent nothing instance=%s for=%.1fs", d.http_address, limit)
-            where = instance_text("decode", d.http_address, self.expose)
-            raise ProxyError(504, f"{where} sent nothing for {limit}s", "decode_timeout") from None
+            raise self.silent(d, limit) from None
         if not answer.streaming:  # open() judged the status
             return answer
         # A stream's 200 says nothing yet: vLLM reports a failure before the first token
@@ -87,6 +84,13 @@ class Decode:
             return answer
         await answer.aclose()
         raise self.refused(d, error.status, error.body, headers, "its stream's error event", client)
+
+    def silent(self, d: Instance, limit: float) -> ProxyError:
+        """D sent nothing within its first-byte deadline (`limit` seconds): counted, logged, a 504."""
+        self.metrics.upstream_error("D", d.http_address, "timeout")
+        log.warning("decode sent nothing instance=%s for=%.1fs", d.http_address, limit)
+        where = instance_text("decode", d.http_address, self.expose)
+        return ProxyError(504, f"{where} sent nothing for {limit}s", "decode_timeout")
 
     def refused(self, d: Instance, status: int, data: bytes, headers: dict[str, str],
                 how: str = "its answer", client: str | None = None) -> ProxyError | DecodeFailed:  # fmt: skip

@@ -21,7 +21,7 @@ from proxy.dispatch.decode import Decode, too_large
 from proxy.dispatch.relay import Answer
 from proxy.dispatch.rewrite import (DetailsRewrite, IdRewrite, LateDetails, UsageRewrite, prefill_cache_usage,
                                     prefill_details)
-from proxy.errors import ProxyError, instance_text, upstream_text
+from proxy.errors import ProxyError, upstream_text
 from proxy.metrics import Metrics
 from proxy.openai_api import CHAT, prefill_body
 from proxy.registry import Instance
@@ -249,10 +249,7 @@ class Disaggregated:
             raise
         if not done:
             await _discard(lead)
-            self.metrics.upstream_error("D", d.http_address, "timeout")
-            log.warning("decode sent nothing instance=%s for=%.1fs", d.http_address, limit)
-            where = instance_text("decode", d.http_address, self._expose)
-            raise ProxyError(504, f"{where} sent nothing for {limit}s", "decode_timeout")
+            raise self.decode.silent(d, limit)
         return lead.result()
 
     def _prefill_later(self, call: Call, p: Instance, prefill: asyncio.Task[bytes], t_start: float) -> None:
