@@ -296,6 +296,9 @@ class Relay:
                     if rw is not None:
                         chunk = rw.feed(chunk)
                         if late is not None and late.holding:  # D's usage before P's answer
+                            # P's call has its own deadline (prefill_timeout): D's idle one does
+                            # not time the wait for it.
+                            deadline.reschedule(None)
                             chunk += await late.settle()
                     if resp.at_eof() or _over(tail):  # last piece: send it with the end of the response
                         if rw is not None:

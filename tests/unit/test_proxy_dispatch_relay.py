@@ -457,7 +457,7 @@ async def _relay(
             flight.client_left()  # the client had all of it and closed: not a disconnect
 
     answer = Answer(script, first, streaming, script.chunks() if streaming else None, rewrite)
-    await Relay(Metrics(registry), 5.0, **relay_kw)(answer, d, send, flight)
+    await Relay(Metrics(registry), relay_kw.pop("idle_timeout", 5.0), **relay_kw)(answer, d, send, flight)
     return sent, flight
 
 
@@ -647,3 +647,21 @@ async def test_late_details_keeps_ds_figures_when_p_failed_or_reported_none(p_an
     else:
         prefill.set_result(p_answer)
     assert await late.settle() == _usage_event(17)
+
+
+async def test_a_usage_event_waiting_for_p_is_not_timed_by_ds_idle_deadline():
+    """D's usage came before P's answer and P answers after D's idle deadline would have
+    passed: the stream still ends whole with P's figures, no timeout event (P's call has
+    its own deadline; mutant: the wait for P left under D's idle one)."""
+    import asyncio
+
+    from proxy.dispatch.rewrite import LateDetails
+
+    loop = asyncio.get_running_loop()
+    prefill: asyncio.Future[bytes] = loop.create_future()
+    loop.call_later(0.5, prefill.set_result, b'{"usage":{"prompt_tokens_details":{"cached_tokens":3}}}')
+    token = b'data: {"choices":[{"text":"a"}]}\n\n'
+    sent, flight = await _relay(token, _Script([_usage_event(17), _DONE], "eof"), rewrite=LateDetails(prefill, None),
+                                idle_timeout=0.2)
+    body = b"".join(m[1] for m in sent[1:])
+    assert body == token + _usage_event(3) + _DONE and flight.done
