@@ -274,6 +274,12 @@ class Disaggregated:
 
         prefill.add_done_callback(ended)
 
+    async def settle(self, timeout: float) -> None:
+        """At shutdown: P's calls that outlived their request end (each within its own
+        deadline, all within ``timeout``) before the upstream client closes under them."""
+        if self._later:
+            await asyncio.wait(set(self._later), timeout=timeout)
+
     def _first_to_d(self, call: Call, why: str) -> None:
         """Why D, not P, gives the first token (a request eligible for P's)."""
         self.metrics.first_token_to_d(why)

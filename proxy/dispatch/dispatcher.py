@@ -99,6 +99,10 @@ class Dispatcher:
             raise last
         return await self._rescue.run(call, tried, last, attempts + 1)
 
+    async def settle(self, timeout: float) -> None:
+        """At shutdown, after the last client's answer: work a request left running ends."""
+        await self._disaggregated.settle(timeout)
+
     async def _follow_up(self, call: Call) -> int:
         """A response that follows a stored one: the D storing it renders the conversation
         (P cannot), alone. No D stores it: any D, whose vLLM answers its own 404."""

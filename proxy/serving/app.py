@@ -105,6 +105,8 @@ class ProxyState:
         await self.discovery.stop()
         await self.adapters.stop()
         await self.prober.stop()
+        # P's calls still finishing after their stream went out: not cut off by the close.
+        await self.router.dispatcher.settle(self.cfg.shutdown_grace_s)
         await self.upstream.close()
         self.router.selector.close()
         if self.tracing is not None:  # the spans still batched: exported, within the exporter's timeout

@@ -39,6 +39,7 @@ class ProxyHandle:
     discovery: str  # host:port of the ZMQ ROUTER
     client: httpx.AsyncClient
     _fakes: list[FakeVLLM] = field(default_factory=list)
+    serving: asyncio.Task | None = None  # the server's serve(): done once it stopped
 
     @property
     def state(self):
@@ -120,7 +121,7 @@ async def running_proxy(**overrides: Any) -> AsyncIterator[ProxyHandle]:
     url = f"http://127.0.0.1:{server.port}"
     # verify=False: plain-HTTP loopback only, and it skips ~90 ms of CA loading per client.
     async with httpx.AsyncClient(base_url=url, timeout=10.0, verify=False) as client:
-        handle = ProxyHandle(server, url, f"127.0.0.1:{server.proxy.discovery.port}", client)
+        handle = ProxyHandle(server, url, f"127.0.0.1:{server.proxy.discovery.port}", client, serving=task)
         try:
             yield handle
         finally:

@@ -163,6 +163,24 @@ async def test_ds_first_token_before_ps_answer_is_relayed_at_once():
         assert await px.metric("xpyd_phase_duration_seconds_count", phase="prefill") == 1
 
 
+async def test_shutdown_lets_ps_call_end_after_its_stream_went_out():
+    """The proxy stops while a P call outlives its relayed stream: it stops once P's answer
+    was read (P counted as served), not with P's call running, which the process's exit
+    would cut off (mutant: no settle)."""
+    async with running_proxy(dispatch="concurrent", first_token="decode") as px:
+        p, d = await px.pd()
+        gate = asyncio.Event()
+        p.fault = Fault(gate=gate)
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n") and not gate.is_set()
+        (inst,) = px.registry.live("P")
+        assert inst.served == 0 and inst.in_flight == 1
+        asyncio.get_running_loop().call_later(0.3, gate.set)
+        px.server.should_exit = True
+        await asyncio.wait_for(asyncio.shield(px.serving), 10)  # the proxy stopped ...
+        assert inst.served == 1 and inst.in_flight == 0  # ... after P's call ended and was counted
+
+
 async def test_p_failing_after_ds_stream_went_out_leaves_the_answer_whole():
     """P's call ends in a failure after D's first token was relayed: the client's stream, all
     of it D's (D had the KV to compute it), completes; P is released and its failure counted."""
