@@ -54,8 +54,10 @@ SETUPS = ("colocated", "xpyd", "xpyd-base", "vllm-router")  # xpyd-base: only wi
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "out_tok_s", "goodput")
 # Where the CPU went during a point (/proc, every process of a server's session): the front (the
 # setup's proxy or router), P and D in cores busy over the point's wall time (a front's CPU a
-# request would count its idle heartbeats and probes over a slow point's minute).
-CPU = ("front_cores", "p_cores", "d_cores", "gap1_p50", "gap1_max")
+# request would count its idle heartbeats and probes over a slow point's minute). *_wait: how long
+# their threads were ready but waited for a core (the kernel's run-queue delay, schedstat), ms a
+# second of the point: on two cores a front that runs on D's core delays D's steps.
+CPU = ("front_cores", "p_cores", "d_cores", "front_wait", "p_wait", "d_wait", "gap1_p50", "gap1_max")
 # D's connector loads over a point (vllm:xpyd_kv_transfers_total{role="load"}): summed over rounds.
 LOADS = ("loads_ok", "loads_failed")
 HZ = os.sysconf("SC_CLK_TCK")
@@ -202,6 +204,45 @@ def session_cpu(sessions: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def pin_sessions(sids: list[int], cpus: set[int]) -> None:
+    """Every thread of every process in these sessions onto ``cpus`` (threads started later
+    inherit it from theirs)."""
+    for pid, fields in cluster.proc_stats():
+        if int(fields[3]) not in sids:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:
+                continue  # gone meanwhile
+
+
+def session_waits(sessions: dict[str, int]) -> dict[str, float]:
+    """Run-queue delay so far, ms, summed over every thread of each named session
+    (/proc/PID/task/TID/schedstat: on-CPU ns, run-queue wait ns, timeslices)."""
+    by_sid = {sid: name for name, sid in sessions.items()}
+    out = dict.fromkeys(sessions, 0.0)
+    for pid, fields in cluster.proc_stats():
+        name = by_sid.get(int(fields[3]))
+        if name is None:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out[name] += int(f.read().split()[1]) / 1e6
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+    return out
+
+
 def kv_loads(d_url: str) -> dict[str, float]:
     """D's connector loads so far, ok and failed (any result but ok and unneeded), from its /metrics."""
     with urllib.request.urlopen(d_url + "/metrics", timeout=30) as r:  # noqa: S310 (loopback)
@@ -231,11 +272,13 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                         seed = args.seed + 10_000 * rnd + 1_000 * i + 100 * names.index(s) + 10 * clients.index(c)
                         seed += 5_000_000 * profiles.index(p)
                         loads0, t0, cpu0 = kv_loads(d_url), time.monotonic(), session_cpu(sessions)
+                        wait0 = session_waits(sessions)
                         point = (vllm_point(urls[s], model, p, rate, seed, args.max_concurrency) if c == "vllm"
                                  else guidellm_point(urls[s], model, p, rate, seed, log_dir))
-                        wall, cpu1 = time.monotonic() - t0, session_cpu(sessions)
+                        wall, cpu1, wait1 = time.monotonic() - t0, session_cpu(sessions), session_waits(sessions)
                         point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
                                   "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
+                        point |= {f"{k}_wait": (wait1[n] - wait0[n]) / wall for k, n in (("front", s), ("p", "P"), ("d", "D"))}
                         point |= {k: v - loads0[k] for k, v in kv_loads(d_url).items()}
                         res[c][p.name][rate][s].append(point)
                         print(f"  round {rnd + 1}/{args.rounds} {c} {p.name} {rate:g}/s {s:<12} "
@@ -272,10 +315,11 @@ def report(med: dict, profiles: list[Profile], args: argparse.Namespace) -> list
                 lines.append("\nwhere the CPU went (/proc: cores busy over the point; the front: the setup's proxy or "
                              "router; P and D have one core each) and the gap from each answer's first token to its "
                              "second (in the ITL figures)")
-                lines.append("| rate/s | setup | front cores | P cores | D cores | token 1 -> 2 gap p50 / max ms "
-                             "| D's KV loads ok / failed (all rounds) |")
-                lines.append("|---|---|---|---|---|---|---|")
+                lines.append("| rate/s | setup | front cores | P cores | D cores | run-queue wait front / P / D ms/s "
+                             "| token 1 -> 2 gap p50 / max ms | D's KV loads ok / failed (all rounds) |")
+                lines.append("|---|---|---|---|---|---|---|---|")
                 lines += [f"| {rate:g} | {s} | {m['front_cores']:.3f} | {m['p_cores']:.2f} | {m['d_cores']:.2f} | "
+                          f"{m.get('front_wait', 0):.1f} / {m.get('p_wait', 0):.1f} / {m.get('d_wait', 0):.1f} | "
                           f"{m.get('gap1_p50', 0):.0f} / {m.get('gap1_max', 0):.0f} | "
                           f"{m['loads_ok']:.0f} / {m['loads_failed']:.0f} |" for rate, s, m in rows]
     return lines
@@ -332,6 +376,9 @@ def main() -> int:
                          "before/after in one run; DIR from `git archive REV proxy xpyd_wire`)")
     ap.add_argument("--client", choices=("vllm", "guidellm", "both"), default="vllm")
     ap.add_argument("--proxy-args", default="", help="extra flags for the xPyD proxy (default: shipped defaults)")
+    ap.add_argument("--front-cpus", default=None, metavar="CPUS",
+                    help="pin every front (proxy, router) to these cores, e.g. 0 (P's): whether a front's CPU on D's "
+                         "core shows in the ITL (default: unpinned, as an operator runs them)")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--seed", type=int, default=0)
@@ -411,6 +458,9 @@ def main() -> int:
         sessions = {"P": engines[0].proc.pid, "D": engines[1].proc.pid, "xpyd": proxy.proc.pid}
         sessions |= {s: srv.proc.pid for s, srv in (("colocated", colocated), ("vllm-router", router_pd),
                                                      ("xpyd-base", base)) if srv}
+        if args.front_cpus:
+            pin_sessions([sid for name, sid in sessions.items() if name not in ("P", "D")],
+                         {int(c) for c in args.front_cpus.split(",")})
         res = sweep(args, urls, model, profiles, log_dir, sessions, engines[1].url)
         after = machine()
         med = medians(res)
