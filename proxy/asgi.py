@@ -38,7 +38,7 @@ class ClientGone(Exception):
     """The client disconnected before its request was read."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # hashable: D keeps the ones it relays (Instance.relaying)
 class Flight:
     """Per-request response state, shared with the disconnect watcher."""
 

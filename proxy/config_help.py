@@ -93,7 +93,7 @@ HELP = MappingProxyType(
         "first_token": "prefill: P's token goes to the client as soon as P answers and D continues from it "
                        "(streaming completions whose parameters allow it; sequential dispatch, or a one-token "
                        "answer); decode: D computes the first token",
-        "local_prefill_threshold": "prompts under this many estimated tokens (4 ASCII characters each, about 1 a CJK character) skip P (0: never)",
+        "local_prefill_threshold": "prompts under this many estimated tokens (4 ASCII characters each, about 1 a CJK character) skip P while D relays no other answer of this proxy (0: never)",
         "fallback_to_decode": "true: with no P live or reachable, D prefills alone (else 503)",
         "failure_cooldown": "seconds to avoid an instance that refused a connection",
         "prefill_max_in_flight": "requests in flight per P before new ones queue (0: no limit)",

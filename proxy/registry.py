@@ -58,6 +58,9 @@ class Instance:
     in_flight_tokens: int = 0
     # D only: requests sent ahead of their P's answer (concurrent dispatch) not answered by P yet.
     early: int = 0
+    # D only: this proxy's answers from it being relayed (their Flight; done: all sent), which
+    # a prefill on D would stall between two tokens (proxy/dispatch/local.py).
+    relaying: set = field(default_factory=set)
     # Monotonic deadline until which routing avoids it after a refused connection.
     cooldown_until: float = 0.0
     served: int = 0

@@ -133,9 +133,12 @@ class Dispatcher:
         if req.response_id is not None and 200 <= answer.resp.status < 300 and req.body.get("store", True):
             # vLLM stores it there (if its store is on), and a background one from now on.
             self.stored.record(req.response_id, d, call.cache_usage)
+        relaying = d.relaying
+        relaying.add(call.flight)
         try:
             await self._relay(answer, d, call.send, call.flight)
         finally:
+            relaying.discard(call.flight)
             # Unread (client left, error, timeout): closes the connection, D aborts.
             await answer.aclose()
         d.served += 1

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from tests.support.proxy_errors import assert_error
-from tests.support.proxy_helpers import Fault, register_dead, running_proxy
+from tests.support.proxy_helpers import Fault, register_dead, running_proxy, wait_until
 from xpyd_wire.headers import XPYD_DECODE_INSTANCE, XPYD_DECODE_TTFB_MS, XPYD_PATH, XPYD_PREFILL_MS, XPYD_QUEUE_MS
 
 COMPLETION = {"model": "fake-model", "prompt": "Hello there", "max_tokens": 5}
@@ -44,6 +45,29 @@ async def test_disaggregated_phase_timings_measure_each_phase(body):
         assert 0.3 <= phase_sum(text, "prefill") < 10
         assert 0.2 <= phase_sum(text, "decode_ttfb") < 10
         assert 0.2 <= phase_sum(text, "decode") < 10  # from P's answer to D's last byte
+
+
+async def test_a_short_prompt_goes_through_p_while_d_relays_another_answer():
+    """D's own prefill of a short prompt would sit between the tokens of the answers D is
+    streaming: while D relays one, a short prompt takes P's path; once that answer is all
+    sent, D prefills short prompts itself again (mutant: the relaying answers not counted)."""
+    import asyncio
+
+    async with running_proxy(local_prefill_threshold=50, dispatch="concurrent") as px:
+        p, d = await px.pd()
+        d.fault = Fault(token_delay=0.2)
+        async with px.client.stream("POST", "/v1/completions", json=STREAM) as slow:
+            assert slow.headers[XPYD_PATH] == "local_short"
+            lines = slow.aiter_lines()
+            assert (await asyncio.wait_for(anext(lines), 10)).startswith("data: {")
+            d.fault = None
+            resp = await px.client.post("/v1/completions", json=STREAM)
+            assert resp.status_code == 200 and resp.headers[XPYD_PATH] == "disaggregated"
+            assert [line async for line in lines if line][-1] == "data: [DONE]"
+        resp = await px.client.post("/v1/completions", json=STREAM)
+        assert resp.headers[XPYD_PATH] == "local_short"
+        (inst,) = px.registry.live("D")
+        await wait_until(lambda: not inst.relaying, what="each answer's flight left once served")
 
 
 async def test_local_phase_timings_measure_ds_first_byte():
@@ -349,12 +373,30 @@ def test_local_prefill_threshold_edges(threshold, tokens, d_uncached, path):
     from proxy.dispatch.local import choose_path
 
     cfg = ProxyConfig(local_prefill_threshold=threshold)
-    sel, req, d = _Selector(d_uncached=d_uncached), _route(tokens), object()
+    sel, req, d = _Selector(d_uncached=d_uncached), _route(tokens), SimpleNamespace(relaying=set())
     assert choose_path(cfg, sel, req, d) == path
     asked = [("available", "P", "m1")]
     if threshold > 0 and tokens >= threshold:
         asked.append(("uncached", "D", d, req))
     assert sel.asked == asked
+
+
+@pytest.mark.parametrize("flights, path", [((False,), "disaggregated"), ((True, False), "disaggregated"),
+                                           ((True,), "local_short"), ((), "local_short")])
+def test_a_short_prompt_goes_to_d_alone_only_while_d_relays_nothing_unfinished(flights, path):
+    """An answer D relays whose last bytes are not sent yet (Flight.done false) sends a short
+    prompt to P; answers all sent do not count."""
+    from proxy.asgi import Flight
+    from proxy.config import ProxyConfig
+    from proxy.dispatch.local import choose_path
+
+    d = SimpleNamespace(relaying=set())
+    for done in flights:
+        f = Flight(None)
+        f.done = done
+        d.relaying.add(f)
+    sel = _Selector(d_uncached=3)  # nor D's cache: the rest of a short prompt is short too
+    assert choose_path(ProxyConfig(local_prefill_threshold=50), sel, _route(10), d) == path
 
 
 def test_without_p_the_path_is_local_or_a_503_that_says_so():
