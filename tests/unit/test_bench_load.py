@@ -2,14 +2,14 @@
 guidellm's JSON report read into the same figures as vllm bench serve's (goodput at the same
 SLO from its per-request records)."""
 
-from scripts.bench_load import Profile, guidellm_metrics, medians, report
+from scripts.bench_load import Profile, guidellm_metrics, medians, report, tight_goodput
 
 P = Profile("long", 2048, 64, (0.5,), 3, slo_ttft_ms=1000, slo_tpot_ms=50)
 
 
 def _point(ttft: float, goodput: float) -> dict[str, float]:
     return {"ttft_p50": ttft, "ttft_p99": 2 * ttft, "itl_p50": 5.0, "itl_p99": 9.0, "out_tok_s": 100.0,
-            "goodput": goodput}
+            "goodput": goodput, "goodput_tight": goodput / 2}
 
 
 def test_medians_are_per_setup_and_metric_over_rounds():
@@ -21,14 +21,14 @@ def test_medians_are_per_setup_and_metric_over_rounds():
     class Args:
         rounds = 3
     lines = report(medians(res), [P], Args)
-    assert "| 0.5 | xpyd | 20 | 40 | 5.0 | 9.0 | 100.0 | 0.30 |" in lines
+    assert "| 0.5 | xpyd | 20 | 40 | 5.0 | 9.0 | 100.0 | 0.30 | 0.15 |" in lines
     assert any("TTFT <= 1000 ms and TPOT <= 50 ms" in line for line in lines)
     assert not any("front cores" in line for line in lines)  # no CPU figures measured
-    cpu = {"front_cores": 0.5, "p_cores": 0.9, "d_cores": 0.4}
+    cpu = {"front_cores": 0.5, "p_cores": 0.9, "d_cores": 0.4, "front_wait": 2.0, "p_wait": 3.0, "d_wait": 4.0}
     res["vllm"]["long"][0.5]["xpyd"] = [_point(10, 0.1) | cpu | {"loads_ok": 3, "loads_failed": 1},
                                         _point(10, 0.1) | cpu | {"front_cores": 0.7, "loads_ok": 3}]
     lines = report(medians(res), [P], Args)
-    assert "| 0.5 | xpyd | 0.600 | 0.90 | 0.40 | 0 / 0 | 6 / 1 |" in lines  # D's loads: summed over rounds
+    assert "| 0.5 | xpyd | 0.600 | 0.90 | 0.40 | 2.0 / 3.0 / 4.0 | 0 / 0 | 6 / 1 |" in lines  # loads: summed
 
 
 def test_ds_loads_are_read_from_its_metrics_ok_and_failed():
@@ -70,10 +70,17 @@ def test_guidellm_report_gives_the_same_figures():
     dist = {"median": 12.0, "percentiles": {"p99": 40.0}, "mean": 7.0}
     reqs = [{"time_to_first_token_ms": 900, "inter_token_latency_ms": 40},  # good
             {"time_to_first_token_ms": 1100, "inter_token_latency_ms": 40},  # TTFT over the SLO
-            {"time_to_first_token_ms": 100, "inter_token_latency_ms": 60}]  # TPOT over it
+            {"time_to_first_token_ms": 100, "inter_token_latency_ms": 60},  # TPOT over it
+            {"time_to_first_token_ms": 500, "inter_token_latency_ms": 11}]  # good, also at the tight TPOT
     report_json = {"benchmarks": [{"duration": 2.0, "requests": {"successful": reqs}, "metrics": {
         name: {"successful": dist} for name in ("time_to_first_token_ms", "inter_token_latency_ms",
                                                  "output_tokens_per_second")}}]}
     m = guidellm_metrics(report_json, P)
     assert m == {"ttft_p50": 12.0, "ttft_p99": 40.0, "itl_p50": 12.0, "itl_p99": 40.0, "out_tok_s": 7.0,
-                 "goodput": 0.5}
+                 "goodput": 1.0, "goodput_tight": 0.5}
+
+
+def test_tight_goodput_counts_requests_within_ttft_and_the_tight_tpot():
+    r = {"duration": 2.0, "ttfts": [0.5, 0.5, 1.5, 0.1], "itls": [[0.011, 0.012], [0.011, 0.020], [0.01], []]}
+    # in; mean ITL 15.5 ms over 12; TTFT over 1 s; no ITL (one token): not counted
+    assert tight_goodput(r, P) == 0.5
