@@ -2,8 +2,9 @@
 passed on to P and D, whose vLLM joins the trace (its ``--otlp-traces-endpoint``: each engine's
 ``llm_request`` span), and the connector's ``kv send`` on P and ``kv load`` on D (connector/tracing.py).
 
-- The span: one per request on the disaggregated routes (api_routes.P_THEN_D), a SERVER span named
-  ``POST /v1/...``, child of the client's ``traceparent`` when it sends one (W3C trace context), else
+- The span: one per request on the disaggregated routes (api_routes.P_THEN_D) and on the routes one
+  instance answers (embeddings, tokenize, a stored response, ...: ``xpyd.path`` passthrough, the
+  instance chosen as a prefill or decode event), a SERVER span named ``POST /v1/...``, child of the client's ``traceparent`` when it sends one (W3C trace context), else
   the root of a new trace. Its attributes say what the proxy did: the model, the P and D chosen (each
   attempt is an event, a failed one too, so retries show), the path (disaggregated, prefill_alone,
   local_*), where the first token came from, the timings the x-xpyd-* headers carry (queue, prefill,
@@ -93,9 +94,11 @@ class RequestTrace:
     def note(self, name: str, value: str | int | float | bool) -> None:
         self.span.set_attribute(f"xpyd.{name}", value)
 
-    def end(self, status: int, extra: list[tuple[bytes, bytes]]) -> None:
+    def end(self, status: int, extra: list[tuple[bytes, bytes]], generated: bool = True) -> None:
+        """The span ends with what the response headers told (``generated``: False for a route
+        that produces no tokens, whose span has no first-token source)."""
         span = self.span
-        first = False
+        first = not generated
         for key, value in extra:
             found = _FROM_HEADERS.get(key)
             if found is not None:
@@ -151,15 +154,16 @@ class Tracing:
                          or "the exporter's default")  # fmt: skip
         log.info("tracing on: OTLP %s to %s", protocol, self.endpoint)
 
-    def start(self, path: str, headers: list[tuple[bytes, bytes]]) -> RequestTrace:
-        """The request's span, child of the client's trace context if it sent a valid one."""
+    def start(self, path: str, headers: list[tuple[bytes, bytes]], method: str = "POST") -> RequestTrace:
+        """The request's span, child of the client's trace context if it sent a valid one
+        (``path``: the route, e.g. ``/v1/responses/{response_id}``, not the URL)."""
         carrier: dict[str, str] = {}
         for k, v in headers:
             if k == b"traceparent" or k == b"tracestate":
                 carrier[k.decode()] = v.decode("latin-1")
         parent = self._propagator.extract(carrier) if carrier else None
-        span = self._tracer.start_span(f"POST {path}", context=parent, kind=self._server,
-                                       attributes={"http.request.method": "POST", "http.route": path})
+        span = self._tracer.start_span(f"{method} {path}", context=parent, kind=self._server,
+                                       attributes={"http.request.method": method, "http.route": path})
         return RequestTrace(span)
 
     def shutdown(self) -> None:

@@ -28,6 +28,7 @@ from proxy.registry import Instance
 from proxy.request import RouteRequest
 from proxy.serving.intake import upstream_headers
 from proxy.serving.routes import Router
+from proxy.tracing import RequestTrace
 from proxy.upstream.base import Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("xpyd.proxy.passthrough")
@@ -70,6 +71,7 @@ class Passthrough:
         self.upstream = upstream
         self.stored = router.dispatcher.stored
         self.check_auth = router.check_auth
+        self._tracing = router.tracing  # None: no span, no cost
         self._bodies = router.bodies
         self._base = router.base_headers()
         self._allow = router.forwarded() | _OWN_HEADERS
@@ -84,6 +86,7 @@ class Passthrough:
         t0 = time.perf_counter()
         status = 500
         started = False
+        trace = None if self._tracing is None else self._tracing.start(route.path, scope["headers"], scope["method"])
         try:
             self.check_auth(scope["headers"])
             headers, length = upstream_headers(scope["headers"], self._allow, self._base)
@@ -93,6 +96,9 @@ class Passthrough:
             target = path.decode("latin-1") + (("?" + scope["query_string"].decode("latin-1"))
                                                if scope.get("query_string") else "")  # fmt: skip
             req = RouteRequest(route.path, body, {}, 0, headers, self._model(headers, body))
+            if trace is not None:
+                trace.begin(headers, req.model)
+                trace.note("path", "passthrough")
             pinned = rewrite = None
             if route.handling == STORED_RESPONSE:
                 response_id = scope["path"].split("/")[3]
@@ -100,7 +106,7 @@ class Passthrough:
                     pinned = await self.stored.locate(response_id, headers)
                     usage = self.stored.usage(response_id)
                     rewrite = UsageRewrite(*usage) if usage is not None else None
-            status, started = await self._forward(route, req, scope["method"], target, pinned, send, rewrite)
+            status, started = await self._forward(route, req, scope["method"], target, pinned, send, rewrite, trace)
         except ProxyError as e:
             status = e.status
             if not started:
@@ -112,6 +118,8 @@ class Passthrough:
             raise
         finally:
             self.metrics.observe_request(route.path, status, time.perf_counter() - t0)
+            if trace is not None:
+                trace.end(status, [], generated=False)
 
     def _model(self, headers: dict[str, str], body: bytes) -> str | None:
         """The body's model, where instances serve more than one (only then does it choose)."""
@@ -124,7 +132,8 @@ class Passthrough:
         return model if isinstance(model, str) else None
 
     async def _forward(self, route: ApiRoute, req: RouteRequest, method: str, target: str, pinned: Instance | None,
-                       send: Send, rewrite: UsageRewrite | None = None) -> tuple[int, bool]:  # fmt: skip
+                       send: Send, rewrite: UsageRewrite | None = None,
+                       trace: RequestTrace | None = None) -> tuple[int, bool]:  # fmt: skip
         """Send the request to an instance, relay the answer; (status, whether anything was sent)."""
         roles = self._roles.get(route.handling, self._default_roles)
         tried: list[Instance] = []
@@ -138,12 +147,16 @@ class Passthrough:
                 inst = await self._pick(roles, req, tried)
             if inst is None:
                 break
+            if trace is not None:
+                trace.instance(inst.role, inst.http_address)
             try:
                 try:
                     resp = await self._open(inst, method, target, req)
                 except UpstreamError as e:
                     tried.append(inst)
                     last = self._failed(inst, e)
+                    if trace is not None:
+                        trace.failed(inst.role, inst.http_address, e.kind)
                     if e.kind in ("connect", "connect_timeout"):
                         continue  # nothing reached it: another may answer
                     raise last from None

@@ -89,6 +89,11 @@ class Router:
         if upstream_key is not None:
             self._base_headers["authorization"] = upstream_key
 
+    @property
+    def tracing(self) -> Tracing | None:
+        """The proxy's tracer (None: tracing off), for the routes served beside this router."""
+        return self._tracing
+
     def base_headers(self) -> dict[str, str]:
         """What every upstream request carries besides the client's headers (the upstream key)."""
         return {k: v for k, v in self._base_headers.items() if k != "content-type"}

@@ -215,3 +215,26 @@ def test_pyproject_names_the_tracing_extra():
     assert {d.split(">")[0].split("=")[0] for d in extras["tracing"]} == {
         "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp"}
     assert json.dumps(extras["tracing"])  # a list of requirement strings
+
+
+async def test_a_route_one_instance_answers_is_a_span_too(receiver):
+    """/tokenize (and every route passed through to one instance) gets its span: the route, the
+    instance as an event (a refused one first: a failed event), path passthrough, no
+    first-token source; the instance that answers gets the span as its parent."""
+    async with running_proxy(tracing=True, heartbeat_timeout=30) as px:
+        dead = await register_dead(px, "P")  # first in the table: round robin tries it first
+        p, d = await px.pd()
+        resp = await px.client.post("/tokenize", json={"model": "fake-model", "prompt": "Hello"},
+                                    headers={"traceparent": TRACEPARENT})
+        assert resp.status_code == 200, resp.text
+        (span,) = proxy_spans(receiver)
+    assert (span.name, span.trace_id, span.parent_span_id) == ("POST /tokenize", TRACE_ID, CLIENT_SPAN)
+    a = span.attributes
+    assert a["http.route"] == "/tokenize" and a["http.response.status_code"] == 200
+    assert a["xpyd.path"] == "passthrough" and "xpyd.first_token" not in a
+    assert a["xpyd.prefill.instance"] == p.http_address and a["xpyd.prefill.attempts"] == 2
+    assert [(e.name, e.attributes["xpyd.instance"], e.attributes.get("xpyd.reason")) for e in span.events] == [
+        ("prefill", dead, None), ("prefill_failed", dead, "connect"), ("prefill", p.http_address, None)]
+    (rec,) = [r for r in p.requests if r.path == "/tokenize"]
+    assert parent_of(rec.headers["traceparent"])[:2] == (TRACE_ID, span.span_id)
+    assert not [r for r in d.requests if r.path == "/tokenize"]
