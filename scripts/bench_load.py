@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,21 +220,28 @@ def session_cpu(sessions: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def pin_sessions(sids: list[int], cpus: set[int]) -> None:
-    """Every thread of every process in these sessions onto ``cpus`` (threads started later
-    inherit it from theirs)."""
+def session_threads(sids: set[int]) -> Iterator[tuple[int, int, str]]:
+    """(session, pid, tid) of every thread of every live process in these sessions."""
     for pid, fields in cluster.proc_stats():
-        if int(fields[3]) not in sids:
+        sid = int(fields[3])
+        if sid not in sids:
             continue
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
-            continue
+            continue  # gone meanwhile
         for tid in tids:
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except OSError:
-                continue  # gone meanwhile
+            yield sid, pid, tid
+
+
+def pin_sessions(sids: list[int], cpus: set[int]) -> None:
+    """Every thread of every process in these sessions onto ``cpus`` (threads started later
+    inherit it from theirs)."""
+    for _, _, tid in session_threads(set(sids)):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            continue  # gone meanwhile
 
 
 def session_waits(sessions: dict[str, int]) -> dict[str, float]:
@@ -241,20 +249,12 @@ def session_waits(sessions: dict[str, int]) -> dict[str, float]:
     (/proc/PID/task/TID/schedstat: on-CPU ns, run-queue wait ns, timeslices)."""
     by_sid = {sid: name for name, sid in sessions.items()}
     out = dict.fromkeys(sessions, 0.0)
-    for pid, fields in cluster.proc_stats():
-        name = by_sid.get(int(fields[3]))
-        if name is None:
-            continue
+    for sid, pid, tid in session_threads(set(by_sid)):
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    out[name] += int(f.read().split()[1]) / 1e6
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[by_sid[sid]] += int(f.read().split()[1]) / 1e6
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
     return out
 
 

@@ -84,3 +84,23 @@ def test_tight_goodput_counts_requests_within_ttft_and_the_tight_tpot():
     r = {"duration": 2.0, "ttfts": [0.5, 0.5, 1.5, 0.1], "itls": [[0.011, 0.012], [0.011, 0.020], [0.01], []]}
     # in; mean ITL 15.5 ms over 12; TTFT over 1 s; no ITL (one token): not counted
     assert tight_goodput(r, P) == 0.5
+
+
+def test_a_sessions_threads_are_pinned_and_their_waits_read():
+    """pin_sessions (--front-cpus) and session_waits on a real process in a session of its own."""
+    import os
+    import subprocess
+    import sys
+
+    from scripts.bench_load import pin_sessions, session_waits
+
+    cpu = min(os.sched_getaffinity(0))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        pin_sessions([proc.pid], {cpu})
+        assert os.sched_getaffinity(proc.pid) == {cpu}
+        waits = session_waits({"front": proc.pid, "gone": 2**22 + 1})
+        assert set(waits) == {"front", "gone"} and waits["front"] >= 0 and waits["gone"] == 0
+    finally:
+        proc.kill()
+        proc.wait()
