@@ -4,11 +4,12 @@ passed on to P and D, whose vLLM joins the trace (its ``--otlp-traces-endpoint``
 
 - The span: one per request on the disaggregated routes (api_routes.P_THEN_D) and on the routes one
   instance answers (embeddings, tokenize, a stored response, ...: ``xpyd.path`` passthrough, the
-  instance chosen as a prefill or decode event), a SERVER span named ``POST /v1/...``, child of the client's ``traceparent`` when it sends one (W3C trace context), else
-  the root of a new trace. Its attributes say what the proxy did: the model, the P and D chosen (each
-  attempt is an event, a failed one too, so retries show), the path (disaggregated, prefill_alone,
-  local_*), where the first token came from, the timings the x-xpyd-* headers carry (queue, prefill,
-  D's first byte: the KV wait is in it), the status.
+  instance chosen as a prefill or decode event), a SERVER span named ``POST /v1/...``, child of
+  the client's ``traceparent`` when it sends one (W3C trace context), else the root of a new trace.
+  Its attributes say what the proxy did: the model, the P and D chosen (each attempt is an event, a
+  failed one too, so retries show), the path (disaggregated, prefill_alone, local_*), where the
+  first token came from, the timings the x-xpyd-* headers carry (queue, prefill, D's first byte:
+  the KV wait is in it), the status.
 - The context: every request to P and D carries this span as its parent (``traceparent``, with the
   client's ``tracestate``) in place of the client's, so vLLM's ``llm_request`` span of P and of D are
   the proxy span's children.

@@ -201,7 +201,8 @@ def guidellm_metrics(report: dict, p: Profile) -> dict[str, float]:
     duration = bench.get("duration") or (bench.get("end_time", 0) - bench.get("start_time", 0)) or 1
     tight = sum(1 for r in reqs if (r.get("time_to_first_token_ms") or 1e18) <= p.slo_ttft_ms
                 and (r.get("inter_token_latency_ms") or 0) <= p.tight_tpot_ms)
-    return {"goodput_tight": tight / duration, "ttft_p50": ttft["median"], "ttft_p99": ttft["percentiles"]["p99"], "itl_p50": itl["median"],
+    return {"goodput_tight": tight / duration,
+            "ttft_p50": ttft["median"], "ttft_p99": ttft["percentiles"]["p99"], "itl_p50": itl["median"],
             "itl_p99": itl["percentiles"]["p99"], "out_tok_s": dist("output_tokens_per_second")["mean"],
             "goodput": good / duration}
 
@@ -306,7 +307,8 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                         wall, cpu1, wait1 = time.monotonic() - t0, session_cpu(sessions), session_waits(sessions)
                         point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
                                   "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
-                        point |= {f"{k}_wait": (wait1[n] - wait0[n]) / wall for k, n in (("front", s), ("p", "P"), ("d", "D"))}
+                        point |= {f"{k}_wait": (wait1[n] - wait0[n]) / wall
+                                  for k, n in (("front", s), ("p", "P"), ("d", "D"))}
                         point |= {k: v - loads0[k] for k, v in kv_loads(d_url).items()}
                         res[c][p.name][rate][s].append(point)
                         print(f"  round {rnd + 1}/{args.rounds} {c} {p.name} {rate:g}/s {s:<12} "
@@ -400,8 +402,8 @@ def main() -> int:
     ap.add_argument("--slo-short", default="1000,100", help="goodput SLO for short prompts: TTFT,TPOT ms")
     ap.add_argument("--slo-long", default="3000,100", help="goodput SLO for long prompts: TTFT,TPOT ms")
     ap.add_argument("--tight-tpot", type=float, default=12.0,
-                    help="a second goodput's TPOT bound, ms (same TTFT): near the bench model's unloaded decode step "
-                         "(~9-10 ms on one core), where decodes that wait behind prefills fail")
+                    help="a second goodput's TPOT bound, ms (same TTFT): near the bench model's unloaded decode "
+                         "step (~9-10 ms on one core), where decodes that wait behind prefills fail")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--setups", default="colocated,xpyd,vllm-router", help="which of " + ", ".join(SETUPS))
     ap.add_argument("--base", default=None, metavar="DIR",
@@ -410,8 +412,8 @@ def main() -> int:
     ap.add_argument("--client", choices=("vllm", "guidellm", "both"), default="vllm")
     ap.add_argument("--proxy-args", default="", help="extra flags for the xPyD proxy (default: shipped defaults)")
     ap.add_argument("--front-cpus", default=None, metavar="CPUS",
-                    help="pin every front (proxy, router) to these cores, e.g. 0 (P's): whether a front's CPU on D's "
-                         "core shows in the ITL (default: unpinned, as an operator runs them)")
+                    help="pin every front (proxy, router) to these cores, e.g. 0 (P's): whether a front's CPU on "
+                         "D's core shows in the ITL (default: unpinned, as an operator runs them)")
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--seed", type=int, default=0)

@@ -86,7 +86,8 @@ class Passthrough:
         t0 = time.perf_counter()
         status = 500
         started = False
-        trace = None if self._tracing is None else self._tracing.start(route.path, scope["headers"], scope["method"])
+        tracing = self._tracing
+        trace = None if tracing is None else tracing.start(route.path, scope["headers"], scope["method"])
         try:
             self.check_auth(scope["headers"])
             headers, length = upstream_headers(scope["headers"], self._allow, self._base)
