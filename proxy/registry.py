@@ -1,19 +1,17 @@
 """The table of live P and D instances, fed by discovery and read by the router.
 
-A discovered instance starts *pending*: listed, never a routing candidate, until the prober
-hears it answer (proxy/membership/probe.py, Prober.admit), so an address where nothing listens (mistyped,
-or a flood of them) never costs a client request. Discovered instances are bounded per role
-and per source host; registrations beyond the bounds are refused (RegistrationRefused).
+A discovered instance starts *pending*: listed, never a routing candidate, until the prober hears it answer
+(proxy/membership/probe.py, Prober.admit), so an address where nothing listens (mistyped, or a flood of them)
+never costs a client request. Discovered instances are bounded per role and per source host; registrations
+beyond the bounds are refused (RegistrationRefused).
 
-A record belongs to what first registered it: its source host (the discovery connection's
-peer address, which a sender cannot choose) and its instance_key when it sent one
-(xpyd_wire.discovery). A heartbeat or a leave for the same http_address from another owner
-is refused (reason "conflict"), whoever holds the discovery secret; only once the owner has
-been silent for half the heartbeat timeout (it restarted with a new key, or died) does a new
-owner take the address, as a new pending instance. A change of an owned record's addresses
-is logged as such. The KV-event endpoints an instance advertises are taken on its source
-host (a registrant on this machine may name any address of this machine): a registration
-cannot make the proxy connect to any other host."""
+A record belongs to what first registered it: its source host (the discovery connection's peer address, which a
+sender cannot choose) and its instance_key when it sent one (xpyd_wire.discovery). A heartbeat or a leave for
+the same http_address from another owner is refused (reason "conflict"), whoever holds the discovery secret;
+only once the owner has been silent for half the heartbeat timeout (it restarted with a new key, or died) does a
+new owner take the address, as a new pending instance. A change of an owned record's addresses is logged as
+such. The KV-event endpoints an instance advertises are taken on its source host (a registrant on this machine
+may name any address of this machine): a registration cannot make the proxy connect to any other host."""
 
 from __future__ import annotations
 
@@ -56,10 +54,9 @@ class Instance:
     # Proxy-tracked load: requests and estimated prompt tokens currently sent to it.
     in_flight: int = 0
     in_flight_tokens: int = 0
-    # D only: requests sent ahead of their P's answer (concurrent dispatch) not answered by P yet.
+    # D only: requests sent ahead of their P's answer (concurrent dispatch) not answered by P yet,
+    # and the flights of this proxy's answers it streams (a prefill on D would stall: dispatch/local.py).
     early: int = 0
-    # D only: this proxy's answers from it being relayed (their Flight; done: all sent), which
-    # a prefill on D would stall between two tokens (proxy/dispatch/local.py).
     relaying: set = field(default_factory=set)
     # Monotonic deadline until which routing avoids it after a refused connection.
     cooldown_until: float = 0.0
