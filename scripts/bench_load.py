@@ -125,8 +125,9 @@ def start_router(name: str, args: list[str], log_dir: Path) -> cluster.Server:
 
 
 def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int,
-               max_concurrency: int | None = None) -> dict[str, float]:
-    """One `vllm bench serve` run; its own print-out goes to a buffer (kept on failure)."""
+               max_concurrency: int | None = None, raw: list[dict] | None = None) -> dict[str, float]:
+    """One `vllm bench serve` run; its own print-out goes to a buffer (kept on failure). ``raw``
+    gets each request's send time, TTFT and inter-token gaps (seconds, the client's clock)."""
     from vllm.benchmarks import serve
 
     parser = argparse.ArgumentParser()
@@ -148,6 +149,8 @@ def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int,
         raise RuntimeError(f"{url}: {r['completed']} of {p.prompts} completed; {errors}\n{out.getvalue()[-2000:]}")
     # The gap from each answer's first token to its second, which the ITL figures include: with
     # the first token from P, D's first step after the KV load (issue 49 section 1).
+    if raw is not None:
+        raw.append({k: r[k] for k in ("start_times", "ttfts", "itls")})
     gaps = sorted(1000 * itl[0] for itl in r["itls"] if itl)
     return {"goodput_tight": tight_goodput(r, p),
             "ttft_p50": r["median_ttft_ms"], "ttft_p99": r["p99_ttft_ms"], "itl_p50": r["median_itl_ms"],
@@ -302,8 +305,13 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                         reset_prefix_caches(engine_urls)
                         loads0, t0, cpu0 = kv_loads(d_url), time.monotonic(), session_cpu(sessions)
                         wait0 = session_waits(sessions)
-                        point = (vllm_point(urls[s], model, p, rate, seed, args.max_concurrency) if c == "vllm"
+                        raw: list[dict] | None = [] if args.raw else None
+                        point = (vllm_point(urls[s], model, p, rate, seed, args.max_concurrency, raw) if c == "vllm"
                                  else guidellm_point(urls[s], model, p, rate, seed, log_dir))
+                        if raw:
+                            with open(args.raw, "a") as f:
+                                f.write(json.dumps({"round": rnd, "profile": p.name, "rate": rate, "setup": s,
+                                                    **raw[0]}) + "\n")
                         wall, cpu1, wait1 = time.monotonic() - t0, session_cpu(sessions), session_waits(sessions)
                         point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
                                   "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
@@ -415,6 +423,9 @@ def main() -> int:
                     help="pin every front (proxy, router) to these cores, e.g. 0 (P's): whether a front's CPU on "
                          "D's core shows in the ITL (default: unpinned, as an operator runs them)")
     ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--raw", default=None, metavar="FILE",
+                    help="append each point's per-request send times, TTFTs and inter-token gaps (JSON lines; "
+                         "vllm bench serve only): what the percentiles are made of")
     ap.add_argument("--plot", default=None, metavar="PNG")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=600)
