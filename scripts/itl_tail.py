@@ -70,7 +70,8 @@ def main() -> None:
         for line in f:
             point = json.loads(line)
             pools[(point["profile"], point["rate"], point["setup"])] += gaps_of(point)
-    print("| profile | rate/s | setup | gaps | p99 ms | tail gaps | tail: first gap | tail overlapped by | all gaps overlapped by |")
+    print("| profile | rate/s | setup | gaps | p99 ms | tail gaps | tail: first gap | tail overlapped by "
+          "| all gaps overlapped by |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (prof, rate, setup), gaps in sorted(pools.items()):
         ms = sorted(1000 * g for g, _, _ in gaps)
