@@ -52,8 +52,8 @@ def choose_path(cfg: ProxyConfig, selector: Selector, req: RouteRequest, d: Inst
 
 def _streaming(d: Instance) -> bool:
     """Whether D is relaying another answer of this proxy: D's own prefill of a short prompt
-    would then sit between that answer's tokens (on the CPU bench a 256-token prompt's is a
-    60-80 ms step against ~10 ms ones); through P, D only loads the KV, and under concurrent
+    would then sit between that answer's tokens (on the CPU bench a 256-token prompt's is an
+    80-90 ms step against ~10 ms ones); through P, D only loads the KV, and under concurrent
     dispatch the prompt's TTFT barely moves. An answer whose last bytes went out (done) no
     longer counts: D's body end, which the relay still awaits, stalls no one."""
     return any(not f.done for f in d.relaying)
