@@ -147,10 +147,10 @@ def vllm_point(url: str, model: Path, p: Profile, rate: float, seed: int,
     if r["completed"] != p.prompts:
         errors = [e for e in r.get("errors", []) if e][:3]
         raise RuntimeError(f"{url}: {r['completed']} of {p.prompts} completed; {errors}\n{out.getvalue()[-2000:]}")
-    # The gap from each answer's first token to its second, which the ITL figures include: with
-    # the first token from P, D's first step after the KV load (issue 49 section 1).
     if raw is not None:
         raw.append({k: r[k] for k in ("start_times", "ttfts", "itls")})
+    # The gap from each answer's first token to its second, which the ITL figures include: with
+    # the first token from P, D's first step after the KV load (issue 49 section 1).
     gaps = sorted(1000 * itl[0] for itl in r["itls"] if itl)
     return {"goodput_tight": tight_goodput(r, p),
             "ttft_p50": r["median_ttft_ms"], "ttft_p99": r["p99_ttft_ms"], "itl_p50": r["median_itl_ms"],
@@ -199,15 +199,16 @@ def guidellm_metrics(report: dict, p: Profile) -> dict[str, float]:
 
     ttft, itl = dist("time_to_first_token_ms"), dist("inter_token_latency_ms")
     reqs = bench.get("requests", {}).get("successful", [])
-    good = sum(1 for r in reqs if (r.get("time_to_first_token_ms") or 1e18) <= p.slo_ttft_ms
-               and (r.get("inter_token_latency_ms") or 0) <= p.slo_tpot_ms)
     duration = bench.get("duration") or (bench.get("end_time", 0) - bench.get("start_time", 0)) or 1
-    tight = sum(1 for r in reqs if (r.get("time_to_first_token_ms") or 1e18) <= p.slo_ttft_ms
-                and (r.get("inter_token_latency_ms") or 0) <= p.tight_tpot_ms)
-    return {"goodput_tight": tight / duration,
+
+    def goodput(tpot_ms: float) -> float:
+        return sum(1 for r in reqs if (r.get("time_to_first_token_ms") or 1e18) <= p.slo_ttft_ms
+                   and (r.get("inter_token_latency_ms") or 0) <= tpot_ms) / duration
+
+    return {"goodput_tight": goodput(p.tight_tpot_ms),
             "ttft_p50": ttft["median"], "ttft_p99": ttft["percentiles"]["p99"], "itl_p50": itl["median"],
             "itl_p99": itl["percentiles"]["p99"], "out_tok_s": dist("output_tokens_per_second")["mean"],
-            "goodput": good / duration}
+            "goodput": goodput(p.slo_tpot_ms)}
 
 
 # ----------------------------------------------------------------------------- run
@@ -308,11 +309,11 @@ def sweep(args: argparse.Namespace, urls: dict[str, str], model: Path, profiles:
                         raw: list[dict] | None = [] if args.raw else None
                         point = (vllm_point(urls[s], model, p, rate, seed, args.max_concurrency, raw) if c == "vllm"
                                  else guidellm_point(urls[s], model, p, rate, seed, log_dir))
-                        if raw:
+                        wall, cpu1, wait1 = time.monotonic() - t0, session_cpu(sessions), session_waits(sessions)
+                        if raw:  # written after the point's clock and CPU figures are read
                             with open(args.raw, "a") as f:
                                 f.write(json.dumps({"round": rnd, "profile": p.name, "rate": rate, "setup": s,
                                                     **raw[0]}) + "\n")
-                        wall, cpu1, wait1 = time.monotonic() - t0, session_cpu(sessions), session_waits(sessions)
                         point |= {"front_cores": (cpu1[s] - cpu0[s]) / wall,
                                   "p_cores": (cpu1["P"] - cpu0["P"]) / wall, "d_cores": (cpu1["D"] - cpu0["D"]) / wall}
                         point |= {f"{k}_wait": (wait1[n] - wait0[n]) / wall
