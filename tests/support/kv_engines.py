@@ -10,7 +10,7 @@ import torch
 from connector.config import ConnectorConfig
 from connector.p2p.engine import KVEngine, PollResult
 from connector.p2p.metadata import LoadSpec, SaveSpec
-from tests.support.ports import free_port  # noqa: F401  (re-exported)
+from tests.support.ports import dead_port, free_port  # noqa: F401  (re-exported)
 
 HOST = "127.0.0.1"
 SHAPE = (16, 2, 16, 64)  # [blocks, kv heads, tokens per block, content]

@@ -51,6 +51,7 @@ class _PortPicker:
         # Below the range when there is room (Linux's default 32768-60999), else above it.
         self._span = (10000, low - 2) if low - 2 - 10000 >= 2000 else (high + 1, 65533)
         self._given: set[int] = set()
+        self._held: list[socket.socket] = []  # dead ports' sockets, kept until this process exits
         self._rng = random.Random(os.getpid() ^ time.monotonic_ns())
 
     def pick(self, width: int = 1) -> int:
@@ -65,6 +66,25 @@ class _PortPicker:
         raise RuntimeError(f"no free port in {self._span}")
 
 
+    def hold(self, width: int = 1) -> int:
+        """A port p with p..p+width-1 bound here without listening, for good."""
+        for _ in range(20):
+            p = self.pick(width)
+            socks: list[socket.socket] = []
+            try:
+                for q in range(p, p + width):
+                    s = socket.socket()  # no SO_REUSEADDR: nobody else can bind q while it is held
+                    socks.append(s)
+                    s.bind((HOST, q))
+            except OSError:  # taken since the pick
+                for s in socks:
+                    s.close()
+                continue
+            self._held.extend(socks)
+            return p
+        raise RuntimeError(f"no port to hold in {self._span}")
+
+
 _PORTS = _PortPicker()  # test/benchmark helper state: which ports this process handed out
 
 
@@ -72,3 +92,12 @@ def spare_port(width: int = 1) -> int:
     """A free port p (p..p+width-1 all free) outside the ephemeral range, for a server started
     long after the pick (see _PortPicker)."""
     return _PORTS.pick(width)
+
+
+def dead_port(width: int = 1) -> int:
+    """A loopback port p (p..p+width-1) where nobody listens, for the rest of this process: a
+    connect is refused at once, as at any free port. A free port from bind(0) is not dead for
+    long: the next bind(0) anywhere (another test's engine, in another xdist worker) may get
+    it, and a send aimed at "nobody" reaches that engine (same transfer key). This one lies
+    outside the ephemeral range and stays bound, so nobody else gets it."""
+    return _PORTS.hold(width)

@@ -40,9 +40,10 @@ from tests.support.kv_engines import (
     rank0,
     save_spec,
     snapshot,
+    tp_instance,
     wait_for,
 )
-from tests.support.ports import free_port
+from tests.support.ports import dead_port, spare_port
 
 
 def report_send_once(prod: KVEngine, req_id: str) -> set[str]:
@@ -180,14 +181,25 @@ def test_skipped_leading_blocks(engines, send_type, skip, d_first, ok):
     assert (len(SRC_IDS) - skip) * block <= received < (len(SRC_IDS) - skip + 1) * block
 
 
-def test_rank_addressing(engines):
-    """Worker rank r listens on port+r and sends to the peer's port+r."""
-    prod = engines("kv_producer", "PUT_ASYNC", rank=1, seed=1)
-    cons = engines("kv_consumer", "PUT_ASYNC", rank=1, seed=2)
-    assert cons.address == f"{HOST}:{cons.cfg.kv_port + 1}"
-    dst_before = snapshot(cons.caches)
-    prod.save(save_spec(prod, rank0(cons)))
-    load_and_check(cons, prod, dst_before)
+def test_rank_addressing():
+    """Worker rank r listens on port+r and sends to the peer's port+r. Both sides are whole
+    TP=2 instances, as deployed: P's rank 1 asks D's rank 0 first (two ranks: D has one of our
+    number), then sends whole blocks to D's rank 1. (Rank 1 engines alone, D's rank 0 port was
+    nobody's: the ask waited half the send's budget, and another test's engine listening
+    there answered for D.)"""
+    prods = tp_instance("kv_producer", "PUT_ASYNC", 2, 4, seed=1, blocks_heads=2)
+    conss = tp_instance("kv_consumer", "PUT_ASYNC", 2, 4, seed=2, blocks_heads=2)
+    try:
+        prod, cons = prods[1], conss[1]
+        assert cons.address == f"{HOST}:{cons.cfg.kv_port + 1}"
+        assert prod.address == f"{HOST}:{prod.cfg.kv_port + 1}"
+        before = [snapshot(c.caches) for c in conss]
+        prod.save(save_spec(prod, rank0(cons)))
+        load_and_check(cons, prod, before[1])
+        assert_untouched(conss[0], before[0])
+    finally:
+        for eng in (*prods, *conss):
+            eng.close()
 
 
 def test_debug_corruption_zeroes_the_loaded_blocks(engines):
@@ -464,7 +476,7 @@ def test_arrival_probe_of_a_dead_socket_says_no_quickly():
     makes the load asynchronous within the probe's bound, never an error."""
     from connector.p2p.scheduler import ARRIVAL_PROBE_TIMEOUT_S, ArrivalProbe
 
-    probe = ArrivalProbe(make_cfg("kv_consumer", "PUT_ASYNC", free_port()), 2)
+    probe = ArrivalProbe(make_cfg("kv_consumer", "PUT_ASYNC", dead_port()), 2)
     try:
         t0 = time.monotonic()
         assert probe.arrived(KEY) is False
@@ -506,7 +518,7 @@ def test_idle_poll_returns_as_soon_as_the_kv_arrives(engines):
 
 def test_idle_poll_returns_as_soon_as_the_kv_will_not_come(engines, kv_client):
     cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
-    plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
+    plan_load(cons, load_spec(f"{HOST}:{dead_port()}", (7, 2, 11), 2))
     t0 = time.monotonic()
     timer = _later(0.3, lambda: kv_client.call(cons.address, {"op": "abort", "keys": {KEY: "P gave up"}},
                                             timeout_s=5))
@@ -522,7 +534,7 @@ def test_idle_poll_returns_as_soon_as_a_send_ends(engines):
     """P: the blocks of a finished request wait for its send; the idle step wakes when the
     send ends (here: it gives up on a dead peer after send_timeout_s)."""
     prod = engines("kv_producer", "PUT_ASYNC", send_timeout_s=0.5, seed=1)
-    prod.save(save_spec(prod, f"{HOST}:{free_port()}"))
+    prod.save(save_spec(prod, f"{HOST}:{dead_port()}"))
     t0 = time.monotonic()
     res = prod.poll({"P-req"}, wait_s=WAIT_S)
     assert res.finished_sending == {"P-req"}
@@ -549,7 +561,7 @@ def test_idle_poll_returns_as_soon_as_an_awaited_sender_begins(engines, kv_clien
 
 def test_idle_poll_waits_at_most_its_bound(engines):
     cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0)
-    plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))  # nothing will come
+    plan_load(cons, load_spec(f"{HOST}:{dead_port()}", (7, 2, 11), 2))  # nothing will come
     t0 = time.monotonic()
     assert cons.poll(set(), wait_s=0.3) == PollResult()
     assert 0.25 <= time.monotonic() - t0 < WAIT_S / 2
@@ -568,7 +580,7 @@ def test_worker_waits_only_in_steps_that_compute_nothing(engines):
     cons = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0, idle_wait_ms=3000.0)
     worker = P2pWorker(cons.cfg, None, 0)
     worker.engine = cons
-    plan_load(cons, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
+    plan_load(cons, load_spec(f"{HOST}:{dead_port()}", (7, 2, 11), 2))
     t0 = time.monotonic()
     assert worker.poll(set(), P2pConnectorMetadata()) == PollResult()  # a step that computes
     t1 = time.monotonic()
@@ -578,7 +590,7 @@ def test_worker_waits_only_in_steps_that_compute_nothing(engines):
     off = engines("kv_consumer", "PUT_ASYNC", kv_load_timeout_s=30.0, idle_wait_ms=0.0)
     worker = P2pWorker(off.cfg, None, 0)  # idle_wait_ms 0: vLLM's own behaviour, no wait
     worker.engine = off
-    plan_load(off, load_spec(f"{HOST}:{free_port()}", (7, 2, 11), 2))
+    plan_load(off, load_spec(f"{HOST}:{dead_port()}", (7, 2, 11), 2))
     t0 = time.monotonic()
     assert worker.poll(set(), P2pConnectorMetadata(idle=True)) == PollResult()
     assert time.monotonic() - t0 < 1.5
@@ -592,7 +604,7 @@ def test_load_timeout_without_producer(engines, send_type):
     timeout = 0.8
     cons = engines("kv_consumer", send_type, kv_load_timeout_s=timeout, send_timeout_s=0.3)
     before = snapshot(cons.caches)
-    dead = f"{HOST}:{free_port()}"  # nobody listens there
+    dead = f"{HOST}:{dead_port()}"  # nobody listens there
     t0 = time.monotonic()
     plan_load(cons, load_spec(dead, (7, 2, 11), 2))
     res, t_done = poll_until(cons, lambda r: bool(r.finished_recving))
@@ -640,7 +652,7 @@ def test_abort_after_payload_arrived(engines):
 def test_send_to_dead_peer(engines, scheduler_first):
     send_timeout = 0.5
     prod = engines("kv_producer", "PUT_ASYNC", send_timeout_s=send_timeout, seed=1)
-    dead = f"{HOST}:{free_port()}"
+    dead = f"{HOST}:{dead_port()}"
     t0 = time.monotonic()
     prod.save(save_spec(prod, dead))
     if scheduler_first:
@@ -662,7 +674,7 @@ def test_send_to_dead_peer(engines, scheduler_first):
 def test_put_sync_to_dead_peer_returns(engines):
     prod = engines("kv_producer", "PUT", send_timeout_s=0.5, seed=1)
     t0 = time.monotonic()
-    prod.save(save_spec(prod, f"{HOST}:{free_port()}", delay_free=False))
+    prod.save(save_spec(prod, f"{HOST}:{dead_port()}", delay_free=False))
     assert time.monotonic() - t0 < 0.5 + WAIT_S
     assert prod.poll({"P-req"}) == PollResult()
     assert prod.stats() == ZERO
@@ -945,7 +957,7 @@ def test_close_does_not_wait_for_a_call_to_a_dead_peer(engines, send_type, op, s
     monkeypatch.setattr(producer, "PROBE_TIMEOUT_S", 5.0)  # the probe's; the notice's is min(send, 2x)
     seen = _CallSeen(op)
     prod = engines("kv_producer", send_type, seed=1, send_timeout_s=send_timeout, transport=lambda cfg: seen)
-    prod.save(save_spec(prod, f"{HOST}:{free_port()}", delay_free=send_type != "PUT"))
+    prod.save(save_spec(prod, f"{HOST}:{dead_port()}", delay_free=send_type != "PUT"))
     assert seen.started.wait(WAIT_S)
     t0 = time.monotonic()
     prod.close()
@@ -972,7 +984,7 @@ def test_get_reply_can_be_fetched_again_until_released(engines, kv_client):
 def test_get_retries_until_producer_is_reachable(engines):
     """D's pull survives transport errors (P not up yet) within the load deadline."""
     cons = engines("kv_consumer", "GET", seed=2, kv_load_timeout_s=1.0)
-    plan_load(cons, load_spec(f"127.0.0.1:{free_port()}", (7, 2, 11), 2))
+    plan_load(cons, load_spec(f"127.0.0.1:{dead_port()}", (7, 2, 11), 2))
     res, _ = poll_until(cons, lambda r: "D-req" in r.finished_recving)
     assert res.failed_recving == {"D-req"}  # the deadline, not the first error, ended it
     assert cons.stats() == ZERO
@@ -982,7 +994,7 @@ def test_preemption_cancels_a_queued_send(engines):
     """A send still queued when its request is preempted never starts: its blocks
     are about to be reused."""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=4.0)
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{dead_port()}"
     prod.save(save_spec(prod, dead, req_id="first", key="a" * 32))  # occupies the sender
     prod.save(save_spec(prod, dead, req_id="victim", key="b" * 32))
     t0 = time.monotonic()
@@ -1065,7 +1077,7 @@ def test_dead_decode_does_not_delay_a_healthy_one(engines):
     send_timeout = 2.0
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=send_timeout)
     cons = engines("kv_consumer", "PUT_ASYNC", seed=2)
-    dead = f"{HOST}:{free_port()}"
+    dead = f"{HOST}:{dead_port()}"
     for i in range(3):
         prod.save(save_spec(prod, dead, req_id=f"dead-{i}", key=f"{i:032x}"))
     t0 = time.monotonic()
@@ -1085,7 +1097,7 @@ def test_dead_decode_does_not_delay_a_healthy_one(engines):
 
 def test_dead_peer_is_used_again_once_it_answers(engines):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.5)
-    port = free_port()
+    port = spare_port()
     addr = f"{HOST}:{port}"
     prod.save(save_spec(prod, addr, req_id="lost", key="a" * 32))
     poll_until(prod, lambda r: "lost" in r.finished_sending, finished={"lost"})

@@ -27,7 +27,7 @@ from tests.support.kv_engines import (
 )
 from tests.support.kv_fronts import ForwardingPeer, SlowHello
 from tests.support.layerwise import LAYERS
-from tests.support.ports import free_port
+from tests.support.ports import dead_port, spare_port
 
 SECRET = "a test kv secret"
 
@@ -238,7 +238,7 @@ def test_a_dead_decode_is_logged_counted_and_told_once_it_is_back(engines):
     behind it fails at once as unreachable. Once D is up, a probe says so and D hears that
     neither transfer will come."""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.3)
-    port = free_port()
+    port = spare_port()
     addr = f"127.0.0.1:{port}"
     with connector_log() as lines:
         prod.save(save_spec(prod, addr, req_id="first", key="a" * 32))
@@ -288,7 +288,7 @@ def test_first_contact_ahead_of_the_send_that_fails_is_logged(engines):
     """PUT_ASYNC: the scheduler announced a D that does not answer; the early contact fails
     (the send will try again within its own deadline) and says so."""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.3)
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{dead_port()}"
     with connector_log() as lines:
         prod.producer.prepare(dead)
         wait_for(lambda: any("first contact ahead of the send failed" in x for x in lines.lines))
@@ -329,7 +329,7 @@ def test_a_put_to_a_decode_marked_dead_fails_at_once(engines):
     """PUT (the worker thread sends): once a send found D dead, the next one fails at once,
     logged as unreachable since when, instead of waiting out another send_timeout."""
     prod = engines("kv_producer", "PUT", seed=1, send_timeout_s=2.0)
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{dead_port()}"
     prod.save(save_spec(prod, dead, req_id="first", key="a" * 32, delay_free=False))
     assert prod.producer.peer(dead).dead_since is not None
     with connector_log() as lines:
@@ -397,7 +397,7 @@ def test_no_early_contact_is_asked_of_a_decode_marked_dead(engines):
     """The scheduler announces a D the sender found dead: no hello ahead of the send, neither
     now nor once a probe finds D back (the next send makes first contact)."""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_timeout_s=0.3)
-    port = free_port()
+    port = spare_port()
     addr = f"127.0.0.1:{port}"
     prod.save(save_spec(prod, addr, req_id="lost", key="a" * 32))
     poll_until(prod, lambda r: "lost" in r.finished_sending, finished={"lost"})
@@ -480,7 +480,7 @@ def test_a_request_send_refused_by_a_full_decode_buffer_is_not_counted_as_sent(e
 
 def test_a_request_send_to_a_dead_decode_marks_it_dead_saying_why(engines):
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{dead_port()}"
     with connector_log() as lines:
         prod.save(save_spec(prod, addr))
         poll_until(prod, lambda r: "P-req" in r.finished_sending, finished={"P-req"})
@@ -623,7 +623,7 @@ def test_a_decode_back_from_the_dead_hears_the_transport_error(engines):
     """A whole-request send meets no D (a transport failure); once D is up, it hears that the
     transfer will not come, with the error P logged."""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
-    port = free_port()
+    port = spare_port()
     addr = f"127.0.0.1:{port}"
     with connector_log() as lines:
         prod.save(save_spec(prod, addr))
@@ -654,7 +654,7 @@ def test_undelivered_abort_notices_are_capped_per_decode(engines, monkeypatch):
 
     monkeypatch.setattr(producer, "MAX_PENDING_NOTICES", 2)
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, send_granularity="request", send_timeout_s=0.3)
-    port = free_port()
+    port = spare_port()
     addr = f"127.0.0.1:{port}"
     keys = [f"{i:032x}" for i in range(4)]
     for i, key in enumerate(keys):
@@ -773,7 +773,7 @@ def test_first_contact_with_a_dead_decode_waits_no_longer_than_the_send_would(en
     what the last one answered. (Each ask waits its whole budget: an unreachable peer looks
     like a slow one; the slack below is for a loaded box.)"""
     prod = engines("kv_producer", "PUT_ASYNC", seed=1, rank=rank, send_timeout_s=3.0)
-    port = free_port()
+    port = dead_port(2)
     dead = f"127.0.0.1:{port}"
     with connector_log() as lines:
         t0 = time.monotonic()

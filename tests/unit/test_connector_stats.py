@@ -208,7 +208,7 @@ def test_p2p_send_nobody_needs_any_more_is_unneeded_not_failed(engines, granular
 
 def test_p2p_unreachable_decode_counts_a_transport_failure(engines):
     prod = engines("kv_producer", send_timeout_s=0.5)
-    prod.save(te.save_spec(prod, f"127.0.0.1:{te.free_port()}"))  # nobody listens there
+    prod.save(te.save_spec(prod, f"127.0.0.1:{te.dead_port()}"))  # nobody listens there
     te.wait_for(lambda: prod.xfer_stats.peek().transfers("send", "failed") == 1)
     p = prod.xfer_stats.peek()
     assert p.data["failures"] == {"send/transport": 1} and p.nbytes("sent") == 0

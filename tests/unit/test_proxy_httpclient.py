@@ -9,7 +9,8 @@ import pytest
 
 from proxy.upstream.base import KEEPALIVE_S, UpstreamError
 from proxy.upstream.httpclient import HIGH_WATER, NativeUpstream, _Conn
-from tests.support.proxy_helpers import FakeVLLM, free_port
+from tests.support.ports import dead_port
+from tests.support.proxy_helpers import FakeVLLM
 from tests.support.raw_server import RawServer, read_request, reset
 
 LIMIT = 64 * 1024 * 1024  # ProxyConfig.max_response_bytes' default
@@ -80,7 +81,7 @@ async def test_close_delimited_body_and_connection_close(client):
 
 async def test_errors_are_classified(client):
     with pytest.raises(UpstreamError) as exc:
-        await client.request("POST", f"http://127.0.0.1:{free_port()}/x", b"{}", {})
+        await client.request("POST", f"http://127.0.0.1:{dead_port()}/x", b"{}", {})
     assert exc.value.kind == "connect"
 
     async def hangup(reader, writer):

@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from connector.transport import TcpTransport, TransportError, make_transport
-from tests.support.ports import free_port as _free_port
+from tests.support.ports import dead_port
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -209,7 +209,7 @@ def test_timeout_then_fresh_socket(client, server):
 
 
 def test_unreachable_peer(client):
-    peer = f"{HOST}:{_free_port()}"
+    peer = f"{HOST}:{dead_port()}"
     t0 = time.monotonic()
     with pytest.raises(TransportError, match="unreachable"):
         client.call(peer, {"x": 1}, [torch.ones(4)], timeout_s=0.5)
