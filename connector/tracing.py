@@ -11,6 +11,10 @@ xPyD proxy's span), beside the engines' own ``llm_request`` spans.
   P's KV to begin arriving and for blocks; after: the transfer). ``kv send`` from the step that
   completes the prompt (the send is planned; the worker sends after that step's forward pass) to
   the send's end (``finished_sending``, or the step that sent it).
+- The SharedStorageConnector's spans are ``kv load`` on D (from the first step that claims stored
+  blocks, or waits for P's first file, to the load's end) and ``kv store`` on P: a store per step
+  that completed prompt blocks (chunked prefill: several parts), from the first planned to the last
+  part written by every rank, which may be after the request finished (the writer's queue).
 - The numbers: the workers' own, those of their ``kv sent`` / ``kv loaded`` log lines, reported per
   request through the connector stats (``StatsRecorder.leg``, only while tracing is on) as
   ``[role, request, result, bytes, ms, wait_ms, reason, when]``: bytes moved, ms (send: from the end
@@ -33,6 +37,7 @@ from typing import Any
 
 LOAD, SEND = "load", "send"
 SPAN_NAMES = {LOAD: "kv load", SEND: "kv send"}
+STORAGE_SPAN_NAMES = {LOAD: "kv load", SEND: "kv store"}  # SharedStorageConnector: P writes files
 # Open spans are bounded: one that never heard its end (a worker that died) is ended, oldest first.
 MAX_OPEN = 4096
 
@@ -46,12 +51,14 @@ def tracing_on(vllm_config: Any) -> bool:
 @dataclass(slots=True)
 class _Leg:
     role: str
-    key: str
+    key: str | None  # the transfer (None: a storage load of blocks no producer was asked for)
     context: Any  # the parent (OpenTelemetry Context from the request's trace headers)
     span: Any = None  # started (a send's starts when it is planned)
     seen: int = 0  # when the scheduler first saw the request (ns, the spans' clock)
     started: int = 0  # the span's start (a load's: seen; a send's: planned)
-    reports: int = 0  # worker ranks that reported their part
+    reports: int = 0  # worker reports: one per rank, per part of a send in parts
+    parts: int = 0  # a send in parts (storage: one store per step): how many were planned; 0 = one
+    finished: bool = False  # vLLM finished the request: a send in parts has no more to come
     nbytes: int = 0
     ms: float = 0.0
     wait_ms: float | None = None
@@ -65,7 +72,8 @@ class TransferSpans:
     """Scheduler side: the open ``kv load`` / ``kv send`` spans, by request id. ``ranks``: the worker
     processes that each report their part (vLLM's world size, TP x PP); ``tracer``: vLLM's (tests: theirs)."""
 
-    def __init__(self, ranks: int = 1, tracer: Any = None) -> None:
+    def __init__(self, ranks: int = 1, tracer: Any = None, names: dict[str, str] | None = None,
+                 attributes: dict[str, Any] | None = None) -> None:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         from vllm.v1.request import RequestStatus
 
@@ -76,12 +84,14 @@ class TransferSpans:
         self._tracer = tracer
         self._propagator = TraceContextTextMapPropagator()
         self._ranks = max(1, ranks)
+        self._names = names or SPAN_NAMES
+        self._attrs = attributes or {}  # on every span (the storage connector's xpyd.kv.storage)
         self._aborted = RequestStatus.FINISHED_ABORTED
         self._legs: dict[str, _Leg] = {}
         self._closing: set[str] = set()  # the scheduler saw their end: they end after this step's reports
 
     # ---- the scheduler's hooks ----
-    def seen(self, request: Any, role: str, key: str) -> None:
+    def seen(self, request: Any, role: str, key: str | None) -> None:
         """A request this instance loads (role LOAD: its span starts now) or sends (SEND: at `planned`)."""
         headers = getattr(request, "trace_headers", None)
         if not headers or request.request_id in self._legs:
@@ -112,6 +122,31 @@ class TransferSpans:
             leg.span.set_attributes({**attrs, "xpyd.kv.sender_wait_ms": round((now - leg.seen) / 1e6, 3)})
             leg.span.add_event("load_planned", timestamp=now)
 
+    def part_planned(self, rid: str, attrs: dict[str, Any]) -> None:
+        """One more part of a send in parts was planned (storage: a step's completed blocks): the span
+        starts with the first; it ends once the request finished and every rank reported every part
+        (the last may be written after the request finished)."""
+        leg = self._legs.get(rid)
+        if leg is None or leg.role != SEND:
+            return
+        leg.parts += 1
+        if leg.span is None:
+            self._start(leg, attrs)
+        else:
+            leg.span.set_attributes(attrs)
+
+    def gave_up(self, rid: str, reason: str) -> None:
+        """The scheduler stopped waiting for a load (storage: P's first file never came): it failed, now."""
+        leg = self._legs.pop(rid, None)
+        if leg is not None:
+            leg.result, leg.reason = "failed", reason
+            self._end(rid, leg)
+
+    def _reported(self, leg: _Leg) -> bool:
+        if leg.parts:  # more may come until the request finished
+            return leg.finished and leg.reports >= self._ranks * leg.parts
+        return leg.reports >= self._ranks
+
     def finished(self, request: Any, delay_free: bool, params: dict[str, Any] | None) -> None:
         """vLLM's request_finished and what the connector answered: a load is over (its result, unless a
         worker reports one in this step); a send the worker still holds (delay_free) ends at
@@ -131,7 +166,8 @@ class TransferSpans:
         if leg.span is None:  # a send never planned (aborted before its prompt was complete)
             del self._legs[rid]
             return
-        if not delay_free:
+        leg.finished = True
+        if not delay_free and (not leg.parts or self._reported(leg)):  # parts still written: at the last
             self._closing.add(rid)
 
     def output(self, out: Any) -> None:
@@ -153,7 +189,7 @@ class TransferSpans:
                 leg.wait_ms = max(leg.wait_ms or 0.0, float(wait_ms))
             if result != "ok":
                 leg.result, leg.reason = "failed", reason or result
-            if leg.reports >= self._ranks:
+            if self._reported(leg):
                 self._closing.add(rid)
         self._closing.update(r for r in finished if r in self._legs)
         for rid in self._closing:
@@ -173,8 +209,9 @@ class TransferSpans:
     # ---- spans ----
     def _start(self, leg: _Leg, attrs: dict[str, Any]) -> None:
         leg.started = leg.seen if leg.role == LOAD else time.time_ns()
-        leg.span = self._tracer.start_span(SPAN_NAMES[leg.role], context=leg.context, start_time=leg.started,
-                                           attributes={"xpyd.kv.transfer": leg.key, **attrs})
+        first = {**self._attrs, **({"xpyd.kv.transfer": leg.key} if leg.key else {}), **attrs}
+        leg.span = self._tracer.start_span(self._names[leg.role], context=leg.context, start_time=leg.started,
+                                           attributes=first)
 
     def _end(self, rid: str, leg: _Leg) -> None:
         span = leg.span

@@ -8,7 +8,7 @@ Routes vLLM's calls to the scheduler-side or worker-side half; they share only
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
@@ -22,6 +22,7 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import SharedStorageMetadata
 from connector.shared_storage.scheduler import SharedStorageScheduler
 from connector.shared_storage.worker import SharedStorageWorker
+from connector.tracing import STORAGE_SPAN_NAMES, TransferSpans, tracing_on
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,6 +42,11 @@ def model_identity(cfg: SharedStorageConfig, vllm_config: "VllmConfig") -> str:
     return f"{mc.model}@{rev}" if rev else str(mc.model)
 
 
+def transfer_spans(ranks: int, tracer: Any = None) -> TransferSpans:
+    """The requests' ``kv load`` / ``kv store`` spans while vLLM traces (connector/tracing.py)."""
+    return TransferSpans(ranks, tracer, names=STORAGE_SPAN_NAMES, attributes={"xpyd.kv.storage": "shared"})
+
+
 class SharedStorageConnector(XpydConnectorBase):
     _metadata_type = SharedStorageMetadata
     _cache_hit_source = CacheHitSource.DISK
@@ -58,7 +64,9 @@ class SharedStorageConnector(XpydConnectorBase):
         if role == KVConnectorRole.SCHEDULER:
             if cfg.is_consumer:
                 warn_unless_recompute("SharedStorageConnector", vllm_config, "a missing, evicted or damaged block file")
-            self._scheduler = SharedStorageScheduler(cfg, vllm_config.cache_config.block_size, world, model_id)
+            self._spans = transfer_spans(world) if tracing_on(vllm_config) else None
+            self._scheduler = SharedStorageScheduler(cfg, vllm_config.cache_config.block_size, world, model_id,
+                                                     spans=self._spans)
         else:
             from vllm.distributed.parallel_state import get_world_group
 
@@ -78,6 +86,8 @@ class SharedStorageConnector(XpydConnectorBase):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self._scheduler is not None
+        if self._spans is not None:
+            self._spans.output(connector_output)
         self._scheduler.update_connector_output(set(connector_output.finished_recving or ()),
                                                 set(connector_output.invalid_block_ids or ()),
                                                 connector_output.kv_connector_stats)

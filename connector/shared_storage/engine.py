@@ -133,6 +133,7 @@ class StorageEngine:
                     if left <= 0 or self._stop.is_set():
                         self.stats.dropped_stores += 1
                         self.xfer_stats.failure("send", "queue_full")
+                        self.xfer_stats.leg("send", spec.req_id, False, reason="queue_full")  # its span
                         logger.error("kv store dropped req=%s blocks=%d: writer queue still full after %.1fs",
                                      spec.req_id, n, self._queue_wait_s)
                         return False
@@ -191,9 +192,11 @@ class StorageEngine:
             self.xfer_stats.moved("sent", written * self.block_bytes)
         else:
             self.xfer_stats.transfer("send", "ok", written * self.block_bytes, "sent")
+        queue_ms, write_ms = (t0 - job.queued_at) * 1e3, (time.monotonic() - t0) * 1e3
+        self.xfer_stats.leg("send", spec.req_id, not io_error, written * self.block_bytes, write_ms, queue_ms,
+                            "io" if io_error else None)  # this part of the request's kv store span
         logger.info("kv stored req=%s blocks=%d written=%d existing=%d bytes=%d queue_ms=%.1f write_ms=%.1f",
-                    spec.req_id, len(spec.keys), written, existing, nbytes, (t0 - job.queued_at) * 1e3,
-                    (time.monotonic() - t0) * 1e3)
+                    spec.req_id, len(spec.keys), written, existing, nbytes, queue_ms, write_ms)
         try:
             self._evictor.maybe_evict()
         except OSError as e:  # eviction is best effort
@@ -271,6 +274,7 @@ class StorageEngine:
                 del self._reads[rid]
                 out.finished.add(rid)
                 self.xfer_stats.transfer("load", "cancelled")
+                self.xfer_stats.leg("load", rid, False, reason="aborted")
                 logger.info("kv storage load cancelled req=%s (request finished)", rid)
                 continue
             with self._lcond:
@@ -280,10 +284,12 @@ class StorageEngine:
             out.finished.add(rid)
             spec = r.spec
             ok = r.ok_blocks
+            applied = time.monotonic()
             if ok and r.buf is not None:
                 dst = spec.block_ids[:ok]
                 for li, name in enumerate(self._layers):
                     kvlayout.scatter(self._caches[name], dst, r.buf[:ok, li])
+            apply_ms = (time.monotonic() - applied) * 1e3
             bad = spec.block_ids[ok:]
             out.invalid_block_ids.update(bad)
             self.stats.loaded_blocks += ok
@@ -294,6 +300,9 @@ class StorageEngine:
             self.xfer_stats.transfer("load", "missed" if bad else "ok", ok * self.block_bytes, "received")
             if not bad:
                 self.xfer_stats.load_wait(elapsed)
+            # Its span (connector/tracing.py): applying it, and the read (with any wait for P's files).
+            self.xfer_stats.leg("load", rid, not bad, ok * self.block_bytes, apply_ms, r.waited_s * 1e3,
+                                "missed" if bad else None)
             if bad:
                 logger.warning("kv storage miss req=%s loaded_blocks=%d of %d (recomputing the rest) reason=%s",
                                rid, ok, len(spec.block_ids), r.reason)

@@ -31,6 +31,7 @@ from connector.shared_storage.config import SharedStorageConfig
 from connector.shared_storage.metadata import FetchSpec, SharedStorageMetadata, StoreSpec
 from connector.shared_storage.store import is_stored
 from connector.stats import XpydStats
+from connector.tracing import LOAD, SEND, TransferSpans
 from xpyd_wire import request_id
 from xpyd_wire.discovery import Load
 from xpyd_wire.kv_transfer import RESPONSE_KEY
@@ -74,7 +75,7 @@ class _Req:
 
 class SharedStorageScheduler:
     def __init__(self, cfg: SharedStorageConfig, block_size: int, world_size: int, model_id: str,
-                 start_registrar: bool = True) -> None:
+                 start_registrar: bool = True, spans: TransferSpans | None = None) -> None:
         self._cfg = cfg
         self._bs = block_size
         self._world = world_size
@@ -86,6 +87,7 @@ class SharedStorageScheduler:
         self._kvm: KVCacheManager | None = None
         self._running = 0
         self._queue_usage = 0.0  # the workers' writer queues, from their stats
+        self._spans = spans  # the requests' kv load/store spans (connector/tracing.py); None: not tracing
         self._registrar = (
             Registrar(cfg.base, self.load_report)
             if start_registrar and cfg.base.proxies and cfg.base.http_port else None
@@ -129,6 +131,13 @@ class SharedStorageScheduler:
             return None
         return tid if self._cfg.role == "kv_consumer" or tid.decode_addr == self._cfg.base.advertised_address else None
 
+    def _traced(self, request: "Request", role: str) -> None:
+        """The request's span, when vLLM traces it: a load's starts now, a store's at its first part."""
+        if self._spans is None or not getattr(request, "trace_headers", None):
+            return
+        tid = request_id.transfer_of(request.request_id, request.kv_transfer_params)
+        self._spans.seen(request, role, tid.key if tid is not None else None)
+
     def _not_begun(self, st: _Req, request: "Request") -> tuple[int | None, bool]:
         """Asked before P answered (concurrent dispatch) and none of P's files is here: P is
         queued or computing. Like the P2P consumer, wait without blocks (None: ask again next
@@ -136,9 +145,12 @@ class SharedStorageScheduler:
         now = time.monotonic()
         since = self._awaiting.setdefault(request.request_id, now)
         if now - since < self._cfg.base.kv_prefill_wait_s:
+            self._traced(request, LOAD)  # its wait for P is part of the load
             return None, False
         del self._awaiting[request.request_id]
         st.load_failed = True  # not asked again: computed here
+        if self._spans is not None:
+            self._spans.gave_up(request.request_id, "no_sender")
         logger.error("kv storage wait timed out req=%s: no file of the producer's in %.1fs; computing the prompt here",
                      request.request_id, self._cfg.base.kv_prefill_wait_s)
         return 0, False
@@ -174,6 +186,7 @@ class SharedStorageScheduler:
         if ext <= 0:
             return 0, False
         st.claim = _Claim(num_computed_tokens, first, hit, ext, wait_s)
+        self._traced(request, LOAD)
         return ext, True
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
@@ -195,6 +208,11 @@ class SharedStorageScheduler:
         self._new_loads.append(spec)
         st.load, st.load_claim = spec, c
         st.loads += 1
+        if self._spans is not None:
+            self._spans.planned(request.request_id, {
+                "xpyd.kv.tokens": num_external_tokens, "xpyd.kv.local_hit": c.local_tokens,
+                "xpyd.kv.blocks": len(block_ids), "xpyd.kv.first_block": c.first_block,
+                "xpyd.kv.waited_for_producer": c.wait_s > 0})
         logger.info("kv storage load planned req=%s local_hit=%d external=%d blocks=%d first_block=%d wait_s=%.1f",
                     request.request_id, c.local_tokens, num_external_tokens, len(block_ids), c.first_block,
                     c.wait_s)
@@ -226,6 +244,9 @@ class SharedStorageScheduler:
             meta.stores.append(StoreSpec(rid, tuple(block_ids), tuple(kvkeys.name(k) for k in keys[st.stored:full]),
                                          st.stored))
             st.stored = full
+            if self._spans is not None:
+                self._traced(st.request, SEND)
+                self._spans.part_planned(rid, {"xpyd.kv.blocks": full, "xpyd.kv.tokens": n_prompt})
 
     def update_connector_output(self, finished_recving: set[str], invalid_block_ids: set[int],
                                 stats: object = None) -> None:

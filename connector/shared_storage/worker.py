@@ -15,6 +15,7 @@ from connector.shared_storage.engine import PollResult, StorageEngine, file_meta
 from connector.shared_storage.metadata import SharedStorageMetadata
 from connector.shared_storage.store import BlockStore
 from connector.stats import XpydStats
+from connector.tracing import tracing_on
 
 logger = get_logger(__name__)
 
@@ -42,6 +43,7 @@ class SharedStorageWorker:
         store = BlockStore(self._cfg.path, meta, verify=self._cfg.verify, fsync=self._cfg.fsync)
         self.engine = StorageEngine(store, kv_caches, block_layout, self._cfg.max_bytes, self._cfg.queue_bytes,
                                     self._cfg.queue_wait_s, cpus=cpus)
+        self.engine.xfer_stats.legs = tracing_on(self._vllm_config)  # each store's / load's numbers, for its span
         logger.info("kv storage up path=%s role=%s rank=%d/%d model_id=%s layout=%s block_bytes=%d max_bytes=%d",
                     self._cfg.path, self._cfg.role, self._rank, self._world, self._model_id, block_layout,
                     self.engine.block_bytes, self._cfg.max_bytes)

@@ -62,12 +62,6 @@ def traces():
         yield rx
 
 
-def _tracing_env(rx: OtlpReceiver, service: str) -> dict[str, str | None]:
-    """OTLP over HTTP to `rx` (vLLM's default is grpc), spans batched for 100 ms, named `service`."""
-    return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.endpoint,
-            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": service}
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, traces: OtlpReceiver):
     if not MODEL_DIR.joinpath("model.safetensors").exists():
@@ -84,7 +78,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, traces: OtlpReceiver):
             kv = cluster.kv_transfer_config(role, free_port_pair(), port, None, heartbeat_interval_s=1.0,
                                             proxies=[f"{cluster.HOST}:{d}" for d in discs])
             started[name] = cluster.start_vllm(
-                name, port, log_dir, **common, kv_config=kv, env={**env, **_tracing_env(traces, f"vllm-{name}")},
+                name, port, log_dir, **common, kv_config=kv, env={**env, **traces.export_env(f"vllm-{name}")},
                 extra_args=["--kv-events-config", _events_config(free_port_pair()),
                             "--otlp-traces-endpoint", traces.endpoint])
         started["colocated"] = cluster.start_vllm("colocated", free_port(), log_dir, **common, env=env)
@@ -322,7 +316,7 @@ def test_one_request_is_one_trace_across_the_proxy_p_and_d(servers, traces: Otlp
     discs, log_dir, s = servers
     trace_id, client_span = "5a1e" * 8, "c0ffee00c0ffee00"
     proxy = _proxy(discs[0], log_dir, "round_robin", name="proxy-traced", extra_args=("--tracing",),
-                   env=_tracing_env(traces, "xpyd-proxy"))
+                   env=traces.export_env("xpyd-proxy"))
     try:
         body = body_for("completions", make_prompt(tokenizer, SYSTEM_TOKENS, 9100), False, max_tokens=MAX_TOKENS)
         r = httpx.post(proxy.url + "/v1/completions", json=body, timeout=300,

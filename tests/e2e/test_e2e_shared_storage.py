@@ -4,6 +4,7 @@ share a directory; outputs compared token for token with a colocated server.
 One cluster for the module (proxy + P + D + colocated reference); the test that
 restarts D runs last. Requests go through the proxy (P stores, D loads) or
 straight to one server (no proxy: plain vLLM servers sharing a directory).
+P and D export their spans (--otlp-traces-endpoint) to a receiver on loopback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -30,18 +32,26 @@ from tests.support.e2e_client import (
     metric,
     poll,
 )
+from tests.support.otlp_receiver import OtlpReceiver
 from xpyd_wire import request_id
 
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def ss(tmp_path_factory: pytest.TempPathFactory) -> ess.SSCluster:
+def traces():
+    """The OTLP receiver P and D export their spans to."""
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="module")
+def ss(tmp_path_factory: pytest.TempPathFactory, traces: OtlpReceiver) -> ess.SSCluster:
     if not MODEL_DIR.joinpath("model.safetensors").exists():
         pytest.fail("tiny model missing: run scripts/setup.sh")
     log_dir = Path(tmp_path_factory.mktemp("ss-logs"))
     store = Path(tmp_path_factory.mktemp("ss-store"))
-    c = ess.start(log_dir, store)
+    c = ess.start(log_dir, store, traces=traces)
     yield c
     c.stop()
 
@@ -93,6 +103,33 @@ def test_disaggregated_equals_colocated(ss: ess.SSCluster, tokenizer, endpoint: 
     assert xpyd(data).get("loaded_tokens", 0) == loaded
     assert xpyd(data).get("load_failed", False) is False
     assert poll(lambda: disk_tokens(ss.decode.url) - before == loaded, 10)
+
+
+def test_one_request_through_storage_is_one_trace(ss: ess.SSCluster, traces: OtlpReceiver, tokenizer):
+    """P's ``kv store`` (a part per prefill chunk, each written) and D's ``kv load`` of the same blocks
+    are children of the client's span (the proxy passes its traceparent on), each from its engine, with
+    the same transfer, blocks and bytes (connector/tracing.py)."""
+    trace_id, client_span = "5701" * 8, "c0ffee00c0ffee01"
+    body = body_for("completions", make_prompt(tokenizer, 6 * BLOCK + 30, seed=81), False)  # 4 chunks on P
+    r = httpx.post(ss.proxy.url + "/v1/completions", json=body, timeout=300,
+                   headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert r.status_code == 200, r.text
+    n = r.json()["usage"]["prompt_tokens"]
+
+    def both(spans) -> bool:
+        names = [x.name for x in spans if x.trace_id == trace_id]
+        return "kv store" in names and "kv load" in names
+
+    spans = [x for x in traces.wait_for(both, 60, "P's kv store and D's kv load") if x.trace_id == trace_id]
+    (store,), (load,) = ([x for x in spans if x.name == name] for name in ("kv store", "kv load"))
+    assert (store.service, load.service) == ("vllm-prefill", "vllm-decode")
+    assert store.parent_span_id == load.parent_span_id == client_span
+    for kv in (store, load):
+        assert kv.attributes["xpyd.kv.result"] == "ok" and kv.attributes["xpyd.kv.storage"] == "shared", kv.attributes
+    assert store.attributes["xpyd.kv.transfer"] == load.attributes["xpyd.kv.transfer"]
+    assert store.attributes["xpyd.kv.blocks"] == load.attributes["xpyd.kv.blocks"] == n // BLOCK
+    assert store.attributes["xpyd.kv.bytes"] == load.attributes["xpyd.kv.bytes"] > 0
+    assert load.attributes["xpyd.kv.tokens"] == expected_loaded(n)
 
 
 def test_no_proxy_common_prefix_reuses_stored_blocks(ss: ess.SSCluster, tokenizer):

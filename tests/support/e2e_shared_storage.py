@@ -1,6 +1,7 @@
 """A real xPyD system on the SharedStorageConnector for the end-to-end tests:
 proxy + P (kv_producer) + D (kv_consumer) sharing one directory, and a colocated
-server without a connector as the reference. All on 127.0.0.1, free ports."""
+server without a connector as the reference. All on 127.0.0.1, free ports. With an
+OTLP receiver, P and D export their spans to it (vLLM's --otlp-traces-endpoint)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from connector.shared_storage import config as ss_config
 from tests.support import e2e_cluster
 from tests.support.e2e_cluster import cluster, free_port, free_port_pair
+from tests.support.otlp_receiver import OtlpReceiver
 
 KV_LOAD_TIMEOUT_S = 6.0  # D's wait for a block file P has not written yet
 MAX_BATCHED_TOKENS = 256  # prompts longer than this are prefilled in chunks
@@ -36,6 +38,7 @@ class SSCluster:
     log_dir: Path
     discovery_port: int
     decode_config: dict = field(default_factory=dict)
+    decode_tracing: dict = field(default_factory=dict)  # start_vllm's env and extra_args for D's spans
     restarts: int = 0
 
     def servers(self) -> list[cluster.Server]:
@@ -52,7 +55,8 @@ class SSCluster:
         self.decode.stop()
         self.restarts += 1
         self.decode = cluster.start_vllm(f"decode-{self.restarts}", self.decode.port, self.log_dir,
-                                         kv_config=self.decode_config, max_num_batched_tokens=MAX_BATCHED_TOKENS)
+                                         kv_config=self.decode_config, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                                         **self.decode_tracing)
         cluster.wait_until([self.decode], "/health", timeout)
         wait_ready(self.proxy)
 
@@ -69,17 +73,26 @@ def wait_ready(proxy: cluster.Server, timeout: float = 30.0) -> None:
         time.sleep(0.3)
 
 
-def start(log_dir: Path, store: Path, timeout: float = 600.0) -> SSCluster:
+def _tracing(traces: OtlpReceiver | None, service: str) -> dict:
+    if traces is None:
+        return {}
+    return {"env": traces.export_env(service), "extra_args": ["--otlp-traces-endpoint", traces.endpoint]}
+
+
+def start(log_dir: Path, store: Path, timeout: float = 600.0, traces: OtlpReceiver | None = None) -> SSCluster:
     disc = free_port()
     proxy = cluster.start_proxy(free_port(), disc, log_dir, ["--heartbeat-timeout", "5"])
     p_port, d_port = free_port(), free_port()
     p_cfg = kv_config("kv_producer", store, p_port, free_port_pair(), disc)
     d_cfg = kv_config("kv_consumer", store, d_port, free_port_pair(), disc)
     common = dict(max_num_batched_tokens=MAX_BATCHED_TOKENS)
-    prefill = cluster.start_vllm("prefill", p_port, log_dir, kv_config=p_cfg, **common)
-    decode = cluster.start_vllm("decode", d_port, log_dir, kv_config=d_cfg, **common)
+    d_tracing = _tracing(traces, "vllm-decode")
+    prefill = cluster.start_vllm("prefill", p_port, log_dir, kv_config=p_cfg, **common,
+                                 **_tracing(traces, "vllm-prefill"))
+    decode = cluster.start_vllm("decode", d_port, log_dir, kv_config=d_cfg, **common, **d_tracing)
     colocated = cluster.start_vllm("colocated", free_port(), log_dir, **common)
-    c = SSCluster(proxy, prefill, decode, colocated, store, log_dir, disc, decode_config=d_cfg)
+    c = SSCluster(proxy, prefill, decode, colocated, store, log_dir, disc, decode_config=d_cfg,
+                  decode_tracing=d_tracing)
     try:
         cluster.wait_until([proxy], "/health", 60)
         cluster.wait_until([prefill, decode, colocated], "/health", timeout)

@@ -164,6 +164,13 @@ class OtlpReceiver:
         with self._cond:
             return list(self.spans)
 
+    def export_env(self, service: str) -> dict[str, str | None]:
+        """A process's OpenTelemetry environment for exporting here: OTLP over HTTP (vLLM's default is
+        grpc), spans batched for 100 ms, named `service`. vLLM exports only with --otlp-traces-endpoint."""
+        return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
+                "OTEL_SERVICE_NAME": service}
+
     def wait_for(self, done: Callable[[list[Span]], bool], timeout: float, what: str = "spans") -> list[Span]:
         """The spans received once ``done(spans)`` holds; AssertionError after ``timeout`` s."""
         deadline = time.monotonic() + timeout

@@ -9,26 +9,17 @@ from __future__ import annotations
 import time
 
 import pytest
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from vllm import SamplingParams
-from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 from connector.p2p.connector import P2pNcclConnector
 from connector.p2p.scheduler import P2pScheduler
 from connector.stats import StatsRecorder, XpydStats
 from connector.tracing import TransferSpans, tracing_on
-from tests.support.otlp_receiver import OtlpReceiver, Span
+from tests.support.connector_spans import ERROR, PROXY_SPAN, TRACE_ID, output, request, spans_to, the_span
+from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.scheduler import BS, KEY, FakeKVCacheManager, kv_blocks, make_cfg, pd_id, sched_out
 
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-PROXY_SPAN = "00f067aa0ba902b7"
-HEADERS = {"traceparent": f"00-{TRACE_ID}-{PROXY_SPAN}-01"}
 TK = f"{KEY}-0"
-ERROR = 2  # Status.STATUS_CODE_ERROR
 
 
 @pytest.fixture
@@ -37,36 +28,11 @@ def rx():
         yield receiver
 
 
-def spans_to(rx: OtlpReceiver, service: str) -> tuple[TracerProvider, TransferSpans]:
-    """What vLLM's EngineCore has with --otlp-traces-endpoint: a provider exporting to `rx` (each span
-    as it ends: the test reads it at once), and the connector's spans on it."""
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
-    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=rx.endpoint)))
-    return provider, TransferSpans(ranks=1, tracer=provider.get_tracer("xpyd.connector"))
-
-
 def facade(sched: P2pScheduler, spans: TransferSpans) -> P2pNcclConnector:
     """The scheduler-role facade vLLM holds (without the VllmConfig its __init__ reads)."""
     c = P2pNcclConnector.__new__(P2pNcclConnector)
     c._scheduler, c._worker, c._spans = sched, None, spans
     return c
-
-
-def request(rid: str, n_prompt: int, headers: dict[str, str] | None = HEADERS) -> Request:
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=16), None, trace_headers=headers)
-
-
-def output(legs=(), recving=(), failed=(), sending=(), when: int | None = None) -> KVConnectorOutput:
-    """A step's output; `legs`: the workers' reports without their time (`when`, default now)."""
-    stats = XpydStats()
-    stats.data["legs"] = [[*x, when or time.time_ns()] for x in legs]
-    return KVConnectorOutput(finished_sending=set(sending), finished_recving=set(recving),
-                             failed_recving=set(failed), kv_connector_stats=stats)
-
-
-def the_span(rx: OtlpReceiver, name: str) -> Span:
-    (span,) = [s for s in rx.snapshot() if s.name == name]
-    return span
 
 
 def test_d_load_span_is_a_child_of_the_request_context_with_the_workers_numbers(rx):
