@@ -65,7 +65,6 @@ class _PortPicker:
             return p
         raise RuntimeError(f"no free port in {self._span}")
 
-
     def hold(self, width: int = 1) -> int:
         """A port p with p..p+width-1 bound here without listening, for good."""
         for _ in range(20):
