@@ -32,9 +32,9 @@ def gaps_of(point: dict) -> list[tuple[float, int, str, bool]]:
     """(gap seconds, its index in its answer, what overlapped it, whether another request was
     before its first token meanwhile) of every gap of a point."""
     starts, ttfts, itls = point["start_times"], point["ttfts"], point["itls"]
-    sent = sorted(starts)
-    firsts = sorted(s + t for s, t in zip(starts, ttfts, strict=True))
     windows = [(s, s + t) for s, t in zip(starts, ttfts, strict=True)]  # each request's send to first token
+    sent = sorted(starts)
+    firsts = sorted(first for _, first in windows)
     out = []
     for me, (s, ttft, gaps) in enumerate(zip(starts, ttfts, itls, strict=True)):
         t = s + ttft

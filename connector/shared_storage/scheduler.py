@@ -131,21 +131,23 @@ class SharedStorageScheduler:
             return None
         return tid if self._cfg.role == "kv_consumer" or tid.decode_addr == self._cfg.base.advertised_address else None
 
-    def _traced(self, request: "Request", role: str) -> None:
-        """The request's span, when vLLM traces it: a load's starts now, a store's at its first part."""
+    def _traced(self, request: "Request", role: str, tid: request_id.TransferId | None = None) -> None:
+        """The request's span, when vLLM traces it: a load's starts now, a store's at its first part.
+        ``tid``: the request's transfer when the caller has it (else read from its id)."""
         if self._spans is None or not getattr(request, "trace_headers", None):
             return
-        tid = request_id.transfer_of(request.request_id, request.kv_transfer_params)
+        if tid is None:
+            tid = request_id.transfer_of(request.request_id, request.kv_transfer_params)
         self._spans.seen(request, role, tid.key if tid is not None else None)
 
-    def _not_begun(self, st: _Req, request: "Request") -> tuple[int | None, bool]:
+    def _not_begun(self, st: _Req, request: "Request", tid: request_id.TransferId) -> tuple[int | None, bool]:
         """Asked before P answered (concurrent dispatch) and none of P's files is here: P is
         queued or computing. Like the P2P consumer, wait without blocks (None: ask again next
         step) for kv_prefill_wait_s, then compute the prompt here."""
         now = time.monotonic()
         since = self._awaiting.setdefault(request.request_id, now)
         if now - since < self._cfg.base.kv_prefill_wait_s:
-            self._traced(request, LOAD)  # its wait for P is part of the load
+            self._traced(request, LOAD, tid)  # its wait for P is part of the load (asked every step)
             return None, False
         del self._awaiting[request.request_id]
         st.load_failed = True  # not asked again: computed here
@@ -179,7 +181,7 @@ class SharedStorageScheduler:
             expected = min(usable, request.num_prompt_tokens // self._bs)
             if expected > hit:
                 if tid.early and hit == first:
-                    return self._not_begun(st, request)
+                    return self._not_begun(st, request, tid)
                 self._awaiting.pop(request.request_id, None)
                 hit, wait_s = expected, self._cfg.base.kv_load_timeout_s
         ext = min(hit * self._bs, limit) - num_computed_tokens
